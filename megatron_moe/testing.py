@@ -1,0 +1,98 @@
+"""Multi-process helper for tests and small tools: spawn N gloo ranks on localhost.
+
+`spawn(fn, world_size, *args)` starts `world_size` processes, initializes
+torch.distributed (gloo, free port, one thread per process), calls
+`fn(rank, world_size, *args)` in each, and returns the list of the values the
+ranks returned (rank order). An exception in any child is re-raised in the
+parent with the child's traceback; a run that exceeds `timeout` seconds is
+killed and reported as a TimeoutError.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:  # report everything, including assertion errors
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results.
+
+    `fn` must be a module-level function (it is pickled to the children).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+        except _q.Empty:
+            # a child that died without reporting (segfault, os._exit) ends the wait
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                errors.append(f"a child process exited with code {dead[0].exitcode} without a report")
+                break
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=5 if not errors and len(results) == world_size else 0.5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    if len(results) < world_size:
+        raise TimeoutError(f"spawn: {world_size - len(results)} of {world_size} ranks did not "
+                           f"finish within {timeout:.0f} s")
+    return [results[r] for r in range(world_size)]
