@@ -1,0 +1,1 @@
+"""Collectives with autograd, the comm tracer, and gradient synchronization."""

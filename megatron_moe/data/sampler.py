@@ -1,0 +1,140 @@
+"""Megatron-style pretraining batch sampler and the train/valid/test data loaders.
+
+Dataset items are consumed in order, one global batch of G = --global-batch-size samples per
+iteration. A global batch is cut into M = G / (B * P) micro-steps (B = --micro-batch-size,
+P = data-parallel size); micro-step j gives data-parallel rank r the B samples
+
+    start + j*B*P + r*B + [0, B)        (start = first sample of the global batch)
+
+so the ranks' shards are disjoint and together cover the global batch. The sampler only sees
+`dp_rank` and `dp_size`, so every model-parallel rank of one data-parallel group gets the same
+samples. Starting at `consumed_samples` (= iterations done * G) resumes exactly where a run
+stopped. A trailing partial global batch is dropped so that every rank runs the same number of
+micro-steps.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .gpt_dataset import GPTDataset
+from .indexed_dataset import index_file_path
+
+SPLITS = ("train", "valid", "test")
+
+
+def check_batch_sizes(micro_batch_size: int, global_batch_size: int, dp_size: int) -> int:
+    """Validate the batch sizes; return micro-steps per global batch, G / (B * P)."""
+    if micro_batch_size < 1 or global_batch_size < 1 or dp_size < 1:
+        raise ValueError(f"--micro-batch-size ({micro_batch_size}), --global-batch-size "
+                         f"({global_batch_size}) and the data-parallel size ({dp_size}) must "
+                         f"be positive")
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(f"--global-batch-size ({global_batch_size}) must be a multiple of "
+                         f"--micro-batch-size ({micro_batch_size}) x data-parallel size "
+                         f"({dp_size})")
+    return global_batch_size // (micro_batch_size * dp_size)
+
+
+def global_batch_indices(start: int, global_batch_size: int, micro_batch_size: int,
+                         dp_size: int) -> np.ndarray:
+    """Sample ids of the global batch starting at `start`, int64 [M, P, B]:
+    [j, r] is what data-parallel rank r gets at micro-step j."""
+    m = check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
+    return start + np.arange(global_batch_size, dtype=np.int64).reshape(m, dp_size,
+                                                                      micro_batch_size)
+
+
+class PretrainingSampler(torch.utils.data.Sampler):
+    """Yields this data-parallel rank's micro-batches (lists of B dataset indices), in order."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.micro_steps = check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for data-parallel size {dp_size}")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed samples ({consumed_samples}) must be in "
+                             f"[0, {total_samples}], the dataset size")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def num_global_batches(self) -> int:
+        """Complete global batches left after `consumed_samples`."""
+        return (self.total_samples - self.consumed_samples) // self.global_batch_size
+
+    def __len__(self) -> int:
+        """Micro-batches this rank will yield."""
+        return self.num_global_batches() * self.micro_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Each call starts again from `consumed_samples`."""
+        for t in range(self.num_global_batches()):
+            start = self.consumed_samples + t * self.global_batch_size
+            ids = global_batch_indices(start, self.global_batch_size, self.micro_batch_size,
+                                       self.dp_size)
+            for j in range(self.micro_steps):
+                yield ids[j, self.dp_rank].tolist()
+
+
+def build_pretraining_data_loader(dataset: torch.utils.data.Dataset, consumed_samples: int,
+                                  micro_batch_size: int, global_batch_size: int, dp_rank: int,
+                                  dp_size: int, num_workers: int = 0
+                                  ) -> torch.utils.data.DataLoader:
+    """A DataLoader over `dataset` driven by `PretrainingSampler`; each batch is the default
+    collation of B items, e.g. {"tokens": int64 [B, seq_length + 1]} for a GPTDataset."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                 global_batch_size, dp_rank, dp_size)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       persistent_workers=num_workers > 0)
+
+
+def split_prefix(data_path: str, split: str) -> str:
+    """Prefix of one split's files: `PREFIX_{split}_text_document`."""
+    return f"{data_path}_{split}_text_document"
+
+
+def build_train_valid_test_data_loaders(
+        data_path: str, seq_length: int, seed: int, micro_batch_size: int,
+        global_batch_size: int, dp_rank: int, dp_size: int, train_samples: int,
+        valid_samples: int = 0, test_samples: int = 0, consumed_train_samples: int = 0,
+        num_workers: int = 0, cache_dir: str | None = None,
+) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None,
+           torch.utils.data.DataLoader | None]:
+    """Loaders for `--data-path PREFIX` (files `PREFIX_{train,valid,test}_text_document.*`).
+
+    The train loader holds `train_samples` (normally --train-iters x G) samples and starts at
+    `consumed_train_samples`. The valid/test loaders hold `valid_samples` / `test_samples`
+    (normally --eval-iters x G) and start at 0 each time they are iterated, so every evaluation
+    sees the same batches; a split asked for 0 samples gets None. Seeds differ per split so the
+    splits' shuffles are unrelated.
+    """
+    check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
+    wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
+    loaders: list[torch.utils.data.DataLoader | None] = []
+    for i, split in enumerate(SPLITS):
+        if wanted[split] <= 0:
+            if split == "train":
+                raise ValueError(f"train_samples must be positive, got {train_samples}")
+            loaders.append(None)
+            continue
+        if wanted[split] < global_batch_size:
+            raise ValueError(f"{split} samples ({wanted[split]}) are fewer than one global batch "
+                             f"(--global-batch-size {global_batch_size})")
+        prefix = split_prefix(data_path, split)
+        if not os.path.isfile(index_file_path(prefix)):
+            raise FileNotFoundError(
+                f"--data-path {data_path}: {index_file_path(prefix)} not found (run "
+                f"tools/preprocess_data.py --output-prefix {data_path} first)")
+        ds = GPTDataset(prefix, wanted[split], seq_length, seed + i, cache_dir=cache_dir)
+        consumed = consumed_train_samples if split == "train" else 0
+        loaders.append(build_pretraining_data_loader(ds, consumed, micro_batch_size,
+                                                     global_batch_size, dp_rank, dp_size,
+                                                     num_workers))
+    return loaders[0], loaders[1], loaders[2]

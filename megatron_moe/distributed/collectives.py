@@ -1,0 +1,284 @@
+"""Collectives: traced raw operations and autograd functions with the right backward.
+
+Raw functions (`*_raw`) move data and record bytes in the comm tracer; they
+work on gloo (CPU) and NCCL (CUDA) alike. Autograd functions wrap them:
+
+  copy_to_group      fwd identity          bwd all-reduce       (Megatron's f)
+  reduce_from_group  fwd all-reduce        bwd identity         (Megatron's g)
+  scatter_to_group   fwd keep own chunk    bwd all-gather
+  gather_from_group  fwd all-gather        bwd keep own chunk
+  all_gather         fwd all-gather        bwd reduce-scatter (sum of every rank's grad)
+  reduce_scatter     fwd reduce-scatter    bwd all-gather
+  all_to_all         fwd all-to-all        bwd all-to-all with splits swapped
+
+A group of size 1 is a no-op and records nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed.tracer import group_name, record
+
+
+class _LocalGroup:
+    """The group of one process: every collective on it is a no-op."""
+
+    def __repr__(self) -> str:
+        return "LOCAL_GROUP"
+
+
+LOCAL_GROUP = _LocalGroup()
+
+
+def group_size(group) -> int:
+    if group is LOCAL_GROUP or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is LOCAL_GROUP or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------- raw
+
+def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "sum"):
+    """Reduce `t` in place over `group` (op 'sum' or 'max'); the work handle when async_op."""
+    if group_size(group) == 1:
+        return None
+    record("all_reduce", group_name(group), _nbytes(t), _nbytes(t))
+    rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    return dist.all_reduce(t, op=rop, group=group, async_op=async_op)
+
+
+def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (rank order)."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(n)]
+    record("all_gather", group_name(group), _nbytes(t), n * _nbytes(t))
+    dist.all_gather(parts, t, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum `t` over the group and keep this rank's 1/n chunk along `dim`.
+
+    NCCL has a native reduce-scatter; gloo does not, so on gloo it is an
+    all-reduce followed by a local split (recorded as a reduce_scatter with
+    reduce-scatter byte counts, plus nothing else).
+    """
+    n = group_size(group)
+    if n == 1:
+        return t
+    if t.size(dim) % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.size(dim)} not divisible by {n}")
+    r = group_rank(group)
+    record("reduce_scatter", group_name(group), _nbytes(t), _nbytes(t) // n)
+    if t.is_cuda and dim == 0:
+        out = torch.empty((t.size(0) // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+        return out
+    buf = t.contiguous().clone()
+    dist.all_reduce(buf, group=group)
+    return buf.chunk(n, dim=dim)[r].contiguous()
+
+
+def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
+                   in_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+    """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.
+
+    Returns the output [sum(out_splits), ...] (and the work handle if async_op).
+    Even splits when both are None.
+    """
+    n = group_size(group)
+    if n == 1:
+        return (t, None) if async_op else t
+    t = t.contiguous()
+    row = t.element_size() * (int(torch.Size(t.shape[1:]).numel()))   # bytes per dim-0 row
+    if out_splits is None:
+        out = torch.empty_like(t)
+        remote = _nbytes(t) - _nbytes(t) // n
+    else:
+        out = torch.empty((int(sum(out_splits)), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        remote = (int(sum(in_splits)) - int(in_splits[group_rank(group)])) * row
+    record("all_to_all", group_name(group), _nbytes(t), _nbytes(out), remote)
+    work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
+                                  input_split_sizes=None if in_splits is None else list(in_splits),
+                                  group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        all_reduce_raw(g, ctx.group)
+        return g, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce_raw(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        n = group_size(group)
+        return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = group_size(ctx.group)
+        return g.chunk(n, dim=ctx.dim)[group_rank(ctx.group)].contiguous(), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return all_to_all_raw(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_to_all_raw(g, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (input of a column-parallel op)."""
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce forward; identity backward (output of a row-parallel op)."""
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of `dim` forward; all-gather backward."""
+    return x if group_size(group) == 1 else _ScatterToGroup.apply(x, group, dim)
+
+
+def gather_from_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather along `dim` forward; keep own chunk backward (every rank holds the same grad)."""
+    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """All-gather along `dim`; backward reduce-scatters (sums every rank's gradient)."""
+    return x if group_size(group) == 1 else _AllGather.apply(x, group, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Reduce-scatter along `dim`; backward all-gathers."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, dim)
+
+
+def all_to_all(x: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
+               in_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """All-to-all along dim 0 (even or uneven splits); backward is the reverse all-to-all."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, None if out_splits is None else list(out_splits),
+                           None if in_splits is None else list(in_splits))
+
+
+class _AllReduceSumBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        all_reduce_raw(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        all_reduce_raw(g, ctx.group)
+        return g, None
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of partial results over `group`; backward sums the gradients as well.
+
+    Use it when the ranks go on to use *different* parts of the sum (e.g. ESP
+    all-reduce followed by ESP split); use `reduce_from_group` when every rank
+    uses all of it identically (Megatron's row-parallel output).
+    """
+    return x if group_size(group) == 1 else _AllReduceSumBoth.apply(x, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; multiplies the gradient by `scale` backward."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)

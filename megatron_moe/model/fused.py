@@ -1,0 +1,50 @@
+"""Fused kernels: NVIDIA apex's when it is importable (and CUDA is present), else native torch.
+
+`kernel_report()` says which implementation runs; the trainer logs it once.
+apex is not on PyPI (the PyPI package named `apex` is unrelated), so it is
+never a requirement: install it from NVIDIA's repository to use it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _apex_layer_norm():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from apex.normalization import FusedLayerNorm  # type: ignore
+        return FusedLayerNorm
+    except Exception:
+        return None
+
+
+_APEX_LN = _apex_layer_norm()
+
+
+def layer_norm(dim: int, eps: float) -> nn.Module:
+    """A LayerNorm over the last dim: apex FusedLayerNorm if available, else torch.nn.LayerNorm."""
+    if _APEX_LN is not None:
+        return _APEX_LN(dim, eps=eps)
+    return nn.LayerNorm(dim, eps=eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation of GELU."""
+    return F.gelu(x, approximate="tanh")
+
+
+def fused_adamw_available(device: torch.device) -> bool:
+    """torch's fused AdamW runs on CUDA (and on CPU in recent torch)."""
+    return device.type in ("cuda", "cpu")
+
+
+def kernel_report() -> dict:
+    """Which kernels run: {'layer_norm': 'apex'|'torch', 'attention': ..., 'adamw': ...}."""
+    return {
+        "layer_norm": "apex.FusedLayerNorm" if _APEX_LN is not None else "torch.nn.LayerNorm",
+        "attention": "torch.nn.functional.scaled_dot_product_attention",
+        "adamw": "torch.optim.AdamW(fused=True)",
+    }

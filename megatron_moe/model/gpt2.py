@@ -1,0 +1,147 @@
+"""GPT-2 with MoE blocks, tensor parallel over MP (Megatron style).
+
+Exactly GPT-2's architecture so that GPT-2 weights load: learned positions,
+pre-LayerNorm blocks, causal self-attention, tanh-GELU MLP, final LayerNorm,
+LM head tied to the word embedding. Every `--moe-layer-freq`-th block's MLP is
+an MoE layer. Shapes are batch-first: ids [B, T], hidden [B, T, M].
+
+Parallelism comes in from outside: the constructor takes the `ParallelState`
+(or `local_state()` for one process) and every parameter is created full from
+a generator seeded by (seed, parameter name) and sliced, so any layout starts
+from the same weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_moe.distributed.collectives import copy_to_group
+from megatron_moe.model.fused import gelu_tanh, layer_norm
+from megatron_moe.model.sharding import InitSpec, ShardSpec
+from megatron_moe.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                make_param, vocab_parallel_cross_entropy)
+from megatron_moe.moe.layer import MoELayer
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split over MP. [B, T, M] -> [B, T, M]."""
+
+    def __init__(self, cfg, ps, seed: int, name: str):
+        super().__init__()
+        m = cfg.model
+        mp = ps.size("mp")
+        if m.num_attention_heads % mp:
+            raise ValueError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
+                             f"--tensor-model-parallel-size {mp}")
+        self.heads = m.num_attention_heads // mp
+        self.head_dim = m.hidden_size // m.num_attention_heads
+        self.dropout = m.dropout
+        std, proj_std = m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
+        self.qkv = ColumnParallelLinear(m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std)
+        self.proj = RowParallelLinear(m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """GPT-2 MLP, hidden dim split over MP. [B, T, M] -> [B, T, M]."""
+
+    def __init__(self, cfg, ps, seed: int, name: str):
+        super().__init__()
+        m = cfg.model
+        self.fc = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc",
+                                       std=m.init_method_std)
+        self.proj = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, ps, seed, f"{name}.proj",
+                                      std=m.init_method_std / (2 * m.num_layers) ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(gelu_tanh(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block; `self.moe` replaces `self.mlp` in MoE blocks. Returns (x, aux)."""
+
+    def __init__(self, cfg, ps, seed: int, idx: int, routing_groups: int):
+        super().__init__()
+        m = cfg.model
+        name = f"blocks.{idx}"
+        self.ln1 = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        self.attn = Attention(cfg, ps, seed, f"{name}.attn")
+        self.ln2 = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        self.is_moe = cfg.is_moe_layer(idx)
+        if self.is_moe:
+            self.moe = MoELayer(cfg, ps, seed, f"{name}.moe", idx, routing_groups)
+        else:
+            self.mlp = MLP(cfg, ps, seed, f"{name}.mlp")
+        self.drop = nn.Dropout(m.dropout)
+
+    def forward(self, x: torch.Tensor):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        h = self.ln2(x)
+        if self.is_moe:
+            y, aux = self.moe(h)
+        else:
+            y, aux = self.mlp(h), None
+        return x + self.drop(y), aux
+
+
+class GPT2MoE(nn.Module):
+    """GPT-2 (MoE) language model.
+
+    forward(ids [B, T], labels [B, T] or None):
+      labels None -> this rank's logits [B, T, Vp / MP] (vocab-parallel slice)
+      labels      -> (lm loss: mean cross entropy, aux: sum of MoE aux losses)
+    `routing_groups`: how many data-parallel shards a batch holds (the
+    one-process reference of a DP run passes DP).
+    """
+
+    def __init__(self, cfg, ps, seed: int | None = None, routing_groups: int = 1):
+        super().__init__()
+        m = cfg.model
+        seed = cfg.train.seed if seed is None else seed
+        self.cfg, self.ps = cfg, ps
+        vp = cfg.padded_vocab_size
+        if vp % ps.size("mp"):
+            raise ValueError(f"padded vocabulary {vp} is not divisible by --tensor-model-parallel-size "
+                             f"{ps.size('mp')}; change --make-vocab-size-divisible-by")
+        self.vocab_size, self.padded_vocab = m.vocab_size, vp
+        self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std)
+        self.wpe = make_param((m.max_position_embeddings, m.hidden_size), ShardSpec(),
+                              InitSpec("normal", m.init_method_std), ps, seed, "wpe.weight")
+        self.drop = nn.Dropout(m.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups) for i in range(m.num_layers))
+        self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        for p in self.parameters():           # LayerNorms: replicated, deterministic init
+            if not hasattr(p, "_shard"):
+                p._shard = ShardSpec()
+                p._full_shape = tuple(p.shape)
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.moe for b in self.blocks if b.is_moe]
+
+    def hidden(self, ids: torch.Tensor):
+        """Final hidden states [B, T, M] and the summed aux loss."""
+        T = ids.size(1)
+        x = self.drop(self.wte(ids) + self.wpe[:T][None])
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, aux = block(x)
+            if aux is not None:
+                aux_total = aux_total + aux
+        return self.ln_f(x), aux_total
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None):
+        h, aux = self.hidden(ids)
+        logits = F.linear(copy_to_group(h, self.ps.group("mp")), self.wte.weight)
+        if labels is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels, self.ps.group("mp"), self.wte.start,
+                                              self.vocab_size)
+        return losses.mean(), aux

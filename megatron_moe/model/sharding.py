@@ -1,0 +1,153 @@
+"""How every parameter is split across ranks, and deterministic layout-free init.
+
+A parameter carries `_shard` (a `ShardSpec`): for each tensor dim, the kind of
+group it is split over ('mp', 'ep', 'esp'), or 'mp_qkv' for the fused QKV
+weight, whose dim 0 is [3, M] and is split on the M part. The same spec
+drives initialization (make the full tensor, keep this rank's slice), the
+equivalence tests (re-assemble full gradients) and checkpoint resharding.
+
+`coords` maps kind -> (rank in that kind's group, group size).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """dims: tuple of (dim, kind); expert: synced over expert-DP instead of DP."""
+
+    dims: tuple = ()
+    expert: bool = False
+
+
+Coords = dict  # kind -> (rank, size)
+
+
+def coords_of(rank: int, mp: int, ep: int, esp: int) -> Coords:
+    """Group coordinates of a global rank under the DESIGN.md layout."""
+    return {"mp": (rank % mp, mp), "esp": (rank % esp, esp), "ep": ((rank // esp) % ep, ep)}
+
+
+def local_shape(full_shape, spec: ShardSpec, coords: Coords) -> tuple:
+    shape = list(full_shape)
+    for dim, kind in spec.dims:
+        size = coords["mp" if kind == "mp_qkv" else kind][1]
+        shape[dim] //= size
+    return tuple(shape)
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, coords: Coords) -> torch.Tensor:
+    """This rank's slice of a full tensor."""
+    t = full
+    for dim, kind in spec.dims:
+        if kind == "mp_qkv":
+            r, n = coords["mp"]
+            parts = t.chunk(3, dim=dim)
+            t = torch.cat([p.chunk(n, dim=dim)[r] for p in parts], dim=dim)
+        else:
+            r, n = coords[kind]
+            if t.size(dim) % n:
+                raise ValueError(f"dim {dim} of size {t.size(dim)} is not divisible by the {kind} size {n}")
+            t = t.chunk(n, dim=dim)[r]
+    return t.contiguous()
+
+
+def unshard_tensor(pieces: dict, spec: ShardSpec) -> torch.Tensor:
+    """Re-assemble a full tensor from {coords-key: slice}, keys from `coords_key`.
+
+    Every split kind must be present once per rank of its group.
+    """
+    # Assemble dimension by dimension, from the last split to the first.
+    items = {k: v for k, v in pieces.items()}
+    for dim, kind in reversed(spec.dims):
+        k = "mp" if kind == "mp_qkv" else kind
+        merged: dict = {}
+        groups: dict = {}
+        for key, t in items.items():
+            d = dict(key)
+            r = d.pop(k)
+            groups.setdefault(tuple(sorted(d.items())), {})[r] = t
+        for rest, by_rank in groups.items():
+            ordered = [by_rank[r] for r in sorted(by_rank)]
+            if kind == "mp_qkv":
+                thirds = [torch.cat([p.chunk(3, dim=dim)[j] for p in ordered], dim=dim) for j in range(3)]
+                merged[rest] = torch.cat(thirds, dim=dim)
+            else:
+                merged[rest] = torch.cat(ordered, dim=dim)
+        items = merged
+    return items[()]
+
+
+def coords_key(coords: Coords, spec: ShardSpec) -> tuple:
+    """Key of a slice in `unshard_tensor`: the rank in each kind the spec splits over."""
+    kinds = sorted({"mp" if k == "mp_qkv" else k for _, k in spec.dims})
+    return tuple(sorted((k, coords[k][0]) for k in kinds))
+
+
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator whose seed depends on the run seed and the parameter name only."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    g = torch.Generator()
+    g.manual_seed(h & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+@dataclass
+class InitSpec:
+    """How to initialize a full tensor: 'normal' with std, 'zeros' or 'ones'."""
+
+    kind: str = "normal"
+    std: float = 0.02
+    extra: dict = field(default_factory=dict)
+
+
+def make_full(shape, init: InitSpec, seed: int, name: str) -> torch.Tensor:
+    if init.kind == "zeros":
+        return torch.zeros(shape)
+    if init.kind == "ones":
+        return torch.ones(shape)
+    return torch.randn(shape, generator=seeded_generator(seed, name)) * init.std
+
+
+def rank_coords(ps) -> Coords:
+    """Coordinates of the calling rank from a ParallelState."""
+    return {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
+
+
+def local_pieces(model: torch.nn.Module, ps, what: str = "param") -> dict:
+    """{name: (coords_key, tensor)} of this rank's slices of params ('param') or grads ('grad')."""
+    out = {}
+    coords = rank_coords(ps)
+    for name, p in model.named_parameters():
+        t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
+        out[name] = (coords_key(coords, p._shard), t.detach().cpu().clone())
+    return out
+
+
+def assemble(per_rank: list[dict], specs: dict) -> dict:
+    """Full tensors from every rank's `local_pieces` output (`specs`: name -> ShardSpec)."""
+    full = {}
+    for name, spec in specs.items():
+        pieces = {}
+        for d in per_rank:
+            key, t = d[name]
+            pieces.setdefault(key, t)
+        full[name] = unshard_tensor(pieces, spec)
+    return full
+
+
+def load_full_state(model: torch.nn.Module, full: dict, ps) -> None:
+    """Copy this rank's slice of every full tensor in `full` into the model's parameters."""
+    coords = rank_coords(ps)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in full:
+                raise KeyError(f"parameter {name} missing from the full state")
+            src = shard_tensor(full[name], p._shard, coords)
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: slice {tuple(src.shape)} does not fit parameter {tuple(p.shape)}")
+            p.copy_(src)

@@ -1,0 +1,138 @@
+"""Megatron tensor-parallel layers over the MP group, with layout-free initialization.
+
+ColumnParallelLinear: Y = X A^T with A split by rows (output features) over MP.
+RowParallelLinear:    Y = sum_mp X_mp A_mp^T with A split by columns; bias after the sum.
+VocabParallelEmbedding: rows of the table split over MP; each rank looks up its
+  range and the partial embeddings are all-reduced.
+vocab_parallel_cross_entropy: cross entropy of logits split over the vocab dim
+  without gathering them (max and sum-exp all-reduced over MP).
+
+Every parameter is created full from a generator seeded by (seed, name) and
+sliced, so any layout starts from the same full weights as one process.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group, gather_from_group,
+                                                  reduce_from_group)
+from megatron_moe.model.sharding import InitSpec, ShardSpec, make_full, shard_tensor
+
+
+def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name: str) -> nn.Parameter:
+    """Create the full tensor deterministically, keep this rank's slice, tag it with its spec."""
+    full = make_full(full_shape, init, seed, name)
+    coords = {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
+    p = nn.Parameter(shard_tensor(full, spec, coords))
+    p._shard = spec
+    p._full_shape = tuple(full_shape)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear whose output features are split over MP; input is replicated.
+
+    in [..., in_features] -> out [..., out_features / MP] (or full when gather_output).
+    `qkv=True` splits a fused [q; k; v] weight per third so each rank keeps its heads.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+                 bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02):
+        super().__init__()
+        self.group = ps.group("mp")
+        self.gather_output = gather_output
+        spec = ShardSpec(((0, "mp_qkv" if qkv else "mp"),))
+        self.weight = make_param((out_features, in_features), spec, InitSpec("normal", std), ps, seed,
+                                 f"{name}.weight")
+        self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias")
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return gather_from_group(y, self.group, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Linear whose input features are split over MP; output is all-reduced, then biased.
+
+    in [..., in_features / MP] -> out [..., out_features] (replicated).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+                 bias: bool = True, std: float = 0.02):
+        super().__init__()
+        self.group = ps.group("mp")
+        self.weight = make_param((out_features, in_features), ShardSpec(((1, "mp"),)),
+                                 InitSpec("normal", std), ps, seed, f"{name}.weight")
+        self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias")
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
+
+    def __init__(self, num_embeddings: int, dim: int, ps, seed: int, name: str, std: float = 0.02):
+        super().__init__()
+        self.group = ps.group("mp")
+        self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),
+                                 ps, seed, f"{name}.weight")
+        per = num_embeddings // ps.size("mp")
+        self.start, self.end = ps.rank("mp") * per, (ps.rank("mp") + 1) * per
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        emb = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return reduce_from_group(emb, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross entropy of logits split over the vocab (last) dim; returns per-token loss."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, start, valid_vocab):
+        logits = logits.float()
+        end = start + logits.size(-1)
+        if valid_vocab is not None and valid_vocab < end:
+            # padded vocabulary entries never take part in the softmax
+            pad_from = max(valid_vocab - start, 0)
+            logits = logits.clone()
+            logits[..., pad_from:] = float("-inf")
+        lmax = logits.max(dim=-1).values
+        all_max = lmax.clone()
+        all_reduce_raw(all_max, group, op="max")
+        shifted = logits - all_max[..., None]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce_raw(sum_exp, group)
+        outside = (target < start) | (target >= end)
+        local_t = (target - start).masked_fill(outside, 0)
+        pred = shifted.gather(-1, local_t[..., None]).squeeze(-1).masked_fill(outside, 0.0)
+        all_reduce_raw(pred, group)
+        loss = sum_exp.log() - pred
+        softmax = exp / sum_exp[..., None]
+        ctx.save_for_backward(softmax, local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = torch.zeros_like(grad).scatter_(-1, local_t[..., None], 1.0)
+        grad -= onehot * (~outside)[..., None].float()
+        return grad * g[..., None], None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, group, vocab_start: int,
+                                 valid_vocab: int | None = None) -> torch.Tensor:
+    """Per-token cross entropy [...] of logits [..., V/MP] whose columns start at `vocab_start`.
+
+    Columns at or past `valid_vocab` (vocabulary padding) are excluded from the softmax.
+    """
+    return _VocabParallelCE.apply(logits_local, target, group, vocab_start, valid_vocab)

@@ -1,0 +1,59 @@
+"""Experts: GPT-2 MLPs (fc -> tanh-GELU -> proj), E per layer, hidden dim sharded over ESP.
+
+Legend: E experts (E_l = E / N_EP local ones), N tokens per expert buffer,
+M model dim, H ffn hidden dim (H_l = H / N_ESP per ESP rank).
+
+Full parameters and their splits (dim 0 over EP, the H dim over ESP):
+  fc_w   [E, H, M]   fc_b   [E, H]
+  proj_w [E, M, H]   proj_b [E, M]  (split over ESP along M: ESP rank j adds
+                                     bias columns j*M/N_ESP.. to its partial
+                                     output, so the sum of partials carries the
+                                     bias exactly once and each piece has one owner)
+The forward returns each ESP rank's *partial* output; schedules sum them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_moe.distributed.collectives import scale_grad
+from megatron_moe.model.fused import gelu_tanh
+from megatron_moe.model.sharding import InitSpec, ShardSpec
+from megatron_moe.model.tensor_parallel import make_param
+
+
+class Experts(nn.Module):
+    """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps, seed: int, name: str,
+                 std: float = 0.02, proj_std: float = 0.02):
+        super().__init__()
+        self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")
+        E, H, M = num_experts, ffn_hidden, hidden
+        ep_esp = lambda *d: ShardSpec(tuple(d), expert=True)  # noqa: E731
+        self.fc_w = make_param((E, H, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("normal", std), ps, seed,
+                               f"{name}.fc_w")
+        self.fc_b = make_param((E, H), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.fc_b")
+        self.proj_w = make_param((E, M, H), ep_esp((0, "ep"), (2, "esp")), InitSpec("normal", proj_std), ps,
+                                 seed, f"{name}.proj_w")
+        self.proj_b = make_param((E, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed,
+                                 f"{name}.proj_b")
+        self.m_lo = self.esp_rank * (M // self.esp_size)
+        self.num_local = E // ps.size("ep")
+
+    def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""
+        fc_w, fc_b = scale_grad(self.fc_w, grad_scale), scale_grad(self.fc_b, grad_scale)
+        proj_w, proj_b = scale_grad(self.proj_w, grad_scale), scale_grad(self.proj_b, grad_scale)
+        h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM, fc_w.transpose(1, 2).to(x_ENM.dtype)))
+        y = torch.bmm(h, proj_w.transpose(1, 2).to(h.dtype))
+        M, m_l = y.size(-1), proj_b.size(1)
+        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))        # [E_l, M], zeros off our columns
+        return y + bias[:, None, :].to(y.dtype)
+
+
+def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:
+    """Forward FLOPs of one expert MLP on `tokens` tokens (2 GEMMs)."""
+    return 4 * tokens * hidden * ffn_hidden
+

@@ -1,0 +1,174 @@
+"""Router: GShard / DeepSpeed-MoE gating without noise, by index (no one-hot [S, E, C]).
+
+Legend: S tokens of one routing group, E experts, k experts per token,
+C expert capacity, M model dim.
+
+Semantics (DESIGN.md "The MoE layer"):
+  gates_SE = softmax(logits_SE) in fp32
+  top-1: C = max(ceil(cf * S / E), min_capacity); expert = argmax; slot = the
+         token's position among tokens of that expert; weight = gate value;
+         aux = E * sum_e mean_s(gates[s, e]) * frac(argmax == e)
+  top-2: C = max(ceil(2 * cf * S / E), min_capacity); second expert = argmax
+         with the first masked out; second slot = position among second
+         choices of that expert + number of first choices of that expert
+         (before dropping); kept weights renormalized to sum to 1;
+         aux = E * E * mean_e(me_e * ce_e), ce from the first choice
+  slot >= C is dropped (slot = -1, weight = 0).
+  policy "position": positions in token order; "batch_prioritized": in order
+  of descending top gate value (ties by token order); "random": experts drawn
+  uniformly (seeded generator), positions in token order.
+
+The pieces are separate functions so that schedules that split a routing
+group across ranks (Parm S1, Lancet's partitions) can compute the same slots
+from per-part counts: `choose_experts` -> `slot_positions` (with offsets) ->
+`finish_route`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+POLICIES = ("position", "batch_prioritized", "random")
+
+
+@dataclass
+class RouteResult:
+    """Routing of one group: expert/slot/weight [S, k], capacity C, losses, kept counts [E]."""
+
+    expert: torch.Tensor      # [S, k] int64
+    slot: torch.Tensor        # [S, k] int64, -1 where dropped
+    weight: torch.Tensor      # [S, k] fp32 combine weights (0 where dropped), differentiable
+    capacity: int
+    aux_loss: torch.Tensor    # scalar, differentiable
+    z_loss: torch.Tensor      # scalar, differentiable (0 if not requested)
+    counts: torch.Tensor      # [E] kept tokens per expert (all k choices)
+    gates: torch.Tensor       # [S, E] fp32 softmax
+
+    @property
+    def num_dropped(self) -> int:
+        return int((self.slot < 0).sum())
+
+
+def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float,
+             min_capacity: int) -> int:
+    """C = max(ceil(k * cf * S / E), min_capacity) (DeepSpeed-MoE's _capacity)."""
+    return max(int(math.ceil(k * capacity_factor * num_tokens / num_experts)), int(min_capacity))
+
+
+def choose_experts(logits_SE: torch.Tensor, k: int, policy: str = "position",
+                   generator: Optional[torch.Generator] = None):
+    """Pick k experts per token. Returns (gates_SE fp32, expert_Sk int64)."""
+    if policy not in POLICIES:
+        raise ValueError(f"--moe-router-policy must be one of {POLICIES}, got {policy!r}")
+    if k not in (1, 2):
+        raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
+    gates = torch.softmax(logits_SE.float(), dim=-1)
+    S, E = gates.shape
+    if policy == "random":
+        # k distinct experts per token, uniformly, from the seeded generator (drawn on CPU
+        # so CPU and CUDA runs draw the same numbers)
+        keys = torch.rand((S, E), generator=generator).to(gates.device)
+        expert = keys.topk(k, dim=-1).indices
+        return gates, expert
+    first = gates.argmax(dim=-1)
+    if k == 1:
+        return gates, first[:, None]
+    masked = logits_SE.float().masked_fill(torch.nn.functional.one_hot(first, E).bool(), float("-inf"))
+    second = masked.argmax(dim=-1)
+    return gates, torch.stack([first, second], dim=1)
+
+
+def token_order(gates_SE: torch.Tensor, expert_Sk: torch.Tensor, policy: str) -> torch.Tensor:
+    """Order [S] in which tokens claim slots: token order, or descending top gate value."""
+    S = gates_SE.size(0)
+    if policy != "batch_prioritized":
+        return torch.arange(S, device=gates_SE.device)
+    importance = gates_SE.gather(1, expert_Sk[:, :1]).squeeze(1)
+    return torch.sort(-importance, stable=True).indices
+
+
+def slot_positions(expert_Sk: torch.Tensor, num_experts: int, order_S: Optional[torch.Tensor] = None,
+                   offset_kE: Optional[torch.Tensor] = None,
+                   first_total_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Slot of every choice before dropping, [S, k] int64.
+
+    Choice j of token s gets its position among choice-j tokens of the same
+    expert in `order_S`, plus `offset_kE[j, e]` (tokens of earlier parts when a
+    group is split), plus, for j = 1, `first_total_E[e]` (first choices of that
+    expert in the whole group; by default the count in this part).
+    """
+    S, k = expert_Sk.shape
+    dev = expert_Sk.device
+    ordered = expert_Sk if order_S is None else expert_Sk[order_S]
+    one_hot = torch.nn.functional.one_hot(ordered, num_experts)          # [S, k, E]; S*k*E ints
+    pos_ordered = (one_hot.cumsum(dim=0) - 1).gather(2, ordered[..., None]).squeeze(2)  # [S, k]
+    if offset_kE is not None:
+        pos_ordered = pos_ordered + offset_kE.to(dev).gather(1, ordered.t()).t()
+    if k == 2:
+        if first_total_E is None:
+            first_total_E = one_hot[:, 0].sum(dim=0)
+        pos_ordered[:, 1] += first_total_E.to(dev)[ordered[:, 1]]
+    if order_S is None:
+        return pos_ordered
+    pos = torch.empty_like(pos_ordered)
+    pos[order_S] = pos_ordered
+    return pos
+
+
+def choice_counts(expert_Sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[k, E] number of tokens whose j-th choice is e (before dropping)."""
+    return torch.stack([torch.bincount(expert_Sk[:, j], minlength=num_experts)
+                        for j in range(expert_Sk.size(1))])
+
+
+def aux_loss_terms(gates_SE: torch.Tensor, expert_Sk: torch.Tensor):
+    """Sums needed by the aux loss: (sum_s gates [E], count of first choice [E], S)."""
+    E = gates_SE.size(1)
+    return gates_SE.sum(dim=0), torch.bincount(expert_Sk[:, 0], minlength=E).float(), gates_SE.size(0)
+
+
+def aux_loss_from_terms(gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, S: int, k: int) -> torch.Tensor:
+    """top-1: E * sum(me * ce); top-2: E * E * mean(me * ce) -- equal formulas, kept as DeepSpeed writes them."""
+    E = gate_sum_E.numel()
+    me, ce = gate_sum_E / S, first_count_E / S
+    return E * torch.sum(me * ce) if k == 1 else E * E * torch.mean(me * ce)
+
+
+def finish_route(gates_SE: torch.Tensor, expert_Sk: torch.Tensor, pos_Sk: torch.Tensor, cap: int,
+                 aux_loss: torch.Tensor, z_loss: torch.Tensor) -> RouteResult:
+    """Drop positions >= cap, compute combine weights and kept counts."""
+    E = gates_SE.size(1)
+    k = expert_Sk.size(1)
+    kept = pos_Sk < cap
+    slot = torch.where(kept, pos_Sk, torch.full_like(pos_Sk, -1))
+    g = gates_SE.gather(1, expert_Sk) * kept                              # [S, k]
+    if k == 2:
+        denom = g.sum(dim=1, keepdim=True).clamp(min=torch.finfo(g.dtype).eps)
+        g = g / denom
+    counts = torch.bincount(expert_Sk[kept], minlength=E)
+    return RouteResult(expert_Sk, slot, g, cap, aux_loss, z_loss, counts, gates_SE)
+
+
+def z_loss_of(logits_SE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss: mean over tokens of logsumexp(logits)^2 (ST-MoE)."""
+    return torch.logsumexp(logits_SE.float(), dim=-1).pow(2).mean()
+
+
+def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
+          policy: str = "position", generator: Optional[torch.Generator] = None,
+          z_loss_coeff: float = 0.0) -> RouteResult:
+    """Route one group of S tokens (logits [S, E]) to k of E experts with capacity.
+
+    `aux_loss` is the unscaled load-balancing loss (multiply by the aux
+    coefficient); `z_loss` is already multiplied by `z_loss_coeff`.
+    """
+    S, E = logits.shape
+    gates, expert = choose_experts(logits, k, policy, generator)
+    cap = capacity(S, E, k, capacity_factor, min_capacity)
+    pos = slot_positions(expert, E, token_order(gates, expert, policy))
+    aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
+    z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
+    return finish_route(gates, expert, pos, cap, aux, z)

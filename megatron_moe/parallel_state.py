@@ -1,0 +1,265 @@
+"""Rank layout and process groups for MP, DP, EP, ESP, EP x ESP and expert-DP.
+
+Layout (DESIGN.md "Ranks and groups"), world size P:
+  dense part:  r = mp + N_MP * dp                      (MP groups are consecutive ranks)
+  expert part: r = esp + N_ESP * (ep + N_EP * edp)     (ESP fastest, then EP, then expert-DP)
+
+`rank_layout` is a pure function: it returns every group as a list of rank
+lists and never touches torch.distributed, so it is tested against brute
+force for many world sizes. `initialize_model_parallel` turns a layout into
+torch.distributed groups held by one `ParallelState` object; model code gets
+that object passed in (or asks `get_parallel_state()`), never module globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed.tracer import name_group
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """All groups of one layout, each a list of rank lists (sorted, disjoint, covering 0..P-1)."""
+
+    world_size: int
+    mp: int
+    ep: int
+    esp: int
+    mp_groups: list[list[int]]
+    dp_groups: list[list[int]]
+    ep_groups: list[list[int]]
+    esp_groups: list[list[int]]
+    ep_esp_groups: list[list[int]]
+    expert_dp_groups: list[list[int]]
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.mp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world_size // (self.ep * self.esp)
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of kind `kind` ('mp', 'dp', 'ep', 'esp', 'ep_esp', 'expert_dp') holding `rank`."""
+        for g in getattr(self, f"{kind}_groups"):
+            if rank in g:
+                return g
+        raise KeyError(f"rank {rank} not in any {kind} group")
+
+
+def validate_degrees(world_size: int, mp: int, ep: int, esp: int,
+                     num_experts: Optional[int] = None, ffn_hidden_size: Optional[int] = None) -> None:
+    """Raise ValueError naming the flag when the parallel degrees cannot form a layout."""
+    for flag, v in (("--tensor-model-parallel-size", mp), ("--expert-model-parallel-size", ep),
+                    ("--expert-sharding-parallel-size", esp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    if world_size < 1:
+        raise ValueError(f"world size must be positive, got {world_size}")
+    if world_size % mp:
+        raise ValueError(f"--tensor-model-parallel-size {mp} must divide the world size {world_size}")
+    if world_size % (ep * esp):
+        raise ValueError(f"--expert-model-parallel-size {ep} x --expert-sharding-parallel-size {esp} "
+                         f"= {ep * esp} must divide the world size {world_size}")
+    if num_experts is not None and num_experts % ep:
+        raise ValueError(f"--num-experts {num_experts} must be divisible by "
+                         f"--expert-model-parallel-size {ep}")
+    if ffn_hidden_size is not None and ffn_hidden_size % esp:
+        raise ValueError(f"--ffn-hidden-size {ffn_hidden_size} must be divisible by "
+                         f"--expert-sharding-parallel-size {esp}")
+
+
+def rank_layout(world_size: int, mp: int = 1, ep: int = 1, esp: int = 1) -> RankLayout:
+    """Compute every group of the layout for `world_size` ranks (pure; no process groups)."""
+    validate_degrees(world_size, mp, ep, esp)
+    P = world_size
+    mp_groups = [list(range(d * mp, (d + 1) * mp)) for d in range(P // mp)]
+    dp_groups = [list(range(m, P, mp)) for m in range(mp)]
+    block = ep * esp                      # ranks of one EP x ESP group
+    n_edp = P // block
+    esp_groups, ep_groups, ep_esp_groups = [], [], []
+    for edp in range(n_edp):
+        base = edp * block
+        ep_esp_groups.append(list(range(base, base + block)))
+        for e in range(ep):
+            esp_groups.append(list(range(base + e * esp, base + (e + 1) * esp)))
+        for s in range(esp):
+            ep_groups.append([base + s + esp * e for e in range(ep)])
+    expert_dp_groups = [list(range(j, P, block)) for j in range(block)]
+    return RankLayout(P, mp, ep, esp, mp_groups, dp_groups, ep_groups, esp_groups,
+                      ep_esp_groups, expert_dp_groups)
+
+
+GROUP_KINDS = ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp", "world")
+
+
+@dataclass
+class ParallelState:
+    """torch.distributed groups of one layout, for the calling rank.
+
+    `group(kind)` returns the ProcessGroup of this rank for kind in GROUP_KINDS
+    ('world' is the default group); `rank(kind)` / `size(kind)` its rank and
+    size in that group; `ranks(kind)` its global ranks. Named getters mirror
+    Megatron's (`get_tensor_model_parallel_group()` -> `mp_group`, ...).
+    """
+
+    layout: RankLayout
+    global_rank: int
+    backend: str
+    _groups: dict = field(default_factory=dict)
+
+    def group(self, kind: str):
+        return self._groups[kind]
+
+    def ranks(self, kind: str) -> list[int]:
+        if kind == "world":
+            return list(range(self.layout.world_size))
+        return self.layout.group_of(kind, self.global_rank)
+
+    def size(self, kind: str) -> int:
+        return len(self.ranks(kind))
+
+    def rank(self, kind: str) -> int:
+        return self.ranks(kind).index(self.global_rank)
+
+    # Megatron-style names for the common ones
+    @property
+    def mp_group(self):
+        return self.group("mp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def ep_group(self):
+        return self.group("ep")
+
+    @property
+    def esp_group(self):
+        return self.group("esp")
+
+    @property
+    def ep_esp_group(self):
+        return self.group("ep_esp")
+
+    @property
+    def expert_dp_group(self):
+        return self.group("expert_dp")
+
+    @property
+    def mp_rank(self) -> int:
+        return self.rank("mp")
+
+    @property
+    def mp_size(self) -> int:
+        return self.layout.mp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank("ep")
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def esp_rank(self) -> int:
+        return self.rank("esp")
+
+    @property
+    def esp_size(self) -> int:
+        return self.layout.esp
+
+    def group_name(self, group) -> str:
+        """The kind of a group this state created ('mp', 'ep', ...), for the comm tracer."""
+        for k, g in self._groups.items():
+            if g is group:
+                return k
+        return "other"
+
+
+def local_state() -> ParallelState:
+    """A one-process state (every group is LOCAL_GROUP, size 1), usable with or without
+    torch.distributed initialized: the one-process reference model uses it."""
+    from megatron_moe.distributed.collectives import LOCAL_GROUP
+    state = ParallelState(rank_layout(1), 0, "none")
+    for kind in GROUP_KINDS:
+        state._groups[kind] = LOCAL_GROUP
+    state.global_rank = 0
+    return state
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
+                              backend: Optional[str] = None) -> ParallelState:
+    """Create the process groups of the layout on an initialized default group.
+
+    Every rank creates every group in the same order (torch.distributed
+    requires it) and keeps its own. Returns the state and makes it current.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world, mp, ep, esp)
+    if backend is None:
+        backend = dist.get_backend()
+    state = ParallelState(layout, rank, backend)
+    state._groups["world"] = dist.group.WORLD
+    name_group(dist.group.WORLD, "world")
+    for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):
+        for ranks in getattr(layout, f"{kind}_groups"):
+            g = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                state._groups[kind] = g
+                name_group(g, kind)
+    _STATE = state
+    return state
+
+
+def get_parallel_state() -> ParallelState:
+    """The current state (Megatron-style accessor); error if none was initialized."""
+    if _STATE is None:
+        raise RuntimeError("model parallel state is not initialized: call initialize_model_parallel")
+    return _STATE
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the current state and destroy its groups (not the default group)."""
+    global _STATE
+    if _STATE is not None:
+        for kind, g in _STATE._groups.items():
+            if kind != "world" and g is not None:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:
+                    pass
+    _STATE = None
+
+
+def default_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        import os
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
