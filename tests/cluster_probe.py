@@ -9,8 +9,10 @@ measurement, each starting with ``PROBE``:
 - ``sendrecv``: first rank of node 0 sends ``--mbytes`` MiB to the first rank
   of the last node, which answers with one float; seconds per round trip,
   after a warm-up, for ``--reps`` repetitions.
-- ``alltoall``: the same two ranks exchange ``--mbytes`` MiB each way at once
-  (a two-rank all-to-all, which loads both directions of every link).
+- ``exchange`` (only with ``--patterns sendrecv,exchange``): the same two ranks
+  send ``--mbytes`` MiB to each other at once. Measured here: gloo moves the
+  two directions of one pair about one after the other (twice the one-way
+  time), although the emulated links are full duplex for plain TCP.
 
 Only rank 0 prints the timings; every rank prints its all-reduce value.
 """
@@ -66,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mbytes", type=float, default=8.0, help="MiB per timed transfer")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
+    parser.add_argument("--patterns", default="sendrecv", help="comma list of sendrecv, exchange")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -81,7 +84,10 @@ def main() -> None:
     if nodes > 1 and args.reps > 0:
         first, last = 0, (nodes - 1) * procs   # first ranks of node 0 and of the last node
         nbytes = int(args.mbytes * 2**20) // 4 * 4
-        for kind, both in (("sendrecv", False), ("alltoall", True)):
+        for kind in args.patterns.split(","):
+            if kind not in ("sendrecv", "exchange"):
+                raise SystemExit(f"--patterns: unknown pattern {kind!r}")
+            both = kind == "exchange"
             if rank in (first, last):
                 times = _time_pair(first, last, nbytes, args.reps, both)
                 if rank == first:

@@ -1,0 +1,334 @@
+"""Turn WikiText (or jsonl) into `PREFIX_{train,valid,test}_{key}_document.{bin,idx}`.
+
+Inputs (exactly one):
+  - `dataset="wikitext-2-raw-v1"` etc.: `datasets.load_dataset("wikitext", name)` (needs the hub);
+  - `input_path=DIR` holding `wiki.{train,valid,test}.raw` or `.tokens` (`.raw` wins if both
+    exist), or `{train,valid,test}.jsonl`;
+  - `input_path=FILE`: one WikiText text file, or a `.jsonl`/`.json` file of one JSON object per
+    line, cut into train/valid/test by document with the `split` percentages (contiguous blocks).
+WikiText is cut into documents at top-level headings (` = Title = `), never at ` = = Sub = = `.
+jsonl gives one document per line and `json_keys` field (default `text`); each key is written to
+its own files, and WikiText counts as key `text`, hence `PREFIX_train_text_document`.
+
+Tokenizer (exactly one): `tokenizer_name_or_path` (see tokenizer.py), or `train_tokenizer=True`
+with `vocab_size`: a byte-level BPE trained on the train split, saved as `PREFIX_tokenizer/`.
+
+Nothing is written until every input is checked; all files go to a temporary directory beside
+the output and are renamed into place only when every split has been written, so a failure
+leaves no partial output.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from .indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset, best_dtype
+from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from .tokenizer import train_tokenizer as train_bpe
+
+SPLITS = ("train", "valid", "test")
+WIKITEXT_DATASETS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
+SAMPLE_CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "wikitext-sample"
+_TITLE = re.compile(r"= [^=](.*[^=])? =")  # ' = Title = ' stripped; '= = Sub = =' fails
+
+Records = Callable[[], Iterator[dict[str, str]]]  # re-iterable source of {key: document}
+
+
+def is_title_line(line: str) -> bool:
+    """True for a WikiText top-level heading line (` = Title = `), False for sub-headings."""
+    return _TITLE.fullmatch(line.strip()) is not None
+
+
+def split_wikitext_documents(lines: Iterable[str]) -> Iterator[str]:
+    """Group WikiText lines (newlines kept) into articles, each starting at its heading.
+    Whitespace-only pieces (e.g. the blank line before the first heading) are dropped."""
+    buf: list[str] = []
+    for line in lines:
+        if buf and is_title_line(line):
+            doc = "".join(buf)
+            if doc.strip():
+                yield doc
+            buf = []
+        buf.append(line)
+    doc = "".join(buf)
+    if doc.strip():
+        yield doc
+
+
+def _wikitext_file(path: Path) -> Records:
+    def records() -> Iterator[dict[str, str]]:
+        with open(path, encoding="utf-8") as f:
+            for doc in split_wikitext_documents(f):
+                yield {"text": doc}
+    return records
+
+
+def _jsonl_file(path: Path, keys: Sequence[str]) -> Records:
+    def records() -> Iterator[dict[str, str]]:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+                missing = [k for k in keys if not isinstance(obj.get(k), str)]
+                if missing:
+                    raise ValueError(f"{path}:{n}: no text field {missing} (--json-keys)")
+                yield {k: obj[k] for k in keys}
+    return records
+
+
+def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
+    """The three splits of WikiText from the HF hub (never used by tests: no network there)."""
+    import datasets
+    ds = datasets.load_dataset("wikitext", name)
+    out = {}
+    for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
+        def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
+            lines = (r if r.endswith("\n") else r + "\n" for r in rows["text"])
+            for doc in split_wikitext_documents(lines):
+                yield {"text": doc}
+        out[split] = (f"--dataset {name} ({hf_split})", records)
+    return out
+
+
+def _check_file(path: Path, flag: str = "--input") -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag}: {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{flag}: {path} is empty")
+
+
+def _directory_sources(d: Path, keys: Sequence[str]) -> dict[str, tuple[str, Records]]:
+    out = {}
+    for split in SPLITS:
+        cands = [d / f"wiki.{split}.raw", d / f"wiki.{split}.tokens", d / f"{split}.jsonl"]
+        found = next((c for c in cands if c.exists()), None)
+        if found is None:
+            raise FileNotFoundError(f"--input {d}: found none of "
+                                    f"{', '.join(c.name for c in cands)} for the {split} split")
+        _check_file(found)
+        recs = _jsonl_file(found, keys) if found.suffix == ".jsonl" else _wikitext_file(found)
+        out[split] = (str(found), recs)
+    return out
+
+
+def _single_file_sources(path: Path, keys: Sequence[str],
+                         split: Sequence[float]) -> dict[str, tuple[str, Records]]:
+    """Cut one file's documents into contiguous train/valid/test blocks by percentage."""
+    _check_file(path)
+    if len(split) != 3 or min(split) < 0 or split[0] <= 0:
+        raise ValueError(f"--split {split}: need three non-negative weights, train > 0")
+    recs = (_jsonl_file(path, keys) if path.suffix in (".jsonl", ".json")
+            else _wikitext_file(path))
+    n = sum(1 for _ in recs())
+    cum = np.cumsum(np.asarray(split, dtype=np.float64)) / float(sum(split))
+    bounds = [0] + [int(round(c * n)) for c in cum]
+    out = {}
+    for i, s in enumerate(SPLITS):
+        lo, hi = bounds[i], bounds[i + 1]
+        if split[i] == 0:
+            continue  # this split is not written
+        if hi <= lo:
+            raise ValueError(f"--split {split}: the {s} split of {path} gets no documents "
+                             f"({n} in the file)")
+        out[s] = (f"{path} [{s}: documents {lo}..{hi - 1}]",
+                  lambda lo=lo, hi=hi: islice(recs(), lo, hi))
+    return out
+
+
+def resolve_sources(input_path: str | None, dataset: str | None, json_keys: Sequence[str],
+                    split: Sequence[float]) -> dict[str, tuple[str, Records]]:
+    """Check the input flags and files; map split -> (label for messages, record source)."""
+    if (input_path is None) == (dataset is None):
+        raise ValueError("give exactly one of --input and --dataset")
+    if dataset is not None:
+        if dataset not in WIKITEXT_DATASETS:
+            raise ValueError(f"--dataset {dataset}: expected one of {', '.join(WIKITEXT_DATASETS)}")
+        return _hf_wikitext(dataset)
+    p = Path(input_path)
+    if p.is_dir():
+        return _directory_sources(p, json_keys)
+    return _single_file_sources(p, json_keys, split)
+
+
+# ---- encoding (in-process or in a multiprocessing pool) ----
+_WORKER: dict = {}
+
+
+def _init_worker(tok: Tokenizer, keys: Sequence[str], append_eod: bool, dtype: type) -> None:
+    _WORKER.update(tok=tok, keys=keys, append_eod=append_eod, dtype=dtype)
+
+
+def _encode_chunk(records: list[dict[str, str]]) -> list[dict[str, np.ndarray]]:
+    """Token arrays of each record's fields, EOD appended when asked."""
+    w = _WORKER
+    out: list[dict[str, np.ndarray]] = [{} for _ in records]
+    for k in w["keys"]:
+        for o, ids in zip(out, w["tok"].encode_batch([r[k] for r in records])):
+            o[k] = np.asarray(ids + [w["tok"].eod] if w["append_eod"] else ids, dtype=w["dtype"])
+    return out
+
+
+def _chunks(it: Iterator, n: int) -> Iterator[list]:
+    while chunk := list(islice(it, n)):
+        yield chunk
+
+
+def encode_records(records: Iterator[dict[str, str]], tok: Tokenizer, keys: Sequence[str],
+                   append_eod: bool, dtype: type, workers: int = 1,
+                   chunk_docs: int = 64) -> Iterator[dict[str, np.ndarray]]:
+    """Encode records in order, in this process (workers=1) or in a pool of `workers`."""
+    args = (tok, tuple(keys), append_eod, dtype)
+    if workers <= 1:
+        _init_worker(*args)
+        for chunk in _chunks(records, chunk_docs):
+            yield from _encode_chunk(chunk)
+        return
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    # The parent may have used the tokenizers thread pool (training); say explicitly that the
+    # children must not, which is what tokenizers would otherwise decide with a warning.
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=args)
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM")
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    with pool:
+        for out in pool.imap(_encode_chunk, _chunks(records, chunk_docs)):
+            yield from out
+
+
+@dataclass
+class PreprocessResult:
+    """What `preprocess` wrote: dataset prefixes per (split, key), the tokenizer used (a
+    directory for a trained one), its vocabulary size and EOD id, and documents/tokens per
+    (split, key)."""
+    output_prefix: str
+    tokenizer: str
+    vocab_size: int
+    eod: int
+    dtype: str
+    prefixes: dict[str, str] = field(default_factory=dict)       # "train/text" -> prefix
+    documents: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+def output_prefix_for(output_prefix: str, split: str, key: str = "text") -> str:
+    """`PREFIX_{split}_{key}_document`."""
+    return f"{output_prefix}_{split}_{key}_document"
+
+
+def preprocess(output_prefix: str, *, input_path: str | None = None,
+               dataset: str | None = None, tokenizer_name_or_path: str | None = None,
+               train_tokenizer: bool = False,
+               vocab_size: int | None = None, append_eod: bool = False, workers: int = 1,
+               json_keys: Sequence[str] = ("text",), split: Sequence[float] = (90, 5, 5),
+               progress: bool = True) -> PreprocessResult:
+    """Tokenize the input's splits into Megatron indexed datasets (see module docstring)."""
+    if (tokenizer_name_or_path is None) == (not train_tokenizer):
+        raise ValueError("give exactly one of --tokenizer-name-or-path and --train-tokenizer")
+    if train_tokenizer and vocab_size is None:
+        raise ValueError("--train-tokenizer needs --vocab-size")
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: must be >= 1")
+    sources = resolve_sources(input_path, dataset, json_keys, split)
+    tok = (load_tokenizer(tokenizer_name_or_path) if tokenizer_name_or_path is not None
+           else None)  # load before writing anything: a bad name fails early
+    out = Path(output_prefix)
+    created = not out.parent.exists()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        if tok is None:
+            texts = (v for r in sources["train"][1]() for v in r.values())
+            tok = train_bpe(texts, vocab_size)
+            save_tokenizer(tok, tmp / f"{out.name}_tokenizer")
+        dtype = best_dtype(tok.vocab_size)
+        result = PreprocessResult(str(out), tok.name if tokenizer_name_or_path else
+                                  f"{out}_tokenizer", tok.vocab_size, tok.eod,
+                                  np.dtype(dtype).name)
+        for split_name, (label, records) in sources.items():
+            _write_split(tmp / out.name, split_name, label, records(), tok, json_keys,
+                         append_eod, dtype, workers, progress, result)
+        for f in sorted(tmp.iterdir()):  # everything is complete: move it into place
+            dest = out.parent / f.name
+            if f.is_dir() and dest.exists():
+                shutil.rmtree(dest)
+            os.replace(f, dest)
+        for key in result.prefixes:
+            result.prefixes[key] = str(out.parent / Path(result.prefixes[key]).name)
+        return result
+    except BaseException:
+        if created and not any(p for p in out.parent.iterdir() if p != tmp):
+            shutil.rmtree(out.parent, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_split(tmp_prefix: Path, split: str, label: str, records: Iterator[dict[str, str]],
+                 tok: Tokenizer, keys: Sequence[str], append_eod: bool, dtype: type,
+                 workers: int, progress: bool, result: PreprocessResult) -> None:
+    builders = {k: IndexedDatasetBuilder(output_prefix_for(str(tmp_prefix), split, k), dtype)
+                for k in keys}
+    n_docs, n_tok = 0, {k: 0 for k in keys}
+    bar = tqdm(desc=f"{split}", unit="doc", disable=not progress)
+    try:
+        for enc in encode_records(records, tok, keys, append_eod, dtype, workers):
+            for k in keys:
+                builders[k].add_document(enc[k])
+                n_tok[k] += len(enc[k])
+            n_docs += 1
+            bar.update(1)
+            bar.set_postfix(tokens=sum(n_tok.values()), refresh=False)
+        if n_docs == 0:
+            raise ValueError(f"{label}: no documents found (the {split} split would be empty)")
+        for k, b in builders.items():
+            b.finalize()
+            result.prefixes[f"{split}/{k}"] = output_prefix_for(str(tmp_prefix), split, k)
+            result.documents[f"{split}/{k}"] = n_docs
+            result.tokens[f"{split}/{k}"] = n_tok[k]
+    except BaseException:
+        for b in builders.values():
+            b.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
+                        progress: bool = False) -> PreprocessResult:
+    """Preprocess the bundled sample corpus (data/wikitext-sample) with a byte-level BPE of
+    `vocab_size` trained on its train split and --append-eod, unless `output_prefix` already
+    holds the result. Call it on one rank and barrier: ranks racing would do the work twice."""
+    prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
+    tok_dir = f"{output_prefix}_tokenizer"
+    if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and os.path.isdir(tok_dir):
+        tok = load_tokenizer(tok_dir)
+        if tok.vocab_size == vocab_size:
+            res = PreprocessResult(output_prefix, tok_dir, tok.vocab_size, tok.eod,
+                                   np.dtype(best_dtype(tok.vocab_size)).name, prefixes)
+            for key, p in prefixes.items():
+                ds = MMapIndexedDataset(p)
+                res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
+            return res
+    return preprocess(output_prefix, input_path=str(SAMPLE_CORPUS_DIR), train_tokenizer=True,
+                      vocab_size=vocab_size, append_eod=True, progress=progress)

@@ -1,0 +1,131 @@
+"""Tokenizers for preprocessing and evaluation: GPT-2 BPE from the hub or disk, or our own.
+
+`load_tokenizer(name_or_path)` accepts
+  - a directory written by `save_tokenizer` (a byte-level BPE trained here): read with the
+    `tokenizers` library directly, which avoids importing `transformers` (~6 s);
+  - anything `transformers.AutoTokenizer.from_pretrained` accepts: a hub name such as `gpt2`
+    (needs the hub or its cache) or a local directory (e.g. GPT-2's vocab.json + merges.txt +
+    tokenizer_config.json).
+
+A trained tokenizer is saved as a directory that `AutoTokenizer.from_pretrained(dir)` loads
+(documented interface); its `tokenizer.json` also loads with `tokenizers.Tokenizer.from_file`.
+Both give the same ids as `Tokenizer.encode`. Our byte-level BPE splits text the way GPT-2 does
+(same pre-tokenizer, no prefix space) and reserves id 0 for the end-of-document token
+`<|endoftext|>` (GPT-2 itself has it at id 50256; always ask `.eod`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOD_TOKEN = "<|endoftext|>"
+MARKER_FILE = "megatron_moe_tokenizer.json"  # says "trained here; load with `tokenizers`"
+
+
+class Tokenizer:
+    """Text <-> token ids with an end-of-document id; wraps a `tokenizers.Tokenizer` (fast path)
+    or a `transformers` tokenizer. Never adds special tokens while encoding."""
+
+    def __init__(self, backend: Any, eod: int, name: str) -> None:
+        self.backend = backend
+        self.name = name
+        self._eod = eod
+
+    @property
+    def eod(self) -> int:
+        """Id of the end-of-document token appended by --append-eod."""
+        return self._eod
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (the model's vocabulary must be >= this)."""
+        if isinstance(self.backend, tokenizers.Tokenizer):
+            return self.backend.get_vocab_size(with_added_tokens=True)
+        return len(self.backend)
+
+    def _fast(self) -> tokenizers.Tokenizer | None:
+        if isinstance(self.backend, tokenizers.Tokenizer):
+            return self.backend
+        return getattr(self.backend, "backend_tokenizer", None)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added."""
+        fast = self._fast()
+        if fast is not None:
+            return [e.ids for e in fast.encode_batch(texts, add_special_tokens=False)]
+        return self.backend(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one text, no special tokens added."""
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids, special tokens kept."""
+        ids = [int(i) for i in ids]
+        if isinstance(self.backend, tokenizers.Tokenizer):
+            return self.backend.decode(ids, skip_special_tokens=False)
+        return self.backend.decode(ids)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` ids (256 bytes + <|endoftext|> + merges)
+    on `texts`; deterministic for the same texts."""
+    if vocab_size < 258:
+        raise ValueError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs "
+                         f"256 byte tokens + {EOD_TOKEN} + at least one merge (>= 258)")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return Tokenizer(tok, tok.token_to_id(EOD_TOKEN), name="trained byte-level BPE")
+
+
+def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> None:
+    """Write a trained tokenizer as a directory: tokenizer.json (the `tokenizers` model),
+    tokenizer_config.json (so AutoTokenizer loads it) and our marker file."""
+    if not isinstance(tok.backend, tokenizers.Tokenizer):
+        raise TypeError("save_tokenizer saves tokenizers trained by train_tokenizer only")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(d / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN,
+              "bos_token": EOD_TOKEN, "unk_token": EOD_TOKEN, "add_prefix_space": False}
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    marker = {"eod_token": EOD_TOKEN, "vocab_size": tok.vocab_size,
+              "kind": "byte-level BPE trained by megatron_moe.data.tokenizer"}
+    (d / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer (see the module docstring for what is accepted).
+    Errors name --tokenizer-name-or-path."""
+    p = Path(name_or_path)
+    if (p / MARKER_FILE).is_file():
+        marker = json.loads((p / MARKER_FILE).read_text())
+        tok = tokenizers.Tokenizer.from_file(str(p / "tokenizer.json"))
+        eod = tok.token_to_id(marker["eod_token"])
+        if eod is None:
+            raise ValueError(f"--tokenizer-name-or-path {p}: {marker['eod_token']} is not in "
+                             f"the vocabulary")
+        return Tokenizer(tok, eod, name=str(p))
+    try:
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(str(name_or_path))
+    except Exception as e:  # hub unreachable, bad directory, ...: say which flag and why
+        raise ValueError(f"--tokenizer-name-or-path {name_or_path}: could not load it with "
+                         f"transformers.AutoTokenizer ({type(e).__name__}: {e})") from e
+    eod = hf.eos_token_id
+    if eod is None:
+        eod = hf.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in hf.get_vocab() else None
+    if eod is None:
+        raise ValueError(f"--tokenizer-name-or-path {name_or_path}: the tokenizer has no "
+                         f"end-of-document token (no eos_token and no {EOD_TOKEN})")
+    return Tokenizer(hf, int(eod), name=str(name_or_path))

@@ -1,0 +1,263 @@
+# shellcheck shell=bash
+# Helpers shared by the launchers; source it, do not run it.
+#
+#   mm_preset NAME             default model/batch sizes: tiny, gpt2-s, gpt2-l
+#   mm_build_args WORLD        fill MODEL_ARGS MOE_ARGS DATA_ARGS TRAINING_ARGS
+#                              LOGGING_ARGS from environment overrides
+#   mm_export_comm_env         NCCL / wandb / threads defaults (only if unset)
+#   mm_expand_hostlist EXPR    Slurm hostlist -> one host per line, no scontrol
+#   mm_job_hosts               this job's hosts (scontrol, else the parser)
+#   mm_run CMD...              run CMD, or print it when DRY_RUN=1
+#   mm_slurm_pretrain NAME ... the body of the sbatch launchers (srun + torchrun)
+#
+# Every value a launcher passes has an environment override with the same
+# name as in docs/CLUSTER.md, e.g. `TP=2 TOPK=2 sbatch scripts/...`.
+
+mm_die() { echo "error: $*" >&2; exit 2; }
+
+mm_require_uint() {  # mm_require_uint NAME VALUE: positive integer or die naming NAME
+    if ! [[ $2 =~ ^[0-9]+$ ]] || ((10#$2 == 0)); then
+        mm_die "$1 must be a positive integer, got '$2'"
+    fi
+}
+
+# ---------------------------------------------------------------- hosts
+
+# Expand a Slurm hostlist such as "node[01-03,07],gpu5,rack[1-2]-n[1-2]".
+# Zero padding follows the lower bound of each range, as Slurm does.
+mm_expand_hostlist() {
+    local expr=$1 item="" ch depth=0 k
+    for ((k = 0; k < ${#expr}; k++)); do
+        ch=${expr:k:1}
+        case $ch in
+            '[') depth=$((depth + 1)) ;;
+            ']') depth=$((depth - 1)) ;;
+        esac
+        if [[ $ch == , && $depth -eq 0 ]]; then
+            _mm_expand_item "$item"
+            item=""
+        else
+            item+=$ch
+        fi
+    done
+    ((depth == 0)) || mm_die "unbalanced brackets in hostlist '$expr'"
+    [[ -z $item ]] || _mm_expand_item "$item"
+}
+
+_mm_expand_item() {  # one comma-free item; recurse so later bracket groups expand too
+    local item=$1
+    if [[ $item != *\[* ]]; then
+        echo "$item"
+        return
+    fi
+    local prefix=${item%%\[*} rest=${item#*\[}
+    local ranges=${rest%%\]*} suffix=${rest#*\]}
+    local part lo hi n parts=()
+    IFS=, read -ra parts <<<"$ranges"
+    for part in "${parts[@]}"; do
+        lo=${part%%-*}
+        hi=${part#*-}
+        [[ $lo =~ ^[0-9]+$ && $hi =~ ^[0-9]+$ ]] || mm_die "bad range '$part' in hostlist item '$item'"
+        for ((n = 10#$lo; n <= 10#$hi; n++)); do
+            _mm_expand_item "$(printf '%s%0*d%s' "$prefix" "${#lo}" "$n" "$suffix")"
+        done
+    done
+}
+
+mm_job_hosts() {
+    local list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
+    [[ -n $list ]] || { hostname; return; }
+    if command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$list"
+    else
+        mm_expand_hostlist "$list"
+    fi
+}
+
+# ---------------------------------------------------------------- environment
+
+mm_export_comm_env() {
+    export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}       # 1 on clusters without InfiniBand/EFA
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}       # many ranks per node: no oversubscription
+    export WANDB_MODE=${WANDB_MODE:-offline}           # sync later with `wandb sync`
+    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+}
+
+# Print the settings that shape a run (never secrets: WANDB_API_KEY is only
+# reported as set or not).
+mm_show_env() {
+    local name
+    for name in NCCL_IB_DISABLE NCCL_DEBUG NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME OMP_NUM_THREADS \
+        WANDB_MODE WANDB_PROJECT HF_HUB_OFFLINE MASTER_ADDR MASTER_PORT; do
+        [[ -z ${!name:-} ]] || echo "# $name=${!name}"
+    done
+    if [[ -n ${WANDB_API_KEY:-} ]]; then echo "# WANDB_API_KEY is set (not shown)"; fi
+}
+
+mm_run() {
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        printf '%q ' "$@" | sed 's/ $//'
+        echo
+    else
+        "$@"
+    fi
+}
+
+# ---------------------------------------------------------------- arguments
+
+# Defaults per model; any variable already set in the environment wins.
+# gpt2-s / gpt2-l follow the Lancet paper's GPT2-S-MoE / GPT2-L-MoE (its
+# configs: sequence 512, batch 48 / 24 per GPU, switch gating).
+mm_preset() {
+    case $1 in
+        tiny)
+            : "${NUM_LAYERS:=4}" "${HIDDEN_SIZE:=128}" "${NUM_HEADS:=4}" "${SEQ_LEN:=128}"
+            : "${MICRO_BATCH:=4}" "${TRAIN_ITERS:=100}" "${LR:=1e-3}" "${MIN_LR:=1e-4}"
+            : "${LR_WARMUP_ITERS:=10}" "${EVAL_INTERVAL:=50}" "${BF16:=0}" ;;
+        gpt2-s)
+            : "${NUM_LAYERS:=12}" "${HIDDEN_SIZE:=768}" "${NUM_HEADS:=12}" "${SEQ_LEN:=512}"
+            : "${MICRO_BATCH:=48}" "${LR:=6e-4}" "${MIN_LR:=6e-5}" ;;
+        gpt2-l)
+            : "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_HEADS:=16}" "${SEQ_LEN:=512}"
+            : "${MICRO_BATCH:=24}" "${LR:=3e-4}" "${MIN_LR:=3e-5}" ;;
+        *) mm_die "unknown MODEL preset '$1' (tiny, gpt2-s, gpt2-l)" ;;
+    esac
+}
+
+# mm_build_args WORLD: the trainer's flags, one array per concern. An empty
+# optional value (e.g. DATA_PATH='') leaves its flag out so the trainer's own
+# default applies.
+# shellcheck disable=SC2034  # the arrays are read by the sourcing launcher
+mm_build_args() {
+    local world=$1
+    TP=${TP:-1}
+    ESP=${ESP:-1}
+    mm_require_uint TP "$TP"
+    mm_require_uint ESP "$ESP"
+    ((world % TP == 0)) || mm_die "TP=$TP does not divide the world size $world"
+    ((world % ESP == 0)) || mm_die "ESP=$ESP does not divide the world size $world"
+    EP=${EP:-$((world / ESP))}                    # all GPUs hold experts
+    NUM_EXPERTS=${NUM_EXPERTS:-$((2 * world))}    # two experts per GPU
+    mm_require_uint EP "$EP"
+    mm_require_uint NUM_EXPERTS "$NUM_EXPERTS"
+    local dp=$((world / TP))
+    MICRO_BATCH=${MICRO_BATCH:-4}
+    GLOBAL_BATCH=${GLOBAL_BATCH:-$((MICRO_BATCH * dp))}
+
+    MODEL_ARGS=(
+        --num-layers "${NUM_LAYERS:?}"
+        --hidden-size "${HIDDEN_SIZE:?}"
+        --num-attention-heads "${NUM_HEADS:?}"
+        --ffn-hidden-size "${FFN_HIDDEN_SIZE:-$((4 * HIDDEN_SIZE))}"
+        --seq-length "${SEQ_LEN:?}"
+        --max-position-embeddings "${MAX_POS:-$SEQ_LEN}"
+    )
+    [[ -z ${VOCAB_SIZE:-} ]] || MODEL_ARGS+=(--vocab-size "$VOCAB_SIZE")
+
+    MOE_ARGS=(
+        --num-experts "$NUM_EXPERTS"
+        --moe-layer-freq "${MOE_LAYER_FREQ:-2}"
+        --moe-router-topk "${TOPK:-1}"
+        --moe-expert-capacity-factor "${CAPACITY_FACTOR:-1.0}"
+        --moe-min-capacity "${MIN_CAPACITY:-4}"
+        --moe-router-policy "${ROUTER_POLICY:-position}"
+        --moe-aux-loss-coeff "${AUX_LOSS_COEFF:-0.01}"
+        --moe-z-loss-coeff "${Z_LOSS_COEFF:-0.0}"
+        --moe-schedule "${MOE_SCHEDULE:-auto}"
+        --tensor-model-parallel-size "$TP"
+        --expert-model-parallel-size "$EP"
+        --expert-sharding-parallel-size "$ESP"
+    )
+    [[ -z ${BACKEND:-} ]] || MOE_ARGS+=(--distributed-backend "$BACKEND")
+    [[ -z ${COMM_PROFILE:-} ]] || MOE_ARGS+=(--comm-profile "$COMM_PROFILE")
+    [[ ${LINA:-0} != 1 ]] || MOE_ARGS+=(--lina --lina-partition-mb "${LINA_PARTITION_MB:-30}")
+    [[ ${LANCET_WGRAD:-0} != 1 ]] || MOE_ARGS+=(--lancet-wgrad)
+    [[ ${LANCET_PARTITION:-0} != 1 ]] || MOE_ARGS+=(--lancet-partition)
+
+    DATA_ARGS=()
+    [[ -z ${DATA_PATH:-} ]] || DATA_ARGS+=(--data-path "$DATA_PATH")
+    [[ -z ${TOKENIZER:-} ]] || DATA_ARGS+=(--tokenizer-name-or-path "$TOKENIZER")
+
+    TRAINING_ARGS=(
+        --micro-batch-size "$MICRO_BATCH"
+        --global-batch-size "$GLOBAL_BATCH"
+        --train-iters "${TRAIN_ITERS:-2000}"
+        --optimizer "${OPTIMIZER:-adamw}"
+        --lr "${LR:-6e-4}"
+        --min-lr "${MIN_LR:-6e-5}"
+        --lr-warmup-iters "${LR_WARMUP_ITERS:-100}"
+        --lr-decay-style "${LR_DECAY_STYLE:-cosine}"
+        --weight-decay "${WEIGHT_DECAY:-0.1}"
+        --clip-grad "${CLIP_GRAD:-1.0}"
+        --seed "${SEED:-1234}"
+        --eval-interval "${EVAL_INTERVAL:-500}"
+        --eval-iters "${EVAL_ITERS:-10}"
+    )
+    [[ ${BF16:-1} != 1 ]] || TRAINING_ARGS+=(--bf16)
+    [[ -z ${SAVE_DIR:-} ]] || TRAINING_ARGS+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
+    [[ -z ${LOAD_DIR:-} ]] || TRAINING_ARGS+=(--load "$LOAD_DIR")
+
+    LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}")
+    [[ -z ${LOG_JSON:-} ]] || LOGGING_ARGS+=(--log-json "$LOG_JSON")
+    if [[ -n ${WANDB_PROJECT:-} ]]; then
+        LOGGING_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-mode "${WANDB_MODE:-offline}")
+        [[ -z ${WANDB_EXP_NAME:-} ]] || LOGGING_ARGS+=(--wandb-exp-name "$WANDB_EXP_NAME")
+    fi
+}
+
+# ---------------------------------------------------------------- Slurm
+
+# mm_slurm_pretrain RUN_NAME [TRAINER_FLAGS...]: one torchrun per node via
+# srun, c10d rendezvous on the first node of the allocation. Needs REPO_DIR
+# and a model preset already applied.
+# shellcheck disable=SC2034
+mm_slurm_pretrain() {
+    local run_name=$1
+    shift
+    if [[ -z ${SLURM_JOB_ID:-} && ${DRY_RUN:-0} != 1 ]]; then
+        mm_die "not inside a Slurm job: submit with sbatch (DRY_RUN=1 prints the commands instead)"
+    fi
+    NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}
+    GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+    GPUS_PER_NODE=${GPUS_PER_NODE##*:}             # "a100:8" -> 8
+    mm_require_uint NNODES "$NNODES"
+    mm_require_uint GPUS_PER_NODE "$GPUS_PER_NODE"
+    local world=$((NNODES * GPUS_PER_NODE)) hosts=()
+    if [[ -z ${MASTER_ADDR:-} ]]; then
+        mapfile -t hosts < <(mm_job_hosts)
+        [[ ${#hosts[@]} -gt 0 && -n ${hosts[0]} ]] \
+            || mm_die "could not read the first host of SLURM_NODELIST='${SLURM_NODELIST:-}'"
+        MASTER_ADDR=${hosts[0]}
+    fi
+    # One port per job id, so two jobs sharing a node do not collide.
+    MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+    export MASTER_ADDR MASTER_PORT
+
+    mm_export_comm_env
+    BACKEND=${BACKEND:-nccl}
+    DATA_PATH=${DATA_PATH-data/wikitext-103/wikitext-103}   # '' = the trainer's default
+    WANDB_PROJECT=${WANDB_PROJECT-megatron-moe}             # '' = no wandb
+    WANDB_EXP_NAME=${WANDB_EXP_NAME:-$run_name-${SLURM_JOB_ID:-dryrun}}
+    LOG_JSON=${LOG_JSON-runs/$WANDB_EXP_NAME/metrics.jsonl}
+    mm_build_args "$world"
+
+    DISTRIBUTED_ARGS=(
+        --nnodes "$NNODES"
+        --nproc-per-node "$GPUS_PER_NODE"
+        --rdzv-id "${SLURM_JOB_ID:-0}"
+        --rdzv-backend c10d
+        --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+    )
+    local srun_args=(--nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1)
+
+    echo "# $WANDB_EXP_NAME: $NNODES nodes x $GPUS_PER_NODE GPUs, TP=$TP EP=$EP ESP=$ESP, $NUM_EXPERTS experts"
+    mm_show_env
+    if [[ ${DRY_RUN:-0} != 1 ]]; then
+        cd "$REPO_DIR" || mm_die "cannot cd to REPO_DIR=$REPO_DIR"
+        [[ -z $LOG_JSON ]] || mkdir -p "$(dirname "$LOG_JSON")"
+    fi
+    mm_run srun "${srun_args[@]}" torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/pretrain_gpt_moe.py" \
+        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+}
