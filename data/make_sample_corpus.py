@@ -24,6 +24,7 @@ import os
 import random
 from pathlib import Path
 
+SEED, SCALE = 1234, 32  # what data/wikitext-sample was generated with
 ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "r", "s",
           "st", "t", "th", "tr", "v", "w", "ch", "sh", "bl", "cl"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ea", "ou"]
@@ -403,8 +404,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "wikitext-sample"),
                    help="output directory (default: data/wikitext-sample next to this script)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--scale", type=int, default=32, help="entities per kind grow with this")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--scale", type=int, default=SCALE, help="entities per kind grow with this")
     args = p.parse_args()
     sizes = write_splits(Path(args.out), build(args.seed, args.scale))
     for key, n in sizes.items():

@@ -158,7 +158,9 @@ cleanup() {
     # Deleting a namespace destroys its interfaces; a veth pair dies with
     # either end, so the bridge ports and node links all go.
     local ns
-    for ns in "${CREATED_NS[@]}"; do ip netns del "$ns" 2>/dev/null || log "could not delete namespace $ns"; done
+    for ns in "${CREATED_NS[@]}"; do
+        [[ ! -e /var/run/netns/$ns ]] || ip netns del "$ns" || log "could not delete namespace $ns"
+    done
     wait 2>/dev/null || true   # let the output prefixers flush
 }
 
@@ -192,15 +194,15 @@ add_delay() {  # add_delay NS DEV: netem delay under the tbf, on the node side o
 }
 
 trap 'die "network setup failed (see the ip/tc message above)"' ERR
+CREATED_NS+=("$HUB")      # recorded first: an interrupt right after the add still cleans it
 ip netns add "$HUB"
-CREATED_NS+=("$HUB")
 ip -n "$HUB" link set lo up
 ip -n "$HUB" link add br0 type bridge
 ip -n "$HUB" link set br0 up
 for ((i = 0; i < NODES; i++)); do
     ns=$(node_ns "$i")
-    ip netns add "$ns"
     CREATED_NS+=("$ns")
+    ip netns add "$ns"
     ip -n "$ns" link set lo up
     # Create the pair inside the hub and push the peer into the node, so no
     # interface name is ever visible in (or can collide in) the root namespace.

@@ -1,0 +1,104 @@
+"""Megatron-style command-line flags generated from the config dataclasses.
+
+Each dataclass in `megatron_moe.config` becomes one argparse group; every
+field becomes a flag (`num_layers` -> `--num-layers`). Booleans are
+`--flag` / `--no-flag`. Cross-cutting checks that need the world size live in
+`validate`, and every error names the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Optional, Sequence
+
+from megatron_moe.config import Config
+from megatron_moe.parallel_state import validate_degrees
+
+GROUPS = {"model": "model", "moe": "MoE", "parallel": "parallelism", "optim": "optimizer",
+          "data": "data", "train": "training", "logging": "logging", "opts": "communication optimizations"}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _base_type(tp):
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One argument group per config dataclass."""
+    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = Config()
+    for section, title in GROUPS.items():
+        group = parser.add_argument_group(title)
+        sub = getattr(defaults, section)
+        for f in dataclasses.fields(sub):
+            flag, tp = _flag(f), _base_type(f.type)
+            dest = f"{section}.{f.name}"
+            default = getattr(sub, f.name) if f.name not in ("ffn_hidden_size", "max_position_embeddings") else None
+            if tp is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
+                                   help=f.metadata.get("help", ""))
+            else:
+                group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
+                                   metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
+                                   help=f.metadata.get("help", ""))
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
+    """Parse flags into a Config (dataclass validation runs here)."""
+    ns = vars(build_parser().parse_args(argv))
+    return config_from_namespace(ns)
+
+
+def config_from_namespace(ns: dict) -> Config:
+    kwargs: dict = {}
+    for dest, value in ns.items():
+        section, name = dest.split(".", 1)
+        kwargs.setdefault(section, {})[name] = value
+    cls = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    return Config(**{section: cls[section](**vals) for section, vals in kwargs.items()})
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> Config:
+    cls = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    return Config(**{section: cls[section](**vals) for section, vals in d.items() if section in cls})
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size: degrees, experts, batch sizes. Errors name the flag."""
+    p, m, moe, t = cfg.parallel, cfg.model, cfg.moe, cfg.train
+    validate_degrees(world_size, p.tensor_model_parallel_size, p.expert_model_parallel_size,
+                     p.expert_sharding_parallel_size,
+                     num_experts=moe.num_experts if moe.num_experts else None,
+                     ffn_hidden_size=m.ffn_hidden_size if moe.num_experts else None)
+    esp = p.expert_sharding_parallel_size
+    if moe.num_experts and m.hidden_size % esp:
+        raise ValueError(f"--hidden-size {m.hidden_size} must be divisible by --expert-sharding-parallel-size {esp}")
+    mp = p.tensor_model_parallel_size
+    if m.num_attention_heads % mp:
+        raise ValueError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
+                         f"--tensor-model-parallel-size {mp}")
+    if m.ffn_hidden_size % mp:
+        raise ValueError(f"--ffn-hidden-size {m.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {mp}")
+    dp = world_size // mp
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {t.global_batch_size} must be a multiple of --micro-batch-size "
+                         f"{t.micro_batch_size} x data-parallel size {dp}")
+    if t.train_iters < 1:
+        raise ValueError("--train-iters must be positive")
+    if cfg.optim.lr_decay_iters is None:
+        cfg.optim.lr_decay_iters = t.train_iters
