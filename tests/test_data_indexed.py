@@ -130,3 +130,13 @@ def test_reader_detects_truncated_bin(tmp_path):
         f.truncate(os.path.getsize(prefix + ".bin") - 2)
     with pytest.raises(ValueError, match="ds.bin"):
         MMapIndexedDataset(prefix)
+
+
+def test_pickles_as_its_prefix_not_its_data(tmp_path):
+    import pickle
+    prefix = str(tmp_path / "ds")
+    docs = [np.arange(5000) % 300 for _ in range(20)]   # 200 kB of tokens
+    _write(prefix, docs, np.uint16)
+    blob = pickle.dumps(MMapIndexedDataset(prefix))
+    assert len(blob) < 1000
+    np.testing.assert_array_equal(pickle.loads(blob)[7], docs[7])

@@ -187,3 +187,27 @@ def test_unloadable_tokenizer_names_the_flag(tmp_path):
         preprocess(str(tmp_path / "x"), input_path=str(SAMPLE_CORPUS_DIR),
                    tokenizer_name_or_path="no-such/tokenizer-here", progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_hub_route_gives_the_same_documents_as_the_files(sample, tmp_path, monkeypatch):
+    """`--dataset` with `datasets.load_dataset` replaced by rows laid out like the hub's
+    WikiText (one row per line, newline kept, blank lines as ""): no network needed."""
+    datasets = pytest.importorskip("datasets")
+
+    def rows(split):
+        with open(SAMPLE_CORPUS_DIR / f"wiki.{split}.tokens", encoding="utf-8") as f:
+            return datasets.Dataset.from_dict({"text": ["" if ln == " \n" else ln for ln in f]})
+    calls = []
+
+    def fake_load_dataset(path, name):
+        calls.append((path, name))
+        return datasets.DatasetDict(train=rows("train"), validation=rows("valid"),
+                                    test=rows("test"))
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    preprocess(str(tmp_path / "hub"), dataset="wikitext-2-raw-v1", tokenizer_name_or_path=
+               f"{sample}_tokenizer", append_eod=True, progress=False)
+    assert calls == [("wikitext", "wikitext-2-raw-v1")]
+    for split in ("train", "valid", "test"):
+        for ext in (".bin", ".idx"):
+            assert Path(f"{tmp_path / 'hub'}_{split}_text_document{ext}").read_bytes() == \
+                Path(f"{sample}_{split}_text_document{ext}").read_bytes()

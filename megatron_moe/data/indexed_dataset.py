@@ -180,6 +180,14 @@ class MMapIndexedDataset:
         self._bin = (np.memmap(bin_path, mode="r", dtype=self.dtype) if total
                      else np.zeros(0, dtype=self.dtype))
 
+    def __getstate__(self) -> str:
+        # DataLoader workers started by spawn get the prefix and map the files again,
+        # instead of a pickled copy of the whole memory map.
+        return self.prefix
+
+    def __setstate__(self, prefix: str) -> None:
+        self.__init__(prefix)
+
     def __len__(self) -> int:
         """Number of sequences N."""
         return len(self.sizes)

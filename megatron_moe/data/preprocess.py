@@ -93,11 +93,18 @@ def _jsonl_file(path: Path, keys: Sequence[str]) -> Records:
 def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
     """The three splits of WikiText from the HF hub (never used by tests: no network there)."""
     import datasets
-    ds = datasets.load_dataset("wikitext", name)
+    try:
+        ds = datasets.load_dataset("wikitext", name)
+    except Exception as e:  # offline, hub down, ...: name the flag and say why
+        raise ValueError(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
+                         f"failed ({type(e).__name__}: {e})") from e
     out = {}
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
-            lines = (r if r.endswith("\n") else r + "\n" for r in rows["text"])
+            # rows are the file's lines, newline kept, except blank lines which are "": put
+            # back the " \n" of the released files so both routes give the same documents.
+            lines = (" \n" if r == "" else r if r.endswith("\n") else r + "\n"
+                     for r in rows["text"])
             for doc in split_wikitext_documents(lines):
                 yield {"text": doc}
         out[split] = (f"--dataset {name} ({hf_split})", records)
@@ -268,7 +275,8 @@ def preprocess(output_prefix: str, *, input_path: str | None = None,
         for split_name, (label, records) in sources.items():
             _write_split(tmp / out.name, split_name, label, records(), tok, json_keys,
                          append_eod, dtype, workers, progress, result)
-        for f in sorted(tmp.iterdir()):  # everything is complete: move it into place
+        # Everything is complete: move it into place, index files last (a reader needs both).
+        for f in sorted(tmp.iterdir(), key=lambda f: (f.suffix == ".idx", f.name)):
             dest = out.parent / f.name
             if f.is_dir() and dest.exists():
                 shutil.rmtree(dest)

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_moe.distributed import events as _events
 from megatron_moe.distributed.tracer import group_name, record
 
 
@@ -57,7 +58,11 @@ def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "su
         return None
     record("all_reduce", group_name(group), _nbytes(t), _nbytes(t))
     rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-    return dist.all_reduce(t, op=rop, group=group, async_op=async_op)
+    ev = _events.op_begin("all_reduce", group_name(group), _nbytes(t)) if _events.ACTIVE else None
+    work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
+    if ev is not None:                      # event log (Lina, benchmarks): finish time
+        _events.end_when_complete(ev, work if async_op else None)
+    return work
 
 
 def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -114,9 +119,16 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
         out = torch.empty((int(sum(out_splits)), *t.shape[1:]), dtype=t.dtype, device=t.device)
         remote = (int(sum(in_splits)) - int(in_splits[group_rank(group)])) * row
     record("all_to_all", group_name(group), _nbytes(t), _nbytes(out), remote)
+    # a2a listeners (Lina holds gradient all-reduce micro-ops back) and the event log
+    token = _events.a2a_begin(group_name(group), _nbytes(t)) if _events.ACTIVE else None
     work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
                                   input_split_sizes=None if in_splits is None else list(in_splits),
                                   group=group, async_op=async_op)
+    if token is not None:
+        if async_op:
+            work = _events.A2AWork(work, token)     # in flight until wait()
+        else:
+            _events.a2a_end(token)
     return (out, work) if async_op else out
 
 

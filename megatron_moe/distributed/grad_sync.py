@@ -10,6 +10,15 @@ over expert-DP (size P/(N_EP*N_ESP)) and is still divided by DP.
 `GradSync` starts bucketed all-reduces asynchronously from grad-ready hooks
 (`register_post_accumulate_grad_hook`) so they overlap the rest of backward;
 `finish()` waits and scales. `sync_gradients` is the blocking version.
+
+With a scheduler (Lina, `megatron_moe.distributed.lina`) there are no
+buckets: each parameter's gradient is handed over on its own (so micro-ops
+never mix two tensors) and reduced in place, in one fixed order on every rank
+(reverse registration order, dp and expert-dp interleaved): a gradient that
+is ready early waits until every gradient before it in that order was handed
+over, so the collectives of every group are issued in the same order on all
+ranks whatever the hook timing. Code that writes a gradient outside autograd
+(deferred weight gradients) calls `mark_ready(p)` when it is final.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import all_reduce_raw
 
 
@@ -43,7 +53,9 @@ class GradSync:
     produces them) per group kind, up to `bucket_mb` MB. A bucket is flattened
     and all-reduced as soon as all its gradients are ready. Call `finish()`
     after backward (and before clipping / the optimizer step).
-    `scheduler` (Lina) may take over launching: it gets (kind, flat tensor, group).
+    `scheduler` (Lina) takes over launching: it gets (kind, one parameter's flat
+    gradient, group) per parameter in a fixed order (module docstring), is
+    attached to the model (`scheduler.attach(model)`) and drained in `finish()`.
     """
 
     def __init__(self, model: torch.nn.Module, ps, bucket_mb: float = 25.0, scheduler=None,
@@ -69,6 +81,11 @@ class GradSync:
         for i, b in enumerate(self.buckets):
             for p in b["params"]:
                 self._bucket_of[p] = i
+        # scheduler path: one global order, the order backward usually produces gradients
+        self._order = [(p, grad_group_kind(p)) for p in reversed(params)]
+        self._position = {p: i for i, (p, _) in enumerate(self._order)}
+        if scheduler is not None and hasattr(scheduler, "attach"):
+            scheduler.attach(model)
         self._hooks = []
         if enabled_hooks:
             for p in params:
@@ -79,9 +96,20 @@ class GradSync:
     def reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._launched: list[Optional[tuple]] = [None] * len(self.buckets)
+        self._param_ready = [False] * len(self._order)
+        self._next = 0                                   # first parameter not handed over yet
+        self._submitted: list[tuple] = []                # (param, flat reduced in place, handle)
+
+    def mark_ready(self, p: torch.nn.Parameter) -> None:
+        """`p.grad` is final for this iteration (what the grad-ready hook calls)."""
+        self._on_grad_ready(p)
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.accumulating:
+            return
+        if self.scheduler is not None:
+            self._param_ready[self._position[p]] = True
+            self._submit_in_order()
             return
         i = self._bucket_of[p]
         self._ready[i] += 1
@@ -93,19 +121,40 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b["params"]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         group = self.ps.group(b["kind"])
-        if self.scheduler is not None:
-            work = self.scheduler.submit(b["kind"], flat, group)
-        else:
+        with events.tagged("grad", bucket=i):
             work = all_reduce_raw(flat, group, async_op=True)
         self._launched[i] = (flat, work)
 
+    def _submit_in_order(self) -> None:
+        """Hand every ready gradient to the scheduler, stopping at the first one not ready."""
+        while self._next < len(self._order) and self._param_ready[self._next]:
+            p, kind = self._order[self._next]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            flat = p.grad.view(-1) if p.grad.is_contiguous() else p.grad.contiguous().view(-1)
+            self._submitted.append((p, flat, self.scheduler.submit(kind, flat, self.ps.group(kind))))
+            self._next += 1
+
+    def _finish_scheduled(self) -> None:
+        self._param_ready = [True] * len(self._order)    # unused parameters: zero gradients
+        self._submit_in_order()
+        self.scheduler.drain()
+        for p, flat, handle in self._submitted:
+            handle.wait()
+            if self.dp > 1:
+                flat.div_(self.dp)
+            if flat.data_ptr() != p.grad.data_ptr():      # reduced a contiguous copy
+                p.grad.copy_(flat.view_as(p.grad))
+        self.reset()
+
     def finish(self) -> None:
         """Launch buckets not launched yet, wait for all, copy back scaled by 1/DP."""
+        if self.scheduler is not None:
+            self._finish_scheduled()
+            return
         for i in range(len(self.buckets)):
             if self._launched[i] is None:
                 self._launch(i)
-        if self.scheduler is not None:
-            self.scheduler.drain()
         for i, b in enumerate(self.buckets):
             flat, work = self._launched[i]
             if work is not None and hasattr(work, "wait"):
@@ -122,6 +171,9 @@ class GradSync:
         self.reset()
 
     def remove(self) -> None:
+        """Remove the hooks; close the scheduler (which logs its summary) if there is one."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.scheduler is not None and hasattr(self.scheduler, "close"):
+            self.scheduler.close()

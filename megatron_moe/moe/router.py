@@ -81,6 +81,27 @@ def choose_experts(logits_SE: torch.Tensor, k: int, policy: str = "position",
     return gates, torch.stack([first, second], dim=1)
 
 
+
+def choose_experts_slice(logits_lE: torch.Tensor, k: int, policy: str, generator: Optional[torch.Generator],
+                         start: int, group_tokens: int):
+    """`choose_experts` for the rows [start, start + S_l) of a routing group of `group_tokens` tokens.
+
+    Used when a group is split across ranks (Parm S1): the gate and argmax policies only
+    need the slice's logits [S_l, E]; random routing draws the keys of the whole group
+    [group_tokens, E] from the generator (exactly the numbers `choose_experts` draws) and
+    keeps the slice's rows, so every token gets the expert it gets when routed whole.
+    Returns (gates_lE fp32, expert_lk int64).
+    """
+    if policy != "random":
+        return choose_experts(logits_lE, k, policy, generator)
+    if k not in (1, 2):
+        raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
+    S_l, E = logits_lE.shape
+    gates = torch.softmax(logits_lE.float(), dim=-1)
+    keys = torch.rand((group_tokens, E), generator=generator)[start:start + S_l].to(gates.device)
+    return gates, keys.topk(k, dim=-1).indices
+
+
 def token_order(gates_SE: torch.Tensor, expert_Sk: torch.Tensor, policy: str) -> torch.Tensor:
     """Order [S] in which tokens claim slots: token order, or descending top gate value."""
     S = gates_SE.size(0)

@@ -11,6 +11,10 @@ outputs; EP all-to-all back; ESP split; combine. Because the N_MP ranks of an
 MP group push identical tokens through the experts, expert weight gradients
 are scaled by 1/N_MP (the work is duplicated, the gradient must not be).
 
+Parm's S1 and S2 (`megatron_moe.moe.parm`) pause MP inside the layer and use
+one EP x ESP all-to-all instead; `SCHEDULES` maps --moe-schedule names to all three
+('auto' is resolved per layer by `megatron_moe.moe.cost_model.choose_for_layer`).
+
 Every schedule has the signature (layer, x_GSM) -> (y_GSM, aux_loss).
 """
 from __future__ import annotations
@@ -21,15 +25,17 @@ from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_
 from megatron_moe.moe.dispatch import DispatchIndex, combine, dispatch, dispatch_index
 
 
-def route_groups(layer, x_GSM: torch.Tensor):
-    """Route every group; one DispatchIndex for a buffer [E, G*C] holding all groups side by side.
+def route_groups(layer, x_GSM: torch.Tensor, slots_per_group: int | None = None):
+    """Route every group; one DispatchIndex for a buffer [E, G*C'] holding all groups side by side.
 
+    C' = `slots_per_group` (default the capacity C; S2 pads C to a multiple of N_MP).
     Returns (routes, index over tokens of x_GSM flattened to [G*S], C, aux).
     """
     G, S, _ = x_GSM.shape
     routes = [layer.route(layer.gate_logits(x_GSM[g]), g) for g in range(G)]
     C = routes[0].capacity
-    idxs = [dispatch_index(r, capacity=G * C, slot_base=g * C) for g, r in enumerate(routes)]
+    Cs = C if slots_per_group is None else slots_per_group
+    idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
     idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
                         torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
     layer.record_stats(routes)
@@ -59,4 +65,6 @@ def baseline(layer, x_GSM: torch.Tensor):
     return y.view(G, S, M), aux
 
 
-SCHEDULES = {"baseline": baseline}
+from megatron_moe.moe.parm import s1, s2  # noqa: E402  (parm imports nothing from here at load time)
+
+SCHEDULES = {"baseline": baseline, "s1": s1, "s2": s2}

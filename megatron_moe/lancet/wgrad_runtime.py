@@ -1,0 +1,355 @@
+"""Deferred weight gradients at runtime (Lancet's dW scheduling, Jiang et al., MLSys 2024).
+
+Legend: N rows (tokens), I input features, O output features, E_l local experts.
+
+A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
+the rest of backward) and dW = g^T x (needed only by gradient sync and the
+optimizer). With a `WgradRuntime` installed, `deferred_linear` /
+`deferred_bmm` compute dX and the bias gradient in autograd and hand the dW
+GEMM to the runtime as a closure under its instruction name (e.g.
+"L1.moe.expert.fc2.dW", the names of `wgrad_schedule.build_gpt_moe_backward`).
+
+Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
+  - assigned to an all-to-all a that has not started in this backward: it
+    waits in a's queue; when a's backward all-to-all is launched the runtime
+    runs a's queue while the bytes are in flight (`run_window`), then the
+    all-to-all is waited for;
+  - not assigned (leftover), or its all-to-all already ran: it runs at once,
+    where the plain backward computes it;
+  - anything still queued when backward ends (an all-to-all that never ran)
+    runs in `flush()`, which an end-of-backward callback also calls, so a plain
+    `loss.backward()` leaves every gradient complete before gradient sync.
+
+The weight is not an autograd input of these functions (a `WeightRef` carries
+it), so autograd never touches its `.grad` and never fires its grad-ready
+hook early. The runtime sums a parameter's contributions (one per forward use:
+k with a k-way partitioned range) and, after the last one, accumulates them
+with `torch.autograd.backward(param, dW)`: the ordinary AccumulateGrad path,
+so `.grad` is set or added to exactly as in the plain run and the parameter's
+post-accumulate-grad hooks (GradSync's readiness, Lina's hand-over) fire
+exactly once, when the gradient is final. Each dW GEMM is the same call the
+plain autograd formula makes (`mm(g^T, x)` for F.linear, `bmm(x^T, g)^T` for
+baddbmm), so gradients are bitwise equal to the plain run's when each weight
+is used once.
+
+All-to-alls of schedules Lancet does not run itself (baseline, S1, S2) are
+synchronous autograd nodes; `hook_foreign_a2a` finds them in the MoE layer's
+graph after its forward and adds node hooks: the pre-hook starts the queued
+dW GEMMs on a helper thread, the node's all-to-all runs (gloo and NCCL calls
+release the GIL), the post-hook joins the thread and accumulates. Lancet's own
+irregular all-to-all (`irregular_a2a.py`) is asynchronous and calls
+`run_window` between launch and wait on the main thread.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class WeightRef:
+    """The parameter of a deferrable GEMM, its dW instruction name and its gradient scale."""
+
+    param: torch.nn.Parameter
+    name: str
+    runtime: "WgradRuntime"
+    scale: float = 1.0
+
+
+@dataclass
+class DeferredDW:
+    """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution."""
+
+    name: str
+    param: torch.nn.Parameter
+    compute: Callable[[], torch.Tensor]
+    done: bool = False
+
+
+@dataclass
+class WgradStats:
+    """Counters of one runtime: dW closures run per name, where they ran, time spent."""
+
+    runs: dict = field(default_factory=lambda: defaultdict(int))     # name -> closures run
+    in_window: int = 0          # closures run while an all-to-all was in flight
+    immediate: int = 0          # leftover closures run where the plain backward runs them
+    flushed: int = 0            # closures run by flush() at the end of backward
+    window_ms: float = 0.0      # dW compute time spent inside all-to-all windows
+    a2a_windows: int = 0
+
+
+def _autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b (F.linear); backward returns dX and db, queues dW = g^T x."""
+
+    @staticmethod
+    def forward(ctx, x, bias, ref: WeightRef):
+        w = ref.param
+        dt = _autocast_dtype(x)
+        if dt is not None:            # do what autocast does to F.linear, and keep the cast tensors
+            x, w = x.to(dt), w.to(dt)
+            bias = None if bias is None else bias.to(dt)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, w, bias)
+        ctx.save_for_backward(x, w)
+        ctx.ref, ctx.has_bias = ref, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        ref = ctx.ref
+        g2 = g.reshape(-1, g.size(-1))
+        x2 = x.reshape(-1, x.size(-1))
+        dx = g2.mm(w).view(x.shape)                     # what addmm / mm backward computes
+        db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        pdt = ref.param.dtype
+        ref.runtime.submit(DeferredDW(ref.name, ref.param, lambda: g2.t().mm(x2).to(pdt)))
+        return dx, db, None
+
+
+class _DeferredBmm(torch.autograd.Function):
+    """y = baddbmm(b, x, W^T) (or bmm without b) for x [E_l, N, I], W [E_l, O, I]; dW queued, scaled."""
+
+    @staticmethod
+    def forward(ctx, x, bias_E1O, ref: WeightRef):
+        w = ref.param
+        dt = _autocast_dtype(x)
+        if dt is not None:
+            x, w = x.to(dt), w.to(dt)
+            bias_E1O = None if bias_E1O is None else bias_E1O.to(dt)
+        else:
+            w = w.to(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            wt = w.transpose(1, 2)
+            y = torch.bmm(x, wt) if bias_E1O is None else torch.baddbmm(bias_E1O, x, wt)
+        ctx.save_for_backward(x, w)
+        ctx.ref, ctx.has_bias = ref, bias_E1O is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        ref = ctx.ref
+        dx = g.bmm(w)                                    # baddbmm: grad @ batch2^T
+        db = g.sum(1, keepdim=True) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        scale, pdt = ref.scale, ref.param.dtype
+
+        def dw() -> torch.Tensor:
+            d = x.transpose(1, 2).bmm(g).transpose(1, 2)  # baddbmm: batch1^T @ grad, then W^T's transpose
+            return (d * scale if scale != 1.0 else d).to(pdt)
+
+        ref.runtime.submit(DeferredDW(ref.name, ref.param, dw))
+        return dx, db, None
+
+
+class WgradRuntime:
+    """Queue of deferred dW GEMMs for one model, driven by an all-to-all -> [dW names] assignment.
+
+    assignment: Algorithm 1's `WgradSchedule.assignment` (all-to-all name ->
+    dW names). A dW name assigned to no all-to-all runs at once.
+    """
+
+    def __init__(self, assignment: Mapping[str, Sequence[str]]):
+        self.assignment = {a: list(ws) for a, ws in assignment.items()}
+        self.owner = {w: a for a, ws in self.assignment.items() for w in ws}
+        self.stats = WgradStats()
+        self._queue: dict[str, list[DeferredDW]] = defaultdict(list)    # all-to-all -> waiting closures
+        self._started: set[str] = set()        # all-to-alls whose window opened in this backward
+        self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)   # forward uses not yet reduced
+        self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._callback_queued = False
+        self._executor: Optional[ThreadPoolExecutor] = None
+
+    # ------------------------------------------------------------------ forward side
+    def linear(self, name: str) -> Callable:
+        """An F.linear(x, weight, bias) replacement deferring dW under `name` (ColumnParallelLinear etc.)."""
+        def fn(x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.Tensor] = None):
+            if not self._defers(x, weight):
+                return F.linear(x, weight, bias)
+            self._uses[weight] += 1
+            return _DeferredLinear.apply(x, bias, WeightRef(weight, name, self))
+        return fn
+
+    def bmm(self, name: str) -> Callable:
+        """(x [E_l,N,I], weight [E_l,O,I], bias [E_l,1,O] or None, scale) -> x W^T + b with dW deferred."""
+        def fn(x: torch.Tensor, weight: torch.nn.Parameter, bias_E1O: Optional[torch.Tensor], scale: float):
+            if not self._defers(x, weight):
+                raise RuntimeError("deferred_bmm called without autograd; the caller takes the plain path")
+            self._uses[weight] += 1
+            return _DeferredBmm.apply(x, bias_E1O, WeightRef(weight, name, self, scale))
+        return fn
+
+    @staticmethod
+    def _defers(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Defer only when backward will reach this GEMM through x (the weight is no autograd input)."""
+        return torch.is_grad_enabled() and weight.requires_grad and x.requires_grad
+
+    def begin_iteration(self) -> None:
+        """Forget which all-to-alls ran (call before each forward whose backward follows)."""
+        self._started.clear()
+
+    # ------------------------------------------------------------------ backward side
+    def submit(self, item: DeferredDW) -> None:
+        """Called from a deferrable GEMM's backward: queue the dW or run it now."""
+        a2a = self.owner.get(item.name)
+        if a2a is None or a2a in self._started:
+            self._run(item)
+            self.stats.immediate += 1
+            return
+        self._queue[a2a].append(item)
+        if not self._callback_queued:
+            # flush whatever is still queued when this backward ends (before gradient sync)
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self._callback_queued = True
+
+    def open_window(self, a2a: str) -> list[DeferredDW]:
+        """All-to-all `a2a` is being launched: take the dW closures queued for it (program order)."""
+        self._started.add(a2a)
+        self.stats.a2a_windows += 1
+        return self._queue.pop(a2a, [])
+
+    def run_window(self, a2a: str) -> None:
+        """Run `a2a`'s queued dW GEMMs now, on this thread (its all-to-all is in flight)."""
+        items = self.open_window(a2a)
+        t0 = time.perf_counter()
+        for item in items:
+            self._run(item)
+        self.stats.in_window += len(items)
+        self.stats.window_ms += 1e3 * (time.perf_counter() - t0)
+
+    def start_window_async(self, a2a: str):
+        """Start `a2a`'s queued dW GEMMs on the helper thread; `finish_window_async(handle)` joins."""
+        items = self.open_window(a2a)
+        if not items:
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lancet-dw")
+
+        def compute_all():
+            t0 = time.perf_counter()
+            out = [item.compute() for item in items]
+            return out, 1e3 * (time.perf_counter() - t0)
+
+        return items, self._executor.submit(compute_all)
+
+    def finish_window_async(self, handle) -> None:
+        """Join the helper thread's dW GEMMs and accumulate them (main thread)."""
+        if handle is None:
+            return
+        items, fut = handle
+        grads, ms = fut.result()
+        for item, d in zip(items, grads):
+            self._accumulate(item, d)
+        self.stats.in_window += len(items)
+        self.stats.window_ms += ms
+
+    def flush(self) -> None:
+        """Run every queued dW and accumulate every partial sum: all gradients are final after it."""
+        self._callback_queued = False
+        for a2a in list(self._queue):
+            for item in self._queue.pop(a2a):
+                self._run(item)
+                self.stats.flushed += 1
+        for p in list(self._acc):          # a forward use whose backward never came: close the sum
+            self._finalize(p)
+        self._uses.clear()
+
+    def pending(self) -> int:
+        """Number of dW closures queued and not run."""
+        return sum(len(v) for v in self._queue.values())
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ accumulation
+    def _run(self, item: DeferredDW) -> None:
+        self._accumulate(item, item.compute())
+
+    def _accumulate(self, item: DeferredDW, d: torch.Tensor) -> None:
+        if item.done:
+            raise RuntimeError(f"deferred dW {item.name} ran twice")
+        item.done = True
+        self.stats.runs[item.name] += 1
+        p = item.param
+        self._acc[p] = d if p not in self._acc else self._acc[p] + d
+        self._uses[p] -= 1
+        if self._uses[p] <= 0:
+            self._finalize(p)
+
+    def _finalize(self, p: torch.nn.Parameter) -> None:
+        d = self._acc.pop(p)
+        self._uses.pop(p, None)
+        # AccumulateGrad: sets or adds .grad like the plain backward and fires grad-ready hooks once
+        torch.autograd.backward(p, d)
+
+
+# ---------------------------------------------------------------------- all-to-alls of other schedules
+
+def _is_foreign_a2a(node) -> bool:
+    name = node.name().lower()
+    return ("alltoall" in name or "all_to_all" in name) and not name.startswith("_lancet")
+
+
+def find_a2a_nodes(out: torch.Tensor, inp: Optional[torch.Tensor]) -> list:
+    """All-to-all autograd nodes created between `inp` and `out` (a layer's graph), in creation order.
+
+    The walk stops at nodes created before the layer's input (smaller sequence number).
+    """
+    root = out.grad_fn
+    if root is None:
+        return []
+    floor = inp.grad_fn._sequence_nr() if inp is not None and inp.grad_fn is not None else -1
+    seen, todo, found = set(), [root], []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node._sequence_nr() <= floor:
+            continue
+        if _is_foreign_a2a(node):
+            found.append(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return sorted(found, key=lambda n: n._sequence_nr())
+
+
+def hook_foreign_a2a(runtime: WgradRuntime, layer_idx: int, out: torch.Tensor,
+                     inp: Optional[torch.Tensor]) -> int:
+    """Add dW-window hooks to the all-to-all nodes of MoE layer `layer_idx`'s graph; returns how many.
+
+    The first all-to-all of the forward is "L{l}.moe.a2a_dispatch" and the last
+    "L{l}.moe.a2a_combine" (their backward all-to-alls carry the same names in
+    the IR); others get no dW.
+    """
+    nodes = find_a2a_nodes(out, inp)
+    for j, node in enumerate(nodes):
+        if j == 0:
+            name = f"L{layer_idx}.moe.a2a_dispatch"
+        elif j == len(nodes) - 1:
+            name = f"L{layer_idx}.moe.a2a_combine"
+        else:
+            continue
+        state: dict = {}
+
+        def pre(grad_outputs, name=name, state=state):
+            state["h"] = runtime.start_window_async(name)
+
+        def post(grad_inputs, grad_outputs, state=state):
+            runtime.finish_window_async(state.pop("h", None))
+
+        node.register_prehook(pre)
+        node.register_hook(post)
+    return len(nodes)
