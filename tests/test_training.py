@@ -105,3 +105,14 @@ def test_main_job_smoke_with_wandb_offline_and_json_log(sample_data, tmp_path):
             p = os.path.join(dirpath, f)
             with open(p, "rb") as fh:
                 assert b"secret-key-must-not-leak" not in fh.read(), p
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(sample_data):
+    from megatron_moe.training import Trainer
+    fp32 = pretrain(parse_args(tiny_args(sample_data, 5)))
+    trainer = Trainer(parse_args(tiny_args(sample_data, 5, "--bf16")))
+    bf16 = trainer.train()
+    assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in trainer.model.parameters())
+    for a, b in zip(fp32, bf16):
+        assert abs(a["loss"] - b["loss"]) < 5e-2, (a["loss"], b["loss"])
+    assert bf16[-1]["loss"] != fp32[-1]["loss"]      # bf16 really ran (round-off differs)

@@ -76,6 +76,7 @@ class IrregularA2A:
     name: Optional[str] = None
     wgrad: Optional[object] = None        # WgradRuntime
     _work: object = None
+    _send: object = None                  # keeps the send buffer alive while the message is in flight
     _bwd: tuple = ()
 
     def __post_init__(self) -> None:
@@ -90,12 +91,13 @@ class _Start(torch.autograd.Function):
         ctx.op = op
         buf = send_RM.new_empty((op.max_rows, *send_RM.shape[1:]))      # fixed maximum shape
         recv = buf[:sum(op.recv_splits)]
-        op._work = _launch(send_RM.contiguous(), recv, op.group, op.send_splits, op.recv_splits)
+        op._send = send_RM.contiguous()
+        op._work = _launch(op._send, recv, op.group, op.send_splits, op.recv_splits)
         return recv
 
     @staticmethod
     def backward(ctx, _g):
-        out, work = ctx.op._bwd
+        out, work, _ = ctx.op._bwd
         work.wait()
         ctx.op._bwd = ()
         return out, None
@@ -106,7 +108,7 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, recv_RM, op: IrregularA2A):
         ctx.op = op
         op._work.wait()
-        op._work = None
+        op._work = op._send = None
         return recv_RM
 
     @staticmethod
@@ -114,7 +116,7 @@ class _Finish(torch.autograd.Function):
         op = ctx.op
         g = g.contiguous()
         out = g.new_empty((sum(op.send_splits), *g.shape[1:]))
-        op._bwd = (out, _launch(g, out, op.group, op.recv_splits, op.send_splits))
+        op._bwd = (out, _launch(g, out, op.group, op.recv_splits, op.send_splits), g)
         if op.wgrad is not None and op.name is not None:
             op.wgrad.run_window(op.name)        # dW GEMMs while the gradient is on the wire
         return g, None

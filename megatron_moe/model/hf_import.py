@@ -31,37 +31,40 @@ def config_from_hf(hf_config, num_experts: int = 0, moe_layer_freq: int = 2, top
     return cfg
 
 
+def _block_map(i: int) -> list[tuple[str, str, bool]]:
+    """(our name, HF name, transpose?) of every dense tensor of block i (MLP included)."""
+    b, h = f"blocks.{i}.", f"h.{i}."
+    pairs = [("ln1", "ln_1", False), ("ln2", "ln_2", False), ("attn.qkv", "attn.c_attn", True),
+             ("attn.proj", "attn.c_proj", True), ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
+    out = []
+    for ours, theirs, conv1d in pairs:
+        out.append((f"{b}{ours}.weight", f"{h}{theirs}.weight", conv1d))
+        out.append((f"{b}{ours}.bias", f"{h}{theirs}.bias", False))
+    return out
+
+
+_TOP = [("wpe", "wpe.weight"), ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
+
+
 def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float = 1e-3) -> dict:
     """Map a GPT2LMHeadModel state dict onto our parameter names (full shapes)."""
     sd = {k.removeprefix("transformer."): v.detach().float() for k, v in hf_sd.items()}
     m = cfg.model
-    out = {}
     wte = sd["wte.weight"]
     pad = cfg.padded_vocab_size - wte.size(0)
-    out["wte.weight"] = torch.cat([wte, wte.new_zeros(pad, wte.size(1))]) if pad else wte.clone()
-    out["wpe"] = sd["wpe.weight"].clone()
+    out = {"wte.weight": torch.cat([wte, wte.new_zeros(pad, wte.size(1))]) if pad else wte.clone()}
+    out.update({ours: sd[theirs].clone() for ours, theirs in _TOP})
     for i in range(m.num_layers):
-        h, b = f"h.{i}.", f"blocks.{i}."
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            out[b + ours + ".weight"] = sd[h + theirs + ".weight"].clone()
-            out[b + ours + ".bias"] = sd[h + theirs + ".bias"].clone()
-        out[b + "attn.qkv.weight"] = sd[h + "attn.c_attn.weight"].t().contiguous()
-        out[b + "attn.qkv.bias"] = sd[h + "attn.c_attn.bias"].clone()
-        out[b + "attn.proj.weight"] = sd[h + "attn.c_proj.weight"].t().contiguous()
-        out[b + "attn.proj.bias"] = sd[h + "attn.c_proj.bias"].clone()
-        fc_w, fc_b = sd[h + "mlp.c_fc.weight"].t().contiguous(), sd[h + "mlp.c_fc.bias"]
-        pr_w, pr_b = sd[h + "mlp.c_proj.weight"].t().contiguous(), sd[h + "mlp.c_proj.bias"]
+        for ours, theirs, conv1d in _block_map(i):
+            out[ours] = sd[theirs].t().contiguous() if conv1d else sd[theirs].clone()
         if cfg.is_moe_layer(i):
-            E = cfg.moe.num_experts
+            # upcycling: every expert starts as the block's MLP; the gate is small and random
+            b, E = f"blocks.{i}.", cfg.moe.num_experts
             out[b + "moe.gate_w"] = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b)) * gate_std
-            out[b + "moe.experts.fc_w"] = fc_w[None].repeat(E, 1, 1)
-            out[b + "moe.experts.fc_b"] = fc_b[None].repeat(E, 1)
-            out[b + "moe.experts.proj_w"] = pr_w[None].repeat(E, 1, 1)
-            out[b + "moe.experts.proj_b"] = pr_b[None].repeat(E, 1)
-        else:
-            out[b + "mlp.fc.weight"], out[b + "mlp.fc.bias"] = fc_w, fc_b.clone()
-            out[b + "mlp.proj.weight"], out[b + "mlp.proj.bias"] = pr_w, pr_b.clone()
-    out["ln_f.weight"], out["ln_f.bias"] = sd["ln_f.weight"].clone(), sd["ln_f.bias"].clone()
+            for ours, mlp in (("fc_w", "fc.weight"), ("fc_b", "fc.bias"), ("proj_w", "proj.weight"),
+                              ("proj_b", "proj.bias")):
+                t = out.pop(f"{b}mlp.{mlp}")
+                out[f"{b}moe.experts.{ours}"] = t[None].repeat(E, *([1] * t.dim()))
     return out
 
 
@@ -70,21 +73,10 @@ def hf_state_from_full(full: dict, cfg: Config) -> dict:
     if cfg.moe.num_experts and any(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers)):
         raise ValueError("a model with MoE layers cannot be exported as GPT2LMHeadModel")
     m = cfg.model
-    sd = {"transformer.wte.weight": full["wte.weight"][: m.vocab_size].clone(),
-          "transformer.wpe.weight": full["wpe"].clone()}
+    sd = {"transformer.wte.weight": full["wte.weight"][: m.vocab_size].clone()}
+    sd.update({"transformer." + theirs: full[ours].clone() for ours, theirs in _TOP})
     for i in range(m.num_layers):
-        h, b = f"transformer.h.{i}.", f"blocks.{i}."
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            sd[h + theirs + ".weight"] = full[b + ours + ".weight"].clone()
-            sd[h + theirs + ".bias"] = full[b + ours + ".bias"].clone()
-        sd[h + "attn.c_attn.weight"] = full[b + "attn.qkv.weight"].t().contiguous()
-        sd[h + "attn.c_attn.bias"] = full[b + "attn.qkv.bias"].clone()
-        sd[h + "attn.c_proj.weight"] = full[b + "attn.proj.weight"].t().contiguous()
-        sd[h + "attn.c_proj.bias"] = full[b + "attn.proj.bias"].clone()
-        sd[h + "mlp.c_fc.weight"] = full[b + "mlp.fc.weight"].t().contiguous()
-        sd[h + "mlp.c_fc.bias"] = full[b + "mlp.fc.bias"].clone()
-        sd[h + "mlp.c_proj.weight"] = full[b + "mlp.proj.weight"].t().contiguous()
-        sd[h + "mlp.c_proj.bias"] = full[b + "mlp.proj.bias"].clone()
-    sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"] = full["ln_f.weight"].clone(), full["ln_f.bias"].clone()
+        for ours, theirs, conv1d in _block_map(i):
+            sd["transformer." + theirs] = full[ours].t().contiguous() if conv1d else full[ours].clone()
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     return sd

@@ -1,0 +1,194 @@
+"""Profile the MoE collectives on the run's real groups, fit alpha-beta, cache the fit, pick schedules.
+
+`load_or_profile(ps, max_elements, path)` is collective over the world:
+  1. rank 0 reads the cache file `path` (--comm-profile) if it exists; it is
+     reused when it was written for the same layout (world size, MP, EP, ESP,
+     backend, device, processes per node) and covers `max_elements`;
+  2. otherwise every rank times each collective of PROFILED on its own group of
+     that kind (all groups of a kind run at once, as in training) for sizes from
+     1 KB up to `max_elements` fp32 elements (x4 steps); the per-size medians are
+     all-reduced with MAX over the world, the fit runs on those, and rank 0
+     writes the cache (temporary name, then rename);
+  3. rank 0 broadcasts the fitted numbers, so every rank holds bit-identical
+     values and Algorithm 1 makes the same choice everywhere (a different choice
+     on two ranks would hang the run).
+`choose_for_layer(cfg, ps, layer_idx)` applies Algorithm 1 to one MoE layer of
+the model config and logs the choice and predicted times on rank 0.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed import collectives as coll
+from megatron_moe.moe.cost_model import AlphaBeta, Choice, CommModel, MoEShape, choose_schedule, fit_alpha_beta
+
+log = logging.getLogger("megatron_moe.parm")
+
+PROFILED = (("all_to_all", "ep_esp"), ("all_gather", "mp"), ("all_reduce", "mp"), ("all_to_all", "ep"),
+            ("all_gather", "esp"), ("all_reduce", "esp"), ("reduce_scatter", "esp"))
+MIN_ELEMENTS = 256                 # 1 KB of fp32
+MAX_PROFILE_ELEMENTS = 1 << 24     # 64 MB: larger messages are extrapolated from the fit
+CACHE_VERSION = 1
+
+_MEMO: dict = {}
+
+
+def profile_sizes(max_elements: int, min_elements: int = MIN_ELEMENTS, factor: int = 4) -> list[int]:
+    """Message sizes [elements]: min, min*factor, ... and max (at least two sizes)."""
+    top = max(min(int(max_elements), MAX_PROFILE_ELEMENTS), 2 * min_elements)
+    sizes, n = [], min_elements
+    while n < top:
+        sizes.append(n)
+        n *= factor
+    return sizes + [top]
+
+
+def _run_once(op: str, group, t: torch.Tensor) -> None:
+    if op == "all_to_all":
+        coll.all_to_all_raw(t, group)
+    elif op == "all_gather":
+        coll.all_gather_raw(t, group)
+    elif op == "all_reduce":
+        coll.all_reduce_raw(t, group)
+    elif op == "reduce_scatter":
+        coll.reduce_scatter_raw(t, group)
+    else:
+        raise ValueError(f"unknown collective {op!r}")
+
+
+def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1, device=None) -> float:
+    """Median wall time [s] of `op` on `group` for an n-element fp32 message (n rounded up to the group size)."""
+    size = coll.group_size(group)
+    n = -(-n // size) * size
+    t = torch.ones(n, device=device)
+    samples = []
+    for i in range(warmup + reps):
+        dist.barrier(group=group)
+        if t.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _run_once(op, group, t)
+        if t.is_cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return float(sorted(samples)[len(samples) // 2])
+
+
+def layout_key(ps) -> dict:
+    """What a cached profile must match to be reused."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"world_size": ps.layout.world_size, "mp": ps.layout.mp, "ep": ps.layout.ep, "esp": ps.layout.esp,
+            "backend": str(ps.backend), "device": dev, "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
+
+
+def _kinds(ps) -> list[tuple[str, str]]:
+    return [(op, kind) for op, kind in PROFILED if ps.size(kind) > 1]
+
+
+def profile(ps, max_elements: int, reps: int = 3, warmup: int = 1) -> tuple[CommModel, dict]:
+    """Time every collective of PROFILED on this rank's groups; returns (fitted model, raw table)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if ps.backend == "nccl" else None
+    sizes = profile_sizes(max_elements)
+    kinds = _kinds(ps)
+    times = torch.tensor([[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes]
+                          for op, kind in kinds], dtype=torch.float64).reshape(len(kinds), len(sizes))
+    if device is not None:
+        times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)      # every rank fits the same numbers
+    times = times.cpu()
+    costs, raw = {}, {}
+    for i, (op, kind) in enumerate(kinds):
+        costs[f"{op}@{kind}"] = fit_alpha_beta(sizes, times[i].tolist())
+        raw[f"{op}@{kind}"] = {"sizes": sizes, "times": times[i].tolist()}
+    return CommModel(costs, "profile"), raw
+
+
+def _read_cache(path: str, key: dict, max_elements: int):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != CACHE_VERSION or data.get("layout") != key:
+        return None
+    if data.get("max_elements", 0) < min(max_elements, MAX_PROFILE_ELEMENTS):
+        return None
+    return CommModel({k: AlphaBeta(v["alpha"], v["beta"]) for k, v in data["costs"].items()}, "cache")
+
+
+def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: dict) -> None:
+    """Write the fit as JSON (temporary file, then rename)."""
+    data = {"version": CACHE_VERSION, "layout": key, "max_elements": int(max_elements),
+            "units": "alpha [s], beta [s per fp32 element], size = elements one rank puts in",
+            "costs": {k: {"alpha": ab.alpha, "beta": ab.beta, **raw.get(k, {})} for k, ab in model.costs.items()}}
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _broadcast(ps, model: CommModel, source: str) -> CommModel:
+    names = [f"{op}@{kind}" for op, kind in _kinds(ps)]
+    vals = torch.tensor([[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0]
+                         for n in names], dtype=torch.float64).reshape(len(names), 2)
+    if ps.backend == "nccl":
+        vals = vals.cuda()
+    dist.broadcast(vals, src=0)
+    vals = vals.cpu()
+    return CommModel({n: AlphaBeta(float(vals[i, 0]), float(vals[i, 1])) for i, n in enumerate(names)}, source)
+
+
+def load_or_profile(ps, max_elements: int, path: str | None = None, reps: int = 3) -> CommModel:
+    """The fitted model for this layout (collective over the world; see the module docstring)."""
+    if not _kinds(ps) or not dist.is_initialized():
+        return CommModel({}, "none")               # nothing to communicate: every schedule is free
+    key = layout_key(ps)
+    cached = _read_cache(path, key, max_elements) if path and dist.get_rank() == 0 else None
+    flag = torch.tensor([1 if cached is not None else 0])
+    if ps.backend == "nccl":
+        flag = flag.cuda()
+    dist.broadcast(flag, src=0)
+    if int(flag.item()):
+        return _broadcast(ps, cached if cached is not None else CommModel(), "cache")
+    model, raw = profile(ps, max_elements, reps)
+    if path and dist.get_rank() == 0:
+        write_cache(path, key, max_elements, model, raw)
+    return _broadcast(ps, model, "profile")
+
+
+def shape_of(cfg, ps) -> MoEShape:
+    """The MoE layer shape Algorithm 1 sees for a config and layout."""
+    m, moe = cfg.model, cfg.moe
+    return MoEShape(B=cfg.train.micro_batch_size, L=m.seq_length, M=m.hidden_size, E=moe.num_experts,
+                    k=moe.moe_router_topk, f=moe.moe_expert_capacity_factor, n_mp=ps.size("mp"),
+                    n_ep=ps.size("ep"), n_esp=ps.size("esp"), min_capacity=moe.moe_min_capacity)
+
+
+def comm_model_for(ps, max_elements: int, path: str | None = None) -> CommModel:
+    """`load_or_profile`, remembered per layout and cache path for the life of the process."""
+    key = (tuple(sorted(layout_key(ps).items())), path)
+    hit = _MEMO.get(key)
+    if hit is None or hit[0] < min(max_elements, MAX_PROFILE_ELEMENTS):
+        _MEMO[key] = (min(max_elements, MAX_PROFILE_ELEMENTS), load_or_profile(ps, max_elements, path))
+    return _MEMO[key][1]
+
+
+def choose_for_layer(cfg, ps, layer_idx: int) -> Choice:
+    """Algorithm 1 for one MoE layer (--moe-schedule auto); identical on every rank; logged on rank 0."""
+    sh = shape_of(cfg, ps)
+    model = comm_model_for(ps, sh.largest_message(), cfg.moe.comm_profile)
+    choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("parm: layer %d B=%d L=%d M=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s [model: %s]",
+                 layer_idx, sh.B, sh.L, sh.M, sh.E, sh.k, sh.f, sh.n_mp, sh.n_ep, sh.n_esp,
+                 choice.describe(), model.source)
+    return choice
