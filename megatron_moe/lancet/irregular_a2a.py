@@ -56,7 +56,7 @@ def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:
         return counts_DX.clone()
     send = counts_DX.to(torch.int64).contiguous()
     out = torch.empty_like(send)
-    _launch(send, out, group, [send.size(1)] * send.size(0), [send.size(1)] * send.size(0)).wait()
+    _launch(send, out, group, [1] * send.size(0), [1] * send.size(0)).wait()
     return out
 
 

@@ -48,9 +48,11 @@ class ColumnParallelLinear(nn.Module):
                                  f"{name}.weight")
         self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
+        # F.linear, or Lancet's replacement that defers the weight-gradient GEMM (lancet/wgrad_runtime.py)
+        self.linear_fn = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        y = self.linear_fn(copy_to_group(x, self.group), self.weight, self.bias)
         return gather_from_group(y, self.group, dim=-1) if self.gather_output else y
 
 
@@ -68,9 +70,10 @@ class RowParallelLinear(nn.Module):
                                  InitSpec("normal", std), ps, seed, f"{name}.weight")
         self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
+        self.linear_fn = F.linear             # as in ColumnParallelLinear (Lancet may defer dW)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        y = reduce_from_group(self.linear_fn(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 

@@ -13,9 +13,10 @@ the backward moves the same messages, so every time below is forward + backward)
   baseline  all_gather@esp E C M; all_to_all@ep N_ESP E C M (x2);
             all_reduce@esp N_ESP E C M; backward: reduce_scatter@esp instead of the all-gather
   S1        all_gather@mp 2 k E (int64 counts); all_to_all@ep_esp 2 N_ESP E (counts);
-            all_reduce@mp E + 1 (aux sums); all_to_all@ep_esp N_ESP E C_mp M (x2, at most:
-            only kept tokens travel); all_gather@mp S M / N_MP (output; backward: the
-            input gradient); backward all_reduce@mp E M (gate gradient)
+            all_reduce@mp E + 1 (aux sums); all_to_all@ep_esp N_ESP min(k S, E C) M / N_MP
+            (x2: only the rank's kept choices travel; balanced routing assumed);
+            all_gather@mp S M / N_MP (output; backward: the input gradient);
+            backward all_reduce@mp E M (gate gradient)
   S2        all_to_all@ep_esp N_ESP E C_mp M; then the return all-to-all of the same
             size overlapped with all_gather@mp E C_mp M (SAA); the backward repeats both
 Parm's Algorithm 1 (our rendition): predict T_S1 and T_S2 from these messages and
@@ -128,9 +129,9 @@ def time_baseline(model: CommModel, sh: MoEShape) -> float:
 
 
 def time_s1(model: CommModel, sh: MoEShape) -> float:
-    """Forward + backward communication time of S1 [s] (capacity-filled all-to-alls)."""
+    """Forward + backward communication time of S1 [s]."""
     t = lambda op, g, n: _sized(model, sh, op, g, n)  # noqa: E731
-    a2a = t("all_to_all", "ep_esp", sh.n_esp * sh.E * sh.C_mp * sh.M)
+    a2a = t("all_to_all", "ep_esp", sh.n_esp * min(sh.k * sh.S, sh.E * sh.C) * sh.M / sh.n_mp)
     small = (t("all_gather", "mp", 2 * sh.k * sh.E) + t("all_to_all", "ep_esp", 2 * sh.n_esp * sh.E)
              + t("all_reduce", "mp", sh.E + 1))
     gather = t("all_gather", "mp", sh.S * sh.M // sh.n_mp)
@@ -185,3 +186,62 @@ def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True) -> Choice:
 def with_degrees(sh: MoEShape, **kw) -> MoEShape:
     """A copy of `sh` with some fields changed (for sweeps)."""
     return replace(sh, **kw)
+
+
+# ----------------------------------------------------------------------------- the paper's grid (simulator)
+
+# Parm Table III: P, N_MP, N_ESP, B, L, M / N_ESP (= H / N_ESP), f
+PAPER_GRID = {"P": (8, 16, 32), "n_mp": (1, 2, 4), "n_esp": (1, 2, 4), "B": (2, 4, 8), "L": (512, 1024, 2048),
+              "m": (1024, 2048, 4096), "f": (1.2, 2.4)}
+# the paper's fitted MP all-gather on its 8-GPU server: alpha [s], beta [s per element]
+PAPER_ALLGATHER = AlphaBeta(6.64e-4, 5.38e-10)
+MODEL_KEYS = ("all_to_all@ep_esp", "all_gather@mp", "all_reduce@mp", "all_to_all@ep", "all_gather@esp",
+              "all_reduce@esp", "reduce_scatter@esp")
+
+
+def uniform_model(ab: AlphaBeta, **overrides: AlphaBeta) -> CommModel:
+    """Every collective of MODEL_KEYS costs `ab`, except those in overrides ('all_to_all' -> every all-to-all,
+    'all_gather@mp' -> one entry)."""
+    costs = {}
+    for key in MODEL_KEYS:
+        op = key.split("@")[0]
+        costs[key] = overrides.get(key, overrides.get(op, ab))
+    return CommModel(costs, "given")
+
+
+def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | None = None) -> dict:
+    """Predicted communication speedups over the baseline, averaged per (N_MP, N_ESP) like Parm's Table IV.
+
+    Every configuration of `grid` (default PAPER_GRID) with N_MP * N_ESP <= P gets
+    M = N_ESP * m, one expert per EP rank (E = N_EP = P / N_ESP; E cancels out of
+    the volumes except for rounding), top-k. The alpha-beta costs do not depend on
+    the group size here (a first-order what-if). Returns {(n_mp, n_esp):
+    {"s1", "s2", "parm", "picked_s1" (fraction), "configs"}}; "parm" uses
+    Algorithm 1's pick per configuration.
+    """
+    g = PAPER_GRID if grid is None else grid
+    acc: dict = {}
+    for P in g["P"]:
+        for n_mp in g["n_mp"]:
+            for n_esp in g["n_esp"]:
+                if n_mp * n_esp > P or P % n_esp:
+                    continue
+                for B in g["B"]:
+                    for L in g["L"]:
+                        for m in g["m"]:
+                            for f in g["f"]:
+                                n_ep = P // n_esp
+                                sh = MoEShape(B, L, n_esp * m, n_ep, k, f, n_mp, n_ep, n_esp)
+                                c = choose_schedule(model, sh, saa)
+                                base = c.times["baseline"]
+                                row = acc.setdefault((n_mp, n_esp), {"s1": 0.0, "s2": 0.0, "parm": 0.0,
+                                                                     "picked_s1": 0.0, "configs": 0})
+                                row["s1"] += base / c.times["s1"]
+                                row["s2"] += base / c.times["s2"]
+                                row["parm"] += base / c.times[c.schedule]
+                                row["picked_s1"] += c.schedule == "s1"
+                                row["configs"] += 1
+    for row in acc.values():
+        for key in ("s1", "s2", "parm", "picked_s1"):
+            row[key] /= row["configs"]
+    return acc

@@ -41,13 +41,22 @@ class Experts(nn.Module):
                                  f"{name}.proj_b")
         self.m_lo = self.esp_rank * (M // self.esp_size)
         self.num_local = E // ps.size("ep")
+        # Lancet's dW scheduling installs (fc, proj) batched linears that defer the weight-gradient
+        # GEMMs: fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (lancet/wgrad_runtime.py)
+        self.deferred_bmm = None
 
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""
-        fc_w, fc_b = scale_grad(self.fc_w, grad_scale), scale_grad(self.fc_b, grad_scale)
-        proj_w, proj_b = scale_grad(self.proj_w, grad_scale), scale_grad(self.proj_b, grad_scale)
-        h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM, fc_w.transpose(1, 2).to(x_ENM.dtype)))
-        y = torch.bmm(h, proj_w.transpose(1, 2).to(h.dtype))
+        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        if self.deferred_bmm is not None and torch.is_grad_enabled() and x_ENM.requires_grad:
+            fc, proj = self.deferred_bmm
+            h = gelu_tanh(fc(x_ENM, self.fc_w, fc_b[:, None, :].to(x_ENM.dtype), grad_scale))
+            y = proj(h, self.proj_w, None, grad_scale)
+        else:
+            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+            h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM,
+                                        fc_w.transpose(1, 2).to(x_ENM.dtype)))
+            y = torch.bmm(h, proj_w.transpose(1, 2).to(h.dtype))
         M, m_l = y.size(-1), proj_b.size(1)
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))        # [E_l, M], zeros off our columns
         return y + bias[:, None, :].to(y.dtype)

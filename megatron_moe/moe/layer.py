@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from megatron_moe.distributed.collectives import copy_to_group
+from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.model.sharding import InitSpec, ShardSpec
 from megatron_moe.model.tensor_parallel import make_param
 from megatron_moe.moe.experts import Experts
@@ -36,7 +37,14 @@ class MoELayer(nn.Module):
         self.k, self.cf, self.min_cap = moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity
         self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
         self.routing_groups = routing_groups
-        self.schedule = "baseline" if moe.moe_schedule == "auto" else moe.moe_schedule
+        self.schedule = moe.moe_schedule
+        self.saa_chunks = SAA_CHUNKS
+        self.schedule_choice = None       # Algorithm 1's decision (cost_model.Choice) under auto
+        if moe.moe_schedule == "auto":
+            # collective over the world (profile or cached fit); the same answer on every rank
+            from megatron_moe.moe.comm_profile import choose_for_layer
+            self.schedule_choice = choose_for_layer(cfg, ps, layer_idx)
+            self.schedule, self.saa_chunks = self.schedule_choice.schedule, self.schedule_choice.saa_chunks
         self.s1_local_capacity = moe.moe_s1_local_capacity
         self.saa = moe.moe_saa
         # the gate is replicated everywhere and kept in fp32
@@ -88,6 +96,9 @@ class MoELayer(nn.Module):
         if B % G:
             raise ValueError(f"batch {B} is not divisible into {G} routing groups")
         x_GSM = x_BTM.reshape(G, (B // G) * T, M)
-        y_GSM, aux = SCHEDULES[self.schedule](self, x_GSM)
+        name = self.schedule
+        if name == "s1" and self.schedule_choice is not None and x_GSM.size(1) % self.ps.size("mp"):
+            name = "s2"   # auto: these tokens do not split evenly over MP (same on every rank)
+        y_GSM, aux = SCHEDULES[name](self, x_GSM)
         self._calls += 1
         return y_GSM.reshape(B, T, M), aux

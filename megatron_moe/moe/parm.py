@@ -40,7 +40,7 @@ import torch
 
 from megatron_moe.distributed.collectives import (all_gather_raw, all_to_all, all_to_all_raw, gather_from_group,
                                                   reduce_from_group, scatter_to_group)
-from megatron_moe.distributed.saa import a2a_combine_gather
+from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe.dispatch import combine, dispatch
 from megatron_moe.moe.router import (aux_loss_from_terms, capacity, choice_counts, choose_experts_slice,
                                      finish_route, slot_positions, token_order)
@@ -60,6 +60,7 @@ class UnevenPlan:
         group = ps.group("ep_esp")
         n_ep, n_esp = ps.size("ep"), ps.size("esp")
         E_l = num_experts // n_ep
+        dev = expert_sorted_K.device                    # collectives run on the model's device (NCCL: CUDA)
         per_ep_E = torch.bincount(expert_sorted_K, minlength=num_experts).view(n_ep, E_l)
         K_ep = per_ep_E.sum(dim=1).tolist()
         start, dump = 0, []
@@ -67,7 +68,7 @@ class UnevenPlan:
             block = torch.arange(start, start + K_ep[ep])
             dump += [block] * n_esp                  # one copy per ESP shard of these experts
             start += K_ep[ep]
-        self.dump_idx = torch.cat(dump).to(expert_sorted_K.device)
+        self.dump_idx = torch.cat(dump).to(dev)
         self.in_splits = [K_ep[ep] for ep in range(n_ep) for _ in range(n_esp)]
         # receivers learn how many rows of each local expert every peer sends
         send_counts = per_ep_E.repeat_interleave(n_esp, dim=0).contiguous()       # [D, E_l]
@@ -82,7 +83,7 @@ class UnevenPlan:
         within = torch.arange(total) - torch.repeat_interleave(block_first, flat)
         row = (torch.repeat_interleave(block_expert, flat) * self.rows_per_expert
                + torch.repeat_interleave(block_pos, flat) + within)
-        self.recv_row = row.to(expert_sorted_K.device)
+        self.recv_row = row.to(dev)
         self.num_local = E_l
 
 
@@ -196,7 +197,7 @@ def s1(layer, x_GSM: torch.Tensor):
     weight = torch.cat([rt.weight[m] for rt, m in zip(routes, kept)])
     order = torch.argsort(key)                                                     # by expert, group, slot
     token, expert, weight = token[order], expert[order], weight[order]
-    plan = UnevenPlan(expert.cpu(), layer.num_experts, ps)
+    plan = UnevenPlan(expert, layer.num_experts, ps)
     x_flat = x_l.reshape(G * S_l, M)
     out = ep_esp_uneven(x_flat.index_select(0, token), plan, layer)
     y_l = x_flat.new_zeros(G * S_l, M).index_add(0, token, out * weight[:, None].to(out.dtype))
@@ -214,6 +215,7 @@ class _S2Ctx:
         self.n_ep, self.n_esp, self.n_mp, self.r = ps.size("ep"), ps.size("esp"), ps.size("mp"), ps.rank("mp")
         self.E, self.G, self.C_mp = layer.num_experts, G, C_mp
         self.saa = layer.saa
+        self.chunks = getattr(layer, "saa_chunks", SAA_CHUNKS)
 
     def dump_a2a(self, own_EGCM: torch.Tensor) -> torch.Tensor:
         """This rank's slots [E, G, C_mp, M] -> local dump -> all-to-all -> expert input [E_l, D*G*C_mp, M]."""
@@ -230,11 +232,12 @@ class _S2Ctx:
         E_l, _, M = x_LRM.shape
         D = self.n_ep * self.n_esp
         send = x_LRM.reshape(E_l, D, self.G * self.C_mp, M).permute(1, 0, 2, 3).contiguous()
-        full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa)
+        full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa,
+                                  chunks=self.chunks)
         return full.view(self.n_mp, self.E, self.G, self.C_mp, M).permute(1, 2, 0, 3, 4).contiguous()
 
 
-class _S2Dispatch(torch.autograd.Function):
+class _S2DispatchAllToAll(torch.autograd.Function):
     """fwd: keep own slots (MP split), local dump, all-to-all; bwd: all-to-all, ESP sum, MP all-gather (SAA)."""
 
     @staticmethod
@@ -247,7 +250,7 @@ class _S2Dispatch(torch.autograd.Function):
         return ctx.s2.a2a_gather(grad.contiguous()), None
 
 
-class _S2Return(torch.autograd.Function):
+class _S2ReturnAllToAll(torch.autograd.Function):
     """fwd: return all-to-all, local combine, MP all-gather (SAA); bwd: own slots, local dump, all-to-all.
 
     The gathered buffer feeds a combine that every MP rank computes alike, so the
@@ -274,8 +277,8 @@ def s2(layer, x_GSM: torch.Tensor):
     routes, idx, _, aux = route_groups(layer, x_GSM, slots_per_group=C_mp * n_mp)
     buf = dispatch(x_GSM.reshape(G * S, M), idx, E * G * C_mp * n_mp).view(E, G, n_mp, C_mp, M)
     s2ctx = _S2Ctx(layer, G, C_mp)
-    x_in = _S2Dispatch.apply(buf, s2ctx)
+    x_in = _S2DispatchAllToAll.apply(buf, s2ctx)
     partial = layer.experts(x_in)
-    out = _S2Return.apply(partial, s2ctx)
+    out = _S2ReturnAllToAll.apply(partial, s2ctx)
     y = combine(out.reshape(E * G * C_mp * n_mp, M), idx, G * S)
     return y.view(G, S, M), aux

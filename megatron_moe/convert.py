@@ -1,0 +1,517 @@
+"""Checkpoint conversion: consolidate sharded checkpoints, reshard, and move to/from other formats.
+
+Everything goes through one layout-free form, `FullCheckpoint`: every parameter
+and every optimizer-state tensor whole, plus the config, counters and per-rank
+RNG states. Reading assembles each tensor from the rank shards with the shard
+specs saved in metadata.json (`megatron_moe.model.sharding`); writing slices the
+full tensors again for every rank of the target layout with `coords_of`, so a
+reshard is exact: nothing is recomputed, values are only cut and concatenated.
+
+Formats (see docs/TOOLS.md):
+  sharded      DIR/latest + DIR/iter_XXXXXXX/{metadata.json, rank_XXXXX.safetensors}
+               (what the trainer writes with --save and reads with --load)
+  consolidated FILE.safetensors (full parameters, our names) + FILE.json (config, counters, specs)
+  Hugging Face a GPT2LMHeadModel `save_pretrained` directory (dense models only)
+Every output is written under a temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from megatron_moe.arguments import config_from_dict, config_to_dict, validate
+from megatron_moe.checkpointing import FORMAT_VERSION, iter_dir, latest_iteration, shard_name
+from megatron_moe.config import Config
+from megatron_moe.model.sharding import ShardSpec, coords_key, coords_of, local_shape, shard_tensor, unshard_tensor
+
+CONSOLIDATED_FORMAT = "megatron_moe.consolidated"
+
+
+@dataclass
+class FullCheckpoint:
+    """A checkpoint with every tensor whole (independent of any parallel layout).
+
+    model: name -> full parameter; specs: name -> how it is split across ranks;
+    optim: name -> {state key: full tensor (param-shaped) or 0-dim scalar such as `step`};
+    rng: per source rank {"rng/torch": ..., ...}; meta: iteration, consumed_samples,
+    router_calls, optimizer and anything else the source metadata carried.
+    """
+
+    cfg: Config
+    model: dict
+    specs: dict
+    optim: dict = field(default_factory=dict)
+    rng: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is corrupt (not valid JSON: {e})") from e
+
+
+def spec_from_json(d: dict) -> ShardSpec:
+    """A ShardSpec from its metadata.json form {"dims": [[dim, kind], ...], "expert": bool}."""
+    return ShardSpec(tuple((int(dim), str(kind)) for dim, kind in d["dims"]), bool(d["expert"]))
+
+
+def specs_to_json(model: dict, specs: dict) -> dict:
+    """metadata.json form of the shard specs (with each parameter's full shape)."""
+    return {n: {"dims": [list(d) for d in specs[n].dims], "expert": specs[n].expert,
+                "full_shape": list(model[n].shape)} for n in model}
+
+
+def structure_specs(cfg: Config) -> dict:
+    """Shard spec of every parameter of the model `cfg` describes, {name: ShardSpec}.
+
+    Specs depend on the module structure only (layers, MoE blocks), not on sizes,
+    so they are read off a one-process model built with every size shrunk to 1:
+    cheap even for a model whose full weights would take gigabytes.
+    """
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.parallel_state import local_state
+    tiny = copy.deepcopy(cfg)
+    m = tiny.model
+    m.hidden_size, m.ffn_hidden_size = m.num_attention_heads, 1
+    m.seq_length = m.max_position_embeddings = m.vocab_size = m.make_vocab_size_divisible_by = 1
+    tiny.moe.comm_profile = None
+    return {n: p._shard for n, p in GPT2MoE(tiny, local_state()).named_parameters()}
+
+
+def seeded_rng_state(seed: int) -> torch.Tensor:
+    """The CPU RNG state right after `torch.manual_seed(seed)` (what a fresh run starts from)."""
+    return torch.Generator().manual_seed(seed).get_state()
+
+
+@contextmanager
+def staged_dir(final: str) -> Iterator[str]:
+    """Yield a temporary directory beside `final`; rename it to `final` on success, remove it on error."""
+    final = os.path.abspath(final)
+    if os.path.exists(final):
+        raise FileExistsError(f"{final} already exists; remove it or choose another output path")
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = f"{final}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, final)
+
+
+# ----------------------------------------------------------------------------- sharded -> full
+def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
+    """The iteration directory of `--load DIR` (DIR/latest, or `--iteration N`) or DIR itself."""
+    if iteration is not None:
+        path = iter_dir(load, iteration)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--load {load} --iteration {iteration}: {path} does not exist")
+        return path
+    if os.path.isfile(os.path.join(load, "metadata.json")):
+        return load
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load}: no such checkpoint directory")
+    return iter_dir(load, latest_iteration(load))
+
+
+def _open_shard(path: str):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint shard {path} is missing")
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises its own error type for truncated/garbled files
+        raise ValueError(f"checkpoint shard {path} is corrupt or truncated ({e})") from e
+
+
+def _get(f, path: str, key: str, shape: Optional[tuple] = None) -> torch.Tensor:
+    try:
+        t = f.get_tensor(key)
+    except Exception as e:
+        raise ValueError(f"checkpoint shard {path}: cannot read {key} ({e})") from e
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"checkpoint shard {path}: {key} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: bool = True,
+                 progress: bool = True) -> FullCheckpoint:
+    """Consolidate a sharded checkpoint (any layout) into full tensors.
+
+    Each tensor slice is read once, from the first rank that holds it (replicas
+    over data parallelism are skipped); every shard's header is still opened, so
+    a missing or truncated file is an error naming it.
+    """
+    path = checkpoint_dir(load, iteration)
+    meta_path = os.path.join(path, "metadata.json")
+    meta = _read_json(meta_path)
+    try:
+        lay = meta["layout"]
+        world, mp = lay["world_size"], lay["tensor_model_parallel_size"]
+        ep, esp = lay["expert_model_parallel_size"], lay["expert_sharding_parallel_size"]
+        specs = {n: spec_from_json(s) for n, s in meta["shard_specs"].items()}
+        shapes = {n: tuple(s["full_shape"]) for n, s in meta["shard_specs"].items()}
+        cfg = config_from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path} is corrupt or from another format ({type(e).__name__}: {e})") from e
+    pieces: dict = {n: {} for n in specs}           # name -> {coords key: slice}
+    opt_pieces: dict = {}                          # (name, state) -> {coords key: slice}
+    scalars: dict = {}                             # name -> {state: 0-dim tensor}
+    rngs = []
+    for rank in tqdm(range(world), desc="reading shards", unit="shard", disable=None if progress else True):
+        shard = os.path.join(path, shard_name(rank))
+        coords = coords_of(rank, mp, ep, esp)
+        with _open_shard(shard) as f:
+            keys = set(f.keys())
+            for name, spec in specs.items():
+                key = coords_key(coords, spec)
+                if key in pieces[name]:
+                    continue
+                if f"model/{name}" not in keys:
+                    raise ValueError(f"checkpoint shard {shard}: parameter {name} is missing")
+                pieces[name][key] = _get(f, shard, f"model/{name}", local_shape(shapes[name], spec, coords))
+            for k in sorted(keys) if with_optimizer else []:
+                if not k.startswith("optim/"):
+                    continue
+                _, name, state = k.split("/", 2)
+                if name not in specs:
+                    raise ValueError(f"checkpoint shard {shard}: optimizer state {k} of an unknown parameter")
+                key = coords_key(coords, specs[name])
+                if state in scalars.get(name, {}) or key in opt_pieces.get((name, state), {}):
+                    continue
+                t = _get(f, shard, k)
+                if t.dim() == 0:
+                    scalars.setdefault(name, {})[state] = t
+                else:
+                    _get(f, shard, k, local_shape(shapes[name], specs[name], coords))
+                    opt_pieces.setdefault((name, state), {})[key] = t
+            rngs.append({k: _get(f, shard, k) for k in sorted(keys) if k.startswith("rng/")})
+    model = {n: unshard_tensor(pieces[n], specs[n]) for n in specs}
+    optim = {n: dict(s) for n, s in scalars.items()}
+    for (name, state), p in opt_pieces.items():
+        optim.setdefault(name, {})[state] = unshard_tensor(p, specs[name])
+    keep = {k: v for k, v in meta.items() if k not in ("layout", "config", "shard_specs", "format_version")}
+    keep["source"] = {"path": os.path.abspath(path), "layout": lay}
+    return FullCheckpoint(cfg, model, specs, optim, rngs, keep)
+
+
+# ----------------------------------------------------------------------------- full -> sharded
+def _flagged(msg: str) -> str:
+    """Rename the trainer's flags in a validation message to the converter's --target-* flags."""
+    for flag in ("tensor-model-parallel-size", "expert-model-parallel-size", "expert-sharding-parallel-size"):
+        msg = msg.replace(f"--{flag}", f"--target-{flag}")
+    return msg.replace("the world size", "the world size (--target-world-size)")
+
+
+def target_config(cfg: Config, mp: int, ep: int, esp: int, world: Optional[int] = None) -> tuple[Config, int]:
+    """(config with the target parallel sizes, target world size), validated against the model.
+
+    The default world size is the smallest that can hold the layout, lcm(MP, EP x ESP);
+    data parallelism is what is left (world / MP). Errors name the --target-* flag. A saved
+    global batch that the new data-parallel size does not divide is no error (the resumed
+    run's flags decide the batch); `batch_warning` words it.
+    """
+    if world is None:
+        world = math.lcm(mp, ep * esp) if min(mp, ep, esp) >= 1 else 1
+    out = copy.deepcopy(cfg)
+    p = out.parallel
+    p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size = mp, ep, esp
+    if out.padded_vocab_size % max(mp, 1):
+        raise ValueError(f"padded vocabulary {out.padded_vocab_size} is not divisible by "
+                         f"--target-tensor-model-parallel-size {mp}")
+    try:
+        validate(copy.deepcopy(out), world)
+    except ValueError as e:
+        if "--global-batch-size" not in str(e):
+            raise ValueError(_flagged(str(e))) from None
+    return out, world
+
+
+def batch_warning(cfg: Config, world: int) -> Optional[str]:
+    """A note when the saved global batch does not split over the target data-parallel size."""
+    t = cfg.train
+    dp = world // cfg.parallel.tensor_model_parallel_size
+    if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dp):
+        return (f"note: the saved --global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{t.micro_batch_size} x data-parallel size {dp}; pass compatible batch flags when resuming")
+    return None
+
+
+def _rank_tensors(ckpt: FullCheckpoint, coords: dict, rank: int) -> dict:
+    out = {f"model/{n}": shard_tensor(t, ckpt.specs[n], coords).clone() for n, t in ckpt.model.items()}
+    for n, states in ckpt.optim.items():
+        for k, t in states.items():
+            out[f"optim/{n}/{k}"] = t.clone() if t.dim() == 0 else shard_tensor(t, ckpt.specs[n], coords).clone()
+    # RNG: target rank r continues source rank r's stream (wrapping when the target is larger)
+    rng = ckpt.rng[rank % len(ckpt.rng)] if ckpt.rng else {}
+    out.update({k: v.clone() for k, v in rng.items()})
+    out.setdefault("rng/torch", seeded_rng_state(ckpt.cfg.train.seed))
+    return out
+
+
+def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, progress: bool = True,
+                  before_commit: Optional[Callable[[str], None]] = None) -> str:
+    """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under `save`.
+
+    `save` is a checkpoint root: a new one is staged whole and renamed; into an
+    existing one the iteration directory is staged and renamed, then `latest` is
+    replaced. `before_commit(staged_iteration_dir)` runs before the rename (the
+    --verify check), so a failure leaves nothing behind. Returns the final iteration dir.
+    """
+    p = cfg.parallel
+    mp, ep, esp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size
+    iteration = int(ckpt.meta.get("iteration", 0))
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    meta = {k: v for k, v in ckpt.meta.items() if k != "source"}
+    meta.update({"format_version": FORMAT_VERSION, "iteration": iteration,
+                 "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
+                 "layout": {"world_size": world, "tensor_model_parallel_size": mp,
+                            "expert_model_parallel_size": ep, "expert_sharding_parallel_size": esp},
+                 "config": config_to_dict(cfg), "optimizer": ckpt.meta.get("optimizer"),
+                 "router_calls": list(ckpt.meta.get("router_calls") or [0] * n_moe),
+                 "shard_specs": specs_to_json(ckpt.model, ckpt.specs)})
+    if "source" in ckpt.meta:
+        meta["converted_from"] = ckpt.meta["source"]
+
+    def fill(directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        for rank in tqdm(range(world), desc="writing shards", unit="shard", disable=None if progress else True):
+            save_file(_rank_tensors(ckpt, coords_of(rank, mp, ep, esp), rank),
+                      os.path.join(directory, shard_name(rank)))
+        with open(os.path.join(directory, "metadata.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        if before_commit is not None:
+            before_commit(directory)
+
+    final = iter_dir(os.path.abspath(save), iteration)
+    if not os.path.exists(save):
+        with staged_dir(save) as root:
+            fill(iter_dir(root, iteration))
+            with open(os.path.join(root, "latest"), "w") as f:
+                f.write(str(iteration))
+        return final
+    if not os.path.isdir(save):
+        raise FileExistsError(f"--save {save} exists and is not a directory")
+    with staged_dir(final) as staged:
+        fill(staged)
+    with open(os.path.join(save, "latest.tmp"), "w") as f:
+        f.write(str(iteration))
+    os.replace(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"))
+    return final
+
+
+# ----------------------------------------------------------------------------- models and --verify
+def build_model(cfg: Config, full: dict, no_drop: bool = False):
+    """A one-process eval-mode GPT2MoE (one routing group per batch) holding the full state.
+
+    `no_drop` raises every MoE layer's capacity factor to E so that no token is dropped.
+    """
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.model.sharding import load_full_state
+    from megatron_moe.parallel_state import local_state
+    one = copy.deepcopy(cfg)
+    one.parallel.tensor_model_parallel_size = one.parallel.expert_model_parallel_size = 1
+    one.parallel.expert_sharding_parallel_size = 1
+    one.moe.comm_profile = None
+    model = GPT2MoE(one, local_state(), routing_groups=1).eval()
+    load_full_state(model, full, local_state())
+    if no_drop:
+        for layer in model.moe_layers():
+            layer.cf = float(max(layer.num_experts, 1))
+    return model
+
+
+def fixed_batch(cfg: Config, batch: int = 2, length: int = 16) -> torch.Tensor:
+    """The --verify batch: token ids [batch, T] (T = min(length, seq length)) from a seed-0 generator."""
+    T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings)
+    return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def model_logits(cfg: Config, full: dict, ids: torch.Tensor, no_drop: bool = False) -> torch.Tensor:
+    """Logits [B, T, V] over the real (unpadded) vocabulary of the model `full` on `ids` [B, T]."""
+    return build_model(cfg, full, no_drop)(ids)[..., :cfg.model.vocab_size]
+
+
+def max_logit_diff(a: FullCheckpoint, b: FullCheckpoint) -> float:
+    """max |logits_a - logits_b| on `fixed_batch` of two consolidated checkpoints of one model."""
+    ids = fixed_batch(a.cfg)
+    return float((model_logits(a.cfg, a.model, ids) - model_logits(b.cfg, b.model, ids)).abs().max())
+
+
+def optimizer_mismatches(a: FullCheckpoint, b: FullCheckpoint) -> list[str]:
+    """Names 'param/state' whose optimizer tensors differ in any bit (or exist on one side only)."""
+    keys_a = {(n, k) for n, s in a.optim.items() for k in s}
+    keys_b = {(n, k) for n, s in b.optim.items() for k in s}
+    bad = [f"{n}/{k}" for n, k in sorted(keys_a ^ keys_b)]
+    bad += [f"{n}/{k}" for n, k in sorted(keys_a & keys_b) if not torch.equal(a.optim[n][k], b.optim[n][k])]
+    return bad
+
+
+# ----------------------------------------------------------------------------- Hugging Face GPT-2
+def load_hf_model(name_or_path: str):
+    """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode)."""
+    from transformers import GPT2LMHeadModel
+    try:
+        return GPT2LMHeadModel.from_pretrained(name_or_path).eval()
+    except Exception as e:  # missing directory, no hub access, not a GPT-2: say which flag
+        raise ValueError(f"--hf {name_or_path}: cannot load a GPT2LMHeadModel ({type(e).__name__}: {e})") from e
+
+
+def import_hf(hf_model, source: str, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1,
+              capacity_factor: float = 1.0, seed: int = 0) -> FullCheckpoint:
+    """Our full checkpoint (iteration 0, no optimizer state) of a GPT2LMHeadModel; with
+    num_experts > 0 every `moe_layer_freq`-th block becomes an MoE block whose experts all
+    start as the block's MLP and whose gate is small and random (seeded by `seed`)."""
+    from megatron_moe.model.hf_import import config_from_hf, full_state_from_hf
+    cfg = config_from_hf(hf_model.config, num_experts, moe_layer_freq, topk)
+    cfg.moe.moe_expert_capacity_factor, cfg.train.seed = capacity_factor, seed
+    tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+    if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, f)) for f in tokenizer_files):
+        cfg.data.tokenizer_name_or_path = source
+    full = full_state_from_hf(hf_model.state_dict(), cfg, seed=seed)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    meta = {"iteration": 0, "consumed_samples": 0, "optimizer": None, "router_calls": [0] * n_moe,
+            "source": {"hf": source}}
+    return FullCheckpoint(cfg, full, structure_specs(cfg), meta=meta)
+
+
+@torch.no_grad()
+def hf_logit_diff(hf_model, ckpt: FullCheckpoint, no_drop: bool = False) -> float:
+    """max |logits(ours) - logits(HF)| on `fixed_batch`."""
+    ids = fixed_batch(ckpt.cfg)
+    return float((model_logits(ckpt.cfg, ckpt.model, ids, no_drop) - hf_model(ids).logits).abs().max())
+
+
+def _hf_config(cfg: Config):
+    from transformers import GPT2Config
+    m = cfg.model
+    return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
+                      n_layer=m.num_layers, n_head=m.num_attention_heads,
+                      n_inner=None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
+                      activation_function="gelu_new", layer_norm_epsilon=m.layernorm_epsilon,
+                      resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
+
+
+def _copy_tokenizer(cfg: Config, directory: str, hf_config) -> str:
+    """Save the checkpoint's tokenizer (config's --tokenizer-name-or-path, or the one beside the
+    data) into `directory`; returns what happened, in words. Best effort: never an error."""
+    from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer
+    src = cfg.data.tokenizer_name_or_path
+    if not src and cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):
+        src = f"{cfg.data.data_path}_tokenizer"
+    if not src:
+        return "tokenizer: none recorded in the config, not copied"
+    try:
+        tok = load_tokenizer(src)
+        if hasattr(tok.backend, "save_pretrained"):
+            tok.backend.save_pretrained(directory)
+        else:
+            save_tokenizer(tok, directory)
+    except Exception as e:  # a missing tokenizer must not lose the exported weights
+        return f"tokenizer: {src} could not be copied ({type(e).__name__}: {e})"
+    hf_config.bos_token_id = hf_config.eos_token_id = tok.eod
+    return f"tokenizer: copied from {src}"
+
+
+def export_hf(ckpt: FullCheckpoint, output: str, before_commit: Optional[Callable[[str], None]] = None) -> str:
+    """Write a dense checkpoint as a GPT2LMHeadModel `save_pretrained` directory; returns a
+    note on the tokenizer. `before_commit(staged_dir)` runs before the rename."""
+    from transformers import GPT2LMHeadModel
+    from megatron_moe.model.hf_import import hf_state_from_full
+    if any(ckpt.cfg.is_moe_layer(i) for i in range(ckpt.cfg.model.num_layers)):
+        raise ValueError("export-hf: the model has MoE layers, which GPT2LMHeadModel cannot hold; "
+                         "use `export` (consolidated safetensors) instead")
+    sd = hf_state_from_full(ckpt.model, ckpt.cfg)
+    hf_config = _hf_config(ckpt.cfg)
+    with staged_dir(output) as tmp:
+        note = _copy_tokenizer(ckpt.cfg, tmp, hf_config)
+        model = GPT2LMHeadModel(hf_config)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if unexpected or [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias"))]:
+            raise RuntimeError(f"export-hf: state dict mismatch (missing {missing}, unexpected {unexpected})")
+        model.save_pretrained(tmp)
+        if before_commit is not None:
+            before_commit(tmp)
+    return note
+
+
+# ----------------------------------------------------------------------------- consolidated file
+def json_path_of(path: str) -> str:
+    """The config file beside a consolidated file: FILE.safetensors -> FILE.json."""
+    return os.path.splitext(path)[0] + ".json"
+
+
+def export_file(ckpt: FullCheckpoint, output: str,
+                before_commit: Optional[Callable[[str, str], None]] = None) -> tuple[str, str]:
+    """Write the full parameters to `output` (safetensors, our names) and config/counters/specs
+    to its .json; both staged and renamed. Returns (safetensors path, json path)."""
+    js = json_path_of(output)
+    if os.path.abspath(js) == os.path.abspath(output):
+        raise ValueError(f"--output {output}: use a .safetensors file name")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp, tmp_js = f"{output}.tmp-{os.getpid()}", f"{js}.tmp-{os.getpid()}"
+    info = {"format": CONSOLIDATED_FORMAT, "format_version": FORMAT_VERSION, "config": config_to_dict(ckpt.cfg),
+            "iteration": int(ckpt.meta.get("iteration", 0)),
+            "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
+            "router_calls": ckpt.meta.get("router_calls", []), "shard_specs": specs_to_json(ckpt.model, ckpt.specs)}
+    try:
+        save_file({n: t.contiguous() for n, t in ckpt.model.items()}, tmp, metadata={"format": CONSOLIDATED_FORMAT})
+        with open(tmp_js, "w") as f:
+            json.dump(info, f, indent=1)
+        if before_commit is not None:
+            before_commit(tmp, tmp_js)
+        os.replace(tmp_js, js)
+        os.replace(tmp, output)
+    finally:
+        for p in (tmp, tmp_js):
+            if os.path.exists(p):
+                os.remove(p)
+    return output, js
+
+
+def read_file(path: str, json_path: Optional[str] = None) -> FullCheckpoint:
+    """A consolidated file (+ its .json) as a FullCheckpoint at iteration 0 without optimizer
+    state (the exported training counters are kept under meta['source'])."""
+    js = json_path or json_path_of(path)
+    info = _read_json(js)
+    if info.get("format") != CONSOLIDATED_FORMAT:
+        raise ValueError(f"{js} is not a {CONSOLIDATED_FORMAT} config (format {info.get('format')!r})")
+    cfg = config_from_dict(info["config"])
+    with _open_shard(path) as f:
+        model = {k: _get(f, path, k) for k in f.keys()}
+    specs = ({n: spec_from_json(s) for n, s in info["shard_specs"].items()} if "shard_specs" in info
+             else structure_specs(cfg))
+    if set(specs) != set(model):
+        raise ValueError(f"{path}: tensors {sorted(set(specs) ^ set(model))} do not match the model in {js}")
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    meta = {"iteration": 0, "consumed_samples": 0, "optimizer": None, "router_calls": [0] * n_moe,
+            "source": {"file": os.path.abspath(path), "iteration": info.get("iteration"),
+                       "consumed_samples": info.get("consumed_samples")}}
+    return FullCheckpoint(cfg, model, specs, meta=meta)
+
+
+def read_any(load: str, iteration: Optional[int] = None, with_optimizer: bool = True,
+             progress: bool = True) -> FullCheckpoint:
+    """A sharded checkpoint directory (any layout) or a consolidated .safetensors file."""
+    if os.path.isfile(load):
+        return read_file(load)
+    return read_sharded(load, iteration, with_optimizer, progress)

@@ -1,0 +1,341 @@
+"""Lancet's view of a concrete model: profiled costs, the forward op list and its CP-SAT IR.
+
+Legend: B micro-batch, T sequence, S = B*T tokens, M model dim, H ffn dim,
+E experts (E_l local), C capacity, K experts per token, D ranks of the token
+all-to-all group.
+
+`profile_costs` measures this rank's compute ops (OpProfiler: once per op
+and shape, on random inputs of the model's shapes, local GEMMs only, no
+collectives, so ranks never wait on each other) and `profile_a2a_model` the
+all-to-all of the token group at 1 KB .. the largest message, doubling
+(a collective: every rank calls it). From those:
+
+  forward op list   per block: ln1, attn.qkv, attn.core, attn.proj, ln2, then
+                    mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch
+                    (comm, bytes), moe.experts, moe.a2a_combine (comm), moe.combine;
+                    plus embed first and head last. Each op also maps to the
+                    AxisOps (`axes.py`) of its tensors for CP-SAT.
+  partition plan    `partition_dp.plan_ops` over that list with the simulator as
+                    P(i, n, k), rho / gamma / iota from the flags, and
+                    feasible(range) = the runtime can run it (a `RangeSpec`: it
+                    starts at block l's ln1 / ln2 / gate and ends after block
+                    l's combine or block l+1's attention) and CP-SAT finds
+                    partition axes (a batch-prioritized or top-2 gate only
+                    allows ranges starting at the gate).
+  backward IR       `build_gpt_moe_backward` with these costs; dW of GEMMs Lancet
+                    cannot defer (LayerNorm, gate, LM head, embedding) become
+                    "other"; `schedule_wgrad` (Algorithm 1) assigns the rest.
+
+Approximations (stated, not hidden): a GEMM's dX costs its forward time; the
+attention core's backward twice its forward; LayerNorm dW half its forward;
+MP all-reduces inside attention/MLP are not modelled; an all-to-all moves the
+expected real tokens min(S*K, E*C) (x N_ESP copies). The predicted iteration
+time is forward T(N) plus a backward pass simulated range by range with compute
+costs doubled (dX + dW), minus the all-to-all time Algorithm 1's dW hides in
+unpartitioned layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_moe.distributed.collectives import group_size
+from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
+from megatron_moe.lancet.cost import CommCostModel, OpProfiler, profile_comm
+from megatron_moe.lancet.ir import Graph, Instr
+from megatron_moe.lancet.partition_dp import PartitionPlan, plan_ops
+from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
+from megatron_moe.lancet.simulator import SimOp, simulate
+from megatron_moe.lancet.wgrad_schedule import WgradSchedule, build_gpt_moe_backward, schedule_wgrad
+from megatron_moe.moe.dispatch import combine, dispatch, dispatch_index
+from megatron_moe.moe.router import capacity
+
+DENSE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2")
+MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.dispatch",
+           "moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine")
+COMM_OPS = ("moe.a2a_dispatch", "moe.a2a_combine")
+
+
+def a2a_group(ps):
+    """The token all-to-all group: EP, or EP x ESP when experts are sharded."""
+    return ps.group("ep") if ps.size("esp") == 1 else ps.group("ep_esp")
+
+
+def deferrable_dw_names(model) -> set[str]:
+    """IR names of the dW GEMMs the runtime can defer (column/row parallel linears and experts)."""
+    out = set()
+    for l, b in enumerate(model.blocks):
+        out |= {f"L{l}.attn.qkv.dW", f"L{l}.attn.proj.dW"}
+        out |= ({f"L{l}.moe.expert.fc1.dW", f"L{l}.moe.expert.fc2.dW"} if b.is_moe
+                else {f"L{l}.mlp.fc1.dW", f"L{l}.mlp.fc2.dW"})
+    return out
+
+
+# ---------------------------------------------------------------------- shapes and profiling
+
+@dataclass
+class Shapes:
+    """Per-rank sizes the costs depend on."""
+
+    B: int
+    T: int
+    M: int
+    H: int
+    heads: int          # attention heads on this MP rank
+    mp: int
+    E: int
+    E_l: int
+    K: int
+    C: int
+    D: int
+    n_esp: int
+    vocab_local: int
+
+    @property
+    def S(self) -> int:
+        return self.B * self.T
+
+    def a2a_bytes(self) -> float:
+        """Expected bytes one rank sends in a token all-to-all (real tokens, every ESP copy)."""
+        return min(self.S * self.K, self.E * self.C) * self.n_esp * self.M * 4.0
+
+
+def model_shapes(model, ps, B: int, T: int) -> Shapes:
+    """Shapes of `model` on this rank for micro-batch B x T."""
+    m, moe = model.cfg.model, model.cfg.moe
+    E = max(moe.num_experts, 1)
+    K = moe.moe_router_topk
+    C = capacity(B * T, E, K, moe.moe_expert_capacity_factor, moe.moe_min_capacity)
+    mp = ps.size("mp")
+    return Shapes(B, T, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads // mp, mp, E,
+                  E // ps.size("ep"), K, C, ps.size("ep") * ps.size("esp"), ps.size("esp"),
+                  model.padded_vocab // mp)
+
+
+def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
+    """name -> zero-argument callable running that forward op on random inputs of `batch` samples."""
+    T, M = sh.T, sh.M
+    x = torch.randn(batch, T, M)
+    a = block.attn
+    hd = M // (sh.heads * sh.mp)
+    qkv = torch.randn(batch, sh.heads, T, hd)
+    ctx = torch.randn(batch, T, sh.heads * hd)
+    ops = {
+        "ln1": lambda: block.ln1(x),
+        "attn.qkv": lambda: F.linear(x, a.qkv.weight, a.qkv.bias),
+        "attn.core": lambda: F.scaled_dot_product_attention(qkv, qkv, qkv, is_causal=True).transpose(1, 2)
+        .reshape(batch, T, -1),
+        "attn.proj": lambda: x + F.linear(ctx, a.proj.weight) + a.proj.bias,
+        "ln2": lambda: block.ln2(x),
+    }
+    if not block.is_moe:
+        h = torch.randn(batch, T, block.mlp.fc.weight.size(0))
+        ops["mlp.fc1"] = lambda: F.gelu(F.linear(x, block.mlp.fc.weight, block.mlp.fc.bias), approximate="tanh")
+        ops["mlp.fc2"] = lambda: x + F.linear(h, block.mlp.proj.weight) + block.mlp.proj.bias
+        return ops
+    layer = block.moe
+    tok = x.reshape(-1, M)
+    S = tok.size(0)
+    C = capacity(S, sh.E, sh.K, layer.cf, layer.min_cap)
+    r = layer.route(layer.gate_logits(tok), 0)
+    idx = dispatch_index(r)
+    buf = torch.randn(sh.E * C, M)
+    x_in = torch.randn(sh.E_l, sh.D * C, M)
+    ops["moe.gate"] = lambda: layer.route(layer.gate_logits(tok), 0)
+    ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
+    ops["moe.experts"] = lambda: layer.experts(x_in)
+    ops["moe.combine"] = lambda: x + combine(buf, idx, S).view(batch, T, M)
+    return ops
+
+
+def _dw_ops(model, sh: Shapes) -> dict:
+    """IR key -> callable running that dW GEMM at this model's shapes (one block of each kind)."""
+    S, M, mp = sh.S, sh.M, sh.mp
+    g = lambda *s: torch.randn(*s)  # noqa: E731
+    ops = {
+        "attn.qkv.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, 3 * M // mp), g(S, M)),
+        "attn.proj.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, M), g(S, M // mp)),
+        "mlp.fc1.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, sh.H // mp), g(S, M)),
+        "mlp.fc2.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, M), g(S, sh.H // mp)),
+        "moe.gate.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, sh.E), g(S, M)),
+        "head.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, sh.vocab_local), g(S, M)),
+    }
+    N, Hl = sh.D * sh.C, sh.H // sh.n_esp
+    ops["moe.expert.fc1.dW"] = (lambda a, b: lambda: a.transpose(1, 2).bmm(b))(g(sh.E_l, N, M), g(sh.E_l, N, Hl))
+    ops["moe.expert.fc2.dW"] = (lambda a, b: lambda: a.transpose(1, 2).bmm(b))(g(sh.E_l, N, Hl), g(sh.E_l, N, M))
+    return ops
+
+
+@dataclass
+class Costs:
+    """Profiled ms: forward ops per block kind ('dense' / 'moe' -> op -> ms), dW GEMMs, head, overhead."""
+
+    fwd: dict
+    dw: dict
+    head_ms: float
+    embed_ms: float
+    overhead_ms: float
+
+
+def profile_costs(model, ps, B: int, T: int, profiler: Optional[OpProfiler] = None,
+                  iters: int = 3) -> Costs:
+    """Measure this rank's op costs (no collectives). The overhead per op and part is the intercept
+    a of t(b) = a + c*b fitted from batches B and 1, averaged over the compute ops."""
+    prof = profiler or OpProfiler(None)
+    sh = model_shapes(model, ps, B, T)
+    fwd: dict = {}
+    intercepts = []
+    with torch.no_grad():
+        for block in model.blocks:
+            kind = "moe" if block.is_moe else "dense"
+            if kind in fwd:
+                continue
+            full, one = _ops_of_block(block, sh, B), (_ops_of_block(block, sh, 1) if B > 1 else None)
+            fwd[kind] = {}
+            for name, fn in full.items():
+                fwd[kind][name] = prof.time(f"{kind}.{name}", (B, T, sh.M), fn, warmup=1, iters=iters)
+                if one is not None:
+                    t1 = prof.time(f"{kind}.{name}", (1, T, sh.M), one[name], warmup=1, iters=iters)
+                    intercepts.append(max(0.0, (B * t1 - fwd[kind][name]) / (B - 1)))
+        dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters)
+              for k, fn in _dw_ops(model, sh).items()}
+        h = torch.randn(B * T, sh.M)
+        head_ms = prof.time("head", (B, T, sh.M), lambda: F.linear(h, model.wte.weight), warmup=1, iters=iters)
+        ids = torch.randint(0, model.vocab_size, (B, T))
+        embed_ms = prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None],
+                             warmup=1, iters=iters) if ps.size("mp") == 1 else 0.0
+    overhead = sum(intercepts) / len(intercepts) if intercepts else 0.0
+    return Costs(fwd, dw, head_ms, embed_ms, overhead)
+
+
+def profile_a2a_model(ps, max_bytes: int, iters: int = 3) -> CommCostModel:
+    """Piecewise-linear time of an even all-to-all on the token group (collective on that group)."""
+    group = a2a_group(ps)
+    D = group_size(group)
+    if D == 1:
+        return CommCostModel([(1.0, 0.0), (2.0, 0.0)])
+    unit = 4 * D
+
+    def run(nbytes: int) -> None:
+        n = max(unit, nbytes // unit * unit) // 4
+        t = torch.zeros(n)
+        dist.all_to_all_single(torch.empty_like(t), t, group=group)
+
+    return profile_comm(run, max(2048, int(max_bytes)), warmup=1, iters=iters)
+
+
+# ---------------------------------------------------------------------- forward op list and CP-SAT IR
+
+@dataclass
+class ModelOps:
+    """The forward op list of the model for the DP, its CP-SAT IR, and where ranges may start/end.
+
+    axis_span[j]: AxisOps of sim op j are axis.ops[a:b]. starts[l] / ends[l]:
+    op indices where a partitioned range of MoE block l may start / end
+    (exclusive), mapped to RangeSpec start / end names.
+    """
+
+    sim: list[SimOp]
+    axis: AxisRange
+    axis_span: list[tuple[int, int]]
+    starts: dict = field(default_factory=dict)
+    ends: dict = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return [op.name for op in self.sim]
+
+
+def _block_axis_ops(p: str, x: str, out: str, moe: bool, whole_gate: bool, t: dict) -> dict:
+    """AxisOps of one block, keyed by the sim op they belong to (prefix p, input x, output out)."""
+    t.update({p + "ln1": ("B", "T", "M"), p + "qkv": ("B", "T", "Q"), p + "qkv_h": ("B", "H", "T", "D3"),
+              p + "ctx_h": ("B", "H", "T", "D"), p + "ctx": ("B", "T", "M"), p + "h": ("B", "T", "M"),
+              p + "ln2": ("B", "T", "M"), out: ("B", "T", "M")})
+    ops = {
+        "ln1": [AxisOp(p + "ln1", "layernorm", (x,), (p + "ln1",), {"dim": "M"})],
+        "attn.qkv": [AxisOp(p + "qkv", "linear", (p + "ln1",), (p + "qkv",), {"contract": "M", "out_dim": "Q"})],
+        "attn.core": [AxisOp(p + "split", "view", (p + "qkv",), (p + "qkv_h",), {"dim_map": {"B": "B", "T": "T"}}),
+                      AxisOp(p + "core", "attention", (p + "qkv_h",), (p + "ctx_h",)),
+                      AxisOp(p + "merge", "view", (p + "ctx_h",), (p + "ctx",), {"dim_map": {"B": "B", "T": "T"}})],
+        "attn.proj": [AxisOp(p + "proj", "linear", (p + "ctx",), (p + "attn",), {"contract": "M", "out_dim": "M"}),
+                      AxisOp(p + "res1", "elementwise", (x, p + "attn"), (p + "h",))],
+        "ln2": [AxisOp(p + "ln2", "layernorm", (p + "h",), (p + "ln2",), {"dim": "M"})],
+    }
+    t[p + "attn"] = ("B", "T", "M")
+    if not moe:
+        t.update({p + "fc1": ("B", "T", "F"), p + "fc2": ("B", "T", "M")})
+        ops["mlp.fc1"] = [AxisOp(p + "fc1", "linear", (p + "ln2",), (p + "fc1",), {"contract": "M", "out_dim": "F"})]
+        ops["mlp.fc2"] = [AxisOp(p + "fc2", "linear", (p + "fc1",), (p + "fc2",), {"contract": "F", "out_dim": "M"}),
+                          AxisOp(p + "res2", "elementwise", (p + "h", p + "fc2"), (out,))]
+        return ops
+    t.update({p + "tok": ("S", "M"), p + "gates": ("S", "E"), p + "disp": ("E", "C", "M"),
+              p + "disp_x": ("E", "C", "M"), p + "exp": ("E", "C", "M"), p + "back": ("E", "C", "M"),
+              p + "moe_tok": ("S", "M"), p + "moe": ("B", "T", "M")})
+    ops["ln2"].append(AxisOp(p + "flatten", "view", (p + "ln2",), (p + "tok",), {"dim_map": {"B": "S"}}))
+    ops["moe.gate"] = [AxisOp(p + "gate", "gate", (p + "tok",), (p + "gates",), {"batch_prioritized": whole_gate})]
+    ops["moe.dispatch"] = [AxisOp(p + "dispatch", "dispatch", (p + "tok", p + "gates"), (p + "disp",))]
+    ops["moe.a2a_dispatch"] = [AxisOp(p + "a2a1", "a2a", (p + "disp",), (p + "disp_x",))]
+    ops["moe.experts"] = [AxisOp(p + "experts", "experts", (p + "disp_x",), (p + "exp",))]
+    ops["moe.a2a_combine"] = [AxisOp(p + "a2a2", "a2a", (p + "exp",), (p + "back",))]
+    ops["moe.combine"] = [AxisOp(p + "combine", "combine", (p + "back", p + "gates"), (p + "moe_tok",)),
+                          AxisOp(p + "unflatten", "view", (p + "moe_tok",), (p + "moe",), {"dim_map": {"S": "B"}}),
+                          AxisOp(p + "res2", "elementwise", (p + "h", p + "moe"), (out,))]
+    return ops
+
+
+def build_model_ops(model, costs: Costs, sh: Shapes) -> ModelOps:
+    """The forward op list with costs, its AxisRange, and the supported range boundaries."""
+    tensors: dict = {"ids": ("B", "T"), "x0": ("B", "T", "M")}
+    sim: list[SimOp] = [SimOp("embed", "compute", costs.embed_ms)]
+    axis_ops = [AxisOp("embed", "elementwise", ("ids",), ("x0",))]
+    spans = [(0, 1)]
+    mo = ModelOps(sim, None, spans)
+    nbytes = sh.a2a_bytes()
+    for l, block in enumerate(model.blocks):
+        j0, moe = len(sim), block.is_moe
+        whole = moe and needs_whole_batch_gate(block.moe)
+        per_op = _block_axis_ops(f"L{l}.", f"x{l}", f"x{l + 1}", moe, whole, tensors)
+        kind = "moe" if moe else "dense"
+        for op in (MOE_OPS if moe else DENSE_OPS):
+            j = len(sim)
+            if op in ("ln1", "ln2", "moe.gate"):
+                if moe:
+                    mo.starts.setdefault(l, {})[j] = {"ln1": "attn", "ln2": "ln2", "moe.gate": "gate"}[op]
+            if op in COMM_OPS:
+                sim.append(SimOp(f"L{l}.{op}", "comm", 0.0, nbytes))
+            else:
+                sim.append(SimOp(f"L{l}.{op}", "compute", costs.fwd[kind][op]))
+            spans.append((len(axis_ops), len(axis_ops) + len(per_op[op])))
+            axis_ops += per_op[op]
+        if moe:
+            mo.ends.setdefault(l, {})[len(sim)] = "block"
+        if l > 0 and model.blocks[l - 1].is_moe:     # after this block's attn.proj: end of l-1's range
+            mo.ends.setdefault(l - 1, {})[j0 + 4] = "next_attn"
+    L = len(model.blocks)
+    tensors["logits"] = ("B", "T", "V")
+    sim.append(SimOp("head", "compute", costs.head_ms))
+    spans.append((len(axis_ops), len(axis_ops) + 1))
+    axis_ops.append(AxisOp("head", "linear", (f"x{L}",), ("logits",), {"contract": "M", "out_dim": "V"}))
+    mo.axis = AxisRange(tensors, axis_ops)
+    return mo
+
+
+def runtime_range(mo: ModelOps, lo: int, hi: int) -> Optional[tuple[int, str, str]]:
+    """(layer, start, end) of the RangeSpec ops lo..hi-1 form, or None if the runtime cannot run it."""
+    for l, starts in mo.starts.items():
+        if lo in starts and hi in mo.ends.get(l, {}):
+            return l, starts[lo], mo.ends[l][hi]
+    return None
+
+
+def feasibility(mo: ModelOps, time_limit_s: float = 10.0):
+    """feasible(lo, hi) for plan_ops: a runtime range whose tensors CP-SAT can split along the batch."""
+    def feasible(lo: int, hi: int) -> bool:
+        if runtime_range(mo, lo, hi) is None:
+            return False
+        return solve_axes(mo.axis, mo.axis_span[lo][0], mo.axis_span[hi - 1][1], time_limit_s) is not None
+    return feasible

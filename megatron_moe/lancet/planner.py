@@ -1,0 +1,163 @@
+"""Lancet's planning pass: which ranges to partition (and into how many parts), which dW
+GEMMs to run under which all-to-all, and the predicted times.
+
+`make_plan` profiles the model (`model_ir.py`), runs the partition DP with the
+simulator and CP-SAT feasibility (`partition_dp.plan_ops`), builds the backward
+IR and runs Algorithm 1 (`schedule_wgrad`), and predicts forward / backward /
+iteration time. Profiles differ from rank to rank, and a plan must be the same
+on every rank (the all-to-all message sizes and the order of gradient
+hand-overs depend on it), so `make_plan` broadcasts rank 0's plan.
+
+A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
+one by hand (tests, benchmarks of fixed configurations).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_moe.lancet.cost import CommCostModel, OpProfiler
+from megatron_moe.lancet.ir import Graph, Instr
+from megatron_moe.lancet.model_ir import (Costs, ModelOps, build_model_ops, deferrable_dw_names, feasibility,
+                                          model_shapes, profile_a2a_model, profile_costs, runtime_range)
+from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange, plan_ops
+from megatron_moe.lancet.partitioned_moe import RangeSpec
+from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
+from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, schedule_wgrad
+
+
+@dataclass
+class LancetPlan:
+    """What the runtime does and what the cost model predicts.
+
+    ranges: partitioned ranges (k > 1) as RangeSpecs; assignment: all-to-all
+    name -> dW names (Algorithm 1; empty lists without dW scheduling);
+    leftover: dW run where the plain backward runs them; dp: every range of
+    the DP (op names, k, predicted ms); predicted: forward_ms, backward_ms,
+    iteration_ms, a2a_ms, a2a_exposed_ms; knobs: rho, gamma, iota.
+    """
+
+    ranges: list[RangeSpec] = field(default_factory=list)
+    assignment: dict = field(default_factory=dict)
+    leftover: list = field(default_factory=list)
+    dp: list = field(default_factory=list)
+    predicted: dict = field(default_factory=dict)
+    knobs: dict = field(default_factory=dict)
+    wgrad: bool = False
+
+    @classmethod
+    def manual(cls, ranges=(), assignment: Optional[dict] = None) -> "LancetPlan":
+        """A plan given by hand: `ranges` to partition and, if given, a dW assignment (enables dW scheduling)."""
+        return cls(list(ranges), dict(assignment or {}), [], [], {}, {}, assignment is not None)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ranges"] = [asdict(r) for r in self.ranges]
+        return d
+
+
+def backward_graph(model, costs: Costs, a2a_ms: float) -> Graph:
+    """Backward IR of `model` with profiled costs; non-deferrable dW instructions become "other"."""
+    dw, L = costs.dw, len(model.blocks)
+    per_layer = []
+    for block in model.blocks:
+        f = costs.fwd["moe" if block.is_moe else "dense"]
+        c = {"attn.proj.dX": f["attn.proj"], "attn.proj.dW": dw["attn.proj.dW"], "attn.core.dX": 2 * f["attn.core"],
+             "attn.qkv.dX": f["attn.qkv"], "attn.qkv.dW": dw["attn.qkv.dW"], "ln1.dX": f["ln1"],
+             "ln1.dW": 0.5 * f["ln1"], "ln2.dX": f["ln2"], "ln2.dW": 0.5 * f["ln2"]}
+        if block.is_moe:
+            c.update({"moe.combine.dX": f["moe.combine"], "moe.a2a_combine": a2a_ms,
+                      "moe.expert.fc2.dX": f["moe.experts"] / 2, "moe.expert.fc2.dW": dw["moe.expert.fc2.dW"],
+                      "moe.expert.fc1.dX": f["moe.experts"] / 2, "moe.expert.fc1.dW": dw["moe.expert.fc1.dW"],
+                      "moe.a2a_dispatch": a2a_ms, "moe.dispatch.dX": f["moe.dispatch"],
+                      "moe.gate.dX": f["moe.gate"], "moe.gate.dW": dw["moe.gate.dW"]})
+        else:
+            c.update({"mlp.fc2.dX": f["mlp.fc2"], "mlp.fc2.dW": dw["mlp.fc2.dW"], "mlp.fc1.dX": f["mlp.fc1"],
+                      "mlp.fc1.dW": dw["mlp.fc1.dW"]})
+        per_layer.append(c)
+    head = {"head.dX": costs.head_ms, "head.dW": dw["head.dW"], "embed.dW": costs.embed_ms}
+    g = build_gpt_moe_backward(L, [l for l, b in enumerate(model.blocks) if b.is_moe], per_layer, head)
+    ok = deferrable_dw_names(model)
+    return Graph([Instr(i.name, "other", i.inputs, i.outputs, i.cost_ms) if i.kind == "dW" and i.name not in ok
+                  else i for i in g.instrs])
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".", 1)[0][1:])
+
+
+def predict(mo: ModelOps, dp: PartitionPlan, graph: Graph, assignment: dict, comm: CommCostModel,
+            overhead_ms: float) -> dict:
+    """Predicted ms: forward T(N); backward = each DP range reversed with compute doubled (dX + dW),
+    simulated with its k; minus the all-to-all time assigned dW hides in unpartitioned layers."""
+    fwd = bwd = exposed = 0.0
+    partitioned = set()
+    for r in dp.ranges:
+        ops = mo.sim[r.start:r.end]
+        f = simulate(ops, r.k, comm, overhead_ms)
+        back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes)
+                for o in reversed(ops)]
+        b = simulate(back, r.k, comm, overhead_ms)
+        fwd += f.makespan_ms
+        bwd += b.makespan_ms
+        exposed += f.exposed_comm_ms + b.exposed_comm_ms
+        if r.k > 1:
+            partitioned |= {_layer_of(o.name) for o in ops if o.kind == "comm"}
+    a2a = sum(simulate([o], 1, comm).comm_ms for o in mo.sim if o.kind == "comm")
+    hidden = 0.0
+    for a in graph.of_kind("a2a"):
+        if _layer_of(a.name) not in partitioned:
+            hidden += min(a.cost_ms, sum(graph[w].cost_ms for w in assignment.get(a.name, ())))
+    return {"forward_ms": fwd, "backward_ms": bwd - hidden, "iteration_ms": fwd + bwd - hidden,
+            "a2a_ms": 2 * a2a, "a2a_exposed_ms": max(0.0, exposed - hidden), "dw_hidden_ms": hidden}
+
+
+def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
+              partition: Optional[bool] = None, costs: Optional[Costs] = None,
+              comm: Optional[CommCostModel] = None, profiler: Optional[OpProfiler] = None,
+              broadcast: bool = True) -> LancetPlan:
+    """Profile (unless `costs` / `comm` are given), plan and predict; the same plan on every rank.
+
+    opts: OptimizationsConfig (--lancet-wgrad, --lancet-partition, --lancet-max-partitions rho,
+    --lancet-group-ms gamma, --lancet-max-range iota); `wgrad` / `partition` override its switches.
+    Collective when `comm` is None (all-to-all profiling) or `broadcast` is set.
+    """
+    wgrad = opts.lancet_wgrad if wgrad is None else wgrad
+    partition = opts.lancet_partition if partition is None else partition
+    if opts.lancet_max_partitions < 1:
+        raise ValueError(f"--lancet-max-partitions must be >= 1, got {opts.lancet_max_partitions}")
+    if opts.lancet_group_ms <= 0:
+        raise ValueError(f"--lancet-group-ms must be > 0, got {opts.lancet_group_ms}")
+    if opts.lancet_max_range < 1:
+        raise ValueError(f"--lancet-max-range must be >= 1, got {opts.lancet_max_range}")
+    sh = model_shapes(model, ps, B, T)
+    costs = costs or profile_costs(model, ps, B, T, profiler)
+    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
+    mo = build_model_ops(model, costs, sh)
+    rho = min(opts.lancet_max_partitions, B)
+    if partition:
+        dp = plan_ops(mo.sim, opts.lancet_group_ms, opts.lancet_max_range, rho, comm, costs.overhead_ms,
+                      feasibility(mo))
+    else:
+        total = sequential_ms(mo.sim, comm)
+        dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
+    ranges = [RangeSpec(*runtime_range(mo, r.start, r.end), r.k) for r in dp.ranges if r.k > 1]
+    graph = backward_graph(model, costs, comm.predict(sh.a2a_bytes()))
+    if wgrad:
+        sched = schedule_wgrad(graph)
+        assignment, leftover = sched.assignment, sched.leftover
+    else:
+        assignment, leftover = {}, [i.name for i in graph.of_kind("dW")]
+    plan = LancetPlan(ranges, assignment, leftover,
+                      [{"ops": [mo.sim[r.start].name, mo.sim[r.end - 1].name], "k": r.k, "predicted_ms": r.ms}
+                       for r in dp.ranges],
+                      predict(mo, dp, graph, assignment, comm, costs.overhead_ms),
+                      {"rho": opts.lancet_max_partitions, "gamma_ms": opts.lancet_group_ms,
+                       "iota": opts.lancet_max_range, "overhead_ms": costs.overhead_ms}, wgrad)
+    if broadcast and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    return plan

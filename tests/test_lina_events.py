@@ -1,0 +1,110 @@
+"""Lina's pieces that need no process group: interval arithmetic of the event log, the
+scheduler's flag checks and gate, and the notification points in an MoE layer's backward."""
+import pytest
+import torch
+
+from equivalence import global_batch, tiny_config
+from megatron_moe.distributed import events
+from megatron_moe.distributed.collectives import LOCAL_GROUP
+from megatron_moe.distributed.events import CommEvent
+from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import local_state
+
+
+def ev(seq, op, launch, finish, tag="", nbytes=0):
+    return CommEvent(seq, op, "dp", nbytes, tag, "bwd", launch, finish)
+
+
+def test_interval_union_and_intersection():
+    u = events.union([(5, 7), (0, 2), (1, 3), (6, 9)])
+    assert u == [(0, 3), (5, 9)]
+    assert events.total_length(u) == 7
+    assert events.intersection_length(u, [(2, 6), (8, 10)]) == 1 + 1 + 1
+    assert events.intersection_length(u, [(3, 5)]) == 0
+
+
+def test_launched_during_and_overlapping():
+    a2a = ev(0, "all_to_all", 10.0, 20.0)
+    before = ev(1, "all_reduce", 5.0, 12.0, "lina", 100)      # started before, still running
+    inside = ev(2, "all_reduce", 15.0, 16.0, "lina", 200)
+    after = ev(3, "all_reduce", 20.5, 30.0, "lina", 300)
+    ops = [before, inside, after]
+    assert events.launched_during(ops, [a2a]) == [inside]
+    assert events.overlapping(ops, a2a) == [before, inside]
+
+
+def test_summary_counts_overlap_of_gradient_all_reduce_only():
+    log = events.EventLog()
+    log.events.extend([ev(0, "all_to_all", 0.0, 0.010), ev(1, "all_reduce", 0.005, 0.030, "grad", 64),
+                       ev(2, "all_reduce", 0.0, 0.010, "", 8)])      # an untagged (ESP) all-reduce
+    s = log.summary()
+    assert s["n_a2a"] == 1 and s["n_grad_allreduce"] == 1 and s["grad_allreduce_bytes"] == 64
+    assert s["a2a_bwd_ms"] == pytest.approx(10.0)
+    assert s["grad_allreduce_ms"] == pytest.approx(25.0)
+    assert s["overlap_ms"] == pytest.approx(5.0)
+    assert s["launched_during_a2a"] == 1          # launched at 5 ms, inside the all-to-all
+
+
+def test_flags_are_validated():
+    with pytest.raises(ValueError, match="--lina-partition-mb"):
+        LinaScheduler(0.0, 10.0)
+    with pytest.raises(ValueError, match="--comm-timeout"):
+        LinaScheduler(1.0, -1.0)
+
+
+def test_gate_closes_for_imminent_and_in_flight_all_to_all():
+    s = LinaScheduler(1.0, 10.0)
+    try:
+        assert s._gate_open()
+        s.a2a_imminent()
+        assert not s._gate_open()
+        s.a2a_start("ep")                   # the imminent one arrives
+        assert not s._gate_open()
+        s.a2a_end("ep")
+        assert s._gate_open()
+        s.a2a_imminent()
+        s.moe_backward_done()               # no all-to-all came (group of one): the gate reopens
+        assert s._gate_open()
+        h = s.submit("dp", torch.ones(10), LOCAL_GROUP)   # nothing to reduce: done at once
+        h.wait()
+        s.drain()
+    finally:
+        s.close()
+    assert not events.ACTIVE or s not in events._A2A_LISTENERS
+
+
+class _Recorder(LinaScheduler):
+    def __init__(self):
+        super().__init__(1.0, 10.0)
+        self.calls = []
+
+    def a2a_imminent(self):
+        self.calls.append("imminent")
+        super().a2a_imminent()
+
+    def moe_backward_done(self):
+        self.calls.append("done")
+        super().moe_backward_done()
+
+
+def test_moe_backward_notifies_imminent_then_done_per_layer():
+    cfg = tiny_config()
+    cfg.model.num_layers = 4                 # MoE blocks 1 and 3
+    model = GPT2MoE(cfg, local_state())
+    s = _Recorder()
+    try:
+        s.attach(model)
+        ids, labels = global_batch(1)
+        with torch.no_grad():                # no graph, no notification
+            model(ids, labels)
+        assert s.calls == []
+        lm, aux = model(ids, labels)
+        (lm + aux).backward()
+        assert s.calls == ["imminent", "done", "imminent", "done"]
+    finally:
+        s.close()
+    s.calls.clear()
+    lm, aux = model(ids, labels)             # close() removed the hooks
+    (lm + aux).backward()
+    assert s.calls == []

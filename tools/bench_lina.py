@@ -1,0 +1,220 @@
+"""Benchmark Lina: backward all-to-all time, its slowdown and the step time, with and without --lina.
+
+Run under torchrun (every rank runs every mode, one after the other):
+
+  torchrun --nproc-per-node 2 tools/bench_lina.py --json lina_local.json
+  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit -- \\
+      tools/bench_lina.py --json lina_cluster.json
+
+Modes (the same model, batches and weights in each):
+  alone    gradients all-reduced after backward (blocking), so the backward
+           all-to-alls run alone: the reference all-to-all time;
+  no_lina  GradSync: --bucket-mb buckets all-reduced asynchronously from
+           grad-ready hooks during backward (the usual overlap);
+  lina     LinaScheduler, once per --partitions size (MB).
+Per mode: --warmup iterations, then --iters measured ones; an iteration is
+forward, backward, gradient sync and an SGD step, started together on all
+ranks (a barrier). Step time: max over ranks; backward all-to-all time: per
+call the minimum over ranks (a gloo call also waits for late peers; the last
+rank to arrive does not), summed over the backward calls; overlap (time a
+gradient all-reduce ran during an all-to-all): mean over ranks; all from the
+event log, medians over iterations. The default model makes the dense all-reduce heavy
+(~45 MB of dense gradients, 2 experts per MoE layer over EP = world size), so
+the all-to-alls cross nodes and share the link with it.
+
+Prints a table and, with --json PATH, writes a list of objects with keys mode,
+partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median (plus
+a2a_slowdown, a2a_bwd_raw_ms_median, overlap_ms_median, world_size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_moe.config import Config  # noqa: E402
+from megatron_moe.distributed.events import EventLog  # noqa: E402
+from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
+from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
+from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
+from megatron_moe.parallel_state import initialize_model_parallel, validate_degrees  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-layers", type=int, default=4, help="blocks (every 2nd is MoE)")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--ffn-hidden-size", type=int, default=2048)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: 2 x EP)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=0, help="EP (0: the world size)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode")
+    p.add_argument("--partitions", default="1,4,30,100", help="Lina micro-op sizes in MB, comma-separated")
+    p.add_argument("--bucket-mb", type=float, default=4.0,
+                   help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)")
+    p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective errors")
+    p.add_argument("--modes", default="alone,no_lina,lina", help="modes to run, comma-separated")
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    a = p.parse_args(argv)
+    try:
+        a.partitions = [float(x) for x in a.partitions.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--partitions must be comma-separated numbers, got {a.partitions!r}")
+    if not a.partitions or any(x <= 0 for x in a.partitions):
+        p.error("--partitions sizes must be positive")
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in a.modes if m not in ("alone", "no_lina", "lina")]
+    if bad:
+        p.error(f"--modes: unknown mode(s) {bad}; choose from alone, no_lina, lina")
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return a
+
+
+def build_config(a: argparse.Namespace, world: int) -> Config:
+    """The benchmark model: GPT-2 MoE with MoE blocks 2, 4, ..., top-1, capacity factor 1."""
+    ep = a.expert_model_parallel_size or world
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.num_layers, m.hidden_size, m.num_attention_heads = a.num_layers, a.hidden_size, a.num_attention_heads
+    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = a.ffn_hidden_size, a.seq_length, a.seq_length
+    m.vocab_size = a.vocab_size
+    moe.num_experts = a.num_experts or 2 * ep
+    moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity = 1, 1.0, 4
+    moe.moe_schedule = "baseline"
+    cfg.parallel.expert_model_parallel_size = ep
+    cfg.train.micro_batch_size = a.micro_batch_size
+    validate_degrees(world, 1, ep, 1, moe.num_experts, m.ffn_hidden_size)
+    return cfg
+
+
+def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) -> dict:
+    """Warm up, measure, and return medians (ms) of step time, backward a2a time and overlap.
+
+    A gloo all-to-all call also lasts while it waits for the last peer to arrive,
+    so per call the *minimum* over ranks (the last rank's wait is nil) is its
+    transfer time; a2a_bwd_ms sums that over the backward all-to-alls of the
+    iteration. a2a_bwd_raw_ms is the mean over ranks of the plain sum, waits included.
+    """
+    model = GPT2MoE(cfg, ps)
+    sched = LinaScheduler(partition_mb, a.comm_timeout) if mode == "lina" else None
+    sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(1234 + ps.rank("dp"))
+    log = EventLog().start()
+    steps, a2a_calls, overlap = [], [], []
+    for it in range(a.warmup + a.iters):
+        ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen)
+        dist.barrier()
+        log.clear()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        lm, aux = model(ids[:, :-1], ids[:, 1:])
+        (lm + aux).backward()
+        if sync is None:
+            sync_gradients(model, ps)
+        else:
+            sync.finish()
+        opt.step()
+        step = time.perf_counter() - t0
+        if it >= a.warmup:
+            steps.append(1e3 * step)
+            a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
+            overlap.append(log.summary()["overlap_ms"])
+    log.stop()
+    if sync is not None:
+        sync.remove()
+    world = dist.get_world_size()
+    step_max = torch.tensor(steps, dtype=torch.float64)
+    dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
+    calls = torch.tensor(a2a_calls, dtype=torch.float64)          # [iters, backward a2a calls]
+    calls_min, calls_sum = calls.clone(), calls.clone()
+    dist.all_reduce(calls_min, op=dist.ReduceOp.MIN)
+    dist.all_reduce(calls_sum)
+    ov = torch.tensor(overlap, dtype=torch.float64)
+    dist.all_reduce(ov)
+    return {"step_ms_median": statistics.median(step_max.tolist()),
+            "a2a_bwd_ms_median": statistics.median(calls_min.sum(1).tolist()),
+            "a2a_bwd_raw_ms_median": statistics.median((calls_sum.sum(1) / world).tolist()),
+            "overlap_ms_median": statistics.median((ov / world).tolist())}
+
+
+def write_json(path: str, rows: list[dict]) -> None:
+    """Write to a temporary name, then rename (never a half-written file)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'mode':8s} {'part MB':>8s} {'step ms':>9s} {'bwd a2a ms':>11s} {'alone ms':>9s} " \
+           f"{'slowdown':>9s} {'a2a+wait ms':>12s} {'overlap ms':>11s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        part = "-" if r["partition_mb"] is None else f"{r['partition_mb']:g}"
+        lines.append(f"{r['mode']:8s} {part:>8s} {r['step_ms_median']:9.1f} {r['a2a_bwd_ms_median']:11.2f} "
+                     f"{r['a2a_alone_ms_median']:9.2f} {r['a2a_slowdown']:9.2f} {r['a2a_bwd_raw_ms_median']:12.2f} "
+                     f"{r['overlap_ms_median']:11.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("bench_lina.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_lina.py)")
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=a.comm_timeout))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        cfg = build_config(a, world)
+    except ValueError as e:
+        sys.exit(f"bench_lina.py: {e}")
+    ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1)
+    probe = GPT2MoE(cfg, ps)
+    dense_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "dp") / 2 ** 20
+    expert_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "expert_dp") / 2 ** 20
+    del probe
+    if rank == 0:
+        print(f"bench_lina: world {world}, EP {ps.size('ep')}, expert-DP {ps.size('expert_dp')}, "
+              f"dense gradients {dense_mb:.1f} MB, expert gradients {expert_mb:.1f} MB per rank", flush=True)
+    plan = [(m, None) for m in ("alone", "no_lina") if m in a.modes]
+    if "lina" in a.modes:
+        plan += [("lina", p) for p in a.partitions]
+    results = []
+    for mode, part in plan:
+        r = run_mode(cfg, ps, a, mode, part)
+        results.append({"mode": mode, "partition_mb": part, **r})
+        if rank == 0:
+            print(f"  {mode} {'' if part is None else part}: {r}", flush=True)
+    alone = next((r["a2a_bwd_ms_median"] for r in results if r["mode"] == "alone"), float("nan"))
+    for r in results:
+        r["a2a_alone_ms_median"] = alone
+        r["a2a_slowdown"] = r["a2a_bwd_ms_median"] / alone if alone == alone and alone > 0 else float("nan")
+        r["world_size"] = world
+    if rank == 0:
+        print(table(results), flush=True)
+        if a.json:
+            write_json(a.json, results)
+            print(f"wrote {a.json}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
