@@ -142,74 +142,79 @@ def _open_shard(path: str):
         raise ValueError(f"checkpoint shard {path} is corrupt or truncated ({e})") from e
 
 
-def _get(f, path: str, key: str, shape: Optional[tuple] = None) -> torch.Tensor:
+def _get(f, path: str, key: str) -> torch.Tensor:
     try:
-        t = f.get_tensor(key)
+        return f.get_tensor(key)
     except Exception as e:
         raise ValueError(f"checkpoint shard {path}: cannot read {key} ({e})") from e
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"checkpoint shard {path}: {key} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    return t
+
+
+def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
+    """((world, mp, ep, esp), {name: ShardSpec}, {name: full shape}, Config) from metadata.json."""
+    try:
+        lay = meta["layout"]
+        layout = (lay["world_size"], lay["tensor_model_parallel_size"], lay["expert_model_parallel_size"],
+                  lay["expert_sharding_parallel_size"])
+        specs = {n: spec_from_json(s) for n, s in meta["shard_specs"].items()}
+        shapes = {n: tuple(s["full_shape"]) for n, s in meta["shard_specs"].items()}
+        return layout, specs, shapes, config_from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path} is corrupt or from another format ({type(e).__name__}: {e})") from e
 
 
 def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: bool = True,
                  progress: bool = True) -> FullCheckpoint:
     """Consolidate a sharded checkpoint (any layout) into full tensors.
 
-    Each tensor slice is read once, from the first rank that holds it (replicas
-    over data parallelism are skipped); every shard's header is still opened, so
-    a missing or truncated file is an error naming it.
+    Each slice is read once, from the first rank that holds it (replicas over data
+    parallelism are skipped); every shard is still opened, so a missing or truncated
+    file is an error naming it. Optimizer tensors have their parameter's spec; 0-dim
+    states (`step`) are equal on all ranks and taken from any.
     """
     path = checkpoint_dir(load, iteration)
     meta_path = os.path.join(path, "metadata.json")
     meta = _read_json(meta_path)
-    try:
-        lay = meta["layout"]
-        world, mp = lay["world_size"], lay["tensor_model_parallel_size"]
-        ep, esp = lay["expert_model_parallel_size"], lay["expert_sharding_parallel_size"]
-        specs = {n: spec_from_json(s) for n, s in meta["shard_specs"].items()}
-        shapes = {n: tuple(s["full_shape"]) for n, s in meta["shard_specs"].items()}
-        cfg = config_from_dict(meta["config"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{meta_path} is corrupt or from another format ({type(e).__name__}: {e})") from e
-    pieces: dict = {n: {} for n in specs}           # name -> {coords key: slice}
-    opt_pieces: dict = {}                          # (name, state) -> {coords key: slice}
-    scalars: dict = {}                             # name -> {state: 0-dim tensor}
+    (world, mp, ep, esp), specs, shapes, cfg = _layout_and_specs(meta, meta_path)
+    pieces: dict = {}                              # (name, state or None) -> {coords key: slice}
     rngs = []
     for rank in tqdm(range(world), desc="reading shards", unit="shard", disable=None if progress else True):
         shard = os.path.join(path, shard_name(rank))
         coords = coords_of(rank, mp, ep, esp)
         with _open_shard(shard) as f:
-            keys = set(f.keys())
-            for name, spec in specs.items():
-                key = coords_key(coords, spec)
-                if key in pieces[name]:
+            keys = sorted(f.keys())
+            present = set(keys)
+            missing = [n for n in specs if f"model/{n}" not in present]
+            if missing:
+                raise ValueError(f"checkpoint shard {shard}: parameters {missing[:3]} are missing")
+            for k in keys:
+                kind, _, rest = k.partition("/")
+                if kind == "model":
+                    name, state = rest, None
+                elif kind == "optim" and with_optimizer:
+                    name, _, state = rest.partition("/")
+                else:
                     continue
-                if f"model/{name}" not in keys:
-                    raise ValueError(f"checkpoint shard {shard}: parameter {name} is missing")
-                pieces[name][key] = _get(f, shard, f"model/{name}", local_shape(shapes[name], spec, coords))
-            for k in sorted(keys) if with_optimizer else []:
-                if not k.startswith("optim/"):
-                    continue
-                _, name, state = k.split("/", 2)
                 if name not in specs:
-                    raise ValueError(f"checkpoint shard {shard}: optimizer state {k} of an unknown parameter")
-                key = coords_key(coords, specs[name])
-                if state in scalars.get(name, {}) or key in opt_pieces.get((name, state), {}):
+                    raise ValueError(f"checkpoint shard {shard}: {k} belongs to no parameter of the model")
+                slot, key = pieces.setdefault((name, state), {}), coords_key(coords, specs[name])
+                if key in slot:
                     continue
                 t = _get(f, shard, k)
-                if t.dim() == 0:
-                    scalars.setdefault(name, {})[state] = t
-                else:
-                    _get(f, shard, k, local_shape(shapes[name], specs[name], coords))
-                    opt_pieces.setdefault((name, state), {})[key] = t
-            rngs.append({k: _get(f, shard, k) for k in sorted(keys) if k.startswith("rng/")})
-    model = {n: unshard_tensor(pieces[n], specs[n]) for n in specs}
-    optim = {n: dict(s) for n, s in scalars.items()}
-    for (name, state), p in opt_pieces.items():
-        optim.setdefault(name, {})[state] = unshard_tensor(p, specs[name])
+                expect = local_shape(shapes[name], specs[name], coords)
+                if tuple(t.shape) != expect and not (state and t.dim() == 0):
+                    raise ValueError(f"checkpoint shard {shard}: {k} has shape {tuple(t.shape)}, expected {expect}")
+                slot[key] = t
+            rngs.append({k: _get(f, shard, k) for k in keys if k.startswith("rng/")})
+    model, optim = {}, {}
+    for (name, state), slices in pieces.items():
+        first = next(iter(slices.values()))
+        full = first if first.dim() == 0 and state else unshard_tensor(slices, specs[name])
+        if state is None:
+            model[name] = full
+        else:
+            optim.setdefault(name, {})[state] = full
     keep = {k: v for k, v in meta.items() if k not in ("layout", "config", "shard_specs", "format_version")}
-    keep["source"] = {"path": os.path.abspath(path), "layout": lay}
+    keep["source"] = {"path": os.path.abspath(path), "layout": meta["layout"]}
     return FullCheckpoint(cfg, model, specs, optim, rngs, keep)
 
 
@@ -231,6 +236,8 @@ def target_config(cfg: Config, mp: int, ep: int, esp: int, world: Optional[int] 
     """
     if world is None:
         world = math.lcm(mp, ep * esp) if min(mp, ep, esp) >= 1 else 1
+    if world < 1:
+        raise ValueError(f"--target-world-size must be positive, got {world}")
     out = copy.deepcopy(cfg)
     p = out.parallel
     p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size = mp, ep, esp
@@ -408,7 +415,10 @@ def _hf_config(cfg: Config):
                       n_layer=m.num_layers, n_head=m.num_attention_heads,
                       n_inner=None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
                       activation_function="gelu_new", layer_norm_epsilon=m.layernorm_epsilon,
-                      resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
+                      resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                      # GPT-2's 50256 only where it exists; `_copy_tokenizer` sets the real one
+                      bos_token_id=50256 if m.vocab_size > 50256 else None,
+                      eos_token_id=50256 if m.vocab_size > 50256 else None)
 
 
 def _copy_tokenizer(cfg: Config, directory: str, hf_config) -> str:
@@ -467,6 +477,9 @@ def export_file(ckpt: FullCheckpoint, output: str,
     js = json_path_of(output)
     if os.path.abspath(js) == os.path.abspath(output):
         raise ValueError(f"--output {output}: use a .safetensors file name")
+    for p in (output, js):
+        if os.path.exists(p):
+            raise FileExistsError(f"{p} already exists; remove it or choose another --output")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp, tmp_js = f"{output}.tmp-{os.getpid()}", f"{js}.tmp-{os.getpid()}"
     info = {"format": CONSOLIDATED_FORMAT, "format_version": FORMAT_VERSION, "config": config_to_dict(ckpt.cfg),

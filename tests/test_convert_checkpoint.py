@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from megatron_moe import convert as cv
 from megatron_moe.testing import spawn
@@ -84,7 +83,8 @@ def test_reshard_round_trip_keeps_logits_and_optimizer_state(trained, resharded,
     # the shards really have the target layout: rank 3 of MP2xEP2 holds the 2nd vocab half, experts 2-3
     r3 = load_file(os.path.join(resharded["MP2xEP2"], "iter_0000003", "rank_00003.safetensors"))
     assert torch.equal(r3["model/wte.weight"], src.model["wte.weight"][256:])
-    assert torch.equal(r3["optim/blocks.1.moe.experts.fc_w/exp_avg"], src.optim["blocks.1.moe.experts.fc_w"]["exp_avg"][2:])
+    fc_w = "blocks.1.moe.experts.fc_w"
+    assert torch.equal(r3[f"optim/{fc_w}/exp_avg"], src.optim[fc_w]["exp_avg"][2:])
     # rank 1 of EP2xESP2: expert 0-1, second half of the expert hidden dim
     r1 = load_file(os.path.join(resharded["EP2xESP2"], "iter_0000003", "rank_00001.safetensors"))
     assert torch.equal(r1["model/blocks.1.moe.experts.proj_w"], src.model["blocks.1.moe.experts.proj_w"][:2, :, 64:])
@@ -123,8 +123,11 @@ def _load_and_resume(rank, world, data, ckpt, paths):
         opt, _ = build_optimizer(model, cfg.optim, torch.device("cpu"))
         load_checkpoint(paths[layout], model, opt, ps)
         coords = rank_coords(ps)
-        bad = [n for n, p in model.named_parameters() for k, v in opt.state[p].items()
-               if not torch.equal(v, src.optim[n][k] if v.dim() == 0 else shard_tensor(src.optim[n][k], p._shard, coords))]
+        expect = {(n, k): t if t.dim() == 0 else shard_tensor(t, p._shard, coords)
+                  for n, p in model.named_parameters() for k, t in src.optim[n].items()}
+        got = {(n, k): v for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+        bad = sorted(k for k in expect.keys() | got.keys() if k not in got or k not in expect
+                     or not torch.equal(got[k], expect[k]))
         with torch.no_grad():                        # every rank routes the whole batch as one group
             logits = model(cv.fixed_batch(cfg))
         out[layout] = (ps.rank("mp"), logits, bad)
@@ -157,6 +160,7 @@ def test_resharded_checkpoints_load_on_their_layouts_and_resume_with_the_same_lo
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A small randomly initialized GPT2LMHeadModel saved with save_pretrained (no download)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
@@ -170,6 +174,8 @@ def hf_dir(tmp_path_factory):
 
 
 def hf_logits(path, ids):
+    """Logits [B, T, V] of the GPT2LMHeadModel saved at `path`."""
+    from transformers import GPT2LMHeadModel  # imported here: spawned ranks import this module too
     with torch.no_grad():
         return GPT2LMHeadModel.from_pretrained(path).eval()(ids).logits
 

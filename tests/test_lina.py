@@ -9,6 +9,7 @@ One 4-process spawn (EP2: dense DP 4, expert-DP 2; a module fixture) runs
     Lina's queue but no priority: from the event log, Lina launches nothing
     while an all-to-all is in flight and at most one micro-op overlaps any
     all-to-all, while the plain run and the no-priority run do overlap;
+  * Parm's S1 and S2 under MP2 x EP2, with and without Lina;
   * a stalled peer: the last rank joins an all-reduce late and the others
     get the --comm-timeout error.
 The tests below check the results of that spawn, one behaviour each.
@@ -68,7 +69,7 @@ def train(cfg, ps, scheduler, iters: int, bucket_mb: float = 0.01, log=None):
         opt.step()
         losses.append((lm + aux).item())
         if log is not None:
-            per_iter_events.append(list(log.events))
+            per_iter_events.append(log.snapshot())
             log.clear()
     sync.remove()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -116,15 +117,58 @@ def overlap_facts(evs: list) -> dict:
             "held_back": len(held)}
 
 
+class Recorder(LinaScheduler):
+    """A LinaScheduler that records the notifications it gets, in order."""
+
+    def __init__(self):
+        super().__init__(1.0, 60.0)
+        self.calls = []
+
+    def a2a_imminent(self):
+        self.calls.append("imminent")
+        super().a2a_imminent()
+
+    def moe_backward_done(self):
+        self.calls.append("done")
+        super().moe_backward_done()
+
+    def a2a_start(self, group):
+        self.calls.append(f"start:{group}")
+        super().a2a_start(group)
+
+    def a2a_end(self, group):
+        self.calls.append(f"end:{group}")
+        super().a2a_end(group)
+
+
+def notifications(cfg, ps) -> dict:
+    """The scheduler notifications of one forward and one backward of a model with 2 MoE layers."""
+    model = GPT2MoE(cfg, ps)
+    rec = Recorder()
+    rec.attach(model)
+    ids, labels = batch(0, ps)
+    lm, aux = model(ids, labels)
+    fwd = list(rec.calls)
+    rec.calls.clear()
+    (lm + aux).backward()
+    bwd = list(rec.calls)
+    rec.close()
+    return {"fwd": fwd, "bwd": bwd}
+
+
 def _four_ranks(rank, world):
     ps = initialize_model_parallel(1, 2, 1)
     try:
         out = {}
         cfg = tiny_config(k=1)
+        cfg4 = tiny_config(k=1)
+        cfg4.model.num_layers = 4               # MoE blocks 1 and 3
+        out["notifications"] = notifications(cfg4, ps)
         out["plain"] = train(cfg, ps, None, ITERS)[:3]
         lina = LinaScheduler(SMALL_MB, 60.0)
         losses, grads, params, evs, model = train(cfg, ps, lina, ITERS, log=lina.log)
         out["lina"] = (losses, grads, params)
+        out["lina_summary"] = lina.summary()
         out["micro_ops"] = [[(e.group, e.nbytes, e.info["part"], e.info["parts"])
                              for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"] for it_evs in evs]
         out["expected_micro_ops"] = expected_micro_ops(model, ps, SMALL_MB)
@@ -139,6 +183,15 @@ def _four_ranks(rank, world):
                 out[f"heavy_{mode}"] = [overlap_facts(e) for e in evs]
         finally:
             undo()
+        # Parm's schedules under MP2 x EP2 (their all-to-all runs over EP x ESP)
+        destroy_model_parallel()
+        ps = initialize_model_parallel(2, 2, 1)
+        for sched_name in ("s1", "s2"):
+            cfg = tiny_config(k=2, schedule=sched_name)
+            plain = train(cfg, ps, None, 3)
+            lina = LinaScheduler(SMALL_MB, 60.0)
+            got = train(cfg, ps, lina, 3, log=lina.log)
+            out[f"parm_{sched_name}"] = (plain[:2], got[:2], [overlap_facts(e) for e in got[3]])
         out["stall"] = stalled_peer(rank, world, timeout_s=0.5, stall_s=2.0)
         return out
     finally:
@@ -194,6 +247,18 @@ def test_micro_op_sizes_and_order_same_on_every_rank(ranks):
             assert ops == expected, f"rank {rank} iteration {it}: micro-op sizes or order differ"
 
 
+def test_end_of_run_summary_counts_every_collective(ranks):
+    expected = ranks[0]["expected_micro_ops"]
+    for r in ranks:
+        s = r["lina_summary"]
+        assert s["iterations"] == ITERS and s["partition_mb"] == SMALL_MB
+        assert s["n_grad_allreduce"] == ITERS * len(expected)
+        assert s["grad_allreduce_bytes"] == ITERS * sum(nbytes for _, nbytes, *_ in expected)
+        assert s["n_a2a"] == ITERS * 4                  # one MoE layer: 2 forward + 2 backward
+        assert s["launched_during_a2a"] == 0
+        assert s["a2a_bwd_ms"] > 0 and s["grad_allreduce_ms"] > 0
+
+
 def test_lina_launches_nothing_while_all_to_all_in_flight(ranks):
     for rank, r in enumerate(ranks):
         for facts in r["heavy_lina"]:
@@ -204,6 +269,18 @@ def test_lina_launches_nothing_while_all_to_all_in_flight(ranks):
             assert facts["max_overlap_bytes"] <= int(HEAVY_MB * 2 ** 20), f"rank {rank}: {facts}"
     # not vacuous: micro-ops were queued before an all-to-all and waited until it ended
     assert sum(f["held_back"] for r in ranks for f in r["heavy_lina"]) > 0
+
+
+@pytest.mark.parametrize("schedule", ["s1", "s2"])
+def test_lina_composes_with_parm_schedules(ranks, schedule):
+    for rank, r in enumerate(ranks):
+        (pl, pg), (ll, lg), facts = r[f"parm_{schedule}"]
+        for a, b in zip(pl, ll):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"rank {rank}: loss {a} vs lina {b}"
+        for name in pg:
+            torch.testing.assert_close(lg[name], pg[name], rtol=1e-5, atol=1e-7, msg=f"grad {name}")
+        for f in facts:
+            assert f["n_a2a"] >= 2 and f["launched_during"] == 0, f
 
 
 def test_same_scenario_overlaps_without_lina(ranks):
@@ -219,3 +296,10 @@ def test_stalled_peer_raises_comm_timeout(ranks):
         assert err is not None and "--comm-timeout 0.5 s" in err and "micro-op #0" in err, err
     err, value = ranks[-1]["stall"]
     assert err is None and value == 1 + 2 + 3 + 4      # the late peer still completes the all-reduce
+
+
+def test_moe_backward_notifies_before_and_after_its_all_to_alls(ranks):
+    layer = ["imminent", "start:ep", "end:ep", "start:ep", "end:ep", "done"]
+    for r in ranks:
+        assert r["notifications"]["fwd"] == ["start:ep", "end:ep"] * 4     # no notification in forward
+        assert r["notifications"]["bwd"] == layer * 2                       # one per MoE layer

@@ -80,6 +80,7 @@ class EventLog:
 
     def __init__(self, max_events: int = 200_000):
         self.events: deque[CommEvent] = deque(maxlen=max_events)
+        self._lock = threading.Lock()       # the launcher thread appends while others read
 
     def start(self) -> "EventLog":
         if self not in _LOGS:
@@ -99,40 +100,51 @@ class EventLog:
         self.stop()
 
     def clear(self) -> None:
-        self.events.clear()
+        with self._lock:
+            self.events.clear()
+
+    def snapshot(self) -> list[CommEvent]:
+        """A copy of the kept events (safe while another thread adds some)."""
+        with self._lock:
+            return list(self.events)
 
     def of(self, op: Optional[str] = None, tags: Optional[Iterable[str]] = None,
            phase: Optional[str] = None) -> list[CommEvent]:
         """Events matching op, any of `tags` and phase (None matches all), in launch order."""
         tags = None if tags is None else tuple(tags)
-        out = [e for e in list(self.events)
+        out = [e for e in self.snapshot()
                if (op is None or e.op == op) and (tags is None or e.tag in tags)
                and (phase is None or e.phase == phase)]
         return sorted(out, key=lambda e: e.seq)
 
     def summary(self) -> dict:
-        """Totals over the kept events (milliseconds):
+        """`summarize` of the kept events."""
+        return summarize(self.snapshot())
 
-        a2a_bwd_ms: all-to-all time in backward; a2a_fwd_ms: in forward;
-        grad_allreduce_ms: time some gradient all-reduce was running (union);
-        overlap_ms: time a gradient all-reduce ran while an all-to-all was in flight;
-        launched_during_a2a: gradient all-reduces launched while an all-to-all was in flight;
-        n_a2a, n_grad_allreduce, grad_allreduce_bytes.
-        """
-        a2a = self.of("all_to_all")
-        grads = self.of("all_reduce", GRAD_TAGS)
-        a2a_u = union([(e.launch, e.finish) for e in a2a if e.finish is not None])
-        ar_u = union([(e.launch, e.finish) for e in grads if e.finish is not None])
-        return {
-            "a2a_bwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "bwd"),
-            "a2a_fwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "fwd"),
-            "grad_allreduce_ms": 1e3 * total_length(ar_u),
-            "overlap_ms": 1e3 * intersection_length(a2a_u, ar_u),
-            "launched_during_a2a": len(launched_during(grads, a2a)),
-            "n_a2a": len(a2a),
-            "n_grad_allreduce": len(grads),
-            "grad_allreduce_bytes": sum(e.nbytes for e in grads),
-        }
+
+def summarize(evs: list[CommEvent]) -> dict:
+    """Totals over `evs` (milliseconds):
+
+    a2a_bwd_ms: all-to-all time in backward; a2a_fwd_ms: in forward;
+    grad_allreduce_ms: time some gradient all-reduce was running (union);
+    overlap_ms: time a gradient all-reduce ran while an all-to-all was in flight;
+    launched_during_a2a: gradient all-reduces launched while an all-to-all was in flight;
+    n_a2a, n_grad_allreduce, grad_allreduce_bytes.
+    """
+    a2a = sorted((e for e in evs if e.op == "all_to_all"), key=lambda e: e.seq)
+    grads = sorted((e for e in evs if e.op == "all_reduce" and e.tag in GRAD_TAGS), key=lambda e: e.seq)
+    a2a_u = union([(e.launch, e.finish) for e in a2a if e.finish is not None])
+    ar_u = union([(e.launch, e.finish) for e in grads if e.finish is not None])
+    return {
+        "a2a_bwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "bwd"),
+        "a2a_fwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "fwd"),
+        "grad_allreduce_ms": 1e3 * total_length(ar_u),
+        "overlap_ms": 1e3 * intersection_length(a2a_u, ar_u),
+        "launched_during_a2a": len(launched_during(grads, a2a)),
+        "n_a2a": len(a2a),
+        "n_grad_allreduce": len(grads),
+        "grad_allreduce_bytes": sum(e.nbytes for e in grads),
+    }
 
 
 def format_summary(s: dict) -> str:
@@ -237,8 +249,9 @@ def op_begin(op: str, group: str, nbytes: int) -> Optional[CommEvent]:
     queued = info.pop("queued", None)
     ev = CommEvent(next(_SEQ), op, group, int(nbytes), tag, "bwd" if _in_backward() else "fwd",
                    time.perf_counter(), queued=queued, info=info)
-    for log in _LOGS:
-        log.events.append(ev)
+    for log in list(_LOGS):
+        with log._lock:
+            log.events.append(ev)
     _local.last = ev
     return ev
 

@@ -65,7 +65,7 @@ class CommTimeoutError(RuntimeError):
 
 @dataclass
 class MicroOp:
-    """One chunk of one gradient: flat[start:start + numel] all-reduced over `group`."""
+    """Chunk `part` of `parts` of one gradient tensor, all-reduced in place over `group`."""
 
     index: int                 # position in this iteration's queue (= launch order)
     kind: str                  # 'dp' or 'expert_dp'
@@ -77,7 +77,6 @@ class MicroOp:
     handle: "GradHandle"
     work: object = None
     event: Optional[events.CommEvent] = None
-    launched: Optional[float] = None
 
     @property
     def nbytes(self) -> int:
@@ -120,7 +119,9 @@ class LinaScheduler:
     CommTimeoutError (--comm-timeout). `prioritize=False` launches micro-ops
     as soon as they are queued, ignoring all-to-alls (an ablation for tests
     and benchmarks, not Lina). The scheduler keeps an EventLog running from
-    construction to `close()`; `summary()` reads it.
+    construction to `close()` (the last `max_events` events, for tests and
+    benchmarks) and folds each iteration's events into running totals at
+    `drain()`; `summary()` returns those totals, `close()` logs them.
     """
 
     def __init__(self, partition_mb: float = 30.0, timeout_s: float = 600.0, *, prioritize: bool = True,
@@ -142,17 +143,21 @@ class LinaScheduler:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self._hooks: list = []
-        self.log = (log_events or events.EventLog()).start()
+        self.log = (log_events or events.EventLog(max_events=20_000)).start()
+        self._totals: dict = {}
+        self._folded_seq = -1          # events up to this seq are in _totals
+        self.iterations = 0
         events.add_a2a_listener(self)
 
     # ------------------------------------------------------------------ model hooks
     def attach(self, model: torch.nn.Module) -> None:
-        """Add the notification points to every MoE layer of `model`: the gradient of the
-        layer's output (backward reaches combine: an all-to-all is imminent) and of its
+        """Add the notification points to every MoE layer of `model` that exchanges tokens
+        between ranks: the gradient of the layer's output (backward reaches combine: an all-to-all is imminent) and of its
         input (the layer's backward is over: nothing of it is imminent any more)."""
         from megatron_moe.moe.layer import MoELayer     # moe imports distributed, not the reverse
         for m in model.modules():
-            if isinstance(m, MoELayer):
+            # a layer whose token exchange stays inside one rank has no all-to-all to wait for
+            if isinstance(m, MoELayer) and m.ps.size("ep_esp") > 1:
                 self._hooks.append(m.register_forward_pre_hook(self._wrap_input))
                 self._hooks.append(m.register_forward_hook(self._wrap_output))
 
@@ -240,7 +245,6 @@ class LinaScheduler:
                     self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
                     self._cv.notify_all()
                     return
-                op.launched = time.perf_counter()
             try:
                 op.work.wait(timeout=timedelta(seconds=self.timeout_s))
             except Exception as e:                # noqa: BLE001  (gloo raises RuntimeError on timeout)
@@ -286,11 +290,24 @@ class LinaScheduler:
                 self._imminent = False
                 self._count = 0
         self._raise_if_failed()
+        self._fold()
+
+    def _fold(self) -> None:
+        """Add the events since the last fold to the running totals."""
+        new = [e for e in self.log.snapshot() if e.seq > self._folded_seq]
+        if new:
+            self._folded_seq = max(e.seq for e in new)
+            for k, v in events.summarize(new).items():
+                self._totals[k] = self._totals.get(k, 0) + v
+        self.iterations += 1
 
     # ------------------------------------------------------------------ reporting, teardown
     def summary(self) -> dict:
-        """The event log's summary (ms) plus the partition size."""
-        return {"partition_mb": self.partition_mb, **self.log.summary()}
+        """`events.summarize` totals (ms) over every drained iteration, plus the partition
+        size and the number of iterations."""
+        base = events.summarize([])
+        return {"partition_mb": self.partition_mb, "iterations": self.iterations,
+                **{k: self._totals.get(k, v) for k, v in base.items()}}
 
     def close(self) -> dict:
         """Stop the launcher, remove hooks and listeners, log and return the summary."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from megatron_moe.lancet.cost import CommCostModel
 from megatron_moe.lancet.simulator import SimOp, simulate
@@ -44,18 +44,20 @@ class PartitionPlan:
     ranges: list[PlannedRange] = field(default_factory=list)
 
 
-def group_ops(costs: Sequence[float], group_ms: float) -> list[tuple[int, int]]:
+def group_ops(costs: Sequence[float], group_ms: float, cuts: Collection[int] = ()) -> list[tuple[int, int]]:
     """Merge consecutive ops into groups [start, end) of about `group_ms` ms.
 
     A group is closed as soon as its cost reaches group_ms, so every group but
     the last costs >= group_ms, and less than group_ms plus its last op.
+    `cuts`: op indices where a group must end anyway (a group never spans a
+    cut), e.g. the only places a partitioned range may start or end.
     """
     if group_ms <= 0:
         raise ValueError(f"group_ms (gamma) must be > 0, got {group_ms}")
     groups, start, acc = [], 0, 0.0
     for j, c in enumerate(costs):
         acc += c
-        if acc >= group_ms:
+        if acc >= group_ms or (j + 1) in cuts:
             groups.append((start, j + 1))
             start, acc = j + 1, 0.0
     if start < len(costs):
@@ -100,14 +102,16 @@ def plan_partitions(num_groups: int, range_ms: Callable[[int, int, int], float],
 
 def plan_ops(ops: Sequence[SimOp], group_ms: float, max_range: int, max_partitions: int = 8,
              cost_model: CommCostModel | None = None, overhead_ms: float = 0.0,
-             feasible: Callable[[int, int], bool] | None = None) -> PartitionPlan:
+             feasible: Callable[[int, int], bool] | None = None,
+             cuts: Collection[int] = ()) -> PartitionPlan:
     """Group `ops`, run the DP with the timeline simulator as P, and return ranges over op indices.
 
     feasible(op_start, op_end): may ops op_start..op_end-1 be partitioned along
     the batch (e.g. `axes.solve_axes` on that range is not None)? None: always.
     P(i, n, k) is simulate(ops of groups i..n-1, k, cost_model, overhead_ms).
+    cuts: op indices no group may span (see `group_ops`).
     """
-    groups = group_ops([op.cost_ms for op in ops], group_ms)
+    groups = group_ops([op.cost_ms for op in ops], group_ms, set(cuts))
     memo: dict[tuple[int, int, int], float] = {}
     ok: dict[tuple[int, int], bool] = {}  # the axis solver is the slow part: ask once per range
 

@@ -138,8 +138,10 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
     mo = build_model_ops(model, costs, sh)
     rho = min(opts.lancet_max_partitions, B)
     if partition:
+        # groups never straddle a place where a runtime range may start or end
+        cuts = {j for d in list(mo.starts.values()) + list(mo.ends.values()) for j in d}
         dp = plan_ops(mo.sim, opts.lancet_group_ms, opts.lancet_max_range, rho, comm, costs.overhead_ms,
-                      feasibility(mo))
+                      feasibility(mo), cuts)
     else:
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])

@@ -82,6 +82,7 @@ class WgradStats:
     flushed: int = 0            # closures run by flush() at the end of backward
     window_ms: float = 0.0      # dW compute time spent inside all-to-all windows
     a2a_windows: int = 0
+    helper_intervals: list = field(default_factory=list)   # (start, end) perf_counter s of helper-thread dW
 
 
 def _autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
@@ -239,7 +240,9 @@ class WgradRuntime:
         def compute_all():
             t0 = time.perf_counter()
             out = [item.compute() for item in items]
-            return out, 1e3 * (time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.stats.helper_intervals.append((t0, t1))
+            return out, 1e3 * (t1 - t0)
 
         return items, self._executor.submit(compute_all)
 

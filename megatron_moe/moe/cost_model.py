@@ -32,7 +32,7 @@ grows when k f > 1 (S2's all-gather carries k f times S1's).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -181,11 +181,6 @@ def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True) -> Choice:
     if sh.S % sh.n_mp:
         return Choice("s2", times, chunks)           # S1 cannot split the tokens evenly over MP
     return Choice("s1" if times["s1"] <= times["s2"] else "s2", times, chunks)
-
-
-def with_degrees(sh: MoEShape, **kw) -> MoEShape:
-    """A copy of `sh` with some fields changed (for sweeps)."""
-    return replace(sh, **kw)
 
 
 # ----------------------------------------------------------------------------- the paper's grid (simulator)

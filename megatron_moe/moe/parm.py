@@ -106,7 +106,7 @@ def ep_esp_uneven(rows_KM: torch.Tensor, plan: UnevenPlan, layer) -> torch.Tenso
 # ----------------------------------------------------------------------------- S1 routing
 
 
-def _offsets_and_totals(experts, E: int, k: int, ps):
+def _offsets_and_totals(experts, E: int, ps):
     """Position / random policy: MP all-gather of the [G, k, E] choice counts.
 
     Returns (offset [G, k, E] of this rank, first-choice totals [G, E], all choices [G, E]).
@@ -120,7 +120,7 @@ def _offsets_and_totals(experts, E: int, k: int, ps):
 def _s1_slots(layer, gates, experts, S: int):
     """Slots [S_l, k] per group, capacity, first-choice totals [G, E], kept counts [G, E] of the group."""
     ps, E, k, policy = layer.ps, layer.num_experts, layer.k, layer.policy
-    G, S_l, n_mp = len(experts), experts[0].size(0), ps.size("mp")
+    G, S_l = len(experts), experts[0].size(0)
     if layer.s1_local_capacity:
         cap = capacity(S_l, E, k, layer.cf, layer.min_cap)
         pos = [slot_positions(e, E, token_order(gt, e, policy)) for gt, e in zip(gates, experts)]
@@ -141,7 +141,7 @@ def _s1_slots(layer, gates, experts, S: int):
             first.append(torch.bincount(e_full[:, 0], minlength=E))
             kept.append(torch.bincount(e_full[pos_full < cap], minlength=E))
         return pos, cap, torch.stack(first), torch.stack(kept)
-    offset, first, total = _offsets_and_totals(experts, E, k, ps)
+    offset, first, total = _offsets_and_totals(experts, E, ps)
     pos = [slot_positions(e, E, None, offset[g], first[g]) for g, e in enumerate(experts)]
     # an expert's choices hold positions 0 .. total-1 in the group, so min(total, C) are kept
     return pos, cap, first, total.clamp(max=cap)

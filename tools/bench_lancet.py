@@ -1,0 +1,240 @@
+"""Lancet ablation: none / dW scheduling / partition pipelining / both (Lancet, MLSys 2024, Fig. 9).
+
+Run under torchrun, one process per rank (gloo on CPU, NCCL with CUDA):
+
+    torchrun --nproc-per-node 4 tools/bench_lancet.py --expert-model-parallel-size 4 --json lancet.json
+    scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 200mbit -- \\
+        tools/bench_lancet.py --expert-model-parallel-size 2 --json lancet.json
+
+For every mode the same model (same seed) runs `--warmup` untimed and `--iters`
+timed iterations of forward + backward on one fixed micro-batch (gradient sync
+and the optimizer step are the same in every mode and are left out). Per
+iteration it measures:
+  iter_ms          wall time of forward + backward (the slowest rank's median),
+  a2a_ms           time some all-to-all was in flight (union of [launch, completion];
+                   completion from the work's future callback),
+  a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
+                   call, or `wait()` on an asynchronous one) minus the part of it in
+                   which the dW helper thread was computing,
+and reports the cost model's predicted iteration time (`planner.predict`).
+To see all-to-alls the benchmark wraps `torch.distributed.all_to_all_single`
+while timing (a measuring instrument of this tool; the library never does it).
+Prints a table and writes `--json PATH`: a list of objects with keys mode,
+iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_moe.config import Config  # noqa: E402
+from megatron_moe.distributed.events import intersection_length, total_length, union  # noqa: E402
+from megatron_moe.lancet.controller import setup  # noqa: E402
+from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
+from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
+from megatron_moe.lancet.planner import make_plan  # noqa: E402
+from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
+from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
+
+MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
+
+
+class A2ATimer:
+    """Records every all_to_all_single while active: launch, completion and blocked intervals."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self._orig = None
+
+    def __enter__(self) -> "A2ATimer":
+        self._orig = orig = dist.all_to_all_single
+        timer = self
+
+        def timed(*args, async_op: bool = False, **kwargs):
+            rec = {"launch": time.perf_counter(), "complete": None, "blocked": []}
+            timer.calls.append(rec)
+            work = orig(*args, async_op=async_op, **kwargs)
+            if not async_op:
+                rec["complete"] = time.perf_counter()
+                rec["blocked"].append((rec["launch"], rec["complete"]))
+                return work
+            try:
+                work.get_future().then(lambda _f: rec.__setitem__("complete", time.perf_counter()))
+            except (RuntimeError, AttributeError):
+                pass
+            return _TimedWork(work, rec)
+
+        dist.all_to_all_single = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self._orig
+
+    def measure(self, helper: list) -> tuple[float, float]:
+        """(ms some all-to-all was in flight, ms the main thread was blocked on one and no dW ran)."""
+        spans = [(c["launch"], c["complete"] or max(b for _, b in c["blocked"] or [(0, c["launch"])]))
+                 for c in self.calls]
+        blocked = union([iv for c in self.calls for iv in c["blocked"]])
+        hidden = intersection_length(blocked, union(helper))
+        return 1e3 * total_length(union(spans)), 1e3 * (total_length(blocked) - hidden)
+
+
+class _TimedWork:
+    def __init__(self, work, rec):
+        self._work, self._rec = work, rec
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        t1 = time.perf_counter()
+        self._rec["blocked"].append((t0, t1))
+        if self._rec["complete"] is None:
+            self._rec["complete"] = t1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--num-layers", type=int, default=4)
+    a("--hidden-size", type=int, default=256)
+    a("--num-attention-heads", type=int, default=4)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--seq-length", type=int, default=128)
+    a("--micro-batch-size", type=int, default=8)
+    a("--vocab-size", type=int, default=1024)
+    a("--num-experts", type=int, default=8)
+    a("--moe-layer-freq", type=int, default=2)
+    a("--moe-router-topk", type=int, default=1)
+    a("--moe-router-policy", default="position", choices=["position", "batch_prioritized", "random"])
+    a("--moe-expert-capacity-factor", type=float, default=1.0)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--expert-model-parallel-size", type=int, default=None, help="default: the world size / MP")
+    a("--expert-sharding-parallel-size", type=int, default=1)
+    a("--lancet-max-partitions", type=int, default=8)
+    a("--lancet-group-ms", type=float, default=1.0)
+    a("--lancet-max-range", type=int, default=8)
+    a("--lancet-report", default=None, help="write each mode's Lancet report to PATH.<mode>.json")
+    a("--modes", default="none,dw,partition,both")
+    a("--warmup", type=int, default=3)
+    a("--iters", type=int, default=10)
+    a("--json", default=None, help="write the rows as JSON to this path")
+    a("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    args = p.parse_args(argv)
+    bad = [m for m in args.modes.split(",") if m not in MODES]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
+    return args
+
+
+def build_config(args, world: int) -> Config:
+    cfg = Config()
+    m, moe, par, o = cfg.model, cfg.moe, cfg.parallel, cfg.opts
+    m.num_layers, m.hidden_size, m.num_attention_heads = args.num_layers, args.hidden_size, args.num_attention_heads
+    m.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    m.seq_length = m.max_position_embeddings = args.seq_length
+    m.vocab_size = args.vocab_size
+    moe.num_experts, moe.moe_layer_freq, moe.moe_router_topk = args.num_experts, args.moe_layer_freq, args.moe_router_topk
+    moe.moe_router_policy, moe.moe_expert_capacity_factor = args.moe_router_policy, args.moe_expert_capacity_factor
+    moe.moe_schedule = "baseline"
+    par.tensor_model_parallel_size = args.tensor_model_parallel_size
+    par.expert_model_parallel_size = args.expert_model_parallel_size or world // args.tensor_model_parallel_size
+    par.expert_sharding_parallel_size = args.expert_sharding_parallel_size
+    o.lancet_max_partitions, o.lancet_group_ms, o.lancet_max_range = (args.lancet_max_partitions,
+                                                                        args.lancet_group_ms, args.lancet_max_range)
+    cfg.train.micro_batch_size, cfg.train.seed = args.micro_batch_size, 1234
+    return cfg
+
+
+def run_mode(mode: str, args, cfg: Config, ps, costs, comm, ids, labels) -> dict:
+    """Time one mode; returns its row (medians over iterations, the slowest rank's value)."""
+    wgrad, partition = MODES[mode]
+    model = GPT2MoE(cfg, ps)
+    B, T = ids.shape
+    plan = make_plan(model, ps, cfg.opts, B, T, wgrad=wgrad, partition=partition, costs=costs, comm=comm)
+    ctl = setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
+    iters, a2a, exposed = [], [], []
+    for it in range(args.warmup + args.iters):
+        if ctl.wgrad is not None:
+            ctl.wgrad.stats.helper_intervals.clear()
+        dist.barrier()
+        with A2ATimer() as timer:
+            t0 = time.perf_counter()
+            lm, aux = model(ids, labels)
+            ctl.backward(lm + aux)
+            t1 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if it >= args.warmup:
+            iters.append(1e3 * (t1 - t0))
+            a, e = timer.measure(ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+            a2a.append(a)
+            exposed.append(e)
+    med = torch.tensor([statistics.median(iters), statistics.median(a2a), statistics.median(exposed)],
+                       dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if args.lancet_report:
+        ctl.write_report(f"{args.lancet_report}.{mode}.json", measured_iter_ms=float(med[0]))
+    ctl.remove()
+    return {"mode": mode, "iter_ms_median": round(float(med[0]), 3), "a2a_ms": round(float(med[1]), 3),
+            "a2a_exposed_ms": round(float(med[2]), 3),
+            "predicted_ms": round(plan.predicted["iteration_ms"], 3),
+            "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
+            "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
+            "dw_assigned": sum(len(v) for v in plan.assignment.values())}
+
+
+def print_table(rows: list[dict], head: dict) -> None:
+    base = next((r for r in rows if r["mode"] == "none"), rows[0])
+    print(f"Lancet ablation: {head}")
+    print(f"{'mode':<10} {'iter ms':>9} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
+          f"{'pred err':>9} {'speedup':>8}  ranges")
+    for r in rows:
+        err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
+        print(f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['a2a_ms']:>9.1f} {r['a2a_exposed_ms']:>15.1f} "
+              f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
+              f"{', '.join(r['ranges']) or '-'}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world = dist.get_world_size()
+    cfg = build_config(args, world)
+    ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
+                                   cfg.parallel.expert_model_parallel_size,
+                                   cfg.parallel.expert_sharding_parallel_size, backend)
+    B, T = args.micro_batch_size, args.seq_length
+    g = torch.Generator().manual_seed(100 + ps.rank("dp"))
+    ids = torch.randint(0, args.vocab_size, (B, T + 1), generator=g)
+    probe = GPT2MoE(cfg, ps)
+    costs = profile_costs(probe, ps, B, T)
+    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
+    del probe
+    rows = [run_mode(m, args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:]) for m in args.modes.split(",")]
+    head = {"world": world, "mp": ps.size("mp"), "ep": ps.size("ep"), "esp": ps.size("esp"),
+            "layers": args.num_layers, "hidden": args.hidden_size, "experts": args.num_experts,
+            "topk": args.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
+    if dist.get_rank() == 0:
+        print_table(rows, head)
+        if args.json:
+            atomic_write_json(args.json, [dict(r, config=head) for r in rows])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
