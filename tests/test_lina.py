@@ -52,8 +52,8 @@ def batch(it: int, ps, seq: int = 16, vocab: int = 100):
 
 
 def train(cfg, ps, scheduler, iters: int, bucket_mb: float = 0.01, log=None):
-    """SGD-momentum loop with GradSync over two alternating batches; returns losses, first-iteration grads, final params, and the
-    event log's events of each iteration (lists)."""
+    """SGD-momentum loop with GradSync over two alternating batches. Returns losses, first
+    gradients, final params, each iteration's events of `log` (lists) and the model."""
     model = GPT2MoE(cfg, ps)
     sync = GradSync(model, ps, bucket_mb=bucket_mb, scheduler=scheduler)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)

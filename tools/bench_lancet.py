@@ -6,10 +6,11 @@ Run under torchrun, one process per rank (gloo on CPU, NCCL with CUDA):
     scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 200mbit -- \\
         tools/bench_lancet.py --expert-model-parallel-size 2 --json lancet.json
 
-For every mode the same model (same seed) runs `--warmup` untimed and `--iters`
-timed iterations of forward + backward on one fixed micro-batch (gradient sync
-and the optimizer step are the same in every mode and are left out). Per
-iteration it measures:
+Every mode gets its own copy of the same model (same seed); the modes run
+round-robin, `--warmup` untimed and `--iters` timed iterations of forward +
+backward each on one fixed micro-batch, so load that comes and goes on a
+shared machine hits every mode alike (gradient sync and the optimizer step are
+the same in every mode and are left out). Per iteration it measures:
   iter_ms          wall time of forward + backward (the slowest rank's median),
   a2a_ms           time some all-to-all was in flight (union of [launch, completion];
                    completion from the work's future callback),
@@ -159,46 +160,61 @@ def build_config(args, world: int) -> Config:
     return cfg
 
 
-def run_mode(mode: str, args, cfg: Config, ps, costs, comm, ids, labels) -> dict:
-    """Time one mode; returns its row (medians over iterations, the slowest rank's value)."""
+def prepare(mode: str, cfg: Config, ps, costs, comm, B: int, T: int):
+    """Model (same seed in every mode), plan and installed controller of one mode."""
     wgrad, partition = MODES[mode]
     model = GPT2MoE(cfg, ps)
-    B, T = ids.shape
     plan = make_plan(model, ps, cfg.opts, B, T, wgrad=wgrad, partition=partition, costs=costs, comm=comm)
-    ctl = setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
-    iters, a2a, exposed = [], [], []
+    return model, plan, setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
+
+
+def step(model, ctl, ids, labels) -> tuple[float, float, float]:
+    """One timed forward + backward: (iteration ms, all-to-all ms, exposed all-to-all ms)."""
+    if ctl.wgrad is not None:
+        ctl.wgrad.stats.helper_intervals.clear()
+    dist.barrier()
+    with A2ATimer() as timer:
+        t0 = time.perf_counter()
+        lm, aux = model(ids, labels)
+        ctl.backward(lm + aux)
+        t1 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    a2a, exposed = timer.measure(ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+    return 1e3 * (t1 - t0), a2a, exposed
+
+
+def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels) -> list[dict]:
+    """Time all modes round-robin (iteration i of every mode, then i + 1, ...), so load that
+    comes and goes on a shared machine hits every mode alike; medians, slowest rank."""
+    B, T = ids.shape
+    setups = {m: prepare(m, cfg, ps, costs, comm, B, T) for m in modes}
+    samples: dict = {m: [] for m in modes}
     for it in range(args.warmup + args.iters):
-        if ctl.wgrad is not None:
-            ctl.wgrad.stats.helper_intervals.clear()
-        dist.barrier()
-        with A2ATimer() as timer:
-            t0 = time.perf_counter()
-            lm, aux = model(ids, labels)
-            ctl.backward(lm + aux)
-            t1 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        if it >= args.warmup:
-            iters.append(1e3 * (t1 - t0))
-            a, e = timer.measure(ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
-            a2a.append(a)
-            exposed.append(e)
-    med = torch.tensor([statistics.median(iters), statistics.median(a2a), statistics.median(exposed)],
-                       dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    if args.lancet_report:
-        ctl.write_report(f"{args.lancet_report}.{mode}.json", measured_iter_ms=float(med[0]))
-    ctl.remove()
-    return {"mode": mode, "iter_ms_median": round(float(med[0]), 3), "a2a_ms": round(float(med[1]), 3),
-            "a2a_exposed_ms": round(float(med[2]), 3),
-            "predicted_ms": round(plan.predicted["iteration_ms"], 3),
-            "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
-            "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
-            "dw_assigned": sum(len(v) for v in plan.assignment.values())}
+        for m in modes:
+            model, _, ctl = setups[m]
+            r = step(model, ctl, ids, labels)
+            if it >= args.warmup:
+                samples[m].append(r)
+    rows = []
+    for m in modes:
+        model, plan, ctl = setups[m]
+        med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)], dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        if args.lancet_report and ctl.plan is not None:
+            ctl.write_report(f"{args.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
+        ctl.remove()
+        rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "a2a_ms": round(float(med[1]), 3),
+                     "a2a_exposed_ms": round(float(med[2]), 3),
+                     "predicted_ms": round(plan.predicted["iteration_ms"], 3),
+                     "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
+                     "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
+                     "dw_assigned": sum(len(v) for v in plan.assignment.values())})
+    return rows
 
 
-def print_table(rows: list[dict], head: dict) -> None:
+def print_table(rows: list[dict], head: dict, iters: int) -> None:
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
-    print(f"Lancet ablation: {head}")
+    print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
     print(f"{'mode':<10} {'iter ms':>9} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
           f"{'pred err':>9} {'speedup':>8}  ranges")
     for r in rows:
@@ -225,15 +241,18 @@ def main(argv=None) -> None:
     costs = profile_costs(probe, ps, B, T)
     comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
     del probe
-    rows = [run_mode(m, args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:]) for m in args.modes.split(",")]
+    rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
     head = {"world": world, "mp": ps.size("mp"), "ep": ps.size("ep"), "esp": ps.size("esp"),
             "layers": args.num_layers, "hidden": args.hidden_size, "experts": args.num_experts,
             "topk": args.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
     if dist.get_rank() == 0:
-        print_table(rows, head)
+        print_table(rows, head, args.iters)
         if args.json:
             atomic_write_json(args.json, [dict(r, config=head) for r in rows])
+    dist.barrier()
     dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Benchmark Lina: backward all-to-all time, its slowdown and the step time, with and without --lina.
 
-Run under torchrun (every rank runs every mode, one after the other):
+Run under torchrun (every rank runs every mode):
 
   torchrun --nproc-per-node 2 tools/bench_lina.py --json lina_local.json
-  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit -- \\
+  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 200mbit -- \\
       tools/bench_lina.py --json lina_cluster.json
 
 Modes (the same model, batches and weights in each):
@@ -12,19 +12,22 @@ Modes (the same model, batches and weights in each):
   no_lina  GradSync: --bucket-mb buckets all-reduced asynchronously from
            grad-ready hooks during backward (the usual overlap);
   lina     LinaScheduler, once per --partitions size (MB).
-Per mode: --warmup iterations, then --iters measured ones; an iteration is
+The modes take turns, --rounds times; each turn builds the model, runs
+--warmup iterations, then --iters measured ones; an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
 ranks (a barrier). Step time: max over ranks; backward all-to-all time: per
 call the minimum over ranks (a gloo call also waits for late peers; the last
 rank to arrive does not), summed over the backward calls; overlap (time a
 gradient all-reduce ran during an all-to-all): mean over ranks; all from the
-event log, medians over iterations. The default model makes the dense all-reduce heavy
-(~45 MB of dense gradients, 2 experts per MoE layer over EP = world size), so
-the all-to-alls cross nodes and share the link with it.
+event log, medians over iterations. The default model makes the dense
+all-reduce heavy (4 blocks, every 2nd MoE, M=512, H=2048: ~34 MB of dense
+gradients; 2 experts per rank with EP = world size, so the all-to-alls cross
+nodes and share the link with the all-reduce; 512 tokens per rank, ~1 MB
+all-to-all buffers).
 
 Prints a table and, with --json PATH, writes a list of objects with keys mode,
 partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median (plus
-a2a_slowdown, a2a_bwd_raw_ms_median, overlap_ms_median, world_size).
+a2a_slowdown, a2a_bwd_raw_ms_median, overlap_ms_median, world_size, load_avg_1min).
 """
 from __future__ import annotations
 
@@ -55,13 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--ffn-hidden-size", type=int, default=2048)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: 2 x EP)")
     p.add_argument("--expert-model-parallel-size", type=int, default=0, help="EP (0: the world size)")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode")
+    p.add_argument("--iters", type=int, default=4, help="measured iterations per mode and round")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode and round")
+    p.add_argument("--rounds", type=int, default=2, help="times every mode runs, in turn")
     p.add_argument("--partitions", default="1,4,30,100", help="Lina micro-op sizes in MB, comma-separated")
     p.add_argument("--bucket-mb", type=float, default=4.0,
                    help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)")
@@ -79,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in a.modes if m not in ("alone", "no_lina", "lina")]
     if bad:
         p.error(f"--modes: unknown mode(s) {bad}; choose from alone, no_lina, lina")
-    if a.iters < 1 or a.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if a.iters < 1 or a.warmup < 0 or a.rounds < 1:
+        p.error("--iters and --rounds must be >= 1, --warmup >= 0")
     return a
 
 
@@ -102,7 +106,8 @@ def build_config(a: argparse.Namespace, world: int) -> Config:
 
 
 def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) -> dict:
-    """Warm up, measure, and return medians (ms) of step time, backward a2a time and overlap.
+    """Warm up, measure, and return per-iteration lists (ms) of step time, backward a2a time,
+    the same with waits, and overlap.
 
     A gloo all-to-all call also lasts while it waits for the last peer to arrive,
     so per call the *minimum* over ranks (the last rank's wait is nil) is its
@@ -146,10 +151,8 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     dist.all_reduce(calls_sum)
     ov = torch.tensor(overlap, dtype=torch.float64)
     dist.all_reduce(ov)
-    return {"step_ms_median": statistics.median(step_max.tolist()),
-            "a2a_bwd_ms_median": statistics.median(calls_min.sum(1).tolist()),
-            "a2a_bwd_raw_ms_median": statistics.median((calls_sum.sum(1) / world).tolist()),
-            "overlap_ms_median": statistics.median((ov / world).tolist())}
+    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": calls_min.sum(1).tolist(),
+            "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov / world).tolist()}
 
 
 def write_json(path: str, rows: list[dict]) -> None:
@@ -196,17 +199,25 @@ def main(argv=None) -> None:
     plan = [(m, None) for m in ("alone", "no_lina") if m in a.modes]
     if "lina" in a.modes:
         plan += [("lina", p) for p in a.partitions]
-    results = []
-    for mode, part in plan:
-        r = run_mode(cfg, ps, a, mode, part)
-        results.append({"mode": mode, "partition_mb": part, **r})
-        if rank == 0:
-            print(f"  {mode} {'' if part is None else part}: {r}", flush=True)
+    pooled = {key: {} for key in plan}
+    for rnd in range(a.rounds):        # modes take turns, so a change in machine load hits all of them
+        for mode, part in plan:
+            r = run_mode(cfg, ps, a, mode, part)
+            for k, v in r.items():
+                pooled[(mode, part)].setdefault(k, []).extend(v)
+            if rank == 0:
+                print(f"  round {rnd} {mode} {'' if part is None else part}: step "
+                      f"{statistics.median(r['step_ms']):.1f} ms, bwd a2a {statistics.median(r['a2a_bwd_ms']):.2f} ms",
+                      flush=True)
+    results = [{"mode": mode, "partition_mb": part,
+                **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items()}}
+               for mode, part in plan]
     alone = next((r["a2a_bwd_ms_median"] for r in results if r["mode"] == "alone"), float("nan"))
     for r in results:
         r["a2a_alone_ms_median"] = alone
         r["a2a_slowdown"] = r["a2a_bwd_ms_median"] / alone if alone == alone and alone > 0 else float("nan")
         r["world_size"] = world
+        r["load_avg_1min"] = os.getloadavg()[0]       # other work on the machine makes timings noisy
     if rank == 0:
         print(table(results), flush=True)
         if a.json:

@@ -152,8 +152,8 @@ class LinaScheduler:
     # ------------------------------------------------------------------ model hooks
     def attach(self, model: torch.nn.Module) -> None:
         """Add the notification points to every MoE layer of `model` that exchanges tokens
-        between ranks: the gradient of the layer's output (backward reaches combine: an all-to-all is imminent) and of its
-        input (the layer's backward is over: nothing of it is imminent any more)."""
+        between ranks: the gradient of the layer's output (backward reaches combine: an
+        all-to-all is imminent) and of its input (the layer's backward is over)."""
         from megatron_moe.moe.layer import MoELayer     # moe imports distributed, not the reverse
         for m in model.modules():
             # a layer whose token exchange stays inside one rank has no all-to-all to wait for
@@ -193,6 +193,7 @@ class LinaScheduler:
             self._imminent = False
 
     def a2a_end(self, group: str) -> None:
+        """Listener hook (collectives): the all-to-all finished; micro-ops may go again."""
         with self._cv:
             self._a2a_in_flight = max(0, self._a2a_in_flight - 1)
             self._cv.notify_all()

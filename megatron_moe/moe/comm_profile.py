@@ -160,8 +160,17 @@ def load_or_profile(ps, max_elements: int, path: str | None = None, reps: int = 
     if int(flag.item()):
         return _broadcast(ps, cached if cached is not None else CommModel(), "cache")
     model, raw = profile(ps, max_elements, reps)
+    error = ""
     if path and dist.get_rank() == 0:
-        write_cache(path, key, max_elements, model, raw)
+        try:
+            write_cache(path, key, max_elements, model, raw)
+        except OSError as e:                       # every rank must learn it, or the others would hang
+            error = str(e)
+    if path:                                       # the same on every rank: all take part
+        failed = torch.tensor([1 if error else 0], device=flag.device)
+        dist.broadcast(failed, src=0)
+        if int(failed.item()):
+            raise ValueError(f"--comm-profile {path}: cannot write the profile cache ({error or 'see rank 0'})")
     return _broadcast(ps, model, "profile")
 
 

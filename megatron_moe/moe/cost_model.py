@@ -47,6 +47,7 @@ class AlphaBeta:
     beta: float
 
     def time(self, n: float) -> float:
+        """Seconds for a message of n elements."""
         return self.alpha + self.beta * n
 
 
@@ -76,6 +77,7 @@ class CommModel:
     source: str = "none"          # 'profile', 'cache', 'given' or 'none'
 
     def t(self, op: str, group: str, n: float) -> float:
+        """Seconds of collective `op` on group kind `group` for an n-element message."""
         ab = self.costs.get(f"{op}@{group}")
         return 0.0 if ab is None else ab.time(n)
 
@@ -98,14 +100,17 @@ class MoEShape:
 
     @property
     def S(self) -> int:
+        """Tokens per routing group."""
         return self.B * self.L
 
     @property
     def C(self) -> int:
+        """Expert capacity (the router's formula)."""
         return max(int(math.ceil(self.k * self.f * self.S / self.E)), int(self.min_capacity))
 
     @property
     def C_mp(self) -> int:
+        """Slots per expert one MP rank holds in S2 (C padded to a multiple of N_MP)."""
         return -(-self.C // self.n_mp)
 
     def largest_message(self) -> int:

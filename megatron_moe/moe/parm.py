@@ -178,7 +178,8 @@ def s1_route(layer, x_l_GSM: torch.Tensor, S: int):
 
 
 def s1(layer, x_GSM: torch.Tensor):
-    """Parm S1: MP split -> gate/route (global slots) -> EP&ESP all-to-all -> experts -> back -> combine -> MP all-gather."""
+    """Parm S1: MP split -> gate and route (global slots) -> EP&ESP all-to-all -> experts
+    -> return all-to-all -> combine -> MP all-gather. x [G, S, M] -> (y [G, S, M], aux)."""
     ps = layer.ps
     G, S, M = x_GSM.shape
     n_mp = ps.size("mp")
@@ -268,8 +269,8 @@ class _S2ReturnAllToAll(torch.autograd.Function):
 
 
 def s2(layer, x_GSM: torch.Tensor):
-    """Parm S2: gate all tokens -> keep own 1/N_MP of every expert's slots -> EP&ESP all-to-all -> experts
-    -> return all-to-all || MP all-gather (SAA) -> combine."""
+    """Parm S2: gate all tokens -> keep own 1/N_MP of every expert's slots -> EP&ESP all-to-all
+    -> experts -> return all-to-all || MP all-gather (SAA) -> combine. x [G, S, M] -> (y [G, S, M], aux)."""
     from megatron_moe.moe.schedules import route_groups
     G, S, M = x_GSM.shape
     n_mp, E = layer.ps.size("mp"), layer.num_experts
