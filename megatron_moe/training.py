@@ -229,7 +229,8 @@ class Trainer:
         if t.save and (not t.save_interval or self.iteration % t.save_interval):
             save_checkpoint(t.save, self.iteration, self.consumed, self.model, self.optimizer, cfg, self.ps)
         if self.iteration >= t.train_iters:
-            self.evaluate(self.valid_loader, "valid")
+            if not (t.eval_interval and self.iteration % t.eval_interval == 0):   # not just evaluated
+                self.evaluate(self.valid_loader, "valid")
             self.evaluate(self.test_loader, "test")
         self.finish()
         return history
