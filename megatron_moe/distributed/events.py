@@ -83,12 +83,14 @@ class EventLog:
         self._lock = threading.Lock()       # the launcher thread appends while others read
 
     def start(self) -> "EventLog":
+        """Begin receiving events (idempotent); returns self."""
         if self not in _LOGS:
             _LOGS.append(self)
             _refresh()
         return self
 
     def stop(self) -> None:
+        """Stop receiving events; the kept ones stay readable."""
         if self in _LOGS:
             _LOGS.remove(self)
             _refresh()
@@ -100,6 +102,7 @@ class EventLog:
         self.stop()
 
     def clear(self) -> None:
+        """Forget the kept events."""
         with self._lock:
             self.events.clear()
 
@@ -170,6 +173,7 @@ def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def total_length(u: list[tuple[float, float]]) -> float:
+    """Summed length of disjoint intervals."""
     return sum(b - a for a, b in u)
 
 
@@ -216,6 +220,7 @@ def add_a2a_listener(listener) -> None:
 
 
 def remove_a2a_listener(listener) -> None:
+    """Unregister a listener added with add_a2a_listener (no error if absent)."""
     if listener in _A2A_LISTENERS:
         _A2A_LISTENERS.remove(listener)
         _refresh()
@@ -268,20 +273,25 @@ def op_end(ev: Optional[CommEvent]) -> None:
 
 
 def end_when_complete(ev: Optional[CommEvent], work) -> None:
-    """Finish `ev` now (work None: the call was synchronous) or when the async work completes."""
+    """Finish `ev` now (work None: the call was synchronous) or when the async work completes
+    (a future callback on the backend's thread), unless the issuing thread stamps the finish
+    itself (`tagged(..., self_timed=True)`: Lina's launcher, which waits for every op anyway)."""
     if ev is None:
         return
     if work is None:
         op_end(ev)
         return
+    if ev.info.get("self_timed"):
+        return
     try:
         work.get_future().then(lambda _f: op_end(ev))
-    except (RuntimeError, AttributeError):    # a backend without futures: finish at wait()
-        ev.info["finish_at_wait"] = True
+    except (RuntimeError, AttributeError):    # a backend without futures: the event stays unfinished
+        ev.info["unfinished"] = True
 
 
-def a2a_begin(group: str, nbytes: int) -> Optional[CommEvent]:
-    """Tell listeners an all-to-all starts, then time-stamp it. Returns the token for a2a_end."""
+def a2a_begin(group: str, nbytes: int) -> "CommEvent | _NoEvent":
+    """Tell listeners an all-to-all starts, then time-stamp it. Returns the token for a2a_end
+    (its CommEvent, or a bare token when only listeners are registered)."""
     for listener in list(_A2A_LISTENERS):
         listener.a2a_start(group)
     ev = op_begin("all_to_all", group, nbytes)

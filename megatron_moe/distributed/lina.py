@@ -239,7 +239,8 @@ class LinaScheduler:
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
-                    with events.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts):
+                    with events.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
+                                       self_timed=True):
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = events.last_event()
                 except Exception as e:            # noqa: BLE001  (reported by drain on the main thread)
