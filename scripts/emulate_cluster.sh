@@ -134,6 +134,7 @@ CLEANED=0
 # shellcheck disable=SC2317  # the functions below run from traps only
 # Stop every process of this run: first each node's process group, then
 # anything still living in our namespaces (e.g. a process that left its group).
+# shellcheck disable=SC2329  # invoked from a trap
 stop_nodes() {
     local pid ns tries
     for pid in "${NODE_PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
@@ -150,6 +151,7 @@ stop_nodes() {
 }
 
 # shellcheck disable=SC2317
+# shellcheck disable=SC2329  # invoked from a trap
 cleanup() {
     set +e   # best effort: one failed step must not skip the rest
     ((CLEANED)) && return
@@ -165,6 +167,7 @@ cleanup() {
 }
 
 # shellcheck disable=SC2317
+# shellcheck disable=SC2329  # invoked from a trap
 on_signal() { log "caught $1, stopping nodes and removing namespaces"; exit "$2"; }
 trap cleanup EXIT
 trap 'on_signal SIGINT 130' INT
