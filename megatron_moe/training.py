@@ -111,6 +111,10 @@ class Trainer:
             from megatron_moe.distributed.lina import LinaScheduler
             self.scheduler = LinaScheduler(cfg.opts.lina_partition_mb, cfg.parallel.comm_timeout)
         self.grad_sync = GradSync(self.model, self.ps, scheduler=self.scheduler)
+        self.lancet = None
+        if cfg.opts.lancet_wgrad or cfg.opts.lancet_partition:
+            from megatron_moe import lancet
+            self.lancet = lancet.setup(self.model, self.ps, cfg.opts)
         self.iteration, self.consumed = 0, 0
         if cfg.train.load:
             meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps)
@@ -146,7 +150,11 @@ class Trainer:
             self.grad_sync.accumulating = i < len(batches) - 1
             with self.autocast():
                 lm, aux = self.model(ids, labels)
-            ((lm + aux) / len(batches)).backward()
+            loss = (lm + aux) / len(batches)
+            if self.lancet is not None:
+                self.lancet.backward(loss)     # runs deferred dW under the all-to-alls, then flushes
+            else:
+                loss.backward()
             lm_sum += lm.item()
             aux_sum += float(aux.detach())
             for layer in self.model.moe_layers():
@@ -232,7 +240,7 @@ class Trainer:
             if not (t.eval_interval and self.iteration % t.eval_interval == 0):   # not just evaluated
                 self.evaluate(self.valid_loader, "valid")
             self.evaluate(self.test_loader, "test")
-        self.finish()
+        self.finish(history)
         return history
 
     def log_train(self, rec: dict, load) -> None:
@@ -244,7 +252,10 @@ class Trainer:
             f" | dropped {100 * rec['dropped_frac']:.2f}% | load imbalance {rec['load_imbalance']:.2f}")
         self.logger.record(rec, rec["iteration"], histograms={"expert_load": load})
 
-    def finish(self) -> None:
+    def finish(self, history: Optional[list] = None) -> None:
+        if self.lancet is not None and self.cfg.opts.lancet_report:
+            times = sorted(h["ms_per_iter"] for h in (history or [])[1:]) or [None]
+            self.lancet.write_report(measured_iter_ms=times[len(times) // 2])
         self.grad_sync.remove()
         self.logger.close()
 

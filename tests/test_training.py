@@ -116,3 +116,15 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(sample_dat
     for a, b in zip(fp32, bf16):
         assert abs(a["loss"] - b["loss"]) < 5e-2, (a["loss"], b["loss"])
     assert bf16[-1]["loss"] != fp32[-1]["loss"]      # bf16 really ran (round-off differs)
+
+
+def test_every_optimization_switch_keeps_the_training_curve(sample_data):
+    """Trainer-level: Parm S1/S2, Lina and Lancet (dW + partition) on MP2xEP2 give the plain curve."""
+    base = tiny_args(sample_data, 10, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+    plain = spawn(_train_on_rank, 4, base, timeout=600)[0]
+    for extra in (["--moe-schedule", "s1", "--lina"], ["--moe-schedule", "s2", "--lancet-wgrad"],
+                  ["--lancet-partition", "--lancet-wgrad", "--lina"]):
+        curve = spawn(_train_on_rank, 4, base + extra, timeout=600)[0]
+        for i, ((l0, n0, d0), (l1, n1, d1)) in enumerate(zip(plain, curve)):
+            assert abs(l1 - l0) < 1e-4, f"{extra} iteration {i + 1}: loss {l1} vs {l0}"
+            assert d1 == d0, f"{extra} iteration {i + 1}: dropped {d1} vs {d0}"
