@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.logging import MetricsLogger, log, setup_console
+from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.model.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from megatron_moe import convert as cv
 from megatron_moe.testing import spawn
+from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", os.path.join(ROOT, "tools",
@@ -19,16 +20,6 @@ tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
 LAYOUTS = {"MP2xEP2": ("2", "2", "1"), "EP2xESP2": ("1", "2", "2"), "one": ("1", "1", "1")}
-
-
-def tiny_args(data, iters, *extra):
-    """A 2-layer MoE (4 experts, top-2, tokens dropped) trained on the sample corpus."""
-    return ["--data-path", data, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "32", "--num-experts", "4", "--moe-router-topk", "2",
-            "--moe-expert-capacity-factor", "0.75", "--moe-min-capacity", "1", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3", "--lr-warmup-iters", "3",
-            "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "100", "--seed", "11",
-            "--moe-schedule", "baseline", *extra]
 
 
 def run_tool(command, *argv) -> int:

@@ -9,6 +9,7 @@ import pytest
 from megatron_moe.arguments import parse_args
 from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
+from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,15 +20,6 @@ def sample_data(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("data") / "sample")
     prepare_sample_data(prefix, vocab_size=512)
     return prefix
-
-
-def tiny_args(data, iters, *extra):
-    return ["--data-path", data, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "32", "--num-experts", "4", "--moe-router-topk", "2",
-            "--moe-expert-capacity-factor", "0.75", "--moe-min-capacity", "1", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3", "--lr-warmup-iters", "3",
-            "--eval-interval", "0", "--eval-iters", "1", "--log-interval", "100", "--seed", "11",
-            "--moe-schedule", "baseline", *extra]
 
 
 def _train_on_rank(rank, world, argv):
