@@ -13,7 +13,7 @@ all-to-all's recorded bytes must equal the plain run's real (kept) tokens.
 """
 import torch
 
-from megatron_moe.config import Config, OptimizationsConfig
+from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.tracer import CommTracer
 from megatron_moe.lancet.controller import setup
@@ -199,8 +199,9 @@ def _check(per_rank: list) -> None:
                 continue
             # dW scheduling alone changes no arithmetic: bitwise equal
             assert case["wgrad"]["grad"] == 0.0 and case["wgrad"]["hidden"] == 0.0, tag
-            for mode in ("wgrad", "both"):
+            for mode in ("wgrad", "both"):         # assigned dW ran under their all-to-alls, none at the end
                 s = case[mode]["stats"]
+                assert s["dw_in_window"] + s["dw_immediate"] == sum(s["dw_runs"].values()), f"{tag} {mode}: {s}"
                 assert s["dw_in_window"] > 0 and s["dw_flushed"] == 0, f"{tag} {mode}: {s}"
             per_part = case["k"] == 1 and case["policy"] != "batch_prioritized"
             runs = case["both"]["stats"]["dw_runs"]

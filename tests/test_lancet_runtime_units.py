@@ -68,7 +68,6 @@ def test_deferred_linear_is_bitwise_autograd_and_hook_fires_once_when_final():
 
 
 def test_deferred_expert_gemms_equal_the_plain_experts_bitwise():
-    cfg = config(1, "position")
     grads = []
     for defer in (False, True):
         ex = Experts(4, 32, 64, local_state(), seed=3, name="ex")
@@ -79,7 +78,6 @@ def test_deferred_expert_gemms_equal_the_plain_experts_bitwise():
         (ex(x, grad_scale=0.5) ** 2).sum().backward()
         grads.append([x.grad] + [p.grad for p in ex.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
-    del cfg
 
 
 def test_a_deferred_dw_never_runs_twice():
@@ -93,14 +91,14 @@ def test_a_deferred_dw_never_runs_twice():
         rt._run(item)
 
 
-def _plan(k: int, policy: str, **opts) -> tuple:
+def _plan(k: int, policy: str, partition: bool = True, **opts) -> tuple:
     cfg = config(k, policy)
     for key, v in opts.items():
         setattr(cfg.opts, key, v)
     model = GPT2MoE(cfg, local_state())
     costs, comm = synthetic_costs()
-    plan = make_plan(model, local_state(), cfg.opts, 3, 8, wgrad=True, partition=True, costs=costs, comm=comm,
-                     broadcast=False)
+    plan = make_plan(model, local_state(), cfg.opts, 3, 8, wgrad=True, partition=partition, costs=costs,
+                     comm=comm, broadcast=False)
     return model, plan
 
 
@@ -108,10 +106,15 @@ def test_planner_partitions_moe_ranges_and_honours_knobs():
     model, plan = _plan(1, "position", lancet_group_ms=0.5)
     assert plan.ranges and all(r.layer in (1, 3) and 1 < r.k <= 3 for r in plan.ranges)
     assert plan.predicted["iteration_ms"] > 0 and plan.predicted["forward_ms"] > 0
-    # Algorithm 1: each MoE layer's dispatch all-to-all hides that layer's expert dW first
-    assert set(plan.assignment["L3.moe.a2a_dispatch"]) >= {"L3.moe.expert.fc1.dW", "L3.moe.expert.fc2.dW"}
-    assigned = {w for ws in plan.assignment.values() for w in ws}
-    assert len(assigned | set(plan.leftover)) == len(assigned) + len(plan.leftover) == 16   # deferrable only
+    # the pipeline hides partitioned layers' all-to-alls: Algorithm 1 gets only what it leaves exposed
+    assert all(plan.assignment[f"L{r.layer}.moe.a2a_{a}"] == [] for r in plan.ranges for a in ("dispatch", "combine"))
+    _, wg = _plan(1, "position", partition=False)
+    assert wg.ranges == [] and wg.predicted["dw_hidden_ms"] > 0
+    # Algorithm 1 on the full all-to-all: the dispatch all-to-all hides the layer's expert dW first
+    assert set(wg.assignment["L3.moe.a2a_dispatch"]) >= {"L3.moe.expert.fc1.dW", "L3.moe.expert.fc2.dW"}
+    assert wg.assignment["L3.moe.a2a_combine"] == []          # nothing deferrable precedes it
+    assigned = {w for ws in wg.assignment.values() for w in ws}
+    assert len(assigned | set(wg.leftover)) == len(assigned) + len(wg.leftover) == 16   # deferrable only
     assert not any("gate" in w or ".ln" in w or "head" in w for w in assigned)
     _, plan_rho = _plan(1, "position", lancet_group_ms=0.5, lancet_max_partitions=2)
     assert plan_rho.ranges and all(r.k <= 2 for r in plan_rho.ranges)

@@ -11,7 +11,7 @@ round-robin, `--warmup` untimed and `--iters` timed iterations of forward +
 backward each on one fixed micro-batch, so load that comes and goes on a
 shared machine hits every mode alike (gradient sync and the optimizer step are
 the same in every mode and are left out). Per iteration it measures:
-  iter_ms          wall time of forward + backward (the slowest rank's median),
+  iter_ms          wall time of forward + backward (the slowest rank's median; also its min),
   a2a_ms           time some all-to-all was in flight (union of [launch, completion];
                    completion from the work's future callback),
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
@@ -26,7 +26,6 @@ iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -190,7 +189,8 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     setups = {m: prepare(m, cfg, ps, costs, comm, B, T) for m in modes}
     samples: dict = {m: [] for m in modes}
     for it in range(args.warmup + args.iters):
-        for m in modes:
+        for j in range(len(modes)):                     # rotate the order: no mode always runs first
+            m = modes[(it + j) % len(modes)]
             model, _, ctl = setups[m]
             r = step(model, ctl, ids, labels)
             if it >= args.warmup:
@@ -198,12 +198,14 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     rows = []
     for m in modes:
         model, plan, ctl = setups[m]
-        med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)], dtype=torch.float64)
+        med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)]
+                           + [min(s[0] for s in samples[m])], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         if args.lancet_report and ctl.plan is not None:
             ctl.write_report(f"{args.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
         ctl.remove()
-        rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "a2a_ms": round(float(med[1]), 3),
+        rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "iter_ms_min": round(float(med[3]), 3),
+                     "a2a_ms": round(float(med[1]), 3),
                      "a2a_exposed_ms": round(float(med[2]), 3),
                      "predicted_ms": round(plan.predicted["iteration_ms"], 3),
                      "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
@@ -215,11 +217,12 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
 def print_table(rows: list[dict], head: dict, iters: int) -> None:
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
-    print(f"{'mode':<10} {'iter ms':>9} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
+    print(f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
           f"{'pred err':>9} {'speedup':>8}  ranges")
     for r in rows:
         err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
-        print(f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['a2a_ms']:>9.1f} {r['a2a_exposed_ms']:>15.1f} "
+        print(f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['iter_ms_min']:>8.1f} {r['a2a_ms']:>9.1f} "
+              f"{r['a2a_exposed_ms']:>15.1f} "
               f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
               f"{', '.join(r['ranges']) or '-'}")
 

@@ -18,8 +18,9 @@ autograd functions so pipelined parts overlap it with compute:
   forward   `start`: launch, return the (still filling) receive view;
             `finish`: wait, return the rows.
   backward  `finish`'s backward launches the reverse all-to-all of the
-            gradient and runs the dW GEMMs Algorithm 1 assigned to it
-            (`WgradRuntime.run_window`); `start`'s backward waits for it.
+            gradient and opens the window of the dW GEMMs Algorithm 1
+            assigned to it (`WgradRuntime.open_window`); `start`'s backward
+            runs the runnable dW while the bytes are in flight, then waits.
 Autograd runs other ready nodes (other parts' compute) between the two.
 Every message is recorded in the comm tracer (op "all_to_all", remote_sent =
 bytes to other ranks) and in the event log / all-to-all listeners (Lina).
@@ -98,6 +99,8 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _g):
         out, work, _ = ctx.op._bwd
+        if ctx.op.wgrad is not None:
+            ctx.op.wgrad.fill()                 # dW GEMMs while the gradient is on the wire
         work.wait()
         ctx.op._bwd = ()
         return out, None
@@ -118,7 +121,7 @@ class _Finish(torch.autograd.Function):
         out = g.new_empty((sum(op.send_splits), *g.shape[1:]))
         op._bwd = (out, _launch(g, out, op.group, op.recv_splits, op.send_splits), g)
         if op.wgrad is not None and op.name is not None:
-            op.wgrad.run_window(op.name)        # dW GEMMs while the gradient is on the wire
+            op.wgrad.open_window(op.name)       # its dW may run from now on (`_Start.backward`)
         return g, None
 
 

@@ -4,39 +4,28 @@ Legend: B micro-batch, T sequence, S = B*T tokens, M model dim, H ffn dim,
 E experts (E_l local), C capacity, K experts per token, D ranks of the token
 all-to-all group.
 
-`profile_costs` measures this rank's compute ops (OpProfiler: once per op
-and shape, on random inputs of the model's shapes, local GEMMs only, no
+`profile_costs` measures this rank's compute ops with an OpProfiler (once per
+op and shape, on random inputs of the model's shapes; local GEMMs only, no
 collectives, so ranks never wait on each other) and `profile_a2a_model` the
-all-to-all of the token group at 1 KB .. the largest message, doubling
-(a collective: every rank calls it). From those:
+all-to-all of the token group at 1 KB .. the largest message, doubling (a
+collective: every rank calls it with the same sizes).
 
-  forward op list   per block: ln1, attn.qkv, attn.core, attn.proj, ln2, then
-                    mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch
-                    (comm, bytes), moe.experts, moe.a2a_combine (comm), moe.combine;
-                    plus embed first and head last. Each op also maps to the
-                    AxisOps (`axes.py`) of its tensors for CP-SAT.
-  partition plan    `partition_dp.plan_ops` over that list with the simulator as
-                    P(i, n, k), rho / gamma / iota from the flags, and
-                    feasible(range) = the runtime can run it (a `RangeSpec`: it
-                    starts at block l's ln1 / ln2 / gate and ends after block
-                    l's combine or block l+1's attention) and CP-SAT finds
-                    partition axes (a batch-prioritized or top-2 gate only
-                    allows ranges starting at the gate).
-  backward IR       `build_gpt_moe_backward` with these costs; dW of GEMMs Lancet
-                    cannot defer (LayerNorm, gate, LM head, embedding) become
-                    "other"; `schedule_wgrad` (Algorithm 1) assigns the rest.
+`build_model_ops` turns them into the forward op list the partition DP
+searches: embed; per block ln1, attn.qkv, attn.core, attn.proj, ln2, then
+mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch (comm, bytes),
+moe.experts, moe.a2a_combine (comm), moe.combine; head. Each op maps to the
+AxisOps (`axes.py`) of its tensors, so CP-SAT can check any op range, and the
+places where the runtime can start a range (block l's ln1 / ln2 / gate) or
+end it (after block l's combine, or block l+1's attention) are recorded.
+`feasibility` = the runtime can run the range and CP-SAT finds batch axes
+(a batch-prioritized or top-2 gate then only allows ranges starting at it).
 
-Approximations (stated, not hidden): a GEMM's dX costs its forward time; the
-attention core's backward twice its forward; LayerNorm dW half its forward;
-MP all-reduces inside attention/MLP are not modelled; an all-to-all moves the
-expected real tokens min(S*K, E*C) (x N_ESP copies). The predicted iteration
-time is forward T(N) plus a backward pass simulated range by range with compute
-costs doubled (dX + dW), minus the all-to-all time Algorithm 1's dW hides in
-unpartitioned layers.
+Approximations, stated: MP all-reduces inside attention/MLP are not timed
+(only the local GEMMs); an all-to-all moves the expected real tokens
+min(S*K, E*C) (times N_ESP copies).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -47,11 +36,8 @@ import torch.nn.functional as F
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler, profile_comm
-from megatron_moe.lancet.ir import Graph, Instr
-from megatron_moe.lancet.partition_dp import PartitionPlan, plan_ops
-from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
-from megatron_moe.lancet.simulator import SimOp, simulate
-from megatron_moe.lancet.wgrad_schedule import WgradSchedule, build_gpt_moe_backward, schedule_wgrad
+from megatron_moe.lancet.partitioned_moe import needs_whole_batch_gate
+from megatron_moe.lancet.simulator import SimOp
 from megatron_moe.moe.dispatch import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity
 
@@ -247,6 +233,7 @@ class ModelOps:
     ends: dict = field(default_factory=dict)
 
     def names(self) -> list[str]:
+        """Op names in forward order."""
         return [op.name for op in self.sim]
 
 

@@ -91,11 +91,11 @@ class _Part:
     token: torch.Tensor          # [K_kept] kept choices' token index (token-major order)
     weight: torch.Tensor         # [K_kept] their combine weights (differentiable)
     combine_row: torch.Tensor    # [K_kept * n_esp] row of each (choice, ESP copy) in the returned rows
+    recv_cnt: torch.Tensor = None    # [D, E_l] rows received from each source for each local expert
     op_in: ia.IrregularA2A = None
     op_out: ia.IrregularA2A = None
     recv: torch.Tensor = None
     back: torch.Tensor = None
-    dest_index: torch.Tensor = None
 
 
 class MoECall:

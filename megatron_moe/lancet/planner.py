@@ -4,7 +4,13 @@ GEMMs to run under which all-to-all, and the predicted times.
 `make_plan` profiles the model (`model_ir.py`), runs the partition DP with the
 simulator and CP-SAT feasibility (`partition_dp.plan_ops`), builds the backward
 IR and runs Algorithm 1 (`schedule_wgrad`), and predicts forward / backward /
-iteration time. Profiles differ from rank to rank, and a plan must be the same
+iteration time. When layers are partitioned, their all-to-alls enter
+Algorithm 1 with the time the backward pipeline leaves exposed (simulated),
+not their full time: dW only has to cover what partitioning does not.
+
+Cost approximations (stated, not hidden): a GEMM's dX costs its forward time;
+the attention core's backward twice its forward; LayerNorm dW half its
+forward; a range's backward is the range reversed with compute doubled. Profiles differ from rank to rank, and a plan must be the same
 on every rank (the all-to-all message sizes and the order of gradient
 hand-overs depend on it), so `make_plan` broadcasts rank 0's plan.
 
@@ -88,30 +94,45 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0][1:])
 
 
-def predict(mo: ModelOps, dp: PartitionPlan, graph: Graph, assignment: dict, comm: CommCostModel,
-            overhead_ms: float) -> dict:
-    """Predicted ms: forward T(N); backward = each DP range reversed with compute doubled (dX + dW),
-    simulated with its k; minus the all-to-all time assigned dW hides in unpartitioned layers."""
-    fwd = bwd = exposed = 0.0
-    partitioned = set()
+def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float) -> dict:
+    """Forward and backward simulation of every DP range; the backward is the range reversed with
+    compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm."""
+    out = {"forward_ms": 0.0, "backward_ms": 0.0, "exposed_ms": 0.0, "layer_exposed": {}}
     for r in dp.ranges:
         ops = mo.sim[r.start:r.end]
         f = simulate(ops, r.k, comm, overhead_ms)
         back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes)
                 for o in reversed(ops)]
         b = simulate(back, r.k, comm, overhead_ms)
-        fwd += f.makespan_ms
-        bwd += b.makespan_ms
-        exposed += f.exposed_comm_ms + b.exposed_comm_ms
+        out["forward_ms"] += f.makespan_ms
+        out["backward_ms"] += b.makespan_ms
+        out["exposed_ms"] += f.exposed_comm_ms + b.exposed_comm_ms
         if r.k > 1:
-            partitioned |= {_layer_of(o.name) for o in ops if o.kind == "comm"}
+            for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
+                out["layer_exposed"][layer] = b.exposed_comm_ms
+    return out
+
+
+def residual_graph(graph: Graph, layer_exposed: dict) -> Graph:
+    """The backward IR with each partitioned layer's all-to-alls costing what the pipeline leaves
+    exposed (split evenly between its two), so Algorithm 1 covers only the remaining time."""
+    def cost(i: Instr) -> float:
+        if i.kind == "a2a" and _layer_of(i.name) in layer_exposed:
+            return layer_exposed[_layer_of(i.name)] / 2
+        return i.cost_ms
+    return Graph([Instr(i.name, i.kind, i.inputs, i.outputs, cost(i)) for i in graph.instrs])
+
+
+def predict(mo: ModelOps, sims: dict, graph: Graph, assignment: dict, comm: CommCostModel) -> dict:
+    """Predicted ms: forward T(N) and the simulated backward (`_simulate_ranges`), minus the
+    all-to-all time the assigned dW hide (each all-to-all of `graph`, a residual graph, hides at
+    most its own cost)."""
+    hidden = sum(min(a.cost_ms, sum(graph[w].cost_ms for w in assignment.get(a.name, ())))
+                 for a in graph.of_kind("a2a"))
     a2a = sum(simulate([o], 1, comm).comm_ms for o in mo.sim if o.kind == "comm")
-    hidden = 0.0
-    for a in graph.of_kind("a2a"):
-        if _layer_of(a.name) not in partitioned:
-            hidden += min(a.cost_ms, sum(graph[w].cost_ms for w in assignment.get(a.name, ())))
+    fwd, bwd = sims["forward_ms"], sims["backward_ms"]
     return {"forward_ms": fwd, "backward_ms": bwd - hidden, "iteration_ms": fwd + bwd - hidden,
-            "a2a_ms": 2 * a2a, "a2a_exposed_ms": max(0.0, exposed - hidden), "dw_hidden_ms": hidden}
+            "a2a_ms": 2 * a2a, "a2a_exposed_ms": max(0.0, sims["exposed_ms"] - hidden), "dw_hidden_ms": hidden}
 
 
 def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
@@ -146,7 +167,8 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
     ranges = [RangeSpec(*runtime_range(mo, r.start, r.end), r.k) for r in dp.ranges if r.k > 1]
-    graph = backward_graph(model, costs, comm.predict(sh.a2a_bytes()))
+    sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms)
+    graph = residual_graph(backward_graph(model, costs, comm.predict(sh.a2a_bytes())), sims["layer_exposed"])
     if wgrad:
         sched = schedule_wgrad(graph)
         assignment, leftover = sched.assignment, sched.leftover
@@ -155,7 +177,7 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
     plan = LancetPlan(ranges, assignment, leftover,
                       [{"ops": [mo.sim[r.start].name, mo.sim[r.end - 1].name], "k": r.k, "predicted_ms": r.ms}
                        for r in dp.ranges],
-                      predict(mo, dp, graph, assignment, comm, costs.overhead_ms),
+                      predict(mo, sims, graph, assignment, comm),
                       {"rho": opts.lancet_max_partitions, "gamma_ms": opts.lancet_group_ms,
                        "iota": opts.lancet_max_range, "overhead_ms": costs.overhead_ms}, wgrad)
     if broadcast and dist.is_initialized() and dist.get_world_size() > 1:

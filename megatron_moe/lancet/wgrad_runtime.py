@@ -11,9 +11,10 @@ GEMM to the runtime as a closure under its instruction name (e.g.
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
   - assigned to an all-to-all a that has not started in this backward: it
-    waits in a's queue; when a's backward all-to-all is launched the runtime
-    runs a's queue while the bytes are in flight (`run_window`), then the
-    all-to-all is waited for;
+    waits in a's queue; when a's backward all-to-all is launched its queue
+    becomes runnable (`open_window`), and right before the all-to-all is
+    waited for the runtime runs the runnable dW while the bytes are in
+    flight (`fill`);
   - not assigned (leftover), or its all-to-all already ran: it runs at once,
     where the plain backward computes it;
   - anything still queued when backward ends (an all-to-all that never ran)
@@ -34,11 +35,11 @@ is used once.
 
 All-to-alls of schedules Lancet does not run itself (baseline, S1, S2) are
 synchronous autograd nodes; `hook_foreign_a2a` finds them in the MoE layer's
-graph after its forward and adds node hooks: the pre-hook starts the queued
+graph after its forward and adds node hooks: the pre-hook starts the runnable
 dW GEMMs on a helper thread, the node's all-to-all runs (gloo and NCCL calls
 release the GIL), the post-hook joins the thread and accumulates. Lancet's own
-irregular all-to-all (`irregular_a2a.py`) is asynchronous and calls
-`run_window` between launch and wait on the main thread.
+irregular all-to-all (`irregular_a2a.py`) is asynchronous: it opens the window
+when it launches the gradient's all-to-all and calls `fill` before waiting.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class WgradStats:
     """Counters of one runtime: dW closures run per name, where they ran, time spent."""
 
     runs: dict = field(default_factory=lambda: defaultdict(int))     # name -> closures run
-    in_window: int = 0          # closures run while an all-to-all was in flight
+    in_window: int = 0          # closures run in an all-to-all window (before its wait)
     immediate: int = 0          # leftover closures run where the plain backward runs them
     flushed: int = 0            # closures run by flush() at the end of backward
     window_ms: float = 0.0      # dW compute time spent inside all-to-all windows
@@ -166,6 +167,7 @@ class WgradRuntime:
         self.owner = {w: a for a, ws in self.assignment.items() for w in ws}
         self.stats = WgradStats()
         self._queue: dict[str, list[DeferredDW]] = defaultdict(list)    # all-to-all -> waiting closures
+        self._pool: list[DeferredDW] = []      # closures whose all-to-all was launched, not run yet
         self._started: set[str] = set()        # all-to-alls whose window opened in this backward
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)   # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -199,6 +201,7 @@ class WgradRuntime:
     def begin_iteration(self) -> None:
         """Forget which all-to-alls ran (call before each forward whose backward follows)."""
         self._started.clear()
+        self._callback_queued = False       # a backward that raised never ran its callback
 
     # ------------------------------------------------------------------ backward side
     def submit(self, item: DeferredDW) -> None:
@@ -214,24 +217,38 @@ class WgradRuntime:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self._callback_queued = True
 
-    def open_window(self, a2a: str) -> list[DeferredDW]:
-        """All-to-all `a2a` is being launched: take the dW closures queued for it (program order)."""
+    def open_window(self, a2a: str) -> None:
+        """All-to-all `a2a` was launched: its queued dW closures become runnable (the pool)."""
         self._started.add(a2a)
         self.stats.a2a_windows += 1
-        return self._queue.pop(a2a, [])
+        self._pool += self._queue.pop(a2a, [])
 
     def run_window(self, a2a: str) -> None:
-        """Run `a2a`'s queued dW GEMMs now, on this thread (its all-to-all is in flight)."""
-        items = self.open_window(a2a)
-        t0 = time.perf_counter()
-        for item in items:
-            self._run(item)
-        self.stats.in_window += len(items)
+        """Open `a2a`'s window and run every runnable dW now, on this thread."""
+        self.open_window(a2a)
+        self.fill()
+
+    def fill(self) -> int:
+        """Run every runnable dW GEMM now, on this thread; returns how many ran.
+
+        Lancet's all-to-all calls it just before waiting: by then autograd has run
+        every node it ranks higher (other parts' compute, which launches their
+        all-to-alls), so the dW fills time that would be spent blocked. It runs
+        them all, not "until the bytes arrive": when each gradient is final
+        decides the order of grad-ready hooks, hence of gradient all-reduces,
+        which must be the same on every rank, so it may not depend on timing.
+        """
+        t0, n = time.perf_counter(), len(self._pool)
+        while self._pool:
+            self._run(self._pool.pop(0))
+        self.stats.in_window += n
         self.stats.window_ms += 1e3 * (time.perf_counter() - t0)
+        return n
 
     def start_window_async(self, a2a: str):
-        """Start `a2a`'s queued dW GEMMs on the helper thread; `finish_window_async(handle)` joins."""
-        items = self.open_window(a2a)
+        """Start the runnable dW GEMMs (with `a2a`'s) on the helper thread; `finish_window_async` joins."""
+        self.open_window(a2a)
+        items, self._pool = self._pool, []
         if not items:
             return None
         if self._executor is None:
@@ -261,16 +278,17 @@ class WgradRuntime:
         """Run every queued dW and accumulate every partial sum: all gradients are final after it."""
         self._callback_queued = False
         for a2a in list(self._queue):
-            for item in self._queue.pop(a2a):
-                self._run(item)
-                self.stats.flushed += 1
+            self._pool += self._queue.pop(a2a)
+        while self._pool:
+            self._run(self._pool.pop(0))
+            self.stats.flushed += 1
         for p in list(self._acc):          # a forward use whose backward never came: close the sum
             self._finalize(p)
         self._uses.clear()
 
     def pending(self) -> int:
         """Number of dW closures queued and not run."""
-        return sum(len(v) for v in self._queue.values())
+        return sum(len(v) for v in self._queue.values()) + len(self._pool)
 
     def close(self) -> None:
         if self._executor is not None:
