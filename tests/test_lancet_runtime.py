@@ -31,6 +31,7 @@ LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1)]      # on 4 ranks: EP2 (x expert-DP 
 
 
 def config(k: int, policy: str) -> Config:
+    """4 blocks (MoE 1 and 3), M = 32, 4 experts, capacity factor 0.5 (tokens drop), T = 8."""
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.num_layers, m.hidden_size, m.num_attention_heads = 100, 4, 32, 4

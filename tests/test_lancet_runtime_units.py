@@ -198,7 +198,8 @@ def test_chained_ranges_in_consecutive_moe_blocks_match_plain():
         ctl = setup(model, local_state(), cfg.opts, plan=plan)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
         ctl.backward(lm + aux)
-        out.append((lm + aux, [p.grad for p in model.parameters()], [b.moe.last_stats["dropped"] for b in model.blocks]))
+        drops = [b.moe.last_stats["dropped"] for b in model.blocks]
+        out.append((lm + aux, [p.grad for p in model.parameters()], drops))
     (l0, g0, d0), (l1, g1, d1) = out
     assert d0 == d1 and sum(d0) > 0 and abs(l0.item() - l1.item()) < 1e-6
     assert max((a - b).abs().max().item() for a, b in zip(g0, g1)) < 1e-6

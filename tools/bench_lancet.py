@@ -107,6 +107,7 @@ class _TimedWork:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's flags (model flags named as pretrain_gpt_moe.py's)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--num-layers", type=int, default=4)
@@ -141,13 +142,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(args, world: int) -> Config:
+    """A Config for the benchmark's model and Lancet knobs (baseline MoE schedule)."""
     cfg = Config()
     m, moe, par, o = cfg.model, cfg.moe, cfg.parallel, cfg.opts
     m.num_layers, m.hidden_size, m.num_attention_heads = args.num_layers, args.hidden_size, args.num_attention_heads
     m.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     m.seq_length = m.max_position_embeddings = args.seq_length
     m.vocab_size = args.vocab_size
-    moe.num_experts, moe.moe_layer_freq, moe.moe_router_topk = args.num_experts, args.moe_layer_freq, args.moe_router_topk
+    moe.num_experts, moe.moe_layer_freq = args.num_experts, args.moe_layer_freq
+    moe.moe_router_topk = args.moe_router_topk
     moe.moe_router_policy, moe.moe_expert_capacity_factor = args.moe_router_policy, args.moe_expert_capacity_factor
     moe.moe_schedule = "baseline"
     par.tensor_model_parallel_size = args.tensor_model_parallel_size
@@ -215,6 +218,7 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
 
 
 def print_table(rows: list[dict], head: dict, iters: int) -> None:
+    """The rows as a readable table, with prediction error and speedup over `none`."""
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
     print(f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
@@ -228,6 +232,7 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 
 
 def main(argv=None) -> None:
+    """Profile once, time every mode, print the table (rank 0) and write --json."""
     args = parse_args(argv)
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=600))

@@ -1,6 +1,7 @@
 """Lancet at runtime: install a plan on a model and drive its backward.
 
-API for the training loop (all ranks call it; collective when it profiles):
+API for the training loop (every rank calls `setup`, in the same place: it profiles
+all-to-alls, broadcasts the plan and may create a process group):
 
     ctl = lancet.setup(model, ps, cfg.opts)     # after building the model and its GradSync
     for each micro-batch:
@@ -33,11 +34,13 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.distributed.tracer import name_group
@@ -49,9 +52,10 @@ from megatron_moe.lancet.wgrad_runtime import WgradRuntime, hook_foreign_a2a
 
 
 def _counts_group(ps):
-    """A process group with the token all-to-all group's ranks, for the count exchanges (collective).
+    """A gloo group with the token all-to-all group's ranks, for the count exchanges (collective).
 
-    Made once per ParallelState and kept among its groups, so `destroy_model_parallel` destroys it.
+    Counts are needed on the host, so they travel over gloo even when tokens use NCCL. Made
+    once per ParallelState and kept among its groups, so `destroy_model_parallel` destroys it.
     """
     group = a2a_group(ps)
     if group_size(group) == 1 or not dist.is_initialized():
@@ -62,7 +66,7 @@ def _counts_group(ps):
     kinds = layout.ep_groups if ps.size("esp") == 1 else layout.ep_esp_groups
     mine = None
     for ranks in kinds:                      # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, backend="gloo")
         if ps.global_rank in ranks:
             mine = g
     name_group(mine, "ep_counts")
@@ -76,13 +80,14 @@ class LancetController:
     def __init__(self, model, ps, opts, plan: Optional[LancetPlan]):
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
-        self.timings: dict[int, list] = {}           # MoE block -> forward ms of its partitioned range
+        self.timings: dict[int, deque] = {}          # MoE block -> forward ms of its partitioned range
         self._handles: list = []
         self._patched: list = []                     # (object, attribute) to restore
         self._counts = None
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> "LancetController":
+        """Install the plan on the model (module docstring); returns self."""
         plan = self.plan
         if plan is None:
             return self
@@ -103,13 +108,15 @@ class LancetController:
                 raise ValueError(f"Lancet range {r} does not start in an MoE block")
             if r.end == "next_attn" and r.layer + 1 >= len(blocks):
                 raise ValueError(f"Lancet range {r} ends in block {r.layer + 1}, which does not exist")
+            if r.start == "attn" and r.layer in skip:
+                raise ValueError(f"Lancet range {r} starts at an attention the previous range already runs")
             if self.model.cfg.model.dropout:
                 raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
         for l, block in enumerate(blocks):
             if l in ranged:
                 r = ranged[l]
                 nxt = blocks[l + 1] if r.end == "next_attn" else None
-                self.timings[l] = []
+                self.timings[l] = deque(maxlen=1000)
                 fwd = partial(partitioned_block_forward, block, nxt, r, l in skip, self._counts,
                               self.wgrad, self.timings[l])
             elif l in skip:
@@ -145,7 +152,6 @@ class LancetController:
 
     def remove(self) -> None:
         """Undo everything `install` did (the model runs exactly as before)."""
-        import torch.nn.functional as F
         for h in self._handles:
             h.remove()
         self._handles.clear()

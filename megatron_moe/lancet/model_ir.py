@@ -84,6 +84,7 @@ class Shapes:
 
     @property
     def S(self) -> int:
+        """Tokens of the micro-batch."""
         return self.B * self.T
 
     def a2a_bytes(self) -> float:

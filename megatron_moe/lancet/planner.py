@@ -10,9 +10,11 @@ not their full time: dW only has to cover what partitioning does not.
 
 Cost approximations (stated, not hidden): a GEMM's dX costs its forward time;
 the attention core's backward twice its forward; LayerNorm dW half its
-forward; a range's backward is the range reversed with compute doubled. Profiles differ from rank to rank, and a plan must be the same
-on every rank (the all-to-all message sizes and the order of gradient
-hand-overs depend on it), so `make_plan` broadcasts rank 0's plan.
+forward; a range's backward is the range reversed with compute doubled.
+
+Profiles differ from rank to rank, and a plan must be the same on every rank
+(the all-to-all message sizes and the order of gradient hand-overs depend on
+it), so `make_plan` broadcasts rank 0's plan.
 
 A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
 one by hand (tests, benchmarks of fixed configurations).
@@ -59,6 +61,7 @@ class LancetPlan:
         return cls(list(ranges), dict(assignment or {}), [], [], {}, {}, assignment is not None)
 
     def to_json(self) -> dict:
+        """The plan as JSON-ready dicts and lists."""
         d = asdict(self)
         d["ranges"] = [asdict(r) for r in self.ranges]
         return d

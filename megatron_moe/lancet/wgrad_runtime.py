@@ -4,10 +4,12 @@ Legend: N rows (tokens), I input features, O output features, E_l local experts.
 
 A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
 the rest of backward) and dW = g^T x (needed only by gradient sync and the
-optimizer). With a `WgradRuntime` installed, `deferred_linear` /
-`deferred_bmm` compute dX and the bias gradient in autograd and hand the dW
-GEMM to the runtime as a closure under its instruction name (e.g.
-"L1.moe.expert.fc2.dW", the names of `wgrad_schedule.build_gpt_moe_backward`).
+optimizer). The layers' GEMMs made by `WgradRuntime.linear(name)` (an F.linear
+for ColumnParallelLinear / RowParallelLinear.linear_fn) and `.bmm(name)` (the
+experts' batched GEMMs, Experts.deferred_bmm) compute dX and the bias gradient
+in autograd and hand the dW GEMM to the runtime as a closure under its
+instruction name (e.g. "L1.moe.expert.fc2.dW", the names of
+`wgrad_schedule.build_gpt_moe_backward`).
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
   - assigned to an all-to-all a that has not started in this backward: it
@@ -32,6 +34,11 @@ exactly once, when the gradient is final. Each dW GEMM is the same call the
 plain autograd formula makes (`mm(g^T, x)` for F.linear, `bmm(x^T, g)^T` for
 baddbmm), so gradients are bitwise equal to the plain run's when each weight
 is used once.
+
+Where dW runs must not depend on timing: it decides when each gradient is
+final, hence the order of grad-ready hooks and of the gradient all-reduces they
+launch, which every rank must issue in the same order. Everything above is
+decided by the plan (the same on every rank) and the autograd graph.
 
 All-to-alls of schedules Lancet does not run itself (baseline, S1, S2) are
 synchronous autograd nodes; `hook_foreign_a2a` finds them in the MoE layer's
@@ -187,8 +194,9 @@ class WgradRuntime:
     def bmm(self, name: str) -> Callable:
         """(x [E_l,N,I], weight [E_l,O,I], bias [E_l,1,O] or None, scale) -> x W^T + b with dW deferred."""
         def fn(x: torch.Tensor, weight: torch.nn.Parameter, bias_E1O: Optional[torch.Tensor], scale: float):
-            if not self._defers(x, weight):
-                raise RuntimeError("deferred_bmm called without autograd; the caller takes the plain path")
+            if not self._defers(x, weight):          # no weight gradient to defer: the plain GEMM
+                wt = weight.transpose(1, 2).to(x.dtype)
+                return torch.bmm(x, wt) if bias_E1O is None else torch.baddbmm(bias_E1O, x, wt)
             self._uses[weight] += 1
             return _DeferredBmm.apply(x, bias_E1O, WeightRef(weight, name, self, scale))
         return fn
@@ -291,6 +299,7 @@ class WgradRuntime:
         return sum(len(v) for v in self._queue.values()) + len(self._pool)
 
     def close(self) -> None:
+        """Stop the helper thread (if one was started)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
