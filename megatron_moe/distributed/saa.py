@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
 from megatron_moe.distributed.tracer import group_name, record
 
@@ -64,7 +65,7 @@ def all_to_all_p2p_start(t: torch.Tensor, group):
     """Start an even all-to-all along dim 0 as one batch of isend/irecv; returns (out, works).
 
     Recorded in the comm tracer as an all_to_all with the same byte counts as
-    `all_to_all_raw`.
+    `all_to_all_raw`, and in the event log (Lina sees it in flight until `wait`).
     """
     n = group_size(group)
     if n == 1:
@@ -82,7 +83,21 @@ def all_to_all_p2p_start(t: torch.Tensor, group):
             peer = dist.get_global_rank(group, i)
             ops.append(dist.P2POp(dist.isend, send[i], peer, group))
             ops.append(dist.P2POp(dist.irecv, recv[i], peer, group))
-    return out, dist.batch_isend_irecv(ops)
+    token = events.a2a_begin(group_name(group), nbytes) if events.ACTIVE else None
+    works = dist.batch_isend_irecv(ops)
+    return out, ([events.A2AWork(_AllWorks(works), token)] if token is not None else works)
+
+
+class _AllWorks:
+    """Several works waited on as one (so an event-log interval ends once, after the last)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, *args, **kwargs):
+        for w in self.works:
+            w.wait(*args, **kwargs)
+        return True
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
