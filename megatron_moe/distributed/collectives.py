@@ -134,75 +134,36 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
 
 # ----------------------------------------------------------------------------- autograd
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+def _identity(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return t
+
+
+def _summed(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """A summed copy of `t` over the group (the input is left alone: autograd may still need it)."""
+    t = t.contiguous().clone()
+    all_reduce_raw(t, group)
+    return t
+
+
+def _own_chunk(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return t.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
+
+
+class _Collective(torch.autograd.Function):
+    """fwd(x, group, dim) forward and bwd(grad, group, dim) backward, both given as functions.
+
+    Every collective below except the all-to-all (whose autograd node name Lancet's hooks look
+    for) is one (fwd, bwd) pair of the raw functions above.
+    """
 
     @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        all_reduce_raw(g, ctx.group)
-        return g, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        all_reduce_raw(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _ScatterToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        n = group_size(group)
-        return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return all_gather_raw(g, ctx.group, ctx.dim), None, None
-
-
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_raw(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        n = group_size(ctx.group)
-        return g.chunk(n, dim=ctx.dim)[group_rank(ctx.group)].contiguous(), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_raw(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_raw(g, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_raw(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_raw(g, ctx.group, ctx.dim), None, None
+        return ctx.bwd(g, ctx.group, ctx.dim), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -218,32 +179,32 @@ class _AllToAll(torch.autograd.Function):
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel op)."""
-    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, 0, _identity, _summed)
 
 
 def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce forward; identity backward (output of a row-parallel op)."""
-    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, 0, _summed, _identity)
 
 
 def scatter_to_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of `dim` forward; all-gather backward."""
-    return x if group_size(group) == 1 else _ScatterToGroup.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, dim, _own_chunk, all_gather_raw)
 
 
 def gather_from_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """All-gather along `dim` forward; keep own chunk backward (every rank holds the same grad)."""
-    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, dim, all_gather_raw, _own_chunk)
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """All-gather along `dim`; backward reduce-scatters (sums every rank's gradient)."""
-    return x if group_size(group) == 1 else _AllGather.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, dim, all_gather_raw, reduce_scatter_raw)
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Reduce-scatter along `dim`; backward all-gathers."""
-    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, dim)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, dim, reduce_scatter_raw, all_gather_raw)
 
 
 def all_to_all(x: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
@@ -255,21 +216,6 @@ def all_to_all(x: torch.Tensor, group, out_splits: Optional[Sequence[int]] = Non
                            None if in_splits is None else list(in_splits))
 
 
-class _AllReduceSumBoth(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous().clone()
-        all_reduce_raw(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        all_reduce_raw(g, ctx.group)
-        return g, None
-
-
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of partial results over `group`; backward sums the gradients as well.
 
@@ -277,7 +223,7 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     all-reduce followed by ESP split); use `reduce_from_group` when every rank
     uses all of it identically (Megatron's row-parallel output).
     """
-    return x if group_size(group) == 1 else _AllReduceSumBoth.apply(x, group)
+    return x if group_size(group) == 1 else _Collective.apply(x, group, 0, _summed, _summed)
 
 
 class _ScaleGrad(torch.autograd.Function):
