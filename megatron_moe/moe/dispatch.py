@@ -5,6 +5,7 @@ Legend: S tokens, E experts, C capacity, M model dim, k choices per token.
 dispatch: buf[e, c] = x[s] for every kept choice (e = expert[s, j], c = slot[s, j]).
 combine:  y[s] = sum_j weight[s, j] * buf[expert[s, j], slot[s, j]] over kept choices.
 Both are differentiable (index_copy / index_add); memory is O(E*C*M + S*M).
+`route_groups` routes several groups into one buffer side by side (every schedule uses it).
 """
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
     y = buf_RM.new_zeros(num_tokens, buf_RM.size(1))
     return y.index_add(0, idx.token, rows)
+
+
+def route_groups(layer, x_GSM: torch.Tensor, slots_per_group: int | None = None):
+    """Route every group; one DispatchIndex for a buffer [E, G*C'] holding all groups side by side.
+
+    C' = `slots_per_group` (default the capacity C; S2 pads C to a multiple of N_MP).
+    Returns (routes, index over tokens of x_GSM flattened to [G*S], C, aux).
+    """
+    G, S, _ = x_GSM.shape
+    routes = [layer.route(layer.gate_logits(x_GSM[g]), g) for g in range(G)]
+    C = routes[0].capacity
+    Cs = C if slots_per_group is None else slots_per_group
+    idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
+    idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
+                        torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
+    layer.record_stats(routes)
+    aux = torch.stack([layer.aux_of(r) for r in routes]).mean()
+    return routes, idx, C, aux

@@ -20,6 +20,7 @@ from megatron_moe.model.sharding import InitSpec, ShardSpec
 from megatron_moe.model.tensor_parallel import make_param
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.router import RouteResult, route
+from megatron_moe.moe.schedules import SCHEDULES
 
 
 class MoELayer(nn.Module):
@@ -90,7 +91,6 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x_BTM: torch.Tensor):
-        from megatron_moe.moe.schedules import SCHEDULES
         B, T, M = x_BTM.shape
         G = self.routing_groups
         if B % G:

@@ -41,7 +41,7 @@ import torch
 from megatron_moe.distributed.collectives import (all_gather_raw, all_to_all, all_to_all_raw, gather_from_group,
                                                   reduce_from_group, scatter_to_group)
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
-from megatron_moe.moe.dispatch import combine, dispatch
+from megatron_moe.moe.dispatch import combine, dispatch, route_groups
 from megatron_moe.moe.router import (aux_loss_from_terms, capacity, choice_counts, choose_experts_slice,
                                      finish_route, slot_positions, token_order)
 
@@ -271,7 +271,6 @@ class _S2ReturnAllToAll(torch.autograd.Function):
 def s2(layer, x_GSM: torch.Tensor):
     """Parm S2: gate all tokens -> keep own 1/N_MP of every expert's slots -> EP&ESP all-to-all
     -> experts -> return all-to-all || MP all-gather (SAA) -> combine. x [G, S, M] -> (y [G, S, M], aux)."""
-    from megatron_moe.moe.schedules import route_groups
     G, S, M = x_GSM.shape
     n_mp, E = layer.ps.size("mp"), layer.num_experts
     C_mp = -(-capacity(S, E, layer.k, layer.cf, layer.min_cap) // n_mp)

@@ -22,25 +22,8 @@ from __future__ import annotations
 import torch
 
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all
-from megatron_moe.moe.dispatch import DispatchIndex, combine, dispatch, dispatch_index
-
-
-def route_groups(layer, x_GSM: torch.Tensor, slots_per_group: int | None = None):
-    """Route every group; one DispatchIndex for a buffer [E, G*C'] holding all groups side by side.
-
-    C' = `slots_per_group` (default the capacity C; S2 pads C to a multiple of N_MP).
-    Returns (routes, index over tokens of x_GSM flattened to [G*S], C, aux).
-    """
-    G, S, _ = x_GSM.shape
-    routes = [layer.route(layer.gate_logits(x_GSM[g]), g) for g in range(G)]
-    C = routes[0].capacity
-    Cs = C if slots_per_group is None else slots_per_group
-    idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
-    idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
-                        torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
-    layer.record_stats(routes)
-    aux = torch.stack([layer.aux_of(r) for r in routes]).mean()
-    return routes, idx, C, aux
+from megatron_moe.moe.dispatch import combine, dispatch, route_groups
+from megatron_moe.moe.parm import s1, s2
 
 
 def baseline(layer, x_GSM: torch.Tensor):
@@ -64,7 +47,5 @@ def baseline(layer, x_GSM: torch.Tensor):
     y = combine(out_ECM.reshape(E * GC, M), idx, G * S)
     return y.view(G, S, M), aux
 
-
-from megatron_moe.moe.parm import s1, s2  # noqa: E402  (parm imports nothing from here at load time)
 
 SCHEDULES = {"baseline": baseline, "s1": s1, "s2": s2}
