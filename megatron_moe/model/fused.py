@@ -36,15 +36,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def fused_adamw_available(device: torch.device) -> bool:
-    """torch's fused AdamW runs on CUDA (and on CPU in recent torch)."""
-    return device.type in ("cuda", "cpu")
-
-
 def kernel_report() -> dict:
-    """Which kernels run: {'layer_norm': 'apex'|'torch', 'attention': ..., 'adamw': ...}."""
+    """Which kernels run: {'layer_norm': ..., 'attention': ...} (the optimizer reports its own)."""
     return {
         "layer_norm": "apex.FusedLayerNorm" if _APEX_LN is not None else "torch.nn.LayerNorm",
         "attention": "torch.nn.functional.scaled_dot_product_attention",
-        "adamw": "torch.optim.AdamW(fused=True)",
     }
