@@ -8,6 +8,7 @@ that shard) and the sums are all-reduced over the world.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,11 +52,12 @@ def lr_at(iteration: int, optim_cfg) -> float:
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def _owns(rank: int, kinds: frozenset, layout) -> bool:
+@functools.lru_cache(maxsize=None)
+def _owns(rank: int, kinds: frozenset, mp: int, ep: int, esp: int) -> bool:
     """True if `rank` is the lowest global rank holding its slice of a tensor split over `kinds`."""
-    me = coords_of(rank, layout.mp, layout.ep, layout.esp)
+    me = coords_of(rank, mp, ep, esp)
     for other in range(rank):
-        c = coords_of(other, layout.mp, layout.ep, layout.esp)
+        c = coords_of(other, mp, ep, esp)
         if all(c[k][0] == me[k][0] for k in kinds):
             return False
     return True
@@ -63,15 +65,13 @@ def _owns(rank: int, kinds: frozenset, layout) -> bool:
 
 def global_grad_norm(model: torch.nn.Module, ps) -> float:
     """L2 norm of the full gradient (every element once), identical on all ranks."""
-    cache: dict = {}
+    lay = ps.layout
     sq = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is None:
             continue
         kinds = frozenset("mp" if k == "mp_qkv" else k for _, k in p._shard.dims)
-        if kinds not in cache:
-            cache[kinds] = _owns(ps.global_rank, kinds, ps.layout)
-        if cache[kinds]:
+        if _owns(ps.global_rank, kinds, lay.mp, lay.ep, lay.esp):
             sq += p.grad.detach().double().pow(2).sum().cpu()
     if ps.layout.world_size > 1:
         t = sq.to(next(model.parameters()).device)
