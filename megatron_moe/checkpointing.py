@@ -81,7 +81,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
                 "layout": {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
                            "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
                 "config": config_to_dict(cfg), "optimizer": type(optimizer).__name__,
-                "router_calls": [layer._calls for layer in model.moe_layers()],
+                "router_calls": [layer.router.calls for layer in model.moe_layers()],
                 "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
                                     "full_shape": list(p._full_shape)} for n, p in model.named_parameters()}}
         meta.update(extra or {})
@@ -156,5 +156,5 @@ def load_checkpoint(load: str, model, optimizer, ps) -> dict:
     if torch.cuda.is_available() and "rng/cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng/cuda"])
     for layer, calls in zip(model.moe_layers(), meta.get("router_calls", [])):
-        layer._calls = calls
+        layer.router.calls = calls
     return meta

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_moe.model.sharding import coords_of
+from megatron_moe.layers.sharding import coords_of
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed.tracer import name_group
+from megatron_moe.distributed.collectives import LOCAL_GROUP
+from megatron_moe.distributed.observer import name_group
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,16 @@ class ParallelState:
     def group(self, kind: str):
         return self._groups[kind]
 
+    def has_group(self, kind: str) -> bool:
+        """True when a group of `kind` is held (the layout's kinds, or one added with `add_group`)."""
+        return kind in self._groups
+
+    def add_group(self, kind: str, group) -> None:
+        """Keep an extra group (e.g. Lancet's count-exchange group) so `destroy_model_parallel` destroys it."""
+        if kind in self._groups:
+            raise ValueError(f"a group of kind {kind!r} already exists")
+        self._groups[kind] = group
+
     def ranks(self, kind: str) -> list[int]:
         if kind == "world":
             return list(range(self.layout.world_size))
@@ -195,10 +206,9 @@ class ParallelState:
 def local_state() -> ParallelState:
     """A one-process state (every group is LOCAL_GROUP, size 1), usable with or without
     torch.distributed initialized: the one-process reference model uses it."""
-    from megatron_moe.distributed.collectives import LOCAL_GROUP
     state = ParallelState(rank_layout(1), 0, "none")
     for kind in GROUP_KINDS:
-        state._groups[kind] = LOCAL_GROUP
+        state.add_group(kind, LOCAL_GROUP)
     state.global_rank = 0
     return state
 
@@ -221,13 +231,13 @@ def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
     if backend is None:
         backend = dist.get_backend()
     state = ParallelState(layout, rank, backend)
-    state._groups["world"] = dist.group.WORLD
+    state.add_group("world", dist.group.WORLD)
     name_group(dist.group.WORLD, "world")
     for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):
         for ranks in getattr(layout, f"{kind}_groups"):
             g = dist.new_group(ranks, backend=backend)
             if rank in ranks:
-                state._groups[kind] = g
+                state.add_group(kind, g)
                 name_group(g, kind)
     _STATE = state
     return state

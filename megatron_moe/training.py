@@ -19,11 +19,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_moe import optimizations
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.logging import MetricsLogger, setup_console
-from megatron_moe.model.fused import kernel_report
+from megatron_moe.layers.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import initialize_model_parallel, local_state
@@ -106,15 +107,9 @@ class Trainer:
         prepare_data(cfg, self.ps)
         self.model = GPT2MoE(cfg, self.ps).to(self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
-        self.scheduler = None
-        if cfg.opts.lina:
-            from megatron_moe.distributed.lina import LinaScheduler
-            self.scheduler = LinaScheduler(cfg.opts.lina_partition_mb, cfg.parallel.comm_timeout)
-        self.grad_sync = GradSync(self.model, self.ps, scheduler=self.scheduler)
-        self.lancet = None
-        if cfg.opts.lancet_wgrad or cfg.opts.lancet_partition:
-            from megatron_moe import lancet
-            self.lancet = lancet.setup(self.model, self.ps, cfg.opts)
+        self.grad_sync = GradSync(self.model, self.ps)
+        self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
+        self.lancet = applied.lancet
         self.iteration, self.consumed = 0, 0
         if cfg.train.load:
             meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps)
@@ -128,8 +123,9 @@ class Trainer:
         self.logger.line(f"> layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} "
                          f"expert-DP{lay.expert_dp}; params on this rank {n_params / 1e6:.2f}M; "
                          f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})")
-        self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}; "
-                         f"MoE schedule per layer: {[l.schedule for l in self.model.moe_layers()]}")
+        self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
+        for change in applied.changes:
+            self.logger.line(f"> {change}")
 
     # ------------------------------------------------------------------ one iteration
     def autocast(self):

@@ -44,3 +44,51 @@ def test_no_pickle_based_checkpoint_loading():
                     if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
                         offenders.append((path, "torch.load without weights_only=True"))
     assert not offenders, offenders
+
+
+def _writes(tree):
+    """(attribute written, the expression it is written on) for every assignment target in `tree`,
+    including subscripted ones (`a.b[k] = v` writes `b` of `a`) and setattr(obj, "name", v)."""
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant)):
+            yield node.args[1].value, node.args[0], node
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                while isinstance(el, ast.Subscript):
+                    el = el.value
+                if isinstance(el, ast.Attribute):
+                    yield el.attr, el.value, node
+
+
+def test_no_forward_replacement_and_no_private_parallel_state_writes():
+    """Optimizations ask modules for hooks: nothing assigns a module's `forward`, and only
+    ParallelState's own methods write its private fields (others call `add_group`)."""
+    from megatron_moe.parallel_state import ParallelState
+    private = {f for f in ParallelState.__dataclass_fields__ if f.startswith("_")}
+    assert private == {"_groups"}
+    bad = []
+    for path in _library_files():
+        tree = ast.parse(open(path).read(), path)
+        methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "ParallelState"
+                   for n in ast.walk(c)}
+        for attr, obj, node in _writes(tree):
+            if attr == "forward":
+                bad.append((path, node.lineno, "assigns forward"))
+            if attr in private and not (id(node) in methods and getattr(obj, "id", None) == "self"):
+                bad.append((path, node.lineno, f"writes {attr}"))
+    assert not bad, bad
+
+
+def test_the_check_sees_forward_and_private_writes():
+    """The check above is not vacuous: it flags the forms it looks for."""
+    src = "m.forward = f\nsetattr(b, 'forward', g)\nps._groups['x'] = 1\nps._groups = {}\n"
+    found = sorted(attr for attr, _, _ in _writes(ast.parse(src)))
+    assert found == ["_groups", "_groups", "forward", "forward"]

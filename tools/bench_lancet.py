@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.events import intersection_length, total_length, union  # noqa: E402
+from megatron_moe.distributed.observer import intersection_length, total_length, union  # noqa: E402
 from megatron_moe.lancet.controller import setup  # noqa: E402
 from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.events import EventLog  # noqa: E402
+from megatron_moe.distributed.observer import CommLog  # noqa: E402
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
 from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
@@ -119,7 +119,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(1234 + ps.rank("dp"))
-    log = EventLog().start()
+    log = CommLog().start()
     steps, a2a_calls, overlap = [], [], []
     for it in range(a.warmup + a.iters):
         ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen)

@@ -29,7 +29,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.tracer import CommTracer  # noqa: E402
+from megatron_moe.distributed.observer import CommLog  # noqa: E402
+from megatron_moe.moe.comm_profile import choose_for_layer  # noqa: E402
 from megatron_moe.moe.layer import MoELayer  # noqa: E402
 from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
 
@@ -119,6 +120,9 @@ def main(argv=None) -> None:
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g).to(device)
     layers = {s: MoELayer(make_config(args, s), ps, args.seed, "bench.moe", 1).to(device) for s in args.schedule_list}
+    if "auto" in layers:                     # Parm's Algorithm 1 on the real groups, as optimizations.apply does
+        choice = choose_for_layer(make_config(args, "auto"), ps, 1)
+        layers["auto"].use_schedule(choice.schedule, choice.saa_chunks, choice)
     times = {s: [] for s in layers}
     for s, layer in layers.items():
         for _ in range(args.warmup):
@@ -130,7 +134,7 @@ def main(argv=None) -> None:
     for s, layer in layers.items():
         t = torch.tensor(times[s], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)                  # the layer takes as long as its slowest rank
-        with CommTracer() as tr:
+        with CommLog() as tr:
             one_iteration(layer, x, gy, device)
         sent = tr.by_kind()
         every = [None] * world

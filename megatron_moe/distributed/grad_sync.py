@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron_moe.distributed import events
+from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_reduce_raw
 
 
@@ -93,6 +93,11 @@ class GradSync:
         self.accumulating = False     # True on micro-batches that only accumulate
         self.reset()
 
+    def set_scheduler(self, scheduler, model: torch.nn.Module) -> None:
+        """Hand gradients to `scheduler` (Lina) from now on (before the first backward); attaches it."""
+        self.scheduler = scheduler
+        scheduler.attach(model)
+
     def reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._launched: list[Optional[tuple]] = [None] * len(self.buckets)
@@ -121,7 +126,7 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b["params"]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         group = self.ps.group(b["kind"])
-        with events.tagged("grad", bucket=i):
+        with observer.tagged("grad", bucket=i):
             work = all_reduce_raw(flat, group, async_op=True)
         self._launched[i] = (flat, work)
 

@@ -38,8 +38,10 @@ from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler, profile_comm
 from megatron_moe.lancet.partitioned_moe import needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
-from megatron_moe.moe.dispatch import combine, dispatch, dispatch_index
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity
+from megatron_moe.parallel_state import ParallelState
 
 DENSE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2")
 MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.dispatch",
@@ -47,9 +49,9 @@ MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.
 COMM_OPS = ("moe.a2a_dispatch", "moe.a2a_combine")
 
 
-def a2a_group(ps):
-    """The token all-to-all group: EP, or EP x ESP when experts are sharded."""
-    return ps.group("ep") if ps.size("esp") == 1 else ps.group("ep_esp")
+def token_group_kind(ps: ParallelState) -> str:
+    """The token all-to-all group of partitioned parts: EP, or EP x ESP when experts are sharded."""
+    return "ep" if ps.size("esp") == 1 else "ep_esp"
 
 
 def deferrable_dw_names(model) -> set[str]:
@@ -92,7 +94,7 @@ class Shapes:
         return min(self.S * self.K, self.E * self.C) * self.n_esp * self.M * 4.0
 
 
-def model_shapes(model, ps, B: int, T: int) -> Shapes:
+def model_shapes(model: GPT2MoE, ps: ParallelState, B: int, T: int) -> Shapes:
     """Shapes of `model` on this rank for micro-batch B x T."""
     m, moe = model.cfg.model, model.cfg.moe
     E = max(moe.num_experts, 1)
@@ -128,12 +130,12 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     layer = block.moe
     tok = x.reshape(-1, M)
     S = tok.size(0)
-    C = capacity(S, sh.E, sh.K, layer.cf, layer.min_cap)
-    r = layer.route(layer.gate_logits(tok), 0)
+    C = layer.router.capacity(S)
+    r = layer.router.route(tok, 0)
     idx = dispatch_index(r)
     buf = torch.randn(sh.E * C, M)
     x_in = torch.randn(sh.E_l, sh.D * C, M)
-    ops["moe.gate"] = lambda: layer.route(layer.gate_logits(tok), 0)
+    ops["moe.gate"] = lambda: layer.router.route(tok, 0)
     ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
     ops["moe.experts"] = lambda: layer.experts(x_in)
     ops["moe.combine"] = lambda: x + combine(buf, idx, S).view(batch, T, M)
@@ -169,7 +171,7 @@ class Costs:
     overhead_ms: float
 
 
-def profile_costs(model, ps, B: int, T: int, profiler: Optional[OpProfiler] = None,
+def profile_costs(model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: Optional[OpProfiler] = None,
                   iters: int = 3) -> Costs:
     """Measure this rank's op costs (no collectives). The overhead per op and part is the intercept
     a of t(b) = a + c*b fitted from batches B and 1, averaged over the compute ops."""
@@ -200,9 +202,9 @@ def profile_costs(model, ps, B: int, T: int, profiler: Optional[OpProfiler] = No
     return Costs(fwd, dw, head_ms, embed_ms, overhead)
 
 
-def profile_a2a_model(ps, max_bytes: int, iters: int = 3) -> CommCostModel:
+def profile_a2a_model(ps: ParallelState, max_bytes: int, iters: int = 3) -> CommCostModel:
     """Piecewise-linear time of an even all-to-all on the token group (collective on that group)."""
-    group = a2a_group(ps)
+    group = ps.group(token_group_kind(ps))
     D = group_size(group)
     if D == 1:
         return CommCostModel([(1.0, 0.0), (2.0, 0.0)])

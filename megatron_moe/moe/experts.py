@@ -18,9 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import scale_grad
-from megatron_moe.model.fused import gelu_tanh
-from megatron_moe.model.sharding import InitSpec, ShardSpec
-from megatron_moe.model.tensor_parallel import make_param
+from megatron_moe.layers.fused import gelu_tanh
+from megatron_moe.layers.sharding import InitSpec, ShardSpec
+from megatron_moe.layers.tensor_parallel import make_param
 
 
 class Experts(nn.Module):
@@ -41,9 +41,14 @@ class Experts(nn.Module):
                                  f"{name}.proj_b")
         self.m_lo = self.esp_rank * (M // self.esp_size)
         self.num_local = E // ps.size("ep")
-        # Lancet's dW scheduling installs (fc, proj) batched linears that defer the weight-gradient
-        # GEMMs: fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (lancet/wgrad_runtime.py)
+        # (fc, proj) batched linears of a dW queue that defer the weight-gradient GEMMs:
+        # fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (`set_dw_queue`)
         self.deferred_bmm = None
+
+    def set_dw_queue(self, queue, prefix: str) -> None:
+        """Hand both weight-gradient GEMMs to `queue` (Lancet's WgradRuntime) as prefix + "fc1.dW" /
+        "fc2.dW"; None: plain autograd."""
+        self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
 
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""

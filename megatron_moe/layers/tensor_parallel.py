@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group, gather_from_group,
                                                   reduce_from_group)
-from megatron_moe.model.sharding import InitSpec, ShardSpec, make_full, shard_tensor
+from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor
 
 
 def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name: str) -> nn.Parameter:
@@ -29,6 +29,13 @@ def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name:
     p._shard = spec
     p._full_shape = tuple(full_shape)
     return p
+
+
+def _linear(mod: nn.Module, x: torch.Tensor, bias) -> torch.Tensor:
+    """F.linear with the module's weight, or its dW queue's linear that defers the weight gradient."""
+    if mod.dw_queue is None:
+        return F.linear(x, mod.weight, bias)
+    return mod.dw_queue.linear(mod.dw_name)(x, mod.weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,11 +55,14 @@ class ColumnParallelLinear(nn.Module):
                                  f"{name}.weight")
         self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
-        # F.linear, or Lancet's replacement that defers the weight-gradient GEMM (lancet/wgrad_runtime.py)
-        self.linear_fn = F.linear
+        self.dw_queue, self.dw_name = None, ""
+
+    def set_dw_queue(self, queue, name: str) -> None:
+        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
+        self.dw_queue, self.dw_name = queue, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fn(copy_to_group(x, self.group), self.weight, self.bias)
+        y = _linear(self, copy_to_group(x, self.group), self.bias)
         return gather_from_group(y, self.group, dim=-1) if self.gather_output else y
 
 
@@ -70,10 +80,12 @@ class RowParallelLinear(nn.Module):
                                  InitSpec("normal", std), ps, seed, f"{name}.weight")
         self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
-        self.linear_fn = F.linear             # as in ColumnParallelLinear (Lancet may defer dW)
+        self.dw_queue, self.dw_name = None, ""
+
+    set_dw_queue = ColumnParallelLinear.set_dw_queue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_group(self.linear_fn(x, self.weight), self.group)
+        y = reduce_from_group(_linear(self, x, None), self.group)
         return y + self.bias if self.bias is not None else y
 
 
