@@ -30,18 +30,20 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One argument group per config dataclass."""
-    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = Config()
-    for section, title in GROUPS.items():
-        group = parser.add_argument_group(title)
+def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(GROUPS),
+                     defaults: Optional[Config] = None) -> None:
+    """Add the trainer's flags of the config `sections` to `parser` (one group each), with the
+    values of `defaults` (a Config; the dataclass defaults when None). Tools use it so their
+    flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config."""
+    defaults = defaults or Config()
+    for section in sections:
+        group = parser.add_argument_group(GROUPS[section])
         sub = getattr(defaults, section)
         for f in dataclasses.fields(sub):
             flag, tp = _flag(f), _base_type(f.type)
             dest = f"{section}.{f.name}"
-            default = getattr(sub, f.name) if f.name not in ("ffn_hidden_size", "max_position_embeddings") else None
+            derived = f.name in ("ffn_hidden_size", "max_position_embeddings")     # from the others when None
+            default = None if derived else getattr(sub, f.name)
             if tp is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata.get("help", ""))
@@ -49,7 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
                                    metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
                                    help=f.metadata.get("help", ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One argument group per config dataclass."""
+    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_flags(parser)
     return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    """The Config of a namespace parsed with `add_config_flags` flags (a tool's own options are ignored)."""
+    return config_from_namespace({k: v for k, v in vars(ns).items() if "." in k})
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:

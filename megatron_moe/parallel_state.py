@@ -196,7 +196,7 @@ class ParallelState:
         return self.layout.esp
 
     def group_name(self, group) -> str:
-        """The kind of a group this state created ('mp', 'ep', ...), for the comm tracer."""
+        """The kind of a group this state created ('mp', 'ep', ...), for the collective observer."""
         for k, g in self._groups.items():
             if g is group:
                 return k

@@ -12,14 +12,12 @@ backward each on one fixed micro-batch, so load that comes and goes on a
 shared machine hits every mode alike (gradient sync and the optimizer step are
 the same in every mode and are left out). Per iteration it measures:
   iter_ms          wall time of forward + backward (the slowest rank's median; also its min),
-  a2a_ms           time some all-to-all was in flight (union of [launch, completion];
-                   completion from the work's future callback),
+  a2a_ms           time some all-to-all was in flight (union of [launch, finish]),
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
                    call, or `wait()` on an asynchronous one) minus the part of it in
                    which the dW helper thread was computing,
 and reports the cost model's predicted iteration time (`planner.predict`).
-To see all-to-alls the benchmark wraps `torch.distributed.all_to_all_single`
-while timing (a measuring instrument of this tool; the library never does it).
+The all-to-alls come from the library's collective observer (`distributed/observer.py`).
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
 iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
 """
@@ -38,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.observer import intersection_length, total_length, union  # noqa: E402
+from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union  # noqa: E402
 from megatron_moe.lancet.controller import setup  # noqa: E402
 from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
@@ -49,61 +47,13 @@ from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
 
-class A2ATimer:
-    """Records every all_to_all_single while active: launch, completion and blocked intervals."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-        self._orig = None
-
-    def __enter__(self) -> "A2ATimer":
-        self._orig = orig = dist.all_to_all_single
-        timer = self
-
-        def timed(*args, async_op: bool = False, **kwargs):
-            rec = {"launch": time.perf_counter(), "complete": None, "blocked": []}
-            timer.calls.append(rec)
-            work = orig(*args, async_op=async_op, **kwargs)
-            if not async_op:
-                rec["complete"] = time.perf_counter()
-                rec["blocked"].append((rec["launch"], rec["complete"]))
-                return work
-            try:
-                work.get_future().then(lambda _f: rec.__setitem__("complete", time.perf_counter()))
-            except (RuntimeError, AttributeError):
-                pass
-            return _TimedWork(work, rec)
-
-        dist.all_to_all_single = timed
-        return self
-
-    def __exit__(self, *exc) -> None:
-        dist.all_to_all_single = self._orig
-
-    def measure(self, helper: list) -> tuple[float, float]:
-        """(ms some all-to-all was in flight, ms the main thread was blocked on one and no dW ran)."""
-        spans = [(c["launch"], c["complete"] or max(b for _, b in c["blocked"] or [(0, c["launch"])]))
-                 for c in self.calls]
-        blocked = union([iv for c in self.calls for iv in c["blocked"]])
-        hidden = intersection_length(blocked, union(helper))
-        return 1e3 * total_length(union(spans)), 1e3 * (total_length(blocked) - hidden)
-
-
-class _TimedWork:
-    def __init__(self, work, rec):
-        self._work, self._rec = work, rec
-
-    def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._work.wait(*args, **kwargs)
-        t1 = time.perf_counter()
-        self._rec["blocked"].append((t0, t1))
-        if self._rec["complete"] is None:
-            self._rec["complete"] = t1
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
+    """From the observer: (ms some all-to-all was in flight, ms the main thread was blocked on one
+    while no helper-thread dW ran); a synchronous all-to-all blocks from launch to finish."""
+    a2a = [e for e in log.snapshot() if e.op == "all_to_all" and e.finish is not None]
+    blocked = union([iv for e in a2a for iv in e.info.get("blocked", [(e.launch, e.finish)])])
+    hidden = intersection_length(blocked, union(helper))
+    return 1e3 * total_length(union([(e.launch, e.finish) for e in a2a])), 1e3 * (total_length(blocked) - hidden)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -175,13 +125,13 @@ def step(model, ctl, ids, labels) -> tuple[float, float, float]:
     if ctl.wgrad is not None:
         ctl.wgrad.stats.helper_intervals.clear()
     dist.barrier()
-    with A2ATimer() as timer:
+    with CommLog() as log:
         t0 = time.perf_counter()
         lm, aux = model(ids, labels)
         ctl.backward(lm + aux)
         t1 = time.perf_counter()
     model.zero_grad(set_to_none=True)
-    a2a, exposed = timer.measure(ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+    a2a, exposed = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
     return 1e3 * (t1 - t0), a2a, exposed
 
 

@@ -22,12 +22,15 @@ ranks whatever the hook timing. Code that writes a gradient outside autograd
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_reduce_raw
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
 def grad_group_kind(p: torch.nn.Parameter) -> str:
@@ -35,7 +38,7 @@ def grad_group_kind(p: torch.nn.Parameter) -> str:
     return "expert_dp" if getattr(p, "_shard", None) is not None and p._shard.expert else "dp"
 
 
-def sync_gradients(model: torch.nn.Module, ps) -> None:
+def sync_gradients(model: torch.nn.Module, ps: "ParallelState") -> None:
     """Blocking all-reduce of every gradient over its group, scaled by 1/DP."""
     dp = ps.size("dp")
     for p in model.parameters():
@@ -58,7 +61,7 @@ class GradSync:
     attached to the model (`scheduler.attach(model)`) and drained in `finish()`.
     """
 
-    def __init__(self, model: torch.nn.Module, ps, bucket_mb: float = 25.0, scheduler=None,
+    def __init__(self, model: torch.nn.Module, ps: "ParallelState", bucket_mb: float = 25.0, scheduler=None,
                  enabled_hooks: bool = True):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler

@@ -105,7 +105,7 @@ class LinaScheduler:
     `timeout_s`: seconds a micro-op may take before `drain()` raises
     CommTimeoutError (--comm-timeout). `prioritize=False` launches micro-ops
     as soon as they are queued, ignoring all-to-alls (an ablation for tests
-    and benchmarks, not Lina). The scheduler keeps an EventLog running from
+    and benchmarks, not Lina). The scheduler keeps a CommLog running from
     construction to `close()` (the last `max_events` events, for tests and
     benchmarks) and folds each iteration's events into running totals at
     `drain()`; `summary()` returns those totals, `close()` logs them.

@@ -66,7 +66,8 @@ class CommEvent:
     group: group name; nbytes (= `sent`): local input bytes; tag: 'lina' / 'grad' / '';
     phase: 'bwd' inside autograd backward, else 'fwd'; launch / finish: perf_counter
     seconds (finish None while running); queued: when it was known to be coming;
-    recv / remote_sent: see the byte convention; info: free-form details.
+    recv / remote_sent: see the byte convention; info: free-form details ("blocked": the
+    intervals a thread spent in `wait()` of an asynchronous one).
     """
 
     seq: int
@@ -365,8 +366,11 @@ class Work:
         self._token = token
 
     def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
         for w in self._works:
             w.wait(*args, **kwargs)
+        if self._token is not None and self._token.event is not None:   # when this thread was blocked
+            self._token.event.info.setdefault("blocked", []).append((t0, time.perf_counter()))
         end(self._token)
         return True
 

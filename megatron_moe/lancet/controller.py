@@ -205,7 +205,8 @@ class LancetController:
         return d
 
 
-def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None, micro_batch: Optional[int] = None,
+def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None,
+          micro_batch: Optional[int] = None,
           seq_length: Optional[int] = None, **plan_kwargs) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 

@@ -12,6 +12,8 @@ sliced, so any layout starts from the same full weights as one process.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,8 +22,12 @@ from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group,
                                                   reduce_from_group)
 from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor
 
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
-def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name: str) -> nn.Parameter:
+
+def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState", seed: int,
+               name: str) -> nn.Parameter:
     """Create the full tensor deterministically, keep this rank's slice, tag it with its spec."""
     full = make_full(full_shape, init, seed, name)
     coords = {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
@@ -45,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
     `qkv=True` splits a fused [q; k; v] weight per third so each rank keeps its heads.
     """
 
-    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
                  bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
@@ -72,7 +78,7 @@ class RowParallelLinear(nn.Module):
     in [..., in_features / MP] -> out [..., out_features] (replicated).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
                  bias: bool = True, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
@@ -92,7 +98,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ps, seed: int, name: str, std: float = 0.02):
+    def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),

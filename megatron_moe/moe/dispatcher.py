@@ -350,7 +350,8 @@ class UnevenDispatcher(TokenDispatcher):
         """Wait for the outputs; local combine of the N_ESP partials, then the weighted sum y [T, M]."""
         ret, plan.in_flight = a2a.finish(plan.in_flight, plan.back), None
         rows = ret.new_zeros(plan.token.numel(), ret.size(1)).index_add(0, plan.dump, ret)
-        return ret.new_zeros(plan.tokens, ret.size(1)).index_add(0, plan.token, rows * plan.weight[:, None].to(ret.dtype))
+        weighted = rows * plan.weight[:, None].to(ret.dtype)
+        return ret.new_zeros(plan.tokens, ret.size(1)).index_add(0, plan.token, weighted)
 
     def dispatch(self, x_TM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
         self.dispatch_start(x_TM, plan)

@@ -13,6 +13,8 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,11 +24,14 @@ from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
 
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
+
 
 class Experts(nn.Module):
     """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps, seed: int, name: str,
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps: "ParallelState", seed: int, name: str,
                  std: float = 0.02, proj_std: float = 0.02):
         super().__init__()
         self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")

@@ -63,7 +63,7 @@ def route_s1(router: Router, x_l_GSM: torch.Tensor, S: int, local_capacity: bool
     """Route this rank's slices [G, S_l, M] of groups of S tokens with the whole groups' slots.
 
     Returns (routes of the slices, aux loss, kept counts [E] of the whole groups)."""
-    ps, E, k = router.ps, router.num_experts, router.k
+    ps, E = router.ps, router.num_experts
     G, S_l, _ = x_l_GSM.shape
     start = ps.rank("mp") * S_l
     logits = [router.logits(x_l_GSM[g], split_over_mp=True) for g in range(G)]
