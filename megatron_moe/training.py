@@ -22,17 +22,21 @@ import torch.distributed as dist
 from megatron_moe import optimizations
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
+from megatron_moe.config import Config
+from megatron_moe.data.preprocess import prepare_sample_data
+from megatron_moe.data.sampler import build_train_valid_test_data_loaders
+from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
-from megatron_moe.parallel_state import initialize_model_parallel, local_state
+from megatron_moe.parallel_state import ParallelState, initialize_model_parallel, local_state
 
 DEFAULT_DATA_PREFIX = os.path.join("data", "processed", "wikitext-sample")
 
 
-def init_distributed(cfg):
+def init_distributed(cfg: Config):
     """Process group from torchrun's env (or one process without it) and the layout's groups."""
     p = cfg.parallel
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
@@ -55,17 +59,15 @@ def init_distributed(cfg):
     return ps, device
 
 
-def prepare_data(cfg, ps) -> None:
+def prepare_data(cfg: Config, ps: ParallelState) -> None:
     """Default data: preprocess the bundled sample corpus once (rank 0), then read its vocab size."""
     if cfg.data.data_path is None:
-        from megatron_moe.data.preprocess import prepare_sample_data
         if ps.global_rank == 0:
             prepare_sample_data(DEFAULT_DATA_PREFIX)
         if ps.layout.world_size > 1:
             dist.barrier()
         cfg.data.data_path = DEFAULT_DATA_PREFIX
     if cfg.model.vocab_size == 0:
-        from megatron_moe.data.tokenizer import load_tokenizer
         tok_dir = cfg.data.tokenizer_name_or_path or f"{cfg.data.data_path}_tokenizer"
         if not os.path.exists(tok_dir):
             raise FileNotFoundError(f"--vocab-size not given and no tokenizer at {tok_dir}: pass "
@@ -73,8 +75,7 @@ def prepare_data(cfg, ps) -> None:
         cfg.model.vocab_size = load_tokenizer(tok_dir).vocab_size
 
 
-def build_loaders(cfg, ps, consumed: int):
-    from megatron_moe.data.sampler import build_train_valid_test_data_loaders
+def build_loaders(cfg: Config, ps: ParallelState, consumed: int):
     t = cfg.train
     gb = t.global_batch_size
     eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
@@ -84,7 +85,7 @@ def build_loaders(cfg, ps, consumed: int):
         consumed_train_samples=consumed, num_workers=cfg.data.num_workers)
 
 
-def model_flops_per_token(cfg) -> float:
+def model_flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token (6 x active params + attention), for the TFLOP/s estimate."""
     m, moe = cfg.model, cfg.moe
     L, M, H, T = m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length
@@ -97,7 +98,7 @@ def model_flops_per_token(cfg) -> float:
 class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.ps, self.device = init_distributed(cfg)
         setup_console(self.ps.global_rank)
@@ -256,6 +257,6 @@ class Trainer:
         self.logger.close()
 
 
-def pretrain(cfg) -> list[dict]:
+def pretrain(cfg: Config) -> list[dict]:
     """Build a Trainer and run it; returns the per-iteration records of this rank."""
     return Trainer(cfg).train()

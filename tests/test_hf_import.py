@@ -47,7 +47,7 @@ def test_upcycled_top2_moe_equals_dense_without_drops():
     moe = build_ours(hf, num_experts=4, topk=2)
     moe.cfg.moe.moe_expert_capacity_factor = 4.0
     for layer in moe.moe_layers():
-        layer.cf = 4.0
+        layer.router.cf = 4.0
     dense = build_ours(hf)
     ids = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_upcycled_top1_moe_output_is_gate_value_times_dense_mlp():
     moe = build_ours(hf, num_experts=4, topk=1)
     dense = build_ours(hf)
     layer, mlp = moe.blocks[1].moe, dense.blocks[1].mlp
-    layer.cf = 4.0
+    layer.router.cf = 4.0
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
         y, _ = layer(x)

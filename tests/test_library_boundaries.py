@@ -92,3 +92,39 @@ def test_the_check_sees_forward_and_private_writes():
     src = "m.forward = f\nsetattr(b, 'forward', g)\nps._groups['x'] = 1\nps._groups = {}\n"
     found = sorted(attr for attr, _, _ in _writes(ast.parse(src)))
     assert found == ["_groups", "_groups", "forward", "forward"]
+
+
+LAYERS = {"distributed": 0, "layers": 1, "moe": 2, "model": 3, "lancet": 4, "optimizations": 5, "training": 6}
+
+
+def _layer_of(module: str):
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 and parts[0] == "megatron_moe" else None
+
+
+def test_imports_go_down_the_layers_only():
+    """distributed -> layers -> moe -> model -> lancet -> optimizations -> training: a module imports
+    only from its own layer or lower ones (at module level, outside TYPE_CHECKING) and never
+    imports a project module inside a function."""
+    bad = []
+    for path in _library_files():
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        mine = _layer_of(rel)
+        if mine is None:
+            continue
+        tree = ast.parse(open(path).read(), path)
+        checking = {id(n) for node in tree.body if isinstance(node, ast.If)
+                    and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("megatron_moe"):
+                continue
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            theirs = max((x for x in map(_layer_of, names) if x is not None), default=None)
+            if id(node) in checking:
+                continue
+            if id(node) not in top:
+                bad.append((rel, node.lineno, "import inside a function or block"))
+            elif theirs is not None and theirs > mine:
+                bad.append((rel, node.lineno, f"imports {node.module} from a higher layer"))
+    assert not bad, bad

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
+from megatron_moe.profiling import annotate
 
 
 def _launch(send: torch.Tensor, out: torch.Tensor, group, send_splits: Optional[list[int]],
@@ -127,7 +128,10 @@ class _WindowOnly(torch.autograd.Function):
 
 def start(send_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
     """Launch the all-to-all; the returned rows are valid after `finish`."""
-    return send_RM if group_size(op.group) == 1 else _Start.apply(send_RM, op)
+    if group_size(op.group) == 1:
+        return send_RM
+    with annotate("moe/all_to_all"):
+        return _Start.apply(send_RM, op)
 
 
 def finish(recv_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
@@ -136,7 +140,8 @@ def finish(recv_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
         if op.dw is not None and op.name is not None and recv_RM.requires_grad:
             recv_RM = _WindowOnly.apply(recv_RM, op)
         return recv_RM
-    return _Finish.apply(recv_RM, op)
+    with annotate("moe/all_to_all"):
+        return _Finish.apply(recv_RM, op)
 
 
 def run(send_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
