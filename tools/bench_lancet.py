@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_moe.arguments import add_config_flags, config_from_args  # noqa: E402
 from megatron_moe.config import Config  # noqa: E402
 from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union  # noqa: E402
 from megatron_moe.lancet.controller import setup  # noqa: E402
@@ -56,35 +57,35 @@ def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
     return 1e3 * total_length(union([(e.launch, e.finish) for e in a2a])), 1e3 * (total_length(blocked) - hidden)
 
 
+def bench_defaults() -> Config:
+    """The benchmark's default model (the trainer's flags change any of it)."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 256, 4, 128, 1024
+    moe.num_experts, moe.moe_expert_capacity_factor, moe.moe_schedule = 8, 1.0, "baseline"
+    cfg.train.micro_batch_size, cfg.train.seed = 8, 1234
+    return cfg
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    """The benchmark's flags (model flags named as pretrain_gpt_moe.py's)."""
+    """The trainer's model / MoE / parallelism / training / optimization flags
+    (`arguments.add_config_flags`; --expert-model-parallel-size defaults to the world size / MP,
+    --lancet-report PATH writes PATH.<mode>.json)
+    plus the benchmark's own: --modes, --warmup, --iters, --json."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_flags(p, ("model", "moe", "parallel", "train", "opts"), bench_defaults())
     a = p.add_argument
-    a("--num-layers", type=int, default=4)
-    a("--hidden-size", type=int, default=256)
-    a("--num-attention-heads", type=int, default=4)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--seq-length", type=int, default=128)
-    a("--micro-batch-size", type=int, default=8)
-    a("--vocab-size", type=int, default=1024)
-    a("--num-experts", type=int, default=8)
-    a("--moe-layer-freq", type=int, default=2)
-    a("--moe-router-topk", type=int, default=1)
-    a("--moe-router-policy", default="position", choices=["position", "batch_prioritized", "random"])
-    a("--moe-expert-capacity-factor", type=float, default=1.0)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--expert-model-parallel-size", type=int, default=None, help="default: the world size / MP")
-    a("--expert-sharding-parallel-size", type=int, default=1)
-    a("--lancet-max-partitions", type=int, default=8)
-    a("--lancet-group-ms", type=float, default=1.0)
-    a("--lancet-max-range", type=int, default=8)
-    a("--lancet-report", default=None, help="write each mode's Lancet report to PATH.<mode>.json")
     a("--modes", default="none,dw,partition,both")
     a("--warmup", type=int, default=3)
     a("--iters", type=int, default=10)
     a("--json", default=None, help="write the rows as JSON to this path")
-    a("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    try:
+        args.cfg = config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    args.ep_given = any(x.split("=")[0] == "--expert-model-parallel-size" for x in argv)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
@@ -92,23 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(args, world: int) -> Config:
-    """A Config for the benchmark's model and Lancet knobs (baseline MoE schedule)."""
-    cfg = Config()
-    m, moe, par, o = cfg.model, cfg.moe, cfg.parallel, cfg.opts
-    m.num_layers, m.hidden_size, m.num_attention_heads = args.num_layers, args.hidden_size, args.num_attention_heads
-    m.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    m.seq_length = m.max_position_embeddings = args.seq_length
-    m.vocab_size = args.vocab_size
-    moe.num_experts, moe.moe_layer_freq = args.num_experts, args.moe_layer_freq
-    moe.moe_router_topk = args.moe_router_topk
-    moe.moe_router_policy, moe.moe_expert_capacity_factor = args.moe_router_policy, args.moe_expert_capacity_factor
-    moe.moe_schedule = "baseline"
-    par.tensor_model_parallel_size = args.tensor_model_parallel_size
-    par.expert_model_parallel_size = args.expert_model_parallel_size or world // args.tensor_model_parallel_size
-    par.expert_sharding_parallel_size = args.expert_sharding_parallel_size
-    o.lancet_max_partitions, o.lancet_group_ms, o.lancet_max_range = (args.lancet_max_partitions,
-                                                                        args.lancet_group_ms, args.lancet_max_range)
-    cfg.train.micro_batch_size, cfg.train.seed = args.micro_batch_size, 1234
+    """The parsed Config, with EP = the world size / MP unless --expert-model-parallel-size was given."""
+    cfg = args.cfg
+    if not args.ep_given:
+        cfg.parallel.expert_model_parallel_size = world // cfg.parallel.tensor_model_parallel_size
     return cfg
 
 
@@ -154,8 +142,8 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
         med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)]
                            + [min(s[0] for s in samples[m])], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        if args.lancet_report and ctl.plan is not None:
-            ctl.write_report(f"{args.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
+        if cfg.opts.lancet_report and ctl.plan is not None:
+            ctl.write_report(f"{cfg.opts.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
         ctl.remove()
         rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "iter_ms_min": round(float(med[3]), 3),
                      "a2a_ms": round(float(med[1]), 3),
@@ -184,7 +172,7 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 def main(argv=None) -> None:
     """Profile once, time every mode, print the table (rank 0) and write --json."""
     args = parse_args(argv)
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.cfg.parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()
@@ -192,17 +180,18 @@ def main(argv=None) -> None:
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.expert_model_parallel_size,
                                    cfg.parallel.expert_sharding_parallel_size, backend)
-    B, T = args.micro_batch_size, args.seq_length
+    m, moe = cfg.model, cfg.moe
+    B, T = cfg.train.micro_batch_size, m.seq_length
     g = torch.Generator().manual_seed(100 + ps.rank("dp"))
-    ids = torch.randint(0, args.vocab_size, (B, T + 1), generator=g)
+    ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g)
     probe = GPT2MoE(cfg, ps)
     costs = profile_costs(probe, ps, B, T)
-    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
+    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
     head = {"world": world, "mp": ps.size("mp"), "ep": ps.size("ep"), "esp": ps.size("esp"),
-            "layers": args.num_layers, "hidden": args.hidden_size, "experts": args.num_experts,
-            "topk": args.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
+            "layers": m.num_layers, "hidden": m.hidden_size, "experts": moe.num_experts,
+            "topk": moe.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
     if dist.get_rank() == 0:
         print_table(rows, head, args.iters)
         if args.json:
