@@ -63,6 +63,8 @@ class MoEConfig:
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
     moe_router_topk: int = opt(1, "experts per token k (1 or 2)")
     moe_expert_capacity_factor: float = opt(1.0, "capacity factor f")
+    moe_dropless: bool = opt(False, "dropless MoE (Megatron-Core's mode): no capacity, every routed choice is "
+                             "kept, only real tokens travel and experts compute only the tokens they receive")
     moe_min_capacity: int = opt(4, "minimum expert capacity")
     moe_router_policy: str = opt("position", "slot assignment / expert choice policy",
                                  choices=["position", "batch_prioritized", "random"])
@@ -86,6 +88,12 @@ class MoEConfig:
             raise ValueError("--moe-expert-capacity-factor must be positive")
         if self.moe_layer_freq < 1:
             raise ValueError("--moe-layer-freq must be >= 1")
+        if self.moe_dropless and self.moe_schedule == "s2":
+            raise ValueError(DROPLESS_S2_ERROR)
+
+
+DROPLESS_S2_ERROR = ("--moe-dropless cannot be combined with --moe-schedule s2 (S2 pads every expert to the "
+                     "capacity); use --moe-schedule baseline, s1 or auto")
 
 
 @dataclass

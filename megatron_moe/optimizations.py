@@ -15,8 +15,11 @@
 
 Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
 the trainer logs the lines. A combination the code cannot run stops here with
-an error naming both flags (`UNSUPPORTED`; empty today: every schedule x Lina x
-Lancet combination runs and keeps the training curve, tests/test_composition.py).
+an error naming both flags (`UNSUPPORTED`: every schedule x Lina x Lancet
+combination runs and keeps the training curve, tests/test_composition.py; dropless
+MoE runs with Lina but not with Lancet, whose partitions and deferred expert dW
+work on the capacity-padded expert input). Under --moe-dropless, auto is not
+profiled: it resolves to the dropless baseline (`moe.layer`).
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ from megatron_moe.moe.comm_profile import choose_for_layer
 from megatron_moe.parallel_state import ParallelState
 
 # (flag, value, flag, value) pairs that cannot run together; value None: the switch is on
-UNSUPPORTED: tuple = ()
+UNSUPPORTED: tuple = (("--moe-dropless", None, "--lancet-partition", None),
+                      ("--moe-dropless", None, "--lancet-wgrad", None),
+                      ("--moe-dropless", None, "--moe-schedule", "s2"))
 
 
 @dataclass
@@ -64,12 +69,16 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
     check_combination(cfg)
     out = Applied()
     for layer in model.moe_layers():
-        if layer.requested == "auto":
+        if layer.requested == "auto" and layer.dropless:
+            out.changes.append(f"layer {layer.layer_idx}: --moe-dropless: auto -> dropless baseline "
+                               f"(uneven all-to-all, ragged experts)")
+        elif layer.requested == "auto":
             choice = choose_for_layer(cfg, ps, layer.layer_idx)
             layer.use_schedule(choice.schedule, choice.saa_chunks, choice)
             out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
         else:
-            out.changes.append(f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}")
+            out.changes.append(f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}"
+                               + (" (dropless)" if layer.dropless else ""))
     opts = cfg.opts
     if opts.lina:
         out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout)

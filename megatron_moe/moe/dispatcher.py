@@ -28,6 +28,9 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   zero gradient and are never sent back), return all-to-all, local combine.
   `dispatch_start` / `dispatch_finish` and `combine_start` / `combine_finish` return
   and take handles, so a pipeline starts part i+1 while part i is in flight.
+  `ragged=True` (dropless MoE): no padding at all; the expert input is [R, M], the
+  R received rows grouped by local expert (`UnevenPlan.expert_rows` rows each), and
+  the experts compute exactly those rows.
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
@@ -283,7 +286,8 @@ class _S2Return(torch.autograd.Function):
 class UnevenPlan:
     """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
     of each send row, once per ESP shard); recv_row [R_recv] (row of each received token in the
-    padded expert input [E_l * N, M]); the handles of the two all-to-alls once started."""
+    padded expert input [E_l * N, M], or in the ragged one [R_recv, M]); expert_rows: rows of each
+    local expert in the ragged input (None: padded); the handles of the two all-to-alls once started."""
 
     token: torch.Tensor
     weight: torch.Tensor
@@ -294,17 +298,20 @@ class UnevenPlan:
     out: a2a.A2AHandle
     back: a2a.A2AHandle
     in_flight: Optional[torch.Tensor] = field(default=None, repr=False)
+    expert_rows: Optional[list[int]] = None
 
 
 class UnevenDispatcher(TokenDispatcher):
     """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
-    `counts_group`: where the per-expert counts are exchanged (default that group)."""
+    `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
+    expert input holds only the received rows, grouped by local expert (dropless)."""
 
     def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, grad_scale: float = 1.0,
-                 group_kind: str = "ep_esp", counts_group=None):
+                 group_kind: str = "ep_esp", counts_group=None, ragged: bool = False):
         super().__init__(ps, num_experts, layer_idx, grad_scale)
         self.group = ps.group(group_kind)
         self.counts_group = self.group if counts_group is None else counts_group
+        self.ragged = ragged
 
     def plan(self, routes: list[RouteResult]) -> UnevenPlan:
         """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
@@ -323,30 +330,36 @@ class UnevenDispatcher(TokenDispatcher):
         dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep]) for ep in range(self.n_ep)
                           for _ in range(n_esp)])
         recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, E_l]
-        N = max(1, int(recv_counts.sum(dim=0).max()))
+        per_expert = recv_counts.sum(dim=0)                                       # [E_l] rows received
+        N = max(1, int(per_expert.max()))
+        # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
+        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(E_l) * N
         flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
         block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
         within = torch.arange(int(flat.sum())) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
-        row = (torch.repeat_interleave(torch.arange(E_l).repeat(recv_counts.size(0)), flat) * N
+        row = (torch.repeat_interleave(expert_base.repeat(recv_counts.size(0)), flat)
                + torch.repeat_interleave(block_pos, flat) + within)
         out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
                             recv_counts.sum(dim=1).tolist(), self.a2a_name("dispatch"), self.dw)
         dev = expert.device
         return UnevenPlan(token[order], weight, dump.to(dev), row.to(dev), N, G * s, out,
-                          out.reverse(self.a2a_name("combine")))
+                          out.reverse(self.a2a_name("combine")),
+                          expert_rows=per_expert.tolist() if self.ragged else None)
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
         """Local dump of the kept tokens and launch of the all-to-all."""
         plan.in_flight = a2a.start(x_TM.index_select(0, plan.token.index_select(0, plan.dump)), plan.out)
 
     def dispatch_finish(self, plan: UnevenPlan, M: int) -> torch.Tensor:
-        """Wait for the tokens; the zero-padded expert input [E_l, N, M]."""
+        """Wait for the tokens; the zero-padded expert input [E_l, N, M] (ragged: [R, M] by expert)."""
         recv, plan.in_flight = a2a.finish(plan.in_flight, plan.out), None
+        if plan.expert_rows is not None:
+            return recv.new_zeros(recv.size(0), M).index_copy(0, plan.recv_row, recv)
         x_in = recv.new_zeros(self.num_local * plan.rows_per_expert, M).index_copy(0, plan.recv_row, recv)
         return x_in.view(self.num_local, plan.rows_per_expert, M)
 
     def combine_start(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> None:
-        """Launch the return all-to-all of the rows that were received."""
+        """Launch the return all-to-all of the rows that were received (y [E_l, N, M] or ragged [R, M])."""
         plan.in_flight = a2a.start(y_LNM.reshape(-1, y_LNM.size(-1)).index_select(0, plan.recv_row), plan.back)
 
     def combine_finish(self, plan: UnevenPlan) -> torch.Tensor:

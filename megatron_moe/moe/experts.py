@@ -10,10 +10,13 @@ Full parameters and their splits (dim 0 over EP, the H dim over ESP):
                                      output, so the sum of partials carries the
                                      bias exactly once and each piece has one owner)
 The forward returns each ESP rank's *partial* output; schedules sum them.
+Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
+grouped by local expert, `counts` [E_l] rows each; each expert computes its own
+row range (no padding rows, no FLOPs on them).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -55,8 +58,12 @@ class Experts(nn.Module):
         "fc2.dW"; None: plain autograd."""
         self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
 
-    def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
-        """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""
+    def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0,
+                counts: Optional[list[int]] = None) -> torch.Tensor:
+        """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
+        With `counts` the input is ragged: x [R, M] -> partial y [R, M] (module docstring)."""
+        if counts is not None:
+            return self.forward_ragged(x_ENM, counts, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         if self.deferred_bmm is not None and torch.is_grad_enabled() and x_ENM.requires_grad:
             fc, proj = self.deferred_bmm
@@ -70,6 +77,26 @@ class Experts(nn.Module):
         M, m_l = y.size(-1), proj_b.size(1)
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))        # [E_l, M], zeros off our columns
         return y + bias[:, None, :].to(y.dtype)
+
+    def forward_ragged(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+        """x [R, M], rows grouped by local expert (`counts` [E_l], sum R) -> partial y [R, M].
+
+        One GEMM pair per local expert over its own rows (an expert with no rows: empty GEMMs)."""
+        if len(counts) != self.num_local or sum(counts) != x_RM.size(0):
+            raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
+        if self.deferred_bmm is not None:
+            raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
+        fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        M = x_RM.size(1)
+        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
+        outs, start = [], 0
+        for e, n in enumerate(counts):           # n = 0: empty GEMMs (zero weight gradients, no FLOPs)
+            x = x_RM[start:start + n]
+            h = gelu_tanh(torch.addmm(fc_b[e].to(x.dtype), x, fc_w[e].t().to(x.dtype)))
+            outs.append(torch.addmm(bias[e].to(h.dtype), h, proj_w[e].t().to(h.dtype)))
+            start += n
+        return torch.cat(outs)
 
 
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:

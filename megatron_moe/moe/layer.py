@@ -14,6 +14,12 @@ split the tokens first:
   auto      Parm's Algorithm 1 per layer, decided by `optimizations.apply` on the
             real groups (`use_schedule`); until then the layer runs the baseline.
 Every schedule returns the same values.
+
+Dropless (--moe-dropless): the router keeps every choice and the layer always uses
+the UnevenDispatcher with a ragged expert input (only real tokens travel, experts
+compute only them). baseline: every MP rank routes and sends all tokens (expert
+weight gradients scaled by 1/N_MP); s1: as above; auto resolves to the dropless
+baseline; s2 (a padded buffer by construction) is refused.
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn as nn
 
+from megatron_moe.config import DROPLESS_S2_ERROR
 from megatron_moe.distributed.collectives import gather_from_group, scatter_to_group
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher
+from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.router import Router
@@ -56,7 +63,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.experts",
                                m.init_method_std, proj_std)
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
-        self.requested = moe.moe_schedule
+        self.requested, self.dropless = moe.moe_schedule, moe.moe_dropless
         self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -64,9 +71,14 @@ class MoELayer(nn.Module):
         """Pick the dispatcher of `schedule` (baseline / s1 / s2); `choice`: Algorithm 1's, under auto."""
         if schedule not in SCHEDULES:
             raise ValueError(f"--moe-schedule must be one of {SCHEDULES} or auto, got {schedule!r}")
+        if self.dropless and schedule == "s2":
+            raise ValueError(DROPLESS_S2_ERROR)
         self.schedule, self.schedule_choice = schedule, choice
         old = getattr(self, "dispatcher", None)
-        if schedule == "s1":
+        if self.dropless:
+            scale = 1.0 / self.ps.size("mp") if schedule == "baseline" else 1.0
+            self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale, ragged=True)
+        elif schedule == "s1":
             self.dispatcher: TokenDispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, schedule, self.saa,
@@ -122,7 +134,8 @@ class MoELayer(nn.Module):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
         with annotate("moe/experts"):
-            y_partial = self.experts(x_in, grad_scale=d.grad_scale)
+            ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None    # dropless: rows per expert
+            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged)
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if split:

@@ -14,6 +14,9 @@ Semantics (DESIGN.md "The MoE layer"):
          (before dropping); kept weights renormalized to sum to 1;
          aux = E * E * mean_e(me_e * ce_e), ce from the first choice
   slot >= C is dropped (slot = -1, weight = 0).
+  dropless (--moe-dropless): C = S, the most choices one expert can get in a
+         group (a token picks an expert at most once), so nothing is dropped;
+         same experts and aux loss, top-2 weights renormalized over both choices.
   policy "position": positions in token order; "batch_prioritized": in order
   of descending top gate value (ties by token order); "random": experts drawn
   uniformly (seeded generator), positions in token order.
@@ -191,15 +194,16 @@ def z_loss_of(logits_SE: torch.Tensor) -> torch.Tensor:
 
 def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
           policy: str = "position", generator: Optional[torch.Generator] = None,
-          z_loss_coeff: float = 0.0) -> RouteResult:
-    """Route one group of S tokens (logits [S, E]) to k of E experts with capacity.
+          z_loss_coeff: float = 0.0, dropless: bool = False) -> RouteResult:
+    """Route one group of S tokens (logits [S, E]) to k of E experts with capacity
+    (`dropless`: C = S, every choice kept).
 
     `aux_loss` is the unscaled load-balancing loss (multiply by the aux
     coefficient); `z_loss` is already multiplied by `z_loss_coeff`.
     """
     S, E = logits.shape
     gates, expert = choose_experts(logits, k, policy, generator)
-    cap = capacity(S, E, k, capacity_factor, min_capacity)
+    cap = S if dropless else capacity(S, E, k, capacity_factor, min_capacity)
     pos = slot_positions(expert, E, token_order(gates, expert, policy))
     aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
     z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
@@ -224,6 +228,7 @@ class Router(nn.Module):
         self.num_experts, self.k, self.cf, self.min_cap = (moe.num_experts, moe.moe_router_topk,
                                                            moe.moe_expert_capacity_factor, moe.moe_min_capacity)
         self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
+        self.dropless = moe.moe_dropless
         self.gate_w = make_param((moe.num_experts, m.hidden_size), ShardSpec(), InitSpec("normal", m.init_method_std),
                                  ps, seed, f"{name}.gate_w")
         self.calls = 0
@@ -231,7 +236,9 @@ class Router(nn.Module):
         self.last_routes: list[RouteResult] = []
 
     def capacity(self, num_tokens: int) -> int:
-        """C of a routing group of `num_tokens` tokens."""
+        """C of a routing group of `num_tokens` tokens (dropless: `num_tokens`, nothing dropped)."""
+        if self.dropless:
+            return num_tokens
         return capacity(num_tokens, self.num_experts, self.k, self.cf, self.min_cap)
 
     def generator(self, g: int) -> Optional[torch.Generator]:
@@ -251,7 +258,8 @@ class Router(nn.Module):
 
     def route(self, x_SM: torch.Tensor, g: int = 0) -> RouteResult:
         """Route a whole routing group x [S, M] (group g of this call)."""
-        return route(self.logits(x_SM), self.k, self.cf, self.min_cap, self.policy, self.generator(g), self.z_coeff)
+        return route(self.logits(x_SM), self.k, self.cf, self.min_cap, self.policy, self.generator(g), self.z_coeff,
+                     self.dropless)
 
     def choose(self, logits_sE: torch.Tensor, g: int, start: int, group_tokens: int):
         """Experts of rows [start, start + s) of group g (logits [s, E]): (gates [s, E], expert [s, k])."""
