@@ -164,15 +164,16 @@ def _train(rank, world, argv):
     return [(h["loss"], h["dropped_frac"]) for h in hist], trainer.applied.changes
 
 
-def test_trainer_dropless_ep2_matches_one_process(sample_data):
+def test_trainer_dropless_ep2_with_lina_matches_one_process(sample_data):
     capped, _ = _train(0, 1, tiny_args(sample_data, 3))
     assert any(d > 0 for _, d in capped), "the capacity run must drop tokens"
     ref, _ = _train(0, 1, tiny_args(sample_data, 3, "--moe-dropless"))
     per_rank = spawn(_train, 2, tiny_args(sample_data, 3, "--moe-dropless", "--expert-model-parallel-size", "2",
-                                          "--moe-schedule", "auto"), timeout=300)
+                                          "--moe-schedule", "auto", "--lina"), timeout=300)
     assert [d for _, d in ref] == [0.0] * 3
     for curve, changes in per_rank:
         assert any("--moe-dropless: auto -> dropless baseline" in c for c in changes), changes
+        assert any(c.startswith("lina:") and "of 1 MoE layers" in c for c in changes), changes
         assert len(curve) == 3
         for i, ((l_ref, _), (loss, dropped)) in enumerate(zip(ref, curve)):
             assert abs(loss - l_ref) < 1e-5, f"iteration {i + 1}: loss {loss} vs {l_ref}"

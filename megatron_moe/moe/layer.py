@@ -75,11 +75,12 @@ class MoELayer(nn.Module):
             raise ValueError(DROPLESS_S2_ERROR)
         self.schedule, self.schedule_choice = schedule, choice
         old = getattr(self, "dispatcher", None)
+        self.dispatcher: TokenDispatcher
         if self.dropless:
             scale = 1.0 / self.ps.size("mp") if schedule == "baseline" else 1.0
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale, ragged=True)
         elif schedule == "s1":
-            self.dispatcher: TokenDispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
+            self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, schedule, self.saa,
                                                saa_chunks)
