@@ -20,11 +20,11 @@ from megatron_moe.testing import spawn
 from megatron_moe.training import Trainer
 from tiny_run import tiny_args
 
-# (mp, ep, esp, schedule): MP2, EP2, ESP2, DP2 (+ MP2 under S1); MP2xEP2, EP2xESP2 (+ MP2xEP2 under S1)
+# (mp, ep, esp, schedule): MP2, EP2, ESP2, DP2 (+ MP2 under S1); MP2xEP2, EP2xESP2
 LAYOUTS = {
     2: [(2, 1, 1, "baseline"), (1, 2, 1, "baseline"), (1, 1, 2, "baseline"), (1, 1, 1, "baseline"),
         (2, 1, 1, "s1")],
-    4: [(2, 2, 1, "baseline"), (1, 2, 2, "baseline"), (2, 2, 1, "s1")],
+    4: [(2, 2, 1, "baseline"), (1, 2, 2, "baseline")],
 }
 BYTES_LAYOUT = (1, 2, 2)          # EP2 x ESP2: every token travels once per ESP shard
 
@@ -165,8 +165,6 @@ def _train(rank, world, argv):
 
 
 def test_trainer_dropless_ep2_with_lina_matches_one_process(sample_data):
-    capped, _ = _train(0, 1, tiny_args(sample_data, 3))
-    assert any(d > 0 for _, d in capped), "the capacity run must drop tokens"
     ref, _ = _train(0, 1, tiny_args(sample_data, 3, "--moe-dropless"))
     per_rank = spawn(_train, 2, tiny_args(sample_data, 3, "--moe-dropless", "--expert-model-parallel-size", "2",
                                           "--moe-schedule", "auto", "--lina"), timeout=300)
