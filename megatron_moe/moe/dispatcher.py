@@ -320,14 +320,14 @@ class UnevenDispatcher(TokenDispatcher):
         per_ep_E = torch.bincount(expert, minlength=E).view(self.n_ep, E_l)
         K_ep = per_ep_E.sum(dim=1).tolist()
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
-        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep]) for ep in range(self.n_ep)
+        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep], device=expert.device) for ep in range(self.n_ep)
                           for _ in range(n_esp)])
         recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, E_l]
         N = max(1, int(recv_counts.sum(dim=0).max()))
         flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
         block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
-        within = torch.arange(int(flat.sum())) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
-        row = (torch.repeat_interleave(torch.arange(E_l).repeat(recv_counts.size(0)), flat) * N
+        within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
+        row = (torch.repeat_interleave(torch.arange(E_l, device=flat.device).repeat(recv_counts.size(0)), flat) * N
                + torch.repeat_interleave(block_pos, flat) + within)
         out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
                             recv_counts.sum(dim=1).tolist(), self.a2a_name("dispatch"), self.dw)
