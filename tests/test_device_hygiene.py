@@ -2,13 +2,24 @@
 
 Static half: every call of a torch tensor factory in `megatron_moe/**.py` passes
 `device=` (or is a `*_like` call, which inherits the device of its argument).
-The dynamic half (the trainer under `torch.set_default_device("meta")`) is
-in `tests/test_device_meta.py`.
+Dynamic half: the trainer, run through `tests/meta_run.py` with
+`torch.set_default_device("meta")` set before anything else, trains exactly as
+without it (any tensor created without a device would be a meta tensor and fail
+next to a real one, or carry no data).
 """
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from megatron_moe.testing import free_port
+from tiny_run import tiny_args
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
 FACTORIES = {"zeros", "empty", "ones", "full", "arange", "tensor", "randn", "rand", "randint", "randperm",
@@ -49,3 +60,71 @@ def test_library_tensor_factories_pass_device():
     for path in sorted(LIBRARY.rglob("*.py")):
         offenders += factory_calls_without_device(path.read_text(), str(path.relative_to(LIBRARY.parent)))
     assert offenders == [], "tensor factories without device=:\n" + "\n".join(offenders)
+
+
+# ---------------------------------------------------------------- the trainer under a meta default device
+ROOT = LIBRARY.parent
+META_RUN = str(ROOT / "tests" / "meta_run.py")
+ALL_SWITCHES = ["--lina", "--lancet-wgrad", "--lancet-partition", "--lancet-force-partitions", "2"]
+RUNS = {   # name -> (processes, flags)
+    "1proc-lancet": (1, ["--lancet-wgrad", "--lancet-partition", "--lancet-force-partitions", "2"]),
+    "EP2-lina-lancet": (2, ["--expert-model-parallel-size", "2", *ALL_SWITCHES]),
+    "MP2xEP2-s1-lina-lancet": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                   "--moe-schedule", "s1", *ALL_SWITCHES]),
+    "MP2xEP2-s2-lina-lancet": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                   "--moe-schedule", "s2", *ALL_SWITCHES]),
+}
+TIMING = ("ms_per_iter", "tokens_per_s", "tflops")
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT)}
+
+
+def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float = 300) -> str:
+    """Run `script args` through meta_run.py (under torchrun when nproc > 1); returns its output."""
+    wrapped = [META_RUN, *(["--meta"] if meta else []), script, *args]
+    if nproc == 1:
+        cmd = [sys.executable, *wrapped]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), *wrapped]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory):
+    from megatron_moe.data.preprocess import prepare_sample_data
+    prefix = str(tmp_path_factory.mktemp("data") / "sample")
+    prepare_sample_data(prefix, vocab_size=512)
+    return prefix
+
+
+def test_meta_run_makes_unplaced_tensors_meta(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import torch\nprint(torch.zeros(1).device, torch.zeros(1, device='cpu').device)\n")
+    assert _launch(1, True, str(script), []).split() == ["meta", "cpu"]
+    assert _launch(1, False, str(script), []).split() == ["cpu", "cpu"]
+
+
+def _curve(path) -> list[dict]:
+    recs = [json.loads(line) for line in open(path)]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in recs]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trainer_under_meta_default_device_matches_the_plain_run(sample_data, tmp_path, name):
+    """Every tensor the trainer, the model and the optimizations create is placed explicitly:
+    with torch.set_default_device("meta") the run trains exactly as without it."""
+    nproc, flags = RUNS[name]
+    curves = {}
+    for meta in (False, True):
+        log = tmp_path / f"{'meta' if meta else 'plain'}.jsonl"
+        args = tiny_args(sample_data, 3, *flags, "--log-interval", "1", "--eval-iters", "1", "--log-json", str(log))
+        _launch(nproc, meta, str(ROOT / "pretrain_gpt_moe.py"), args)
+        curves[meta] = _curve(log)
+    assert [r.get("iteration") for r in curves[False]] == [1, 2, 3, 3, 3]      # 3 train records, valid, test
+    assert curves[True] == curves[False]
