@@ -207,7 +207,7 @@ class ParallelState:
         return "other"
 
 
-def local_state(device: Optional[torch.device] = None) -> ParallelState:
+def local_state(device: torch.device | None = None) -> ParallelState:
     """A one-process state (every group is LOCAL_GROUP, size 1) on `device` (default CPU), usable
     with or without torch.distributed initialized: the one-process reference model uses it."""
     state = ParallelState(rank_layout(1), 0, "none", device=torch.device(device or "cpu"))
@@ -222,7 +222,7 @@ _STATE: Optional[ParallelState] = None
 
 def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
                               backend: Optional[str] = None,
-                              device: Optional[torch.device] = None) -> ParallelState:
+                              device: torch.device | None = None) -> ParallelState:
     """Create the process groups of the layout on an initialized default group.
 
     Every rank creates every group in the same order (torch.distributed

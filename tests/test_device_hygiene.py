@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_args
 
 from megatron_moe.testing import free_port
-from tiny_run import tiny_args
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
 FACTORIES = {"zeros", "empty", "ones", "full", "arange", "tensor", "randn", "rand", "randint", "randperm",
@@ -90,7 +90,8 @@ def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), *wrapped]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=timeout, check=False)
     assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return res.stdout
 
@@ -111,7 +112,8 @@ def test_meta_run_makes_unplaced_tensors_meta(tmp_path):
 
 
 def _curve(path) -> list[dict]:
-    recs = [json.loads(line) for line in open(path)]
+    with open(path) as f:
+        recs = [json.loads(line) for line in f]
     return [{k: v for k, v in r.items() if k not in TIMING} for r in recs]
 
 

@@ -12,7 +12,7 @@ sliced, so any layout starts from the same full weights as one process.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState", seed: int,
-               name: str, device: Optional[torch.device] = None) -> nn.Parameter:
+               name: str, device: torch.device | None = None) -> nn.Parameter:
     """Create the full tensor deterministically (host), keep this rank's slice on `device`
     (default `ps.device`), tag it with its spec."""
     full = make_full(full_shape, init, seed, name)
@@ -54,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
                  bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02,
-                 device: Optional[torch.device] = None):
+                 device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.gather_output = gather_output
@@ -81,7 +81,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
-                 bias: bool = True, std: float = 0.02, device: Optional[torch.device] = None):
+                 bias: bool = True, std: float = 0.02, device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((out_features, in_features), ShardSpec(((1, "mp"),)),
@@ -101,7 +101,7 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
 
     def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02,
-                 device: Optional[torch.device] = None):
+                 device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),

@@ -13,7 +13,7 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ class Experts(nn.Module):
     """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps: "ParallelState", seed: int, name: str,
-                 std: float = 0.02, proj_std: float = 0.02, device: Optional[torch.device] = None):
+                 std: float = 0.02, proj_std: float = 0.02, device: torch.device | None = None):
         super().__init__()
         self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")
         E, H, M = num_experts, ffn_hidden, hidden

@@ -46,7 +46,7 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
-                 routing_groups: int = 1, device: Optional[torch.device] = None):
+                 routing_groups: int = 1, device: torch.device | None = None):
         super().__init__()
         m, moe = cfg.model, cfg.moe
         self.ps, self.layer_idx, self.routing_groups = ps, layer_idx, routing_groups
