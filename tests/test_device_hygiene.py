@@ -130,3 +130,31 @@ def test_trainer_under_meta_default_device_matches_the_plain_run(sample_data, tm
         curves[meta] = _curve(log)
     assert [r.get("iteration") for r in curves[False]] == [1, 2, 3, 3, 3]      # 3 train records, valid, test
     assert curves[True] == curves[False]
+
+
+# ---------------------------------------------------------------- the benchmark tools under a meta default device
+SMALL = ["--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--num-experts", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--num-layers", "2", "--vocab-size", "512",
+         "--expert-model-parallel-size", "2", "--iters", "2", "--warmup", "1"]
+BENCH = {   # tool -> (extra flags, key of a row, the rows it must write)
+    "bench_moe_layer.py": (["--schedules", "baseline,s1,s2"], "schedule", ["baseline", "s1", "s2"]),
+    "bench_lancet.py": ([], "mode", ["none", "dw", "partition", "both"]),
+    "bench_lina.py": (["--rounds", "1", "--partitions", "1"], "mode", ["alone", "no_lina", "lina"]),
+}
+
+
+@pytest.mark.parametrize("tool", list(BENCH))
+def test_bench_tool_under_meta_default_device(tmp_path, tool):
+    """Each benchmark runs (2 processes, 2 iterations) with a meta default device and writes every row;
+    the MoE-layer benchmark's bytes per collective equal those of the plain run."""
+    extra, key, want = BENCH[tool]
+    out = {}
+    for meta in ((False, True) if tool == "bench_moe_layer.py" else (True,)):
+        path = tmp_path / f"{'meta' if meta else 'plain'}.json"
+        _launch(2, meta, str(ROOT / "tools" / tool), [*SMALL, *extra, "--json", str(path)])
+        with open(path) as f:
+            out[meta] = json.load(f)
+    assert [r[key] for r in out[True]] == want
+    if tool == "bench_moe_layer.py":
+        assert [r["bytes"] for r in out[True]] == [r["bytes"] for r in out[False]]
+        assert all(sum(r["bytes"].values()) > 0 for r in out[True])
