@@ -17,8 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_run import tiny_args
 
+from megatron_moe.arguments import parse_args
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import default_backend, local_state, resolve_device
 from megatron_moe.testing import free_port
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
@@ -60,6 +64,34 @@ def test_library_tensor_factories_pass_device():
     for path in sorted(LIBRARY.rglob("*.py")):
         offenders += factory_calls_without_device(path.read_text(), str(path.relative_to(LIBRARY.parent)))
     assert offenders == [], "tensor factories without device=:\n" + "\n".join(offenders)
+
+
+# ---------------------------------------------------------------- one place decides the device
+def test_device_flag_resolution_and_errors():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert default_backend(torch.device("cpu")) == "gloo"
+    assert default_backend(torch.device("cuda", 0)) == "nccl"
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+            resolve_device("cuda")
+    assert parse_args(["--device", "cpu"]).parallel.device == "cpu"
+    with pytest.raises(ValueError, match="--distributed-backend nccl needs --device cuda"):
+        parse_args(["--device", "cpu", "--distributed-backend", "nccl"])
+
+
+def test_model_parameters_are_created_on_the_given_device():
+    """`GPT2MoE(..., device=)` reaches every layer: on the meta device no parameter holds data,
+    and the shapes are those of the CPU model (the host-drawn init values are never copied)."""
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                      "--seq-length", "16", "--vocab-size", "100", "--num-experts", "4"])
+    meta = GPT2MoE(cfg, local_state(), device="meta")
+    cpu = GPT2MoE(cfg, local_state())
+    assert {n: p.device.type for n, p in meta.named_parameters()} == {n: "meta" for n, _ in cpu.named_parameters()}
+    assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in cpu.named_parameters()}
+    assert local_state().device == torch.device("cpu")
 
 
 # ---------------------------------------------------------------- the trainer under a meta default device
