@@ -96,7 +96,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(1, "EP degree")
     expert_sharding_parallel_size: int = opt(1, "ESP degree: expert hidden dim sharded over this many ranks")
     device: str = opt("auto", "device of the run: cuda (this rank's GPU, LOCAL_RANK), cpu, or auto "
-                      "(cuda when available, else cpu)", choices=["auto", "cpu", "cuda"])
+                      "(cuda when available and --distributed-backend is not gloo, else cpu)",
+                      choices=["auto", "cpu", "cuda"])
     distributed_backend: Optional[str] = opt(None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)",
                                              choices=["gloo", "nccl"])
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")

@@ -287,6 +287,17 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def device_and_backend(device: str, backend: Optional[str]) -> tuple[torch.device, str]:
+    """The run's (device, collective backend) from --device and --distributed-backend: the one place
+    that decides them (the trainer and the benchmark tools call it). Backend default: the device's
+    (`default_backend`); --device auto with --distributed-backend gloo stays on the CPU."""
+    dev = resolve_device("cpu" if device == "auto" and backend == "gloo" else device)
+    backend = backend or default_backend(dev)
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
+    return dev, backend
+
+
 def default_backend(device: torch.device) -> str:
     """The collective backend of a device: NCCL for CUDA, gloo for CPU."""
     return "nccl" if device.type == "cuda" else "gloo"

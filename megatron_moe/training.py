@@ -31,8 +31,7 @@ from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
-from megatron_moe.parallel_state import (ParallelState, default_backend, initialize_model_parallel, local_state,
-                                         resolve_device)
+from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
 
 DEFAULT_DATA_PREFIX = os.path.join("data", "processed", "wikitext-sample")
 
@@ -40,19 +39,16 @@ DEFAULT_DATA_PREFIX = os.path.join("data", "processed", "wikitext-sample")
 def init_distributed(cfg: Config):
     """Process group from torchrun's env (or one process without it) and the layout's groups.
 
-    The one place that picks the run's device (--device, `resolve_device`) and the backend
-    (--distributed-backend, default NCCL on CUDA and gloo on CPU); `ps.device` carries it."""
+    The run's device and backend come from `device_and_backend` (--device, --distributed-backend);
+    `ps.device` carries the device to everything the model and the optimizations create."""
     p = cfg.parallel
-    device = resolve_device(p.device)
+    device, backend = device_and_backend(p.device, p.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
         if (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size) != (1, 1, 1):
             raise ValueError("parallel sizes > 1 need several processes: launch with torchrun --nproc-per-node N")
         return local_state(device), device
-    backend = p.distributed_backend or default_backend(device)
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if not dist.is_initialized():

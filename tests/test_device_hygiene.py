@@ -22,7 +22,7 @@ from tiny_run import tiny_args
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.parallel_state import default_backend, local_state, resolve_device
+from megatron_moe.parallel_state import default_backend, device_and_backend, local_state, resolve_device
 from megatron_moe.testing import free_port
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
@@ -77,6 +77,10 @@ def test_device_flag_resolution_and_errors():
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
             resolve_device("cuda")
+    assert device_and_backend("cpu", None) == (torch.device("cpu"), "gloo")
+    assert device_and_backend("auto", "gloo") == (torch.device("cpu"), "gloo")     # gloo keeps the CPU
+    with pytest.raises(ValueError, match="--distributed-backend nccl needs --device cuda"):
+        device_and_backend("cpu", "nccl")
     assert parse_args(["--device", "cpu"]).parallel.device == "cpu"
     with pytest.raises(ValueError, match="--distributed-backend nccl needs --device cuda"):
         parse_args(["--device", "cpu", "--distributed-backend", "nccl"])

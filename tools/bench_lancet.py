@@ -43,7 +43,7 @@ from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
 from megatron_moe.lancet.planner import make_plan  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import default_backend, initialize_model_parallel, resolve_device  # noqa: E402
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
@@ -173,10 +173,9 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 def main(argv=None) -> None:
     """Profile once, time every mode, print the table (rank 0) and write --json."""
     args = parse_args(argv)
-    device = resolve_device(args.cfg.parallel.device)
+    device, backend = device_and_backend(args.cfg.parallel.device, args.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = args.cfg.parallel.distributed_backend or default_backend(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()

@@ -50,8 +50,7 @@ from megatron_moe.distributed.observer import CommLog  # noqa: E402
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
 from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import (default_backend, initialize_model_parallel, resolve_device,  # noqa: E402
-                                         validate_degrees)
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, validate_degrees  # noqa: E402
 
 
 def bench_defaults() -> Config:
@@ -191,10 +190,9 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:
         sys.exit("bench_lina.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_lina.py)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    device = resolve_device(a.cfg.parallel.device)
+    device, backend = device_and_backend(a.cfg.parallel.device, a.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = a.cfg.parallel.distributed_backend or default_backend(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     try:

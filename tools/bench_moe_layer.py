@@ -36,7 +36,7 @@ from megatron_moe.config import Config  # noqa: E402
 from megatron_moe.distributed.observer import CommLog  # noqa: E402
 from megatron_moe.moe.comm_profile import choose_for_layer  # noqa: E402
 from megatron_moe.moe.layer import MoELayer  # noqa: E402
-from megatron_moe.parallel_state import default_backend, initialize_model_parallel, resolve_device  # noqa: E402
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 
@@ -83,15 +83,12 @@ def make_config(args, schedule: str) -> Config:
     return cfg
 
 
-def init_distributed(backend: str | None, device: torch.device) -> str:
-    """Join the torchrun job (or make a one-process group when run without torchrun); returns the
-    backend (--distributed-backend, default: the device's, `default_backend`)."""
+def init_distributed(backend: str) -> None:
+    """Join the torchrun job (or make a one-process group when run without torchrun)."""
     if "RANK" not in os.environ:
         from megatron_moe.testing import free_port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    backend = backend or default_backend(device)
     dist.init_process_group(backend)
-    return backend
 
 
 def one_iteration(layer, x, gy, device) -> float:
@@ -113,10 +110,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg, par = args.cfg, args.cfg.parallel
     m, t = cfg.model, cfg.train
-    device = resolve_device(par.device)
+    device, backend = device_and_backend(par.device, par.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = init_distributed(par.distributed_backend, device)
+    init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ps = initialize_model_parallel(par.tensor_model_parallel_size, par.expert_model_parallel_size,
                                    par.expert_sharding_parallel_size, backend, device)
