@@ -97,7 +97,7 @@ def structure_specs(cfg: Config) -> dict:
 
 def seeded_rng_state(seed: int) -> torch.Tensor:
     """The CPU RNG state right after `torch.manual_seed(seed)` (what a fresh run starts from)."""
-    return torch.Generator().manual_seed(seed).get_state()
+    return torch.Generator(device="cpu").manual_seed(seed).get_state()
 
 
 @contextmanager

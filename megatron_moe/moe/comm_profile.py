@@ -90,7 +90,7 @@ def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1,
 
 def layout_key(ps: "ParallelState") -> dict:
     """What a cached profile must match to be reused."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = ps.device.type                 # the run's device (a --device cpu run on a CUDA machine is "cpu")
     return {"world_size": ps.layout.world_size, "mp": ps.layout.mp, "ep": ps.layout.ep, "esp": ps.layout.esp,
             "backend": str(ps.backend), "device": dev, "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
 
