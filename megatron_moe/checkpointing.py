@@ -55,7 +55,7 @@ def state_tensors(model, optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in optimizer.state.items():
         for k, v in st.items():
-            t = v if torch.is_tensor(v) else torch.tensor(v)
+            t = v if torch.is_tensor(v) else torch.tensor(v, device="cpu")     # host copy for safetensors
             out[f"optim/{names[id(p)]}/{k}"] = t.detach().contiguous().cpu()
     out["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available():

@@ -103,9 +103,18 @@ class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "MP degree (Megatron tensor parallel)")
     expert_model_parallel_size: int = opt(1, "EP degree")
     expert_sharding_parallel_size: int = opt(1, "ESP degree: expert hidden dim sharded over this many ranks")
-    distributed_backend: Optional[str] = opt(None, "gloo or nccl (default: nccl with CUDA, else gloo)",
+    device: str = opt("auto", "device of the run: cuda (this rank's GPU, LOCAL_RANK), cpu, or auto "
+                      "(cuda when available and --distributed-backend is not gloo, else cpu)",
+                      choices=["auto", "cpu", "cuda"])
+    distributed_backend: Optional[str] = opt(None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)",
                                              choices=["gloo", "nccl"])
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cpu" and self.distributed_backend == "nccl":
+            raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
 
 
 @dataclass

@@ -99,7 +99,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
         raise ValueError("the prompt is empty (an empty --prompt starts from the end-of-document token)")
     if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
         raise ValueError(f"prompt ids must be in [0, {vocab}): the tokenizer does not match the model")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)     # samples from host logits: same on every device
     device = next(model.parameters()).device
     ids, new = list(prompt_ids), []
     for _ in range(max_new_tokens):

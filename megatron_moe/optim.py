@@ -66,17 +66,16 @@ def _owns(rank: int, kinds: frozenset, mp: int, ep: int, esp: int) -> bool:
 def global_grad_norm(model: torch.nn.Module, ps) -> float:
     """L2 norm of the full gradient (every element once), identical on all ranks."""
     lay = ps.layout
-    sq = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is None:
             continue
         kinds = frozenset("mp" if k == "mp_qkv" else k for _, k in p._shard.dims)
         if _owns(ps.global_rank, kinds, lay.mp, lay.ep, lay.esp):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum()
     if ps.layout.world_size > 1:
-        t = sq.to(next(model.parameters()).device)
-        dist.all_reduce(t, group=ps.group("world"))
-        sq = t.cpu()
+        dist.all_reduce(sq, group=ps.group("world"))
     return float(sq.sqrt())
 
 

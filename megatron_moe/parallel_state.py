@@ -12,6 +12,7 @@ that object passed in (or asks `get_parallel_state()`), never module globals.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -113,6 +114,9 @@ class ParallelState:
     global_rank: int
     backend: str
     _groups: dict = field(default_factory=dict)
+    # The device of this rank's tensors (the groups' device: CUDA under NCCL, CPU under gloo).
+    # Every tensor the library creates takes its device from here or from the model's parameters.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def group(self, kind: str):
         return self._groups[kind]
@@ -203,10 +207,10 @@ class ParallelState:
         return "other"
 
 
-def local_state() -> ParallelState:
-    """A one-process state (every group is LOCAL_GROUP, size 1), usable with or without
-    torch.distributed initialized: the one-process reference model uses it."""
-    state = ParallelState(rank_layout(1), 0, "none")
+def local_state(device: torch.device | None = None) -> ParallelState:
+    """A one-process state (every group is LOCAL_GROUP, size 1) on `device` (default CPU), usable
+    with or without torch.distributed initialized: the one-process reference model uses it."""
+    state = ParallelState(rank_layout(1), 0, "none", device=torch.device(device or "cpu"))
     for kind in GROUP_KINDS:
         state.add_group(kind, LOCAL_GROUP)
     state.global_rank = 0
@@ -217,11 +221,13 @@ _STATE: Optional[ParallelState] = None
 
 
 def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
-                              backend: Optional[str] = None) -> ParallelState:
+                              backend: Optional[str] = None,
+                              device: torch.device | None = None) -> ParallelState:
     """Create the process groups of the layout on an initialized default group.
 
     Every rank creates every group in the same order (torch.distributed
-    requires it) and keeps its own. Returns the state and makes it current.
+    requires it) and keeps its own. `device` (default: `backend_device(backend)`)
+    is where this rank's tensors live. Returns the state and makes it current.
     """
     global _STATE
     if not dist.is_initialized():
@@ -230,7 +236,7 @@ def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
     layout = rank_layout(world, mp, ep, esp)
     if backend is None:
         backend = dist.get_backend()
-    state = ParallelState(layout, rank, backend)
+    state = ParallelState(layout, rank, backend, device=torch.device(device or backend_device(backend)))
     state.add_group("world", dist.group.WORLD)
     name_group(dist.group.WORLD, "world")
     for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):
@@ -267,9 +273,41 @@ def destroy_model_parallel() -> None:
     _STATE = None
 
 
-def default_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is present, else CPU."""
-    if torch.cuda.is_available():
-        import os
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+def resolve_device(choice: str) -> torch.device:
+    """The device of a run from --device: 'cpu', 'cuda' (this process's GPU: LOCAL_RANK) or
+    'auto' (CUDA when available, else CPU). The one place that decides it."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {choice!r}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def device_and_backend(device: str, backend: Optional[str]) -> tuple[torch.device, str]:
+    """The run's (device, collective backend) from --device and --distributed-backend: the one place
+    that decides them (the trainer and the benchmark tools call it). Backend default: the device's
+    (`default_backend`); --device auto with --distributed-backend gloo stays on the CPU."""
+    dev = resolve_device("cpu" if device == "auto" and backend == "gloo" else device)
+    backend = backend or default_backend(dev)
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
+    return dev, backend
+
+
+def default_backend(device: torch.device) -> str:
+    """The collective backend of a device: NCCL for CUDA, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device tensors of `backend`'s collectives live on (NCCL: this rank's GPU; else CPU)."""
+    return resolve_device("cuda") if backend == "nccl" else torch.device("cpu")
+
+
+def default_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is present, else CPU (`resolve_device('auto')`)."""
+    return resolve_device("auto")

@@ -31,31 +31,31 @@ from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
-from megatron_moe.parallel_state import ParallelState, initialize_model_parallel, local_state
+from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
 
 DEFAULT_DATA_PREFIX = os.path.join("data", "processed", "wikitext-sample")
 
 
 def init_distributed(cfg: Config):
-    """Process group from torchrun's env (or one process without it) and the layout's groups."""
+    """Process group from torchrun's env (or one process without it) and the layout's groups.
+
+    The run's device and backend come from `device_and_backend` (--device, --distributed-backend);
+    `ps.device` carries the device to everything the model and the optimizations create."""
     p = cfg.parallel
+    device, backend = device_and_backend(p.device, p.distributed_backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
         if (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size) != (1, 1, 1):
             raise ValueError("parallel sizes > 1 need several processes: launch with torchrun --nproc-per-node N")
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        return local_state(), device
-    backend = p.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
+        return local_state(device), device
+    if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=p.comm_timeout))
     validate(cfg, dist.get_world_size())
     ps = initialize_model_parallel(p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                                   p.expert_sharding_parallel_size, backend)
+                                   p.expert_sharding_parallel_size, backend, device)
     return ps, device
 
 
@@ -106,7 +106,7 @@ class Trainer:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
         prepare_data(cfg, self.ps)
-        self.model = GPT2MoE(cfg, self.ps).to(self.device)
+        self.model = GPT2MoE(cfg, self.ps, device=self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
         self.grad_sync = GradSync(self.model, self.ps)
         self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
@@ -161,20 +161,21 @@ class Trainer:
         self.grad_sync.finish()
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
         self.optimizer.step()
-        stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64)
+        stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64,
+                             device=self.device)
         stats = self.average_over_dp(stats)
-        load = torch.stack(loads).sum(0) if loads else torch.zeros(1)
+        load = torch.stack(loads).sum(0).cpu() if loads else torch.zeros(1, device="cpu")   # host-side log
         imbalance = float(load.max() / load.mean()) if loads and load.mean() > 0 else 1.0
         return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
                 "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
                 "load_imbalance": imbalance, "expert_load": load.tolist()}
 
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (on the run's device) averaged over DP, returned on the host for logging."""
         if self.ps.size("dp") > 1:
-            t = t.to(self.device)
             dist.all_reduce(t, group=self.ps.group("dp"))
-            t = t.cpu() / self.ps.size("dp")
-        return t
+            t = t / self.ps.size("dp")
+        return t.cpu()
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -189,7 +190,8 @@ class Trainer:
                 lm, _ = self.model(ids, labels)
             total, n = total + lm.item(), n + 1
         self.model.train()
-        loss = float(self.average_over_dp(torch.tensor([total / max(n, 1)], dtype=torch.float64))[0])
+        loss = float(self.average_over_dp(torch.tensor([total / max(n, 1)], dtype=torch.float64,
+                                                        device=self.device))[0])
         rec = {"split": split, "iteration": self.iteration, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.logger.line(f" {split} at iteration {self.iteration:6d} | lm loss {loss:.4f} | ppl {rec['ppl']:.2f}")
         self.logger.record(rec, self.iteration)

@@ -43,7 +43,7 @@ from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
 from megatron_moe.lancet.planner import make_plan  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
@@ -140,8 +140,9 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     for m in modes:
         model, plan, ctl = setups[m]
         med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)]
-                           + [min(s[0] for s in samples[m])], dtype=torch.float64)
+                           + [min(s[0] for s in samples[m])], dtype=torch.float64, device=ps.device)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        med = med.cpu()
         if cfg.opts.lancet_report and ctl.plan is not None:
             ctl.write_report(f"{cfg.opts.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
         ctl.remove()
@@ -172,18 +173,20 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 def main(argv=None) -> None:
     """Profile once, time every mode, print the table (rank 0) and write --json."""
     args = parse_args(argv)
-    backend = args.cfg.parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device, backend = device_and_backend(args.cfg.parallel.device, args.cfg.parallel.distributed_backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()
     cfg = build_config(args, world)
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.expert_model_parallel_size,
-                                   cfg.parallel.expert_sharding_parallel_size, backend)
+                                   cfg.parallel.expert_sharding_parallel_size, backend, device)
     m, moe = cfg.model, cfg.moe
     B, T = cfg.train.micro_batch_size, m.seq_length
-    g = torch.Generator().manual_seed(100 + ps.rank("dp"))
-    ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(100 + ps.rank("dp"))      # host draws: same ids on every device
+    ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g, device="cpu").to(device)
     probe = GPT2MoE(cfg, ps)
     costs = profile_costs(probe, ps, B, T)
     comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)

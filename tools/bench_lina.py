@@ -50,7 +50,7 @@ from megatron_moe.distributed.observer import CommLog  # noqa: E402
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
 from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel, validate_degrees  # noqa: E402
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, validate_degrees  # noqa: E402
 
 
 def bench_defaults() -> Config:
@@ -124,11 +124,12 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     sched = LinaScheduler(partition_mb, a.comm_timeout) if mode == "lina" else None
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
-    gen = torch.Generator().manual_seed(1234 + ps.rank("dp"))
+    gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))   # host draws: same ids on every device
     log = CommLog().start()
     steps, a2a_calls, overlap = [], [], []
     for it in range(a.warmup + a.iters):
-        ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen)
+        ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen,
+                            device="cpu").to(ps.device)
         dist.barrier()
         log.clear()
         t0 = time.perf_counter()
@@ -149,14 +150,15 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     if sync is not None:
         sync.remove()
     world = dist.get_world_size()
-    step_max = torch.tensor(steps, dtype=torch.float64)
+    step_max = torch.tensor(steps, dtype=torch.float64, device=ps.device)
     dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
-    calls = torch.tensor(a2a_calls, dtype=torch.float64)          # [iters, backward a2a calls]
+    calls = torch.tensor(a2a_calls, dtype=torch.float64, device=ps.device)      # [iters, backward a2a calls]
     calls_min, calls_sum = calls.clone(), calls.clone()
     dist.all_reduce(calls_min, op=dist.ReduceOp.MIN)
     dist.all_reduce(calls_sum)
-    ov = torch.tensor(overlap, dtype=torch.float64)
+    ov = torch.tensor(overlap, dtype=torch.float64, device=ps.device)
     dist.all_reduce(ov)
+    step_max, calls_min, calls_sum, ov = (t.cpu() for t in (step_max, calls_min, calls_sum, ov))
     return {"step_ms": step_max.tolist(), "a2a_bwd_ms": calls_min.sum(1).tolist(),
             "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov / world).tolist()}
 
@@ -188,13 +190,16 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:
         sys.exit("bench_lina.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_lina.py)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=a.comm_timeout))
+    device, backend = device_and_backend(a.cfg.parallel.device, a.cfg.parallel.distributed_backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         cfg = build_config(a, world)
     except ValueError as e:
         sys.exit(f"bench_lina.py: {e}")
-    ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1)
+    ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1, backend, device)
     probe = GPT2MoE(cfg, ps)
     dense_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "dp") / 2 ** 20
     expert_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "expert_dp") / 2 ** 20

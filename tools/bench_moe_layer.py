@@ -36,7 +36,7 @@ from megatron_moe.config import Config  # noqa: E402
 from megatron_moe.distributed.observer import CommLog  # noqa: E402
 from megatron_moe.moe.comm_profile import choose_for_layer  # noqa: E402
 from megatron_moe.moe.layer import MoELayer  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 
@@ -83,14 +83,12 @@ def make_config(args, schedule: str) -> Config:
     return cfg
 
 
-def init_distributed(backend: str | None) -> str:
-    """Join the torchrun job (or make a one-process group when run without torchrun); returns the backend."""
+def init_distributed(backend: str) -> None:
+    """Join the torchrun job (or make a one-process group when run without torchrun)."""
     if "RANK" not in os.environ:
         from megatron_moe.testing import free_port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
-    return backend
 
 
 def one_iteration(layer, x, gy, device) -> float:
@@ -112,18 +110,19 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg, par = args.cfg, args.cfg.parallel
     m, t = cfg.model, cfg.train
-    backend = init_distributed(par.distributed_backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    device, backend = device_and_backend(par.device, par.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    init_distributed(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     ps = initialize_model_parallel(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                                   par.expert_sharding_parallel_size, backend)
-    g = torch.Generator().manual_seed(t.seed + ps.rank("dp"))          # same tokens on the MP ranks of a group
-    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g).to(device)
+                                   par.expert_sharding_parallel_size, backend, device)
+    # inputs drawn on the host (same numbers on every device), then placed
+    g = torch.Generator(device="cpu").manual_seed(t.seed + ps.rank("dp"))   # same tokens on the MP ranks of a group
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g, device="cpu").to(device)
     x.requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(device)
-    layers = {s: MoELayer(make_config(args, s), ps, t.seed, "bench.moe", 1).to(device) for s in args.schedule_list}
+    gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
+    layers = {s: MoELayer(make_config(args, s), ps, t.seed, "bench.moe", 1, device=device) for s in args.schedule_list}
     if "auto" in layers:                     # Parm's Algorithm 1 on the real groups, as optimizations.apply does
         choice = choose_for_layer(make_config(args, "auto"), ps, 1)
         layers["auto"].use_schedule(choice.schedule, choice.saa_chunks, choice)
@@ -136,8 +135,9 @@ def main(argv=None) -> None:
             times[s].append(one_iteration(layer, x, gy, device))
     rows = []
     for s, layer in layers.items():
-        t = torch.tensor(times[s], dtype=torch.float64)
+        t = torch.tensor(times[s], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)                  # the layer takes as long as its slowest rank
+        t = t.cpu()
         with CommLog() as tr:
             one_iteration(layer, x, gy, device)
         sent = tr.by_kind()

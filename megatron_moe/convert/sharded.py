@@ -97,7 +97,7 @@ def structure_specs(cfg: Config) -> dict:
 
 def seeded_rng_state(seed: int) -> torch.Tensor:
     """The CPU RNG state right after `torch.manual_seed(seed)` (what a fresh run starts from)."""
-    return torch.Generator().manual_seed(seed).get_state()
+    return torch.Generator(device="cpu").manual_seed(seed).get_state()
 
 
 @contextmanager
@@ -349,7 +349,8 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
 def fixed_batch(cfg: Config, batch: int = 2, length: int = 16) -> torch.Tensor:
     """The --verify batch: token ids [batch, T] (T = min(length, seq length)) from a seed-0 generator."""
     T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings)
-    return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator(device="cpu").manual_seed(0),
+                         device="cpu")     # the one-process CPU reference of --verify
 
 
 @torch.no_grad()

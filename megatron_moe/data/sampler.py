@@ -83,16 +83,26 @@ class PretrainingSampler(torch.utils.data.Sampler):
                 yield ids[j, self.dp_rank].tolist()
 
 
+class HostDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose batches are built on the host (the trainer moves them to its device):
+    the iterator's own bookkeeping tensors (its base seed) are CPU tensors whatever the default
+    device is."""
+
+    def __iter__(self):
+        with torch.device("cpu"):
+            return super().__iter__()
+
+
 def build_pretraining_data_loader(dataset: torch.utils.data.Dataset, consumed_samples: int,
                                   micro_batch_size: int, global_batch_size: int, dp_rank: int,
                                   dp_size: int, num_workers: int = 0
-                                  ) -> torch.utils.data.DataLoader:
+                                  ) -> HostDataLoader:
     """A DataLoader over `dataset` driven by `PretrainingSampler`; each batch is the default
     collation of B items, e.g. {"tokens": int64 [B, seq_length + 1]} for a GPTDataset."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  global_batch_size, dp_rank, dp_size)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0)
+    return HostDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                          persistent_workers=num_workers > 0)
 
 
 def split_prefix(data_path: str, split: str) -> str:

@@ -109,11 +109,12 @@ def model_shapes(model: GPT2MoE, ps: ParallelState, B: int, T: int) -> Shapes:
 def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     """name -> zero-argument callable running that forward op on random inputs of `batch` samples."""
     T, M = sh.T, sh.M
-    x = torch.randn(batch, T, M)
+    dev = block.attn.qkv.weight.device                 # the inputs live where the block's weights do
+    x = torch.randn(batch, T, M, device=dev)
     a = block.attn
     hd = M // (sh.heads * sh.mp)
-    qkv = torch.randn(batch, sh.heads, T, hd)
-    ctx = torch.randn(batch, T, sh.heads * hd)
+    qkv = torch.randn(batch, sh.heads, T, hd, device=dev)
+    ctx = torch.randn(batch, T, sh.heads * hd, device=dev)
     ops = {
         "ln1": lambda: block.ln1(x),
         "attn.qkv": lambda: F.linear(x, a.qkv.weight, a.qkv.bias),
@@ -123,7 +124,7 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
         "ln2": lambda: block.ln2(x),
     }
     if not block.is_moe:
-        h = torch.randn(batch, T, block.mlp.fc.weight.size(0))
+        h = torch.randn(batch, T, block.mlp.fc.weight.size(0), device=dev)
         ops["mlp.fc1"] = lambda: F.gelu(F.linear(x, block.mlp.fc.weight, block.mlp.fc.bias), approximate="tanh")
         ops["mlp.fc2"] = lambda: x + F.linear(h, block.mlp.proj.weight) + block.mlp.proj.bias
         return ops
@@ -133,8 +134,8 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     C = layer.router.capacity(S)
     r = layer.router.route(tok, 0)
     idx = dispatch_index(r)
-    buf = torch.randn(sh.E * C, M)
-    x_in = torch.randn(sh.E_l, sh.D * C, M)
+    buf = torch.randn(sh.E * C, M, device=dev)
+    x_in = torch.randn(sh.E_l, sh.D * C, M, device=dev)
     ops["moe.gate"] = lambda: layer.router.route(tok, 0)
     ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
     ops["moe.experts"] = lambda: layer.experts(x_in)
@@ -145,7 +146,8 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
 def _dw_ops(model, sh: Shapes) -> dict:
     """IR key -> callable running that dW GEMM at this model's shapes (one block of each kind)."""
     S, M, mp = sh.S, sh.M, sh.mp
-    g = lambda *s: torch.randn(*s)  # noqa: E731
+    dev = model.wte.weight.device
+    g = lambda *s: torch.randn(*s, device=dev)  # noqa: E731
     ops = {
         "attn.qkv.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, 3 * M // mp), g(S, M)),
         "attn.proj.dW": (lambda a, b: lambda: a.t().mm(b))(g(S, M), g(S, M // mp)),
@@ -193,9 +195,9 @@ def profile_costs(model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: O
                     intercepts.append(max(0.0, (B * t1 - fwd[kind][name]) / (B - 1)))
         dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters)
               for k, fn in _dw_ops(model, sh).items()}
-        h = torch.randn(B * T, sh.M)
+        h = torch.randn(B * T, sh.M, device=model.wte.weight.device)
         head_ms = prof.time("head", (B, T, sh.M), lambda: F.linear(h, model.wte.weight), warmup=1, iters=iters)
-        ids = torch.randint(0, model.vocab_size, (B, T))
+        ids = torch.randint(0, model.vocab_size, (B, T), device=model.wte.weight.device)
         embed_ms = prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None],
                              warmup=1, iters=iters) if ps.size("mp") == 1 else 0.0
     overhead = sum(intercepts) / len(intercepts) if intercepts else 0.0

@@ -85,7 +85,7 @@ class _CapacityPassing:
 
     def __init__(self, router, S: int):
         self.router, self.S = router, S
-        self.offsets = torch.zeros(router.k, router.num_experts, dtype=torch.int64)
+        self.offsets = torch.zeros(router.k, router.num_experts, dtype=torch.int64, device=router.gate_w.device)
         self.next_token, self.sums = 0, None
 
     def part(self, h_sM: torch.Tensor) -> RouteResult:
@@ -154,7 +154,7 @@ class PartitionedRange:
                                  f"--tensor-model-parallel-size {layer.ps.size('mp')} for --moe-schedule s1")
             (route,), aux, flat = layer.route(h, split)
             sizes = [t.size(0) for t in torch.tensor_split(flat, k)] if split else [xi.numel() // M for xi in res]
-            bounds = torch.tensor([0] + sizes).cumsum(0).tolist()
+            bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()     # host-side row bounds
             started = [self._start(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])]
         ys = self._finish(started, M)
         if split:                                      # S1: this rank's slice -> every token

@@ -24,11 +24,12 @@ def _apex_layer_norm():
 _APEX_LN = _apex_layer_norm()
 
 
-def layer_norm(dim: int, eps: float) -> nn.Module:
-    """A LayerNorm over the last dim: apex FusedLayerNorm if available, else torch.nn.LayerNorm."""
+def layer_norm(dim: int, eps: float, device: torch.device) -> nn.Module:
+    """A LayerNorm over the last dim on `device`: apex FusedLayerNorm if available, else torch.nn.LayerNorm."""
     if _APEX_LN is not None:
-        return _APEX_LN(dim, eps=eps)
-    return nn.LayerNorm(dim, eps=eps)
+        with torch.device(device):           # apex's constructor takes no device= argument
+            return _APEX_LN(dim, eps=eps)
+    return nn.LayerNorm(dim, eps=eps, device=device)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ def coords_key(coords: Coords, spec: ShardSpec) -> tuple:
 def seeded_generator(seed: int, name: str) -> torch.Generator:
     """A CPU generator whose seed depends on the run seed and the parameter name only."""
     h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
-    g = torch.Generator()
+    g = torch.Generator(device="cpu")
     g.manual_seed(h & 0x7FFF_FFFF_FFFF_FFFF)
     return g
 
@@ -110,11 +110,13 @@ class InitSpec:
 
 
 def make_full(shape, init: InitSpec, seed: int, name: str) -> torch.Tensor:
+    """The full initial tensor, on the host: drawn from a CPU generator seeded by (seed, name) so
+    every device and layout starts from the same numbers; `make_param` moves its slice to the device."""
     if init.kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if init.kind == "ones":
-        return torch.ones(shape)
-    return torch.randn(shape, generator=seeded_generator(seed, name)) * init.std
+        return torch.ones(shape, device="cpu")
+    return torch.randn(shape, generator=seeded_generator(seed, name), device="cpu") * init.std
 
 
 def rank_coords(ps: "ParallelState") -> Coords:

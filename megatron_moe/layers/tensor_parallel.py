@@ -27,11 +27,12 @@ if TYPE_CHECKING:
 
 
 def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState", seed: int,
-               name: str) -> nn.Parameter:
-    """Create the full tensor deterministically, keep this rank's slice, tag it with its spec."""
+               name: str, device: torch.device | None = None) -> nn.Parameter:
+    """Create the full tensor deterministically (host), keep this rank's slice on `device`
+    (default `ps.device`), tag it with its spec."""
     full = make_full(full_shape, init, seed, name)
     coords = {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
-    p = nn.Parameter(shard_tensor(full, spec, coords))
+    p = nn.Parameter(shard_tensor(full, spec, coords).to(device if device is not None else ps.device))
     p._shard = spec
     p._full_shape = tuple(full_shape)
     return p
@@ -52,14 +53,15 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
-                 bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02):
+                 bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02,
+                 device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.gather_output = gather_output
         spec = ShardSpec(((0, "mp_qkv" if qkv else "mp"),))
         self.weight = make_param((out_features, in_features), spec, InitSpec("normal", std), ps, seed,
-                                 f"{name}.weight")
-        self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias")
+                                 f"{name}.weight", device)
+        self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias", device)
                      if bias else None)
         self.dw_queue, self.dw_name = None, ""
 
@@ -79,12 +81,12 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
-                 bias: bool = True, std: float = 0.02):
+                 bias: bool = True, std: float = 0.02, device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((out_features, in_features), ShardSpec(((1, "mp"),)),
-                                 InitSpec("normal", std), ps, seed, f"{name}.weight")
-        self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias")
+                                 InitSpec("normal", std), ps, seed, f"{name}.weight", device)
+        self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias", device)
                      if bias else None)
         self.dw_queue, self.dw_name = None, ""
 
@@ -98,11 +100,12 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02):
+    def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02,
+                 device: torch.device | None = None):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),
-                                 ps, seed, f"{name}.weight")
+                                 ps, seed, f"{name}.weight", device)
         per = num_embeddings // ps.size("mp")
         self.start, self.end = ps.rank("mp") * per, (ps.rank("mp") + 1) * per
 

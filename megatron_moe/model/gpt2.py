@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """Causal self-attention, heads split over MP. [B, T, M] -> [B, T, M]."""
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, device: torch.device):
         super().__init__()
         m = cfg.model
         mp = ps.size("mp")
@@ -44,8 +44,10 @@ class Attention(nn.Module):
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.dropout = m.dropout
         std, proj_std = m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
-        self.qkv = ColumnParallelLinear(m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std)
-        self.proj = RowParallelLinear(m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std)
+        self.qkv = ColumnParallelLinear(m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std,
+                                        device=device)
+        self.proj = RowParallelLinear(m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std,
+                                      device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -59,13 +61,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GPT-2 MLP, hidden dim split over MP. [B, T, M] -> [B, T, M]."""
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, device: torch.device):
         super().__init__()
         m = cfg.model
         self.fc = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc",
-                                       std=m.init_method_std)
+                                       std=m.init_method_std, device=device)
         self.proj = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, ps, seed, f"{name}.proj",
-                                      std=m.init_method_std / (2 * m.num_layers) ** 0.5)
+                                      std=m.init_method_std / (2 * m.num_layers) ** 0.5, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(gelu_tanh(self.fc(x)))
@@ -74,18 +76,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block; `self.moe` replaces `self.mlp` in MoE blocks. Returns (x, aux)."""
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, idx: int, routing_groups: int):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, idx: int, routing_groups: int,
+                 device: torch.device):
         super().__init__()
         m = cfg.model
         name = f"blocks.{idx}"
-        self.ln1 = layer_norm(m.hidden_size, m.layernorm_epsilon)
-        self.attn = Attention(cfg, ps, seed, f"{name}.attn")
-        self.ln2 = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        self.ln1 = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
+        self.attn = Attention(cfg, ps, seed, f"{name}.attn", device)
+        self.ln2 = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
         self.is_moe = cfg.is_moe_layer(idx)
         if self.is_moe:
-            self.moe = MoELayer(cfg, ps, seed, f"{name}.moe", idx, routing_groups)
+            self.moe = MoELayer(cfg, ps, seed, f"{name}.moe", idx, routing_groups, device=device)
         else:
-            self.mlp = MLP(cfg, ps, seed, f"{name}.mlp")
+            self.mlp = MLP(cfg, ps, seed, f"{name}.mlp", device)
         self.drop = nn.Dropout(m.dropout)
 
     def attn_residual(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,22 +120,25 @@ class GPT2MoE(nn.Module):
     from the blocks' own halves); `fn(x) -> (x, aux or None)`.
     """
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int | None = None, routing_groups: int = 1):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int | None = None, routing_groups: int = 1,
+                 device: torch.device | None = None):
         super().__init__()
         m = cfg.model
         seed = cfg.train.seed if seed is None else seed
+        device = torch.device(device) if device is not None else ps.device     # parameters are created here
         self.cfg, self.ps = cfg, ps
         vp = cfg.padded_vocab_size
         if vp % ps.size("mp"):
             raise ValueError(f"padded vocabulary {vp} is not divisible by --tensor-model-parallel-size "
                              f"{ps.size('mp')}; change --make-vocab-size-divisible-by")
         self.vocab_size, self.padded_vocab = m.vocab_size, vp
-        self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std)
+        self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std,
+                                          device=device)
         self.wpe = make_param((m.max_position_embeddings, m.hidden_size), ShardSpec(),
-                              InitSpec("normal", m.init_method_std), ps, seed, "wpe.weight")
+                              InitSpec("normal", m.init_method_std), ps, seed, "wpe.weight", device)
         self.drop = nn.Dropout(m.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups) for i in range(m.num_layers))
-        self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups, device) for i in range(m.num_layers))
+        self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
         self.runners: dict[int, Callable] = {}
         for p in self.parameters():           # LayerNorms: replicated, deterministic init
             if not hasattr(p, "_shard"):

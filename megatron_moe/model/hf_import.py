@@ -60,7 +60,7 @@ def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float 
         if cfg.is_moe_layer(i):
             # upcycling: every expert starts as the block's MLP; the gate is small and random
             b, E = f"blocks.{i}.", cfg.moe.num_experts
-            gate = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b)) * gate_std
+            gate = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b), device="cpu") * gate_std  # host state dict
             out[b + "moe.router.gate_w"] = gate
             for ours, mlp in (("fc_w", "fc.weight"), ("fc_b", "fc.bias"), ("proj_w", "proj.weight"),
                               ("proj_b", "proj.bias")):

@@ -68,7 +68,8 @@ def _run_once(op: str, group, t: torch.Tensor) -> None:
         raise ValueError(f"unknown collective {op!r}")
 
 
-def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1, device=None) -> float:
+def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1,
+                    device: torch.device = torch.device("cpu")) -> float:
     """Median wall time [s] of `op` on `group` for an n-element fp32 message (n rounded up to the group size)."""
     size = coll.group_size(group)
     n = -(-n // size) * size
@@ -89,7 +90,7 @@ def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1, devi
 
 def layout_key(ps: "ParallelState") -> dict:
     """What a cached profile must match to be reused."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = ps.device.type                 # the run's device (a --device cpu run on a CUDA machine is "cpu")
     return {"world_size": ps.layout.world_size, "mp": ps.layout.mp, "ep": ps.layout.ep, "esp": ps.layout.esp,
             "backend": str(ps.backend), "device": dev, "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
 
@@ -100,13 +101,11 @@ def _kinds(ps: "ParallelState") -> list[tuple[str, str]]:
 
 def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int = 1) -> tuple[CommModel, dict]:
     """Time every collective of PROFILED on this rank's groups; returns (fitted model, raw table)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if ps.backend == "nccl" else None
+    device = ps.device
     sizes = profile_sizes(max_elements)
     kinds = _kinds(ps)
     times = torch.tensor([[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes]
-                          for op, kind in kinds], dtype=torch.float64).reshape(len(kinds), len(sizes))
-    if device is not None:
-        times = times.to(device)
+                          for op, kind in kinds], dtype=torch.float64, device=device).reshape(len(kinds), len(sizes))
     dist.all_reduce(times, op=dist.ReduceOp.MAX)      # every rank fits the same numbers
     times = times.cpu()
     costs, raw = {}, {}
@@ -145,9 +144,7 @@ def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: 
 def _broadcast(ps: "ParallelState", model: CommModel, source: str) -> CommModel:
     names = [f"{op}@{kind}" for op, kind in _kinds(ps)]
     vals = torch.tensor([[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0]
-                         for n in names], dtype=torch.float64).reshape(len(names), 2)
-    if ps.backend == "nccl":
-        vals = vals.cuda()
+                         for n in names], dtype=torch.float64, device=ps.device).reshape(len(names), 2)
     dist.broadcast(vals, src=0)
     vals = vals.cpu()
     return CommModel({n: AlphaBeta(float(vals[i, 0]), float(vals[i, 1])) for i, n in enumerate(names)}, source)
@@ -159,9 +156,7 @@ def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = N
         return CommModel({}, "none")               # nothing to communicate: every schedule is free
     key = layout_key(ps)
     cached = _read_cache(path, key, max_elements) if path and dist.get_rank() == 0 else None
-    flag = torch.tensor([1 if cached is not None else 0])
-    if ps.backend == "nccl":
-        flag = flag.cuda()
+    flag = torch.tensor([1 if cached is not None else 0], device=ps.device)
     dist.broadcast(flag, src=0)
     if int(flag.item()):
         return _broadcast(ps, cached if cached is not None else CommModel(), "cache")

@@ -327,16 +327,16 @@ class UnevenDispatcher(TokenDispatcher):
         per_ep_E = torch.bincount(expert, minlength=E).view(self.n_ep, E_l)
         K_ep = per_ep_E.sum(dim=1).tolist()
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
-        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep]) for ep in range(self.n_ep)
+        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep], device=expert.device) for ep in range(self.n_ep)
                           for _ in range(n_esp)])
         recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, E_l]
         per_expert = recv_counts.sum(dim=0)                                       # [E_l] rows received
         N = max(1, int(per_expert.max()))
         # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
-        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(E_l) * N
+        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(E_l, device=per_expert.device) * N
         flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
         block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
-        within = torch.arange(int(flat.sum())) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
+        within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
         row = (torch.repeat_interleave(expert_base.repeat(recv_counts.size(0)), flat)
                + torch.repeat_interleave(block_pos, flat) + within)
         out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],

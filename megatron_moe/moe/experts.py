@@ -35,18 +35,18 @@ class Experts(nn.Module):
     """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps: "ParallelState", seed: int, name: str,
-                 std: float = 0.02, proj_std: float = 0.02):
+                 std: float = 0.02, proj_std: float = 0.02, device: torch.device | None = None):
         super().__init__()
         self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")
         E, H, M = num_experts, ffn_hidden, hidden
         ep_esp = lambda *d: ShardSpec(tuple(d), expert=True)  # noqa: E731
         self.fc_w = make_param((E, H, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("normal", std), ps, seed,
-                               f"{name}.fc_w")
-        self.fc_b = make_param((E, H), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.fc_b")
+                               f"{name}.fc_w", device)
+        self.fc_b = make_param((E, H), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.fc_b", device)
         self.proj_w = make_param((E, M, H), ep_esp((0, "ep"), (2, "esp")), InitSpec("normal", proj_std), ps,
-                                 seed, f"{name}.proj_w")
+                                 seed, f"{name}.proj_w", device)
         self.proj_b = make_param((E, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed,
-                                 f"{name}.proj_b")
+                                 f"{name}.proj_b", device)
         self.m_lo = self.esp_rank * (M // self.esp_size)
         self.num_local = E // ps.size("ep")
         # (fc, proj) batched linears of a dW queue that defer the weight-gradient GEMMs:

@@ -53,15 +53,15 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
-                 routing_groups: int = 1):
+                 routing_groups: int = 1, device: torch.device | None = None):
         super().__init__()
         m, moe = cfg.model, cfg.moe
         self.ps, self.layer_idx, self.routing_groups = ps, layer_idx, routing_groups
         self.num_experts = moe.num_experts
-        self.router = Router(cfg, ps, seed, name, layer_idx, routing_groups)
+        self.router = Router(cfg, ps, seed, name, layer_idx, routing_groups, device=device)
         proj_std = m.init_method_std / (2 * m.num_layers) ** 0.5
         self.experts = Experts(moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.experts",
-                               m.init_method_std, proj_std)
+                               m.init_method_std, proj_std, device=device)
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless = moe.moe_schedule, moe.moe_dropless
         self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto

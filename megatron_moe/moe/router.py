@@ -84,7 +84,7 @@ def choose_experts(logits_SE: torch.Tensor, k: int, policy: str = "position",
     if policy == "random":
         # k distinct experts per token, uniformly, from the seeded generator (drawn on CPU
         # so CPU and CUDA runs draw the same numbers)
-        keys = torch.rand((S, E), generator=generator).to(gates.device)
+        keys = torch.rand((S, E), generator=generator, device="cpu").to(gates.device)
         expert = keys.topk(k, dim=-1).indices
         return gates, expert
     first = gates.argmax(dim=-1)
@@ -112,7 +112,7 @@ def choose_experts_slice(logits_lE: torch.Tensor, k: int, policy: str, generator
         raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
     S_l, E = logits_lE.shape
     gates = torch.softmax(logits_lE.float(), dim=-1)
-    keys = torch.rand((group_tokens, E), generator=generator)[start:start + S_l].to(gates.device)
+    keys = torch.rand((group_tokens, E), generator=generator, device="cpu")[start:start + S_l].to(gates.device)
     return gates, keys.topk(k, dim=-1).indices
 
 
@@ -221,7 +221,7 @@ class Router(nn.Module):
     """
 
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
-                 routing_groups: int = 1):
+                 routing_groups: int = 1, device: torch.device | None = None):
         super().__init__()
         m, moe = cfg.model, cfg.moe
         self.ps, self.seed, self.layer_idx, self.routing_groups = ps, seed, layer_idx, routing_groups
@@ -230,7 +230,7 @@ class Router(nn.Module):
         self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
         self.dropless = moe.moe_dropless
         self.gate_w = make_param((moe.num_experts, m.hidden_size), ShardSpec(), InitSpec("normal", m.init_method_std),
-                                 ps, seed, f"{name}.gate_w")
+                                 ps, seed, f"{name}.gate_w", device)
         self.calls = 0
         self.last_stats: dict = {}
         self.last_routes: list[RouteResult] = []
@@ -246,7 +246,7 @@ class Router(nn.Module):
         if self.policy != "random":
             return None
         gid = self.ps.rank("dp") * self.routing_groups + g
-        gen = torch.Generator()
+        gen = torch.Generator(device="cpu")     # host generator: same draws on every device
         gen.manual_seed((self.seed * 1_000_003 + self.layer_idx * 10_007 + self.calls * 101 + gid) & 0x7FFF_FFFF)
         return gen
 
