@@ -30,8 +30,8 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One argument group per config dataclass."""
+def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = Config()
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
             flag, tp = _flag(f), _base_type(f.type)
             dest = f"{section}.{f.name}"
             default = getattr(sub, f.name) if f.name not in ("ffn_hidden_size", "max_position_embeddings") else None
+            if not with_defaults:
+                default = argparse.SUPPRESS
             if tp is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata.get("help", ""))
@@ -53,9 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
-    """Parse flags into a Config (dataclass validation runs here)."""
-    ns = vars(build_parser().parse_args(argv))
-    return config_from_namespace(ns)
+    """Parse flags into a Config (dataclass validation runs here).
+
+    The returned config carries `explicit_flags`, the set of "section.field" names given on
+    the command line (what --use-checkpoint-args must not override).
+    """
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    cfg = config_from_namespace(ns)
+    cfg.explicit_flags = frozenset(vars(build_parser(with_defaults=False).parse_args(argv)))
+    return cfg
 
 
 def config_from_namespace(ns: dict) -> Config:

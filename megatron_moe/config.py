@@ -20,6 +20,30 @@ def opt(default, help: str, flag: Optional[str] = None, choices=None):
     return field(default=default, metadata=md)
 
 
+def _flag_of(obj, name: str) -> str:
+    """The CLI flag of field `name` of dataclass instance `obj` (its metadata `flag`, else --name)."""
+    f = obj.__dataclass_fields__[name]
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def check_fields(obj, rules: dict) -> None:
+    """Raise ValueError naming the flag of the first field of `obj` that breaks its rule.
+
+    `rules` maps a field name to (predicate, requirement in words); None values are
+    skipped (an unset optional flag has its own default).
+    """
+    for name, (ok, words) in rules.items():
+        value = getattr(obj, name)
+        if value is not None and not ok(value):
+            raise ValueError(f"{_flag_of(obj, name)} must be {words}, got {value!r}")
+
+
+POSITIVE = (lambda v: v > 0, "positive")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE = (lambda v: v >= 1, ">= 1")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
 @dataclass
 class ModelConfig:
     """GPT-2 architecture; MoE layers replace the MLP in every `moe_layer_freq`-th block."""
@@ -38,6 +62,11 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout on embeddings, attention output and MLP output", flag="--hidden-dropout")
 
     def __post_init__(self) -> None:
+        check_fields(self, {"num_layers": AT_LEAST_ONE, "hidden_size": AT_LEAST_ONE,
+                            "num_attention_heads": AT_LEAST_ONE, "ffn_hidden_size": AT_LEAST_ONE,
+                            "seq_length": AT_LEAST_ONE, "max_position_embeddings": AT_LEAST_ONE,
+                            "vocab_size": NON_NEGATIVE, "make_vocab_size_divisible_by": AT_LEAST_ONE,
+                            "layernorm_epsilon": POSITIVE, "init_method_std": NON_NEGATIVE, "dropout": FRACTION})
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -48,11 +77,6 @@ class ModelConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                              f"{self.max_position_embeddings}")
-        if self.hidden_size % self.num_attention_heads == 0 and self.make_vocab_size_divisible_by < 1:
-            raise ValueError("--make-vocab-size-divisible-by must be positive")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
 
 
 @dataclass
@@ -76,8 +100,9 @@ class MoEConfig:
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
 
     def __post_init__(self) -> None:
-        if self.num_experts < 0:
-            raise ValueError("--num-experts must be >= 0")
+        check_fields(self, {"num_experts": NON_NEGATIVE, "moe_layer_freq": AT_LEAST_ONE,
+                            "moe_expert_capacity_factor": POSITIVE, "moe_min_capacity": NON_NEGATIVE,
+                            "moe_aux_loss_coeff": NON_NEGATIVE, "moe_z_loss_coeff": NON_NEGATIVE})
         if self.moe_router_topk not in (1, 2):
             raise ValueError(f"--moe-router-topk must be 1 or 2, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
@@ -99,6 +124,10 @@ class ParallelConfig:
                                              choices=["gloo", "nccl"])
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")
 
+    def __post_init__(self) -> None:
+        check_fields(self, {"tensor_model_parallel_size": AT_LEAST_ONE, "expert_model_parallel_size": AT_LEAST_ONE,
+                            "expert_sharding_parallel_size": AT_LEAST_ONE, "comm_timeout": POSITIVE})
+
 
 @dataclass
 class OptimConfig:
@@ -118,6 +147,14 @@ class OptimConfig:
     clip_grad: float = opt(1.0, "global gradient-norm clip (0: off)")
     bf16: bool = opt(False, "bf16 autocast with fp32 master weights")
 
+    def __post_init__(self) -> None:
+        check_fields(self, {"lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE,
+                            "lr_decay_iters": AT_LEAST_ONE, "weight_decay": NON_NEGATIVE,
+                            "adam_beta1": FRACTION, "adam_beta2": FRACTION, "adam_eps": POSITIVE,
+                            "sgd_momentum": NON_NEGATIVE, "clip_grad": NON_NEGATIVE})
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must be <= --lr {self.lr} (pass a smaller --min-lr)")
+
 
 @dataclass
 class DataConfig:
@@ -127,6 +164,9 @@ class DataConfig:
                                    "(default: preprocess the bundled sample corpus)")
     tokenizer_name_or_path: Optional[str] = opt(None, "tokenizer directory/hub name (default: beside the data)")
     num_workers: int = opt(0, "dataloader workers")
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"num_workers": NON_NEGATIVE})
 
 
 @dataclass
@@ -141,8 +181,21 @@ class TrainConfig:
     seed: int = opt(1234, "random seed")
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")
-    save_interval: int = opt(0, "save every this many iterations (0: only at the end if --save)")
+    save_interval: Optional[int] = opt(0, "save every this many iterations (0: only at the end if --save)")
     exit_interval: int = opt(0, "stop after this many iterations of this run (0: never; for tests)")
+    keep_last: int = opt(0, "keep only the newest N checkpoints under --save (0: keep all)")
+    use_checkpoint_args: bool = opt(False, "take the model and MoE flags from the --load checkpoint's metadata "
+                                    "(flags given on the command line win, as in Megatron)")
+    check_for_nan_in_loss_and_grad: bool = opt(True, "stop with an error when the loss or the gradient norm is "
+                                               "NaN/inf (the step is not applied, nothing non-finite is saved)")
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"micro_batch_size": AT_LEAST_ONE, "global_batch_size": AT_LEAST_ONE,
+                            "train_iters": AT_LEAST_ONE, "eval_interval": NON_NEGATIVE, "eval_iters": NON_NEGATIVE,
+                            "save_interval": NON_NEGATIVE, "exit_interval": NON_NEGATIVE,
+                            "keep_last": NON_NEGATIVE})
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load")
 
 
 @dataclass
@@ -155,6 +208,9 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = opt(None, "wandb run name")
     wandb_mode: str = opt("offline", "wandb mode", choices=["offline", "online", "disabled"])
     wandb_save_dir: Optional[str] = opt(None, "wandb directory (default ./wandb)")
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"log_interval": AT_LEAST_ONE})
 
 
 @dataclass
@@ -169,6 +225,10 @@ class OptimizationsConfig:
     lancet_group_ms: float = opt(1.0, "Lancet gamma: op group size in ms")
     lancet_max_range: int = opt(8, "Lancet iota: max range in op groups")
     lancet_report: Optional[str] = opt(None, "write Lancet's plan and timings to this JSON file")
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,
+                            "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE})
 
 
 @dataclass

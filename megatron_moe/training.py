@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.arguments import config_to_dict, validate
-from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
+from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, load_checkpoint,
+                                        read_metadata, resolve, save_checkpoint)
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.model.fused import kernel_report
@@ -66,6 +67,8 @@ def prepare_data(cfg, ps) -> None:
     if cfg.model.vocab_size == 0:
         from megatron_moe.data.tokenizer import load_tokenizer
         tok_dir = cfg.data.tokenizer_name_or_path or f"{cfg.data.data_path}_tokenizer"
+        if not os.path.exists(tok_dir) and cfg.train.load and not cfg.data.tokenizer_name_or_path:
+            tok_dir = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)   # the checkpoint carries it
         if not os.path.exists(tok_dir):
             raise FileNotFoundError(f"--vocab-size not given and no tokenizer at {tok_dir}: pass "
                                     f"--vocab-size or --tokenizer-name-or-path")
@@ -77,10 +80,27 @@ def build_loaders(cfg, ps, consumed: int):
     t = cfg.train
     gb = t.global_batch_size
     eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
-    return build_train_valid_test_data_loaders(
+    loaders = build_train_valid_test_data_loaders(
         cfg.data.data_path, cfg.model.seq_length, t.seed, t.micro_batch_size, gb, ps.rank("dp"), ps.size("dp"),
         train_samples=t.train_iters * gb, valid_samples=eval_samples, test_samples=eval_samples,
         consumed_train_samples=consumed, num_workers=cfg.data.num_workers)
+    for loader in loaders:
+        for indexed in _indexed_datasets(getattr(loader, "dataset", None)):
+            indexed.check_vocab(cfg.model.vocab_size)
+    return loaders
+
+
+def _indexed_datasets(dataset) -> list:
+    """The indexed datasets under a loader's dataset (a GPTDataset, or a blend holding several)."""
+    from megatron_moe.data.indexed_dataset import MMapIndexedDataset
+    if dataset is None:
+        return []
+    if isinstance(dataset, MMapIndexedDataset):
+        return [dataset]
+    inner = getattr(dataset, "indexed", None)
+    if inner is not None:
+        return _indexed_datasets(inner)
+    return [d for sub in getattr(dataset, "datasets", []) for d in _indexed_datasets(sub)]
 
 
 def model_flops_per_token(cfg) -> float:
@@ -98,6 +118,8 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        if cfg.train.load and cfg.train.use_checkpoint_args:
+            apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
         self.ps, self.device = init_distributed(cfg)
         setup_console(self.ps.global_rank)
         if self.ps.layout.world_size == 1:
@@ -117,7 +139,7 @@ class Trainer:
             self.lancet = lancet.setup(self.model, self.ps, cfg.opts)
         self.iteration, self.consumed = 0, 0
         if cfg.train.load:
-            meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps)
+            meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps, cfg)
             self.iteration, self.consumed = meta["iteration"], meta["consumed_samples"]
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg))
@@ -163,14 +185,27 @@ class Trainer:
                 loads.append(st["counts"].float())
         self.grad_sync.finish()
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
-        self.optimizer.step()
         stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64)
         stats = self.average_over_dp(stats)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            self.check_finite(float(stats[0]), norm)
+        self.optimizer.step()
         load = torch.stack(loads).sum(0) if loads else torch.zeros(1)
         imbalance = float(load.max() / load.mean()) if loads and load.mean() > 0 else 1.0
         return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
                 "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
                 "load_imbalance": imbalance, "expert_load": load.tolist()}
+
+    def check_finite(self, loss: float, grad_norm: float) -> None:
+        """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf.
+
+        Both values are the same on every rank (reduced over the groups), so every rank stops together.
+        """
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"iteration {self.iteration + 1}: non-finite lm loss {loss} or grad norm "
+                                 f"{grad_norm}; the step was not applied and the run stops (the last checkpoint "
+                                 f"is finite; lower --lr or disable with --no-check-for-nan-in-loss-and-grad)")
 
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.ps.size("dp") > 1:

@@ -6,8 +6,8 @@ Examples, from the repository root:
     python tools/generate.py --load model.safetensors --prompt "In 1996" --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --max-new-tokens 64 --seed 7 --num-samples 3
 
-The tokenizer is --tokenizer-name-or-path, else the one recorded in the checkpoint's config,
-else the one saved beside its training data (DATA_PATH_tokenizer). See megatron_moe/generation.py.
+The tokenizer is --tokenizer-name-or-path, else the one the checkpoint carries (ITER_DIR/tokenizer,
+copied at save), else the one recorded in its config, else the one beside its training data. See megatron_moe/generation.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from megatron_moe.generation import check_sampling, generate, load_model, tokenizer_path  # noqa: E402
+from megatron_moe.generation import (carried_tokenizer, check_sampling, generate, load_model,  # noqa: E402
+                                     tokenizer_path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError("--max-new-tokens must be >= 0 and --num-samples >= 1")
         from megatron_moe.data.tokenizer import load_tokenizer
         model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
-        tok = load_tokenizer(tokenizer_path(cfg, args.tokenizer_name_or_path))
+        tok = load_tokenizer(tokenizer_path(cfg, args.tokenizer_name_or_path,
+                                            carried_tokenizer(args.load, args.iteration)))
         prompt = tok.encode(args.prompt) if args.prompt else [tok.eod]
         eod = None if args.no_stop_at_eod else tok.eod
         for i in range(args.num_samples):
