@@ -343,7 +343,10 @@ def incomplete_reason(path: str) -> Optional[str]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return str(e)
     missing = [shard_name(r) for r in range(world) if not os.path.isfile(os.path.join(path, shard_name(r)))]
-    return f"{path} lacks shards {missing[:3]}" if missing else None
+    if not missing:
+        return None
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return f"checkpoint shard {os.path.join(path, missing[0])} is missing{more}"
 
 
 def _is_complete(path: str) -> bool:

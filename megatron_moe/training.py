@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.arguments import config_to_dict, validate
-from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, load_checkpoint,
-                                        read_metadata, resolve, save_checkpoint)
+from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, check_config,
+                                        load_checkpoint, read_metadata, resolve, save_checkpoint)
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.model.fused import kernel_report
@@ -126,6 +126,9 @@ class Trainer:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
         prepare_data(cfg, self.ps)
+        if cfg.train.load:                   # refuse a mismatching checkpoint before building anything
+            path = resolve(cfg.train.load)
+            check_config(read_metadata(path), cfg, self.ps, path)
         self.model = GPT2MoE(cfg, self.ps).to(self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = None
