@@ -251,6 +251,16 @@ def test_resume_with_use_checkpoint_args_and_no_model_flags_equals_the_uninterru
     assert sorted(os.listdir(os.path.join(it_dir, "tokenizer"))) == sorted(os.listdir(f"{sample_data}_tokenizer"))
     cfg = parse_args(tiny_args(sample_data, 1))
     assert tokenizer_path(cfg, carried=carried_tokenizer(ckpt)) == os.path.join(it_dir, "tokenizer")
+    # generate from another directory while the tokenizer beside the data is gone: the carried one is used
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen", os.path.join(ROOT, "tools", "generate.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    os.rename(f"{sample_data}_tokenizer", f"{sample_data}_hidden")
+    try:
+        assert gen.main(["--load", ckpt, "--prompt", "The", "--greedy", "--max-new-tokens", "3"]) == 0
+    finally:
+        os.rename(f"{sample_data}_hidden", f"{sample_data}_tokenizer")
 
 
 def test_lr_1e30_stops_with_the_nan_error_and_latest_loads_finite(sample_data, tmp_path):

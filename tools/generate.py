@@ -7,7 +7,8 @@ Examples, from the repository root:
         --top-k 50 --top-p 0.95 --max-new-tokens 64 --seed 7 --num-samples 3
 
 The tokenizer is --tokenizer-name-or-path, else the one the checkpoint carries (ITER_DIR/tokenizer,
-copied at save), else the one recorded in its config, else the one beside its training data. See megatron_moe/generation.py.
+copied at save), else the one recorded in its config, else the one beside its training data.
+See megatron_moe/generation.py.
 """
 from __future__ import annotations
 
