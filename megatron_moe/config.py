@@ -233,7 +233,11 @@ class OptimizationsConfig:
 
 @dataclass
 class Config:
-    """Everything a run needs; built by `arguments.parse_args`."""
+    """Everything a run needs; built by `arguments.parse_args`.
+
+    `parse_args` also sets `explicit_flags`, the "section.field" names given on the command line
+    (not a dataclass field: it is not saved); --use-checkpoint-args leaves those as given.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

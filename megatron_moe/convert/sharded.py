@@ -285,10 +285,13 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
                   before_commit: Optional[Callable[[str], None]] = None) -> str:
     """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under `save`.
 
-    `save` is a checkpoint root: a new one is staged whole and renamed; into an
-    existing one the iteration directory is staged and renamed, then `latest` is
-    replaced. `before_commit(staged_iteration_dir)` runs before the rename (the
-    --verify check), so a failure leaves nothing behind. Returns the final iteration dir.
+    `save` is a checkpoint root: a new one is staged whole and renamed; into an existing
+    directory that holds no checkpoint the iteration directory is staged and renamed, then
+    `latest` is replaced; the root of another run (a `latest` or `iter_*` inside) is refused,
+    so its `latest` never moves. Each shard's SHA-256 goes into metadata.json and the tokenizer
+    (the source checkpoint's, else the config's) into ITER_DIR/tokenizer.
+    `before_commit(staged_iteration_dir)` runs before the rename (the --verify check), so a
+    failure leaves nothing behind. Returns the final iteration dir.
     """
     p = cfg.parallel
     mp, ep, esp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size
