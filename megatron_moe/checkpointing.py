@@ -329,8 +329,9 @@ def read_metadata(ckpt_dir: str) -> dict:
         raise ValueError(f"checkpoint metadata {path} is corrupt (not valid JSON: {e})") from e
     missing = [k for k in ("iteration", "consumed_samples", "layout", "config") if not isinstance(meta, dict)
                or k not in meta]
-    if missing:
-        raise ValueError(f"checkpoint metadata {path} is corrupt or from another format (no {missing})")
+    if missing or not (isinstance(meta["layout"], dict) and isinstance(meta["config"], dict)):
+        raise ValueError(f"checkpoint metadata {path} is corrupt or from another format "
+                         f"({'no ' + str(missing) if missing else 'layout/config are not objects'})")
     return meta
 
 
@@ -369,7 +370,7 @@ def latest_iteration(root: str) -> int:
     """The iteration named by `root/latest`; errors name the file."""
     path = os.path.join(root, "latest")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--load {root}: no 'latest' file (not a checkpoint directory?)")
+        raise FileNotFoundError(f"{path} is missing (not a checkpoint directory?)")
     with open(path, "rb") as f:
         text = f.read(64).decode(errors="replace").strip()
     if not text.isdigit():
@@ -397,9 +398,9 @@ def resolve(load: str) -> str:
         problem = str(e)
     found = complete_iterations(load)
     if not found:
-        raise FileNotFoundError(f"--load {load}: {problem}, and no complete iteration exists to fall back to")
+        raise FileNotFoundError(f"{problem}; no complete iteration exists under --load {load} to fall back to")
     it, path = found[0]
-    warnings.warn(f"--load {load}: {problem}; skipped, using the newest complete iteration {it} ({path})")
+    warnings.warn(f"{problem}; skipped, using the newest complete iteration {it} ({path})")
     return path
 
 

@@ -138,7 +138,7 @@ def test_dangling_or_garbage_latest_falls_back_to_the_newest_complete_iteration(
     with pytest.warns(UserWarning, match=r"iter_0000002/rank_00000.safetensors is missing\).*iteration 1"):
         assert load_params(str(root))[1]["iteration"] == 1
     shutil.rmtree(root / "iter_0000001")
-    with pytest.raises(FileNotFoundError, match="no complete iteration exists to fall back to"):
+    with pytest.raises(FileNotFoundError, match="no complete iteration exists under --load"):
         load_params(str(root))
 
 

@@ -82,7 +82,7 @@ def test_the_trainer_names_a_garbage_latest_and_exits_2(tmp_path):
     err = [ln for ln in out.stderr.splitlines() if "error:" in ln]
     assert len(err) == 1
     assert f"{ckpt / 'latest'} is unreadable: 'not-a-number' is not an iteration number" in err[0]
-    assert "no complete iteration exists to fall back to" in err[0]
+    assert "no complete iteration exists under --load" in err[0]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and os.listdir(ckpt) == ["latest"]
 
 
