@@ -246,7 +246,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
                     extra: Optional[dict] = None) -> str:
     """Write the checkpoint of `iteration` (all ranks call this); returns its directory.
 
-    Refuses (ValueError, nothing written) when any parameter or optimizer state is NaN/inf
+    Refuses (NonFiniteError, nothing written) when any parameter or optimizer state is NaN/inf
     and --check-for-nan-in-loss-and-grad is on.
     """
     final = iter_dir(root, iteration)
@@ -256,7 +256,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
         flags = _gather(bool(bad), ps)
         if any(flags):
             raise NonFiniteError(f"iteration {iteration}: not saved, non-finite values in "
-                             f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)")
+                                 f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)")
     tmp = _broadcast_str(f"{final}.tmp-{os.getpid()}", ps)
     if ps.global_rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -286,6 +286,7 @@ def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg
             "layout": {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
                        "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
             "config": portable_config(cfg), "optimizer": type(optimizer).__name__,
+            "has_optimizer_state": bool(optimizer.state),
             "router_calls": [layer._calls for layer in model.moe_layers()],
             "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
                                 "full_shape": list(p._full_shape)} for n, p in model.named_parameters()},
@@ -457,7 +458,8 @@ def config_mismatches(meta: dict, cfg, ps) -> list:
             if old is not None and old != getattr(now, name):
                 out.append(f"{_flag(now, name)}: checkpoint {old}, this run {getattr(now, name)}")
     old_opt = saved.get("optim", {}).get("optimizer")
-    if meta.get("optimizer") is not None and old_opt is not None and old_opt != cfg.optim.optimizer:
+    has_state = meta.get("has_optimizer_state", meta.get("optimizer") is not None)
+    if has_state and old_opt is not None and old_opt != cfg.optim.optimizer:
         out.append(f"--optimizer: checkpoint {old_opt} (its optimizer state), this run {cfg.optim.optimizer}")
     return out + layout_mismatches(meta, ps)
 

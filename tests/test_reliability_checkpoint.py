@@ -305,3 +305,16 @@ def test_reshard_into_the_root_of_another_run_is_refused_and_moves_nothing(two_i
     assert code == 2
     assert f"--save {other} is the checkpoint directory of another run" in capsys.readouterr().err
     assert sorted(os.listdir(other)) == before and (other / "latest").read_text() == "1"
+
+
+def test_another_optimizer_may_start_from_a_checkpoint_without_optimizer_state(tmp_path):
+    cfg, model, opt = tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)                                  # differs from a fresh model's init
+    root = str(tmp_path / "run")
+    save(root, 1, cfg, model, opt)                       # no step yet: no optimizer state saved
+    cfg2, model2, opt2 = tiny("--optimizer", "sgd")
+    ck.load_checkpoint(root, model2, opt2, local_state(), cfg2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert not opt2.state
