@@ -37,6 +37,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       "megatron_moe/moe/router.py",
       "        g = g / denom",
       "        g = g",
-      ("tests/test_router.py::test_top2_drop_renormalizes_the_kept_choice",)),
+      ("tests/test_router.py::test_top2_drop_renormalizes_the_kept_choice",
+       "tests/test_router.py::test_top2_one_choice_dropped_gets_weight_one")),
     M("router_bpr_ascending",
       "batch-prioritized routing serves the least confident tokens first",
       "megatron_moe/moe/router.py",
@@ -368,19 +370,25 @@ def run_pytest(copy: str, args: list[str], timeout: float) -> tuple[str, float, 
 
     status: 'passed' (exit 0), 'failed' (1: a test failed; 2: collection or import error
     the mutation caused), 'timeout', or 'error' (pytest could not run: usage, no tests).
+    On timeout the whole process group (pytest and the ranks it spawned) is killed.
     """
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=copy, env=_env(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        out = subprocess.run(cmd, cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=timeout,
-                             start_new_session=True, check=False)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"")[-1500:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-1500:]
-        return "timeout", time.monotonic() - t0, str(tail)
-    dt = time.monotonic() - t0
-    tail = (out.stdout + out.stderr)[-1500:]
-    status = {0: "passed", 1: "failed", 2: "failed"}.get(out.returncode, "error")
-    return status, dt, tail
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return "timeout", time.monotonic() - t0, output[-1500:]
+    status = {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error")
+    return status, time.monotonic() - t0, output[-1500:]
+
+
+def failures(output: str) -> list[str]:
+    """The FAILED / ERROR lines of pytest's short summary (which test noticed, and why)."""
+    return [line.strip()[:300] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
 
 
 def runnable_entries(copy: str, m: Mutation) -> tuple[list[str], list[str]]:
@@ -410,7 +418,7 @@ def sanity(copy: str, mutations: list[Mutation], timeout: float) -> tuple[bool, 
 def check_one(copy: str, m: Mutation, timeout: float) -> dict:
     """Apply `m` to the copy, run its tests, restore the file; returns the result record."""
     rec = {"name": m.name, "path": m.path, "doc": m.doc, "tests": list(m.tests), "pending": [],
-           "status": "", "seconds": 0.0, "detail": ""}
+           "status": "", "seconds": 0.0, "failed": [], "detail": ""}
     ready, rec["pending"] = runnable_entries(copy, m)
     if not ready:
         rec.update(status="error", detail="none of its test files exists")
@@ -430,7 +438,8 @@ def check_one(copy: str, m: Mutation, timeout: float) -> dict:
     finally:
         _write(os.path.join(copy, m.path), original)
     result = {"failed": "caught", "passed": "missed"}.get(status, status)
-    rec.update(status=result, seconds=round(dt, 1), detail="" if result in ("caught", "missed") else tail)
+    rec.update(status=result, seconds=round(dt, 1), failed=failures(tail),
+               detail="" if result in ("caught", "missed") else tail)
     return rec
 
 
@@ -492,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                 applicable.append(m)
             except (NotApplicable, OSError) as e:
                 records.append({"name": m.name, "path": m.path, "doc": m.doc, "tests": list(m.tests),
-                                "pending": [], "status": "not-applicable", "seconds": 0.0, "detail": str(e)})
+                                "pending": [], "status": "not-applicable", "seconds": 0.0, "failed": [],
+                                "detail": str(e)})
                 print(f"NOT APPLICABLE: {e}", flush=True)
         ok, report = sanity(copy, applicable, args.timeout)
         print(report, flush=True)
@@ -505,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             records.append(rec)
             print(f"{rec['name']:<40} {rec['status']:<14} {rec['seconds']:6.1f} s"
                   + (f"  pending: {', '.join(rec['pending'])}" if rec["pending"] else ""), flush=True)
+            if rec["failed"]:
+                print(f"    {rec['failed'][0][:160]}", flush=True)
             if rec["detail"] and rec["status"] not in ("caught", "missed"):
                 print(rec["detail"], flush=True)
     order = {m.name: i for i, m in enumerate(chosen)}
