@@ -22,7 +22,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and name != "wpe" else no_decay).append(p)
+        expert = getattr(getattr(p, "_shard", None), "expert", False)   # expert tensors lead with [E]
+        (decay if p.dim() - int(expert) >= 2 and name != "wpe" else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
