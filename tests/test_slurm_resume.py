@@ -103,3 +103,27 @@ def _poll_on_rank(rank, world, flag_rank):
 
 def test_all_ranks_stop_together_when_one_rank_gets_the_signal():
     assert spawn(_poll_on_rank, 2, 1, timeout=120) == [(None, "SIGUSR1"), (None, "SIGUSR1")]
+
+
+def test_usr1_to_the_launch_wrapper_reaches_the_trainer_under_torchrun(sample_data, tmp_path):
+    """The sbatch launch path: bash (mm_usr1_to_workers) -> torchrun -> trainer. Only the wrapper is
+    signalled (as when Slurm signals the task's process group); torchrun must survive, the trainer save."""
+    ckpt = tmp_path / "ckpt"
+    common = os.path.join(ROOT, "scripts", "common.sh")
+    cmd = ["bash", "-c", 'source "$0" && mm_usr1_to_workers "$@"', common,
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "tests_launch_target", *tiny_args(sample_data, 60, "--log-interval", "1", "--save", str(ckpt))]
+    (tmp_path / "tests_launch_target.py").write_text(TRAIN.replace("; ", "\n"))
+    env = dict(_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if " iteration      2/60" in line:
+            proc.send_signal(signal.SIGUSR1)      # the wrapper's pid only
+    rc = proc.wait(timeout=300)
+    text = "".join(out)
+    assert rc == 0, text[-3000:]
+    stopped = _latest(ckpt)
+    assert 2 <= stopped < 60
+    assert f"> SIGUSR1: stopping after iteration {stopped}" in text
