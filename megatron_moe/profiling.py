@@ -62,6 +62,15 @@ class annotate(contextlib.ContextDecorator):
         return annotate(self.name)
 
 
+def _all_threads_config():
+    """Kineto option to record every thread (Lina's launcher thread, the autograd engine's), where
+    this torch has it; otherwise None (only threads that existed at start are recorded)."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
 def trace_path(profile_dir: str, rank: int, start: int, end: int) -> str:
     """Where rank `rank`'s trace of iterations [start, end) goes."""
     return os.path.join(profile_dir, f"trace_rank{rank:05d}_iter{start}-{end}.json")
@@ -90,7 +99,8 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False,
+                                               experimental_config=_all_threads_config())
             self.prof.start()
             self.first = iteration
 
