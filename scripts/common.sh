@@ -215,7 +215,12 @@ mm_build_args() {
     [[ ${LANCET_PARTITION:-0} != 1 ]] || MOE_ARGS+=(--lancet-partition)
 
     DATA_ARGS=()
-    [[ -z ${DATA_PATH:-} ]] || DATA_ARGS+=(--data-path "$DATA_PATH")
+    if [[ -n ${DATA_PATH:-} ]]; then                 # a blend is "W1 PREFIX1 W2 PREFIX2 ..."
+        local data_words=()
+        read -ra data_words <<<"$DATA_PATH"
+        DATA_ARGS+=(--data-path "${data_words[@]}")
+    fi
+    [[ -z ${SPLIT:-} ]] || DATA_ARGS+=(--split "$SPLIT")
     [[ -z ${TOKENIZER:-} ]] || DATA_ARGS+=(--tokenizer-name-or-path "$TOKENIZER")
 
     TRAINING_ARGS=(

@@ -44,7 +44,7 @@ def _run(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedP
 
 
 def _parse_flags(tokens: list[str]) -> dict[str, object]:
-    """`--a 1 --b --c x` -> {'--a': '1', '--b': True, '--c': 'x'}; the last occurrence wins."""
+    """`--a 1 --b --c x y` -> {'--a': '1', '--b': True, '--c': ['x', 'y']}; the last occurrence wins."""
     flags: dict[str, object] = {}
     i = 0
     while i < len(tokens):
@@ -54,12 +54,13 @@ def _parse_flags(tokens: list[str]) -> dict[str, object]:
             key, value = tok.split("=", 1)
             flags[key] = value
             i += 1
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            flags[tok] = tokens[i + 1]
-            i += 2
-        else:
-            flags[tok] = True
-            i += 1
+            continue
+        j = i + 1
+        while j < len(tokens) and not tokens[j].startswith("--"):
+            j += 1
+        values = tokens[i + 1:j]
+        flags[tok] = True if not values else values[0] if len(values) == 1 else values
+        i = j
     return flags
 
 
@@ -237,6 +238,15 @@ def test_sbatch_resumes_when_the_save_directory_holds_a_checkpoint(tmp_path: Pat
     trainer = _launch_line(result.stdout, "srun")[2]
     assert trainer["--load"] == str(save) and trainer["--wandb-exp-name"] == "exp1"
     assert trainer["--log-json"] == "runs/exp1/metrics.jsonl"
+
+
+def test_sbatch_passes_a_blend_as_separate_words() -> None:
+    env = _fake_slurm_env(DATA_PATH="0.3 /d/a_text_document 0.7 /d/b", SPLIT="98,2,0")
+    result = _run(SBATCH["s"], env)
+    assert result.returncode == 0, result.stderr
+    tokens = _launch_line(result.stdout, "srun")[3]
+    i = tokens.index("--data-path")
+    assert tokens[i:i + 7] == ["--data-path", "0.3", "/d/a_text_document", "0.7", "/d/b", "--split", "98,2,0"]
 
 
 def test_sbatch_prints_one_flag_group_per_line() -> None:
