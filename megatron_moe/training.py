@@ -112,8 +112,9 @@ class StopControl:
     flags over the world, so every rank sees the same answer at the same iteration.
     """
 
-    def __init__(self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device):
-        self.start = time.time()
+    def __init__(self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device,
+                 start: Optional[float] = None):
+        self.start = time.time() if start is None else start     # the run's start (setup counts too)
         self.limit_s = 60.0 * exit_duration_mins
         self.ps, self.device = ps, device
         self.received = False
@@ -164,6 +165,7 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        started = time.time()
         trace_dir = profile_dir(cfg)
         self.ps, self.device = init_distributed(cfg)
         setup_console(self.ps.global_rank, cfg.logging.timestamps)
@@ -191,7 +193,8 @@ class Trainer:
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
-        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device)
+        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
+                                start=started)
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks,
                                      self.ps.global_rank, trace_dir, self.device)

@@ -95,3 +95,13 @@ def test_wandb_default_directory_is_never_the_cwd(tmp_path, monkeypatch):
     assert wandb_dir(parse_args(["--save", str(tmp_path / "ck")])) == str(tmp_path / "ck")
     assert wandb_dir(parse_args([])) == str(tmp_path / "cache" / "megatron-moe")
     assert wandb_dir(parse_args(["--wandb-save-dir", "/x/y"])) == "/x/y"
+
+
+def test_missing_tensorboard_gives_a_clear_error(tmp_path, monkeypatch):
+    import sys
+    from megatron_moe.logging import open_tensorboard
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)    # as if it were not installed
+    with pytest.raises(ImportError, match=r"--tensorboard-dir .*tb needs the tensorboard package: "
+                                          r"pip install tensorboard"):
+        open_tensorboard(str(tmp_path / "tb"))
+    assert not (tmp_path / "tb").exists()
