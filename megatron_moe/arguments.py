@@ -50,7 +50,7 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
                                    metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
-                                   help=f.metadata.get("help", ""))
+                                   nargs=f.metadata.get("nargs"), help=f.metadata.get("help", ""))
     return parser
 
 

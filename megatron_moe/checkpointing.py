@@ -46,6 +46,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from megatron_moe.data.paths import tokenizer_dir_for
 from megatron_moe.arguments import config_to_dict
 
 FORMAT_VERSION = 1
@@ -145,11 +146,11 @@ def _non_finite(tensors: dict) -> list:
 
 # ----------------------------------------------------------------------------- tokenizer
 def tokenizer_source(cfg) -> Optional[str]:
-    """The run's tokenizer: --tokenizer-name-or-path, else DATA_PATH_tokenizer when it exists."""
+    """The run's tokenizer: --tokenizer-name-or-path, else the one preprocessing wrote beside the data."""
     if cfg.data.tokenizer_name_or_path:
         return cfg.data.tokenizer_name_or_path
-    if cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):
-        return f"{cfg.data.data_path}_tokenizer"
+    if cfg.data.data_path and os.path.isdir(tokenizer_dir_for(cfg.data.data_path)):
+        return tokenizer_dir_for(cfg.data.data_path)
     return None
 
 
@@ -186,12 +187,22 @@ def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
     return None
 
 
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
 def portable_config(cfg) -> dict:
     """config_to_dict with existing local paths made absolute (no cwd-relative path is recorded)."""
     d = config_to_dict(cfg)
     data = d["data"]
-    if data.get("data_path"):
+    if isinstance(data.get("data_path"), str):
         data["data_path"] = os.path.abspath(data["data_path"])
+    elif data.get("data_path"):                   # a blend: weights stay, prefixes become absolute
+        data["data_path"] = [w if _is_number(w) else os.path.abspath(w) for w in data["data_path"]]
     tok = data.get("tokenizer_name_or_path")
     if tok and os.path.exists(tok):               # a hub name stays as it is
         data["tokenizer_name_or_path"] = os.path.abspath(tok)

@@ -7,16 +7,18 @@ concerns one dataclass lives in its `__post_init__` and names the flag.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
-def opt(default, help: str, flag: Optional[str] = None, choices=None):
-    """A dataclass field carrying its CLI help text (and optional flag name / choices)."""
+def opt(default, help: str, flag: Optional[str] = None, choices=None, nargs: Optional[str] = None):
+    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs)."""
     md = {"help": help}
     if flag:
         md["flag"] = flag
     if choices:
         md["choices"] = choices
+    if nargs:
+        md["nargs"] = nargs
     return field(default=default, metadata=md)
 
 
@@ -160,12 +162,20 @@ class OptimConfig:
 class DataConfig:
     """Where the tokens come from."""
 
-    data_path: Optional[str] = opt(None, "PREFIX of PREFIX_{train,valid,test}_text_document.{bin,idx} "
-                                   "(default: preprocess the bundled sample corpus)")
+    data_path: Optional[Union[str, list[str]]] = opt(
+        None, "PREFIX (files PREFIX.{bin,idx}, cut by --split; or PREFIX_{train,valid,test}_text_document"
+        ".{bin,idx}), or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' as in Megatron "
+        "(default: the bundled sample corpus, preprocessed once; see data/README.md)", nargs="+")
     tokenizer_name_or_path: Optional[str] = opt(None, "tokenizer directory/hub name (default: beside the data)")
     num_workers: int = opt(0, "dataloader workers")
+    split: str = opt("969,30,1", "train,valid,test weights cutting a single PREFIX.{bin,idx} corpus into "
+                     "document ranges (unused for per-split PREFIX_{train,valid,test}_text_document files)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.data_path, (list, tuple)):
+            self.data_path = self.data_path[0] if len(self.data_path) == 1 else list(self.data_path)
+        from megatron_moe.data.paths import parse_split
+        parse_split(self.split)          # error naming --split
         check_fields(self, {"num_workers": NON_NEGATIVE})
 
 
@@ -188,6 +198,10 @@ class TrainConfig:
                                     "(flags given on the command line win, as in Megatron)")
     check_for_nan_in_loss_and_grad: bool = opt(True, "stop with an error when the loss or the gradient norm is "
                                                "NaN/inf (the step is not applied, nothing non-finite is saved)")
+    exit_duration_in_mins: float = opt(0.0, "save (with --save) and exit 0 once this run has lasted this many "
+                                       "minutes; all ranks stop at the same iteration (0: never)")
+    exit_signal_handler: bool = opt(True, "on SIGUSR1 (e.g. sbatch --signal=USR1@300) save and exit 0 at the "
+                                    "next iteration boundary, all ranks together")
 
     def __post_init__(self) -> None:
         check_fields(self, {"micro_batch_size": AT_LEAST_ONE, "global_batch_size": AT_LEAST_ONE,
@@ -196,6 +210,8 @@ class TrainConfig:
                             "keep_last": NON_NEGATIVE})
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load")
+        if self.exit_duration_in_mins < 0:
+            raise ValueError(f"--exit-duration-in-mins must be >= 0, got {self.exit_duration_in_mins}")
 
 
 @dataclass
@@ -207,9 +223,25 @@ class LoggingConfig:
     wandb_project: Optional[str] = opt(None, "wandb project (enables wandb)")
     wandb_exp_name: Optional[str] = opt(None, "wandb run name")
     wandb_mode: str = opt("offline", "wandb mode", choices=["offline", "online", "disabled"])
-    wandb_save_dir: Optional[str] = opt(None, "wandb directory (default ./wandb)")
+    wandb_save_dir: Optional[str] = opt(None, "wandb writes DIR/wandb/ (default: the --save directory, else "
+                                        "$XDG_CACHE_HOME/megatron-moe)")
+    tensorboard_dir: Optional[str] = opt(None, "write TensorBoard event files here: the log line's scalars "
+                                         "and expert-load histograms")
+    timestamps: bool = opt(True, "prefix log lines with [YYYY-MM-DD HH:MM:SS]")
+    profile: bool = opt(False, "record a torch.profiler Chrome trace of iterations "
+                        "[--profile-step-start, --profile-step-end) on --profile-ranks")
+    profile_step_start: int = opt(10, "first profiled iteration (counted as iterations already done)")
+    profile_step_end: int = opt(12, "profiling stops before this iteration")
+    profile_ranks: list[int] = opt((0,), "global ranks that write a trace", nargs="+")
+    profile_dir: Optional[str] = opt(None, "trace directory (default SAVE/profile; needs --save or this flag)")
 
     def __post_init__(self) -> None:
+        self.profile_ranks = [int(r) for r in self.profile_ranks]
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                             f"--profile-step-start ({self.profile_step_start})")
+        if self.profile and self.profile_step_start < 0:
+            raise ValueError("--profile-step-start must be >= 0")
         check_fields(self, {"log_interval": AT_LEAST_ONE})
 
 

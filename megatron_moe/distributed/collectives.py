@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_moe.distributed import events as _events
 from megatron_moe.distributed.tracer import group_name, record
+from megatron_moe.profiling import annotate
 
 
 class _LocalGroup:
@@ -100,6 +101,7 @@ def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return buf.chunk(n, dim=dim)[r].contiguous()
 
 
+@annotate("moe/all_to_all")
 def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
                    in_splits: Optional[Sequence[int]] = None, async_op: bool = False):
     """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.

@@ -54,6 +54,7 @@ import torch
 from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import all_reduce_raw, group_size
 from megatron_moe.distributed.tracer import group_name
+from megatron_moe.profiling import annotate
 
 log = logging.getLogger("megatron_moe.lina")
 MB = 2 ** 20
@@ -239,7 +240,7 @@ class LinaScheduler:
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
-                    with events.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
+                    with annotate("lina/micro_op"), events.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
                                        self_timed=True):
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = events.last_event()

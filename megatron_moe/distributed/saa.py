@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
 from megatron_moe.distributed.tracer import group_name, record
+from megatron_moe.profiling import annotate
 
 SAA_CHUNKS = 4   # pipeline depth: enough to hide one operation behind the other, few extra latencies
 
@@ -61,6 +62,7 @@ def all_gather_start(t: torch.Tensor, group):
     return parts, dist.all_gather(parts, t, group=group, async_op=True)
 
 
+@annotate("moe/all_to_all")
 def all_to_all_p2p_start(t: torch.Tensor, group):
     """Start an even all-to-all along dim 0 as one batch of isend/irecv; returns (out, works).
 

@@ -36,8 +36,10 @@ import torch.distributed as dist
 from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import group_rank, group_size
 from megatron_moe.distributed.tracer import group_name, record
+from megatron_moe.profiling import annotate
 
 
+@annotate("moe/all_to_all")
 def _launch(send: torch.Tensor, out: torch.Tensor, group, send_splits: Sequence[int],
             recv_splits: Sequence[int]):
     """Async uneven all_to_all_single of `send` [R, ...] into `out` (contiguous); returns the work."""

@@ -52,6 +52,7 @@ import torch
 
 from megatron_moe.lancet import irregular_a2a as ia
 from megatron_moe.moe.dispatch import DispatchIndex, combine
+from megatron_moe.profiling import annotate
 from megatron_moe.moe.router import (RouteResult, aux_loss_from_terms, aux_loss_terms, capacity,
                                      choice_counts, choose_experts_slice, finish_route, slot_positions,
                                      token_order, z_loss_of)
@@ -176,6 +177,7 @@ class MoECall:
         return torch.cat([r.slot for r in self.routes]).detach()
 
     # ------------------------------------------------------------------ stage A end: pack and send
+    @annotate("lancet/part")
     def dispatch(self, x_sM: torch.Tensor, r: RouteResult) -> _Part:
         """Pack the part's kept tokens by destination, exchange counts, launch the token all-to-all."""
         s, K = r.slot.shape
@@ -211,6 +213,7 @@ class MoECall:
         return part
 
     # ------------------------------------------------------------------ stage C: experts
+    @annotate("lancet/part")
     def run_experts(self, part: _Part) -> None:
         """Wait for the part's tokens, run the local experts on them, launch the return all-to-all."""
         rows = ia.finish(part.recv, part.op_in)
@@ -235,6 +238,7 @@ class MoECall:
         part.back = ia.start(back_send, part.op_out)
 
     # ------------------------------------------------------------------ stage E: combine
+    @annotate("lancet/part")
     def combine(self, part: _Part) -> torch.Tensor:
         """Wait for the part's expert outputs and combine them into y [s, M]."""
         back = ia.finish(part.back, part.op_out)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_moe.moe.router import RouteResult
+from megatron_moe.profiling import annotate
 
 
 @dataclass
@@ -39,12 +40,14 @@ def dispatch_index(route: RouteResult, capacity: int | None = None, slot_base: i
     return DispatchIndex(token, row, route.weight[kept])
 
 
+@annotate("moe/dispatch")
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
     """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere."""
     buf = x_SM.new_zeros(num_rows, x_SM.size(1))
     return buf.index_copy(0, idx.row, x_SM.index_select(0, idx.token))
 
 
+@annotate("moe/combine")
 def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's kept rows of buf [R, M]."""
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
@@ -52,6 +55,7 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.
     return y.index_add(0, idx.token, rows)
 
 
+@annotate("moe/router")
 def route_groups(layer, x_GSM: torch.Tensor, slots_per_group: int | None = None):
     """Route every group; one DispatchIndex for a buffer [E, G*C'] holding all groups side by side.
 

@@ -21,6 +21,7 @@ from megatron_moe.distributed.collectives import scale_grad
 from megatron_moe.model.fused import gelu_tanh
 from megatron_moe.model.sharding import InitSpec, ShardSpec
 from megatron_moe.model.tensor_parallel import make_param
+from megatron_moe.profiling import annotate
 
 
 class Experts(nn.Module):
@@ -45,6 +46,7 @@ class Experts(nn.Module):
         # GEMMs: fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (lancet/wgrad_runtime.py)
         self.deferred_bmm = None
 
+    @annotate("moe/experts")
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
