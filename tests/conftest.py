@@ -1,10 +1,8 @@
+"""Test-session settings: offline hub and wandb, one OMP thread. The package is imported from
+the checkout (pyproject.toml `[tool.pytest.ini_options] pythonpath`), and helper modules in
+tests/ (tiny_run, equivalence, ...) through pytest's rootdir-relative import of test files."""
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)

@@ -1,6 +1,7 @@
 """Convert checkpoints between parallel layouts and to/from Hugging Face and one safetensors file.
 
-Examples, from the repository root (docs/TOOLS.md has more):
+Installed as `mmoe-convert`; `python tools/convert_checkpoint.py` runs the same. Examples, from
+the repository root (docs/TOOLS.md has more):
 
     # a checkpoint trained on 1 process -> MP2 x EP2 on 4 ranks, optimizer state included
     python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_mp2ep2 \\
@@ -22,12 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from megatron_moe import convert as cv  # noqa: E402
+from megatron_moe import convert as cv
 
 TOLERANCE = 1e-5
 

@@ -1,6 +1,7 @@
 """Sample text from a checkpoint (any parallel layout) or a consolidated safetensors file.
 
-Examples, from the repository root:
+Installed as `mmoe-generate`; `python tools/generate.py` runs the same. Examples, from the
+repository root:
 
     python tools/generate.py --load checkpoints/gpt2-moe --prompt "The history of" --greedy
     python tools/generate.py --load model.safetensors --prompt "In 1996" --temperature 0.8 \\
@@ -14,12 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from megatron_moe.generation import check_sampling, generate, load_model, tokenizer_path  # noqa: E402
+from megatron_moe.generation import check_sampling, generate, load_model, tokenizer_path
 
 
 def build_parser() -> argparse.ArgumentParser:

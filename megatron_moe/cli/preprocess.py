@@ -1,7 +1,8 @@
 """Tokenize WikiText (or jsonl) into Megatron indexed datasets for `--data-path PREFIX`.
 
 Writes PREFIX_{train,valid,test}_text_document.{bin,idx} (and PREFIX_tokenizer/ when it trains
-the tokenizer). Examples, from the repository root:
+the tokenizer). Installed as `mmoe-preprocess`; `python tools/preprocess_data.py` runs the same. Examples, from
+the repository root:
 
     # the bundled sample corpus, with a byte-level BPE of 512 ids trained on its train split
     python tools/preprocess_data.py --input data/wikitext-sample \\
@@ -18,11 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from megatron_moe.data.preprocess import WIKITEXT_DATASETS, preprocess  # noqa: E402
+from megatron_moe.data.preprocess import WIKITEXT_DATASETS, preprocess
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,7 @@
 """Pretrain GPT-2 Mixture-of-Experts on WikiText.
 
+Installed as `mmoe-pretrain`; `python pretrain_gpt_moe.py` in the repository runs the same.
+
   python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU
   torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 \\
       --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
