@@ -137,7 +137,7 @@ class TrainConfig:
     global_batch_size: Optional[int] = opt(None, "samples per iteration (default micro x DP)")
     train_iters: int = opt(300, "iterations")
     eval_interval: int = opt(100, "evaluate on valid every this many iterations (0: never)")
-    eval_iters: int = opt(10, "valid/test micro-batches per evaluation")
+    eval_iters: int = opt(10, "valid/test global batches per evaluation (each --global-batch-size samples)")
     seed: int = opt(1234, "random seed")
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")

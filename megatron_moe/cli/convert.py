@@ -26,6 +26,7 @@ import sys
 from typing import Optional
 
 from megatron_moe import convert as cv
+from megatron_moe.arguments import HelpFormatter
 
 TOLERANCE = 1e-5
 
@@ -50,13 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"check that logits of a fixed batch are equal before and after (within {TOLERANCE})")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    p = sub.add_parser("reshard", parents=[common], help="a sharded checkpoint to another parallel layout")
+    p = sub.add_parser("reshard", parents=[common], formatter_class=HelpFormatter,
+                       help="a sharded checkpoint to another parallel layout")
     p.add_argument("--load", required=True, help="checkpoint directory (uses its 'latest') or an iter_* directory")
     p.add_argument("--iteration", type=int, help="convert this iteration instead of the latest")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser("import-hf", parents=[common], help="Hugging Face GPT-2 -> our format (iteration 0)")
+    p = sub.add_parser("import-hf", parents=[common], formatter_class=HelpFormatter,
+                       help="Hugging Face GPT-2 -> our format (iteration 0)")
     p.add_argument("--hf", required=True, help="a save_pretrained directory or a hub name such as gpt2")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     p.add_argument("--num-experts", type=int, default=0, help="0: dense; else experts per MoE block")
@@ -66,17 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the gate initialization (and of the run)")
     add_target_flags(p)
 
-    p = sub.add_parser("export", parents=[common], help="a checkpoint -> one safetensors file + .json")
+    p = sub.add_parser("export", parents=[common], formatter_class=HelpFormatter,
+                       help="a checkpoint -> one safetensors file + .json")
     p.add_argument("--load", required=True, help="checkpoint directory (any layout)")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="FILE.safetensors (FILE.json is written beside it)")
 
-    p = sub.add_parser("import", parents=[common], help="a consolidated safetensors file -> our format")
+    p = sub.add_parser("import", parents=[common], formatter_class=HelpFormatter,
+                       help="a consolidated safetensors file -> our format")
     p.add_argument("--input", required=True, help="FILE.safetensors written by `export` (FILE.json beside it)")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser("export-hf", parents=[common], help="a dense checkpoint -> GPT2LMHeadModel directory")
+    p = sub.add_parser("export-hf", parents=[common], formatter_class=HelpFormatter,
+                       help="a dense checkpoint -> GPT2LMHeadModel directory")
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or consolidated file")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="output directory (must not exist)")

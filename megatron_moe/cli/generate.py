@@ -17,12 +17,13 @@ import os
 import sys
 from typing import Optional
 
+from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import check_sampling, generate, load_model, tokenizer_path
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the generator."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or FILE.safetensors")
     p.add_argument("--iteration", type=int, help="use this iteration instead of the latest")
     p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
