@@ -57,7 +57,7 @@ class ModelConfig:
 
 @dataclass
 class MoEConfig:
-    """Router and expert settings (DESIGN.md 'The MoE layer')."""
+    """Router and expert settings (docs/DESIGN.md "The MoE layer")."""
 
     num_experts: int = opt(4, "experts per MoE layer E (0: dense model)")
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
