@@ -1,60 +1,7 @@
-"""Pretrain GPT-2 Mixture-of-Experts on WikiText.
-
-  python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU
-  torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 \\
-      --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
-
-Bad input (a flag, a data file, a checkpoint) ends with one `error: ...` line and exit status 2;
-a NaN/inf loss or gradient norm ends with one `error: ...` line and exit status 1.
-"""
-import os
-import socket
+"""Pretrain GPT-2 MoE: the repository's entry point, same as `mmoe-pretrain` (megatron_moe/cli/pretrain.py)."""
 import sys
 
-import torch.distributed as dist
-
-from megatron_moe.arguments import parse_args
-from megatron_moe.checkpointing import NonFiniteError
-from megatron_moe.training import pretrain
-
-BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
-_claim = None   # keeps the socket that marks this process as the one that reported
-
-
-def first_to_report() -> bool:
-    """True in exactly one failing process of a launch (the first to ask).
-
-    The processes of one torchrun launch share the parent (the agent) and MASTER_PORT; the first
-    binds an abstract Unix socket named after them, which the kernel frees when it exits. Without
-    a launcher, or where abstract sockets do not exist, every process reports.
-    """
-    global _claim
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not sys.platform.startswith("linux"):
-        return True
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.bind(f"\0megatron_moe-error-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}")
-    except OSError:
-        s.close()
-        return False
-    _claim = s
-    return True
-
-
-def main(argv=None) -> int:
-    """Parse flags and train; returns the exit status."""
-    os.environ.setdefault("WANDB_MODE", "offline")
-    try:
-        pretrain(parse_args(argv))
-    except (*BAD_INPUT, NonFiniteError) as e:
-        if first_to_report():
-            print(f"pretrain_gpt_moe.py: error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, NonFiniteError) else 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
+from megatron_moe.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -30,10 +30,21 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: X)` to a flag's help, except where the help already states its default
+    (`--ffn-hidden-size`: "default 4 * hidden size") or there is none to show (default None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     defaults = Config()
     for section, title in GROUPS.items():
         group = parser.add_argument_group(title)

@@ -83,7 +83,7 @@ class ModelConfig:
 
 @dataclass
 class MoEConfig:
-    """Router and expert settings (DESIGN.md 'The MoE layer')."""
+    """Router and expert settings (docs/DESIGN.md "The MoE layer")."""
 
     num_experts: int = opt(4, "experts per MoE layer E (0: dense model)")
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
@@ -187,7 +187,7 @@ class TrainConfig:
     global_batch_size: Optional[int] = opt(None, "samples per iteration (default micro x DP)")
     train_iters: int = opt(300, "iterations")
     eval_interval: int = opt(100, "evaluate on valid every this many iterations (0: never)")
-    eval_iters: int = opt(10, "valid/test micro-batches per evaluation")
+    eval_iters: int = opt(10, "valid/test global batches per evaluation (each --global-batch-size samples)")
     seed: int = opt(1234, "random seed")
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")

@@ -1,6 +1,6 @@
 """Rank layout and process groups for MP, DP, EP, ESP, EP x ESP and expert-DP.
 
-Layout (DESIGN.md "Ranks and groups"), world size P:
+Layout (docs/DESIGN.md "Ranks and groups"), world size P:
   dense part:  r = mp + N_MP * dp                      (MP groups are consecutive ranks)
   expert part: r = esp + N_ESP * (ep + N_EP * edp)     (ESP fastest, then EP, then expert-DP)
 

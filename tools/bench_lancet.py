@@ -28,23 +28,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.events import intersection_length, total_length, union  # noqa: E402
-from megatron_moe.lancet.controller import setup  # noqa: E402
-from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
-from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
-from megatron_moe.lancet.planner import make_plan  # noqa: E402
-from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron_moe.config import Config
+from megatron_moe.distributed.events import intersection_length, total_length, union
+from megatron_moe.lancet.controller import setup
+from megatron_moe.lancet.cost import atomic_write_json
+from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
+from megatron_moe.lancet.planner import make_plan
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import initialize_model_parallel
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 

@@ -39,17 +39,15 @@ import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.events import EventLog  # noqa: E402
-from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
-from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
-from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel, validate_degrees  # noqa: E402
+from megatron_moe.config import Config
+from megatron_moe.distributed.events import EventLog
+from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
+from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import initialize_model_parallel, validate_degrees
 
 
 def parse_args(argv=None) -> argparse.Namespace:

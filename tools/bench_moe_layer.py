@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.tracer import CommTracer  # noqa: E402
-from megatron_moe.moe.layer import MoELayer  # noqa: E402
-from megatron_moe.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron_moe.config import Config
+from megatron_moe.distributed.tracer import CommTracer
+from megatron_moe.moe.layer import MoELayer
+from megatron_moe.parallel_state import initialize_model_parallel
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 

@@ -28,7 +28,7 @@ Coords = dict  # kind -> (rank, size)
 
 
 def coords_of(rank: int, mp: int, ep: int, esp: int) -> Coords:
-    """Group coordinates of a global rank under the DESIGN.md layout."""
+    """Group coordinates of a global rank under the layout of docs/DESIGN.md "Ranks and groups"."""
     return {"mp": (rank % mp, mp), "esp": (rank % esp, esp), "ep": ((rank // esp) % ep, ep)}
 
 
