@@ -427,7 +427,7 @@ def apply_checkpoint_args(cfg, meta: dict) -> list:
     """--use-checkpoint-args: set every model field and the MoE routing fields (and the tokenizer)
     from the checkpoint's config, except flags given on the command line (`cfg.explicit_flags`),
     as Megatron does. The sections are rebuilt so their validation runs. Returns the fields set."""
-    explicit = getattr(cfg, "explicit_flags", frozenset())
+    explicit: frozenset[str] = getattr(cfg, "explicit_flags", frozenset())
     saved, changed = meta["config"], []
     for section, names in CHECKPOINT_ARGS.items():
         sub = getattr(cfg, section)

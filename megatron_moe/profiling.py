@@ -49,13 +49,12 @@ class annotate(contextlib.ContextDecorator):
         self._rf.__enter__()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         rf, self._rf = self._rf, None
         if rf is not None:
             rf.__exit__(*exc)
         if _nvtx_enabled():
             torch.cuda.nvtx.range_pop()
-        return False
 
     def _recreate_cm(self) -> "annotate":
         # a decorated function may run re-entrantly or on several threads: one object per call
