@@ -242,7 +242,8 @@ def run_one(args, name: str, seed: int, data_prefix: str) -> dict:
 
 
 def run_moe_vs_dense(args) -> list[dict]:
-    """Every model for every seed (seed-major order, so a cut-short run still compares models)."""
+    """Every model for every seed (seed-major order, so a cut-short run still compares models);
+    with --json the rows so far are rewritten after every run."""
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
@@ -254,6 +255,8 @@ def run_moe_vs_dense(args) -> list[dict]:
         for name in models:
             rows.append(run_one(args, name, seed, prefix))
             r = rows[-1]
+            if args.json:
+                write_json(args.json, rows)
             print(f"> {name} seed {seed}: valid ppl {r['valid_ppl']:.2f}, {r['tokens_per_s']:.0f} tokens/s", flush=True)
     return rows
 
