@@ -13,7 +13,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS
 
 
 def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, TOOL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+    return subprocess.run([sys.executable, TOOL, *args], check=False, cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
 
 

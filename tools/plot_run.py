@@ -92,7 +92,7 @@ def load_matrix(run: Run):
         for l in layers:
             c = r["expert_counts"].get(str(l)) or [math.nan] * sizes[l]
             mean = sum(c) / len(c) if c else math.nan
-            col += [x / mean if mean and mean == mean else math.nan for x in c]
+            col += [x / mean if mean and not math.isnan(mean) else math.nan for x in c]
         cols.append(col)
     matrix = [[cols[j][i] for j in range(len(cols))] for i in range(len(rows))]
     return rows, [r["iteration"] for r in recs], matrix
