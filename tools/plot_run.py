@@ -124,8 +124,12 @@ def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
                          color=c, ls="--", marker="o", ms=4, label=f"{run.label} valid")
         ax_tps.plot(x, [r["tokens_per_s"] for r in run.train], color=c, lw=1.0, label=run.label)
         ax_drop.plot(x, [100 * r.get("dropped_frac", 0.0) for r in run.train], color=c, lw=1.0, label=run.label)
+    from matplotlib.ticker import FuncFormatter
+    short = FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v / 1e3:g}k" if abs(v) >= 1e3
+                          else f"{v:g}")
     for ax, title, ylabel in ((ax_loss, "loss", "lm loss"), (ax_tps, "throughput", "tokens/s"),
                               (ax_drop, "dropped by capacity", "% of routed choices")):
+        ax.xaxis.set_major_formatter(short)
         ax.set_title(title)
         ax.set_xlabel("tokens seen")
         ax.set_ylabel(ylabel)
@@ -144,6 +148,7 @@ def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
         ticks = [i for i, (l, e) in enumerate(rows) if e == 0]
         ax.set_yticks(ticks, [f"layer {rows[i][0]}" for i in ticks], fontsize=7)
         ax.set_xlabel("iteration")
+        ax.set_ylabel("experts of each MoE layer", fontsize=8)
         ax.set_title(f"{run.label}: expert load / layer mean", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01, extend="max")   # same scale for every run
     fig.tight_layout()
