@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -85,7 +86,6 @@ def hf_twin(trainer, work_dir: str):
     ckpt = FullCheckpoint(trainer.cfg, full, structure_specs(trainer.cfg))
     out = os.path.join(work_dir, "hf_initial")
     if os.path.exists(out):
-        import shutil
         shutil.rmtree(out)
     export_hf(ckpt, out)
     return load_hf_model(out).float().train()
