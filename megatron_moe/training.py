@@ -266,6 +266,7 @@ class Trainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum, aux_sum, dropped, choices, loads = 0.0, 0.0, 0, 0, []
+        per_layer: dict[int, torch.Tensor] = {}   # block index -> kept tokens per expert, this rank
         for i, batch in enumerate(batches):
             ids, labels = self.micro_batch(batch)
             self.grad_sync.accumulating = i < len(batches) - 1
@@ -282,6 +283,7 @@ class Trainer:
                 st = layer.last_stats
                 dropped, choices = dropped + st["dropped"], choices + st["choices"]
                 loads.append(st["counts"].float())
+                per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + st["counts"].long()
         self.grad_sync.finish()
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
         stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64)
@@ -293,7 +295,8 @@ class Trainer:
         imbalance = float(load.max() / load.mean()) if loads and load.mean() > 0 else 1.0
         return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
                 "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
-                "load_imbalance": imbalance, "expert_load": load.tolist()}
+                "load_imbalance": imbalance, "expert_load": load.tolist(),
+                "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())}}
 
     def check_finite(self, loss: float, grad_norm: float) -> None:
         """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf.
