@@ -38,13 +38,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import torch
 import torch.nn.functional as F
 
 from megatron_moe.arguments import parse_args as parse_train_args
 from megatron_moe.optim import lr_at
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_WIKITEXT = os.path.join(ROOT, "..", "shared", "wikitext-2")
 DEFAULT_WORK_DIR = os.path.join(ROOT, "runs", "bench_quality")
