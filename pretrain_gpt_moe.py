@@ -10,6 +10,8 @@ import sys
 import torch.distributed as dist
 
 from megatron_moe.arguments import parse_args
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.parallel_state import shutdown
 from megatron_moe.training import pretrain
 
 
@@ -17,10 +19,13 @@ def main(argv=None) -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
     cfg = parse_args(argv)
     try:
-        pretrain(cfg)
+        # a collective stuck past --comm-timeout (or a lost peer): `error: ...` once, exit 1
+        with exit_on_comm_error():
+            pretrain(cfg)      # returns with Lina's thread joined and the logger closed
+            shutdown()         # barrier, destroy every group, join the backends' threads
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():      # an error left the groups up
+            shutdown(barrier=False)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.model.fused import kernel_report
@@ -50,7 +51,7 @@ def init_distributed(cfg):
         dist.init_process_group(backend, timeout=timedelta(seconds=p.comm_timeout))
     validate(cfg, dist.get_world_size())
     ps = initialize_model_parallel(p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                                   p.expert_sharding_parallel_size, backend)
+                                   p.expert_sharding_parallel_size, backend, timeout_s=p.comm_timeout)
     return ps, device
 
 
@@ -175,7 +176,8 @@ class Trainer:
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.ps.size("dp") > 1:
             t = t.to(self.device)
-            dist.all_reduce(t, group=self.ps.group("dp"))
+            with guard("loss all_reduce", self.ps.group("dp")):
+                dist.all_reduce(t, group=self.ps.group("dp"))
             t = t.cpu() / self.ps.size("dp")
         return t
 
