@@ -50,11 +50,7 @@ from megatron_moe.distributed.events import EventLog  # noqa: E402
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
 from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
 from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import (  # noqa: E402
-    initialize_model_parallel,
-    shutdown,
-    validate_degrees,
-)
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown, validate_degrees  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

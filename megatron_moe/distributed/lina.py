@@ -53,12 +53,7 @@ import torch
 
 from megatron_moe.distributed import events
 from megatron_moe.distributed.collectives import all_reduce_raw, group_size
-from megatron_moe.distributed.comm_errors import (
-    CommPeerLostError,
-    CommTimeoutError,
-    describe_group,
-    translate,
-)
+from megatron_moe.distributed.comm_errors import CommPeerLostError, CommTimeoutError, describe_group, translate
 from megatron_moe.distributed.tracer import group_name
 
 log = logging.getLogger("megatron_moe.lina")
@@ -156,9 +151,7 @@ class LinaScheduler:
         """Add the notification points to every MoE layer of `model` that exchanges tokens
         between ranks: the gradient of the layer's output (backward reaches combine: an
         all-to-all is imminent) and of its input (the layer's backward is over)."""
-        from megatron_moe.moe.layer import (
-            MoELayer,  # moe imports distributed, not the reverse
-        )
+        from megatron_moe.moe.layer import MoELayer     # moe imports distributed, not the reverse
         for m in model.modules():
             # a layer whose token exchange stays inside one rank has no all-to-all to wait for
             if isinstance(m, MoELayer) and m.ps.size("ep_esp") > 1:
