@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -56,6 +57,8 @@ def test_gloo_texts_become_errors_naming_collective_group_and_flag():
 def _moe_loop_with_stalled_peer(rank: int, world: int) -> None:
     """EP2 MoE layer, SGD; rank 1 stops itself after the forward of iteration 2."""
     ps = initialize_model_parallel(1, 2, 1, timeout_s=TIMEOUT_S)
+    for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):     # not torch's 30 minutes
+        assert ps.group(kind)._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=TIMEOUT_S)
     cfg = Config()
     m, moe = cfg.model, cfg.moe
     m.hidden_size, m.ffn_hidden_size, m.num_attention_heads = 16, 32, 1

@@ -68,6 +68,8 @@ def describe_group(group) -> str:
     if group is UNKNOWN_GROUP:
         return "a process group"
     name = group_name(group)
+    if not dist.is_initialized():
+        return f"group '{name}'"
     try:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     except (RuntimeError, ValueError, AttributeError):
