@@ -45,7 +45,7 @@ UNKNOWN_GROUP = _UnknownGroup()
 class CommError(RuntimeError):
     """A collective failed because a peer rank stalled or went away."""
 
-    def __init__(self, message: str, collective: str, group: str):
+    def __init__(self, message: str, collective: str = "", group: str = ""):
         super().__init__(message)
         self.collective, self.group = collective, group
 
