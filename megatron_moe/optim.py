@@ -14,6 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.model.sharding import coords_of
 
 
@@ -76,7 +77,8 @@ def global_grad_norm(model: torch.nn.Module, ps) -> float:
             sq += p.grad.detach().double().pow(2).sum().cpu()
     if ps.layout.world_size > 1:
         t = sq.to(next(model.parameters()).device)
-        dist.all_reduce(t, group=ps.group("world"))
+        with guard("gradient-norm all_reduce", ps.group("world")):
+            dist.all_reduce(t, group=ps.group("world"))
         sq = t.cpu()
     return float(sq.sqrt())
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, check_config,
                                         load_checkpoint, read_metadata, resolve, save_checkpoint)
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.data.paths import default_data_prefix, tokenizer_dir_for
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
@@ -60,7 +61,7 @@ def init_distributed(cfg):
         dist.init_process_group(backend, timeout=timedelta(seconds=p.comm_timeout))
     validate(cfg, dist.get_world_size())
     ps = initialize_model_parallel(p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                                   p.expert_sharding_parallel_size, backend)
+                                   p.expert_sharding_parallel_size, backend, timeout_s=p.comm_timeout)
     return ps, device
 
 
@@ -312,7 +313,8 @@ class Trainer:
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.ps.size("dp") > 1:
             t = t.to(self.device)
-            dist.all_reduce(t, group=self.ps.group("dp"))
+            with guard("loss all_reduce", self.ps.group("dp")):
+                dist.all_reduce(t, group=self.ps.group("dp"))
             t = t.cpu() / self.ps.size("dp")
         return t
 

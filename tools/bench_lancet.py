@@ -34,14 +34,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+
 from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.events import intersection_length, total_length, union
 from megatron_moe.lancet.controller import setup
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
 from megatron_moe.lancet.planner import make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.parallel_state import initialize_model_parallel
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
@@ -229,8 +231,18 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 
 
 def main(argv=None) -> None:
-    """Profile once, time every mode, print the table (rank 0) and write --json."""
+    """Profile once, time every mode, print the table (rank 0) and write --json; then the shared
+    teardown (after `run` returned, so its groups are released)."""
     args = parse_args(argv)
+    with exit_on_comm_error():
+        run(args)
+        shutdown()
+    if int(os.environ.get("RANK", "0")) == 0:
+        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
+
+
+def run(args: argparse.Namespace) -> None:
+    """The benchmark proper (see `main`)."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -254,10 +266,6 @@ def main(argv=None) -> None:
         print_table(rows, head, args.iters)
         if args.json:
             atomic_write_json(args.json, [dict(r, config=head) for r in rows])
-    dist.barrier()
-    dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
 
 
 if __name__ == "__main__":

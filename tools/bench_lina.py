@@ -39,15 +39,17 @@ import sys
 import time
 from datetime import timedelta
 
+
 import torch
 import torch.distributed as dist
 
 from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.events import EventLog
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
 from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.parallel_state import initialize_model_parallel, validate_degrees
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown, validate_degrees
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -176,9 +178,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    """Parse, benchmark, then the shared teardown (after `run` returned: its groups are released)."""
     a = parse_args(argv)
     if "RANK" not in os.environ:
         sys.exit("bench_lina.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_lina.py)")
+    with exit_on_comm_error():
+        run(a)
+        shutdown()
+
+
+def run(a: argparse.Namespace) -> None:
+    """Every mode for --rounds rounds; table and --json on rank 0."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -221,8 +231,6 @@ def main(argv=None) -> None:
         if a.json:
             write_json(a.json, results)
             print(f"wrote {a.json}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ import time
 import torch
 import torch.distributed as dist
 
+
 from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.tracer import CommTracer
 from megatron_moe.moe.layer import MoELayer
-from megatron_moe.parallel_state import initialize_model_parallel
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 
@@ -103,7 +105,15 @@ def one_iteration(layer, x, gy, device) -> float:
 
 
 def main(argv=None) -> None:
+    """Parse, benchmark, then the shared teardown (after `run` returned: its groups are released)."""
     args = parse_args(argv)
+    with exit_on_comm_error():
+        run(args)
+        shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Time every schedule; print the table and write --json on rank 0."""
     backend = init_distributed(args.distributed_backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
@@ -149,7 +159,6 @@ def main(argv=None) -> None:
             with open(tmp, "w") as f:
                 json.dump(rows, f, indent=1)
             os.replace(tmp, args.json)
-    dist.destroy_process_group()
 
 
 def print_table(args, world: int, rows: list, layers: dict) -> None:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.checkpointing import NonFiniteError
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.parallel_state import shutdown
 from megatron_moe.training import pretrain
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
@@ -47,14 +49,17 @@ def main(argv=None) -> int:
     """Parse flags and train; returns the exit status."""
     os.environ.setdefault("WANDB_MODE", "offline")
     try:
-        pretrain(parse_args(argv))
+        # a collective stuck past --comm-timeout (or a lost peer): `error: ...` once, exit 1
+        with exit_on_comm_error():
+            pretrain(parse_args(argv))     # returns with Lina's thread joined and the logger closed
+            shutdown()                     # barrier, destroy every group, join the backends' threads
     except (*BAD_INPUT, NonFiniteError) as e:
         if first_to_report():
             print(f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, NonFiniteError) else 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():          # an error left the groups up
+            shutdown(barrier=False)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import events as _events
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.tracer import group_name, record
 from megatron_moe.profiling import annotate
 
@@ -60,7 +61,8 @@ def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "su
     record("all_reduce", group_name(group), _nbytes(t), _nbytes(t))
     rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     ev = _events.op_begin("all_reduce", group_name(group), _nbytes(t)) if _events.ACTIVE else None
-    work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
+    with guard("all_reduce", group):
+        work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
     if ev is not None:                      # event log (Lina, benchmarks): finish time
         _events.end_when_complete(ev, work if async_op else None)
     return work
@@ -74,7 +76,8 @@ def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(n)]
     record("all_gather", group_name(group), _nbytes(t), n * _nbytes(t))
-    dist.all_gather(parts, t, group=group)
+    with guard("all_gather", group):
+        dist.all_gather(parts, t, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -94,10 +97,12 @@ def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     record("reduce_scatter", group_name(group), _nbytes(t), _nbytes(t) // n)
     if t.is_cuda and dim == 0:
         out = torch.empty((t.size(0) // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+        with guard("reduce_scatter", group):
+            dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
         return out
     buf = t.contiguous().clone()
-    dist.all_reduce(buf, group=group)
+    with guard("reduce_scatter", group):
+        dist.all_reduce(buf, group=group)
     return buf.chunk(n, dim=dim)[r].contiguous()
 
 
@@ -123,9 +128,10 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
     record("all_to_all", group_name(group), _nbytes(t), _nbytes(out), remote)
     # a2a listeners (Lina holds gradient all-reduce micro-ops back) and the event log
     token = _events.a2a_begin(group_name(group), _nbytes(t)) if _events.ACTIVE else None
-    work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
-                                  input_split_sizes=None if in_splits is None else list(in_splits),
-                                  group=group, async_op=async_op)
+    with guard("all_to_all", group):
+        work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
+                                      input_split_sizes=None if in_splits is None else list(in_splits),
+                                      group=group, async_op=async_op)
     if token is not None:
         if async_op:
             work = _events.A2AWork(work, token)     # in flight until wait()

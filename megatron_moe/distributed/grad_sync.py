@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron_moe.distributed import events
+from megatron_moe.distributed import comm_errors, events
 from megatron_moe.distributed.collectives import all_reduce_raw
 
 
@@ -157,8 +157,7 @@ class GradSync:
                 self._launch(i)
         for i, b in enumerate(self.buckets):
             flat, work = self._launched[i]
-            if work is not None and hasattr(work, "wait"):
-                work.wait()
+            comm_errors.wait(work, "gradient all_reduce", self.ps.group(b["kind"]))
             if self.dp > 1:
                 flat.div_(self.dp)
             off = 0

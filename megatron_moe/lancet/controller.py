@@ -43,7 +43,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
-from megatron_moe.distributed.tracer import name_group
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import a2a_group
 from megatron_moe.lancet.partitioned_moe import partitioned_block_forward, skip_attn_forward
@@ -64,14 +63,7 @@ def _counts_group(ps):
         return ps._groups["ep_counts"]
     layout = ps.layout
     kinds = layout.ep_groups if ps.size("esp") == 1 else layout.ep_esp_groups
-    mine = None
-    for ranks in kinds:                      # every rank creates every group, in the same order
-        g = dist.new_group(ranks, backend="gloo")
-        if ps.global_rank in ranks:
-            mine = g
-    name_group(mine, "ep_counts")
-    ps._groups["ep_counts"] = mine
-    return mine
+    return ps.new_groups("ep_counts", kinds, backend="gloo")    # with --comm-timeout, like the others
 
 
 class LancetController:

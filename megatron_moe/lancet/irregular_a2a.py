@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import events
+from megatron_moe.distributed import comm_errors, events
 from megatron_moe.distributed.collectives import group_rank, group_size
 from megatron_moe.distributed.tracer import group_name, record
 from megatron_moe.profiling import annotate
@@ -59,7 +59,7 @@ def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:
         return counts_DX.clone()
     send = counts_DX.to(torch.int64).contiguous()
     out = torch.empty_like(send)
-    _launch(send, out, group, [1] * send.size(0), [1] * send.size(0)).wait()
+    comm_errors.wait(_launch(send, out, group, [1] * send.size(0), [1] * send.size(0)), "all_to_all", group)
     return out
 
 
@@ -103,7 +103,7 @@ class _Start(torch.autograd.Function):
         out, work, _ = ctx.op._bwd
         if ctx.op.wgrad is not None:
             ctx.op.wgrad.fill()                 # dW GEMMs while the gradient is on the wire
-        work.wait()
+        comm_errors.wait(work, "all_to_all", ctx.op.group)
         ctx.op._bwd = ()
         return out, None
 
@@ -112,7 +112,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv_RM, op: IrregularA2A):
         ctx.op = op
-        op._work.wait()
+        comm_errors.wait(op._work, "all_to_all", op.group)
         op._work = op._send = None
         return recv_RM
 
