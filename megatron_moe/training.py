@@ -414,5 +414,12 @@ class Trainer:
 
 
 def pretrain(cfg) -> list[dict]:
-    """Build a Trainer and run it; returns the per-iteration records of this rank."""
-    return Trainer(cfg).train()
+    """Build a Trainer and run it; returns the per-iteration records of this rank.
+
+    When training raises (bad data, a NaN stop, ...) the SIGUSR1 handler of the caller is put back
+    before the error propagates, so a process that goes on (a test, a notebook) is left as it was."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.stop.restore()
