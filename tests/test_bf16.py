@@ -16,11 +16,18 @@ from tiny_run import tiny_args
 
 ITERS = 6
 LAYOUTS = {"MP2xEP2": ("2", "2", "1"), "EP2xESP2": ("1", "2", "2")}
-# Measured (6 iterations, loss): |bf16 layout - bf16 one process| max 1.3e-3 (MP2xEP2) and
-# 5e-6 (EP2xESP2, no MP split of any matmul); |fp32 - bf16| one process 4.9e-3 at the last
-# iteration (max over iterations). TOL sits between them.
-TOL = 2.5e-3
-FP32_VS_BF16_MIN = 4e-3
+# Measured on 2 CPU cores (tiny_args, AdamW; loss differences):
+#                                   iteration 1    max over iterations 2-6 (2-10)
+#   bf16 MP2xEP2  - bf16 one process   1.26e-5      5.1e-4 (1.0e-3)
+#   bf16 EP2xESP2 - bf16 one process   1.29e-5      6.1e-4 (8.0e-4)
+#   fp32 - bf16, one process           2.20e-4      8.4e-4 (1.9e-3)
+# Only the first iteration (before any update) separates a layout's bf16 rounding from the
+# bf16-vs-fp32 difference; after updates, routing decisions and Adam's normalisation amplify
+# bf16 round-off so that both are the same size (SGD: the same picture, 5.2e-4 vs 1.35e-3).
+# So: iteration 1 within FIRST_TOL (which the fp32-vs-bf16 difference exceeds 4x), the rest
+# within TOL (a bound on the drift, 2x the largest measured layout difference).
+FIRST_TOL = 5e-5
+TOL = 2e-3
 
 
 class OpLog(TorchDispatchMode):
@@ -104,11 +111,11 @@ def one_process(sample_data):
     return (_losses(0, 1, tiny_args(sample_data, ITERS, "--bf16")), _losses(0, 1, tiny_args(sample_data, ITERS)))
 
 
-def test_fp32_and_bf16_curves_differ_by_more_than_the_tolerance(one_process):
+def test_fp32_and_bf16_first_losses_differ_by_more_than_the_tolerance(one_process):
     bf16, fp32 = one_process
-    diff = max(abs(a - b) for a, b in zip(bf16, fp32))
-    print(f"max |fp32 - bf16| one process: {diff:.3g}")
-    assert diff > FP32_VS_BF16_MIN > TOL
+    print(f"|fp32 - bf16| one process, per iteration: {[f'{abs(a - b):.2e}' for a, b in zip(bf16, fp32)]}")
+    assert abs(bf16[0] - fp32[0]) > 2 * FIRST_TOL, "bf16 did not run (or rounds like fp32)"
+    assert max(abs(a - b) for a, b in zip(bf16, fp32)) < TOL
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
@@ -118,9 +125,10 @@ def test_bf16_golden_curve_matches_bf16_one_process(sample_data, one_process, la
     argv = tiny_args(sample_data, ITERS, "--bf16", "--tensor-model-parallel-size", mp,
                      "--expert-model-parallel-size", ep, "--expert-sharding-parallel-size", esp)
     curves = spawn(_losses, 4, argv, timeout=600)
-    diff = max(abs(a - b) for curve in curves for a, b in zip(curve, ref))
-    print(f"max |bf16 {layout} - bf16 one process|: {diff:.3g}")
+    diffs = [max(abs(c[i] - ref[i]) for c in curves) for i in range(ITERS)]
+    print(f"|bf16 {layout} - bf16 one process|, per iteration: {[f'{d:.2e}' for d in diffs]}")
     for curve in curves:
         assert len(curve) == ITERS
         for i, (l, l_ref) in enumerate(zip(curve, ref)):
-            assert abs(l - l_ref) < TOL, f"iteration {i + 1}: bf16 loss {l} vs one-process {l_ref}"
+            tol = FIRST_TOL if i == 0 else TOL
+            assert abs(l - l_ref) < tol, f"iteration {i + 1}: bf16 loss {l} vs one-process {l_ref} (tol {tol:g})"
