@@ -109,7 +109,9 @@ def test_grid_simulator_averages_per_degrees():
     # one configuration computed by hand from the module docstring's messages (uniform alpha-beta)
     one = simulate_grid(uniform_model(PAPER_ALLGATHER), k=1, grid=dict(grid, n_mp=(2,), n_esp=(1,), L=(512,)))
     a, b = PAPER_ALLGATHER.alpha, PAPER_ALLGATHER.beta
-    t = lambda n: a + b * n                     # noqa: E731
+
+    def t(n: float) -> float:
+        return a + b * n
     S, M, E, C, C_mp = 4 * 512, 1024, 8, 308, 154  # C = ceil(1.2 * 2048 / 8), C_mp = C / N_MP
     baseline = 4 * t(E * C * M)                 # 2 all-to-alls each way over EP (ESP has one rank)
     s1 = 4 * t(S * M / 2) + 2 * t(S * M / 2) + t(2 * E) + t(2 * E) + t(E + 1) + t(E * M)

@@ -1,6 +1,5 @@
 """SAA seen from the event log: in Parm S2, chunk i's MP all-gather is launched while chunk i+1's
 return all-to-all is in flight (launched, not yet completed); with --no-moe-saa (AAS) never."""
-import torch
 
 from equivalence import MICRO_BATCH, global_batch, tiny_config
 from megatron_moe.distributed import events
