@@ -18,13 +18,19 @@ from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.model.sharding import coords_of
 
 
+def decays(name: str, p: torch.nn.Parameter) -> bool:
+    """Whether weight decay applies: matrices only. Not biases (an expert bias is [E_l, H], one
+    dim per expert), LayerNorm parameters, or the position table `wpe`."""
+    expert_bias = getattr(p, "_shard", None) is not None and p._shard.expert and p.dim() == 2
+    return p.dim() >= 2 and name != "wpe" and not expert_bias
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        expert = getattr(getattr(p, "_shard", None), "expert", False)   # expert tensors lead with [E]
-        (decay if p.dim() - int(expert) >= 2 and name != "wpe" else no_decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -62,7 +62,10 @@ def all_gather_start(t: torch.Tensor, group):
     parts = [torch.empty_like(t) for _ in range(n)]
     nbytes = t.numel() * t.element_size()
     record("all_gather", group_name(group), nbytes, n * nbytes)
-    return parts, dist.all_gather(parts, t, group=group, async_op=True)
+    ev = events.op_begin("all_gather", group_name(group), nbytes) if events.ACTIVE else None
+    work = dist.all_gather(parts, t, group=group, async_op=True)
+    events.end_when_complete(ev, work)     # in the event log, so tests can see what overlaps
+    return parts, work
 
 
 @annotate("moe/all_to_all")
