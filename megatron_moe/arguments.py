@@ -41,18 +41,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
-def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
-    """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
-    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
-                                     formatter_class=HelpFormatter)
-    defaults = Config()
-    for section, title in GROUPS.items():
-        group = parser.add_argument_group(title)
+def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(GROUPS),
+                     defaults: Optional[Config] = None, with_defaults: bool = True) -> None:
+    """Add the trainer's flags of the config `sections` to `parser` (one group each), with the
+    values of `defaults` (a Config; the dataclass defaults when None). Tools use it so their
+    flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config.
+    `with_defaults=False`: unset flags stay absent from the namespace."""
+    defaults = defaults or Config()
+    for section in sections:
+        group = parser.add_argument_group(GROUPS[section])
         sub = getattr(defaults, section)
         for f in dataclasses.fields(sub):
             flag, tp = _flag(f), _base_type(f.type)
             dest = f"{section}.{f.name}"
-            default = getattr(sub, f.name) if f.name not in ("ffn_hidden_size", "max_position_embeddings") else None
+            derived = f.name in ("ffn_hidden_size", "max_position_embeddings")     # from the others when None
+            default = None if derived else getattr(sub, f.name)
             if not with_defaults:
                 default = argparse.SUPPRESS
             if tp is bool:
@@ -62,7 +65,19 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
                 group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
                                    metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
                                    nargs=f.metadata.get("nargs"), help=f.metadata.get("help", ""))
+
+
+def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
+    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
+                                     formatter_class=HelpFormatter)
+    add_config_flags(parser, with_defaults=with_defaults)
     return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    """The Config of a namespace parsed with `add_config_flags` flags (a tool's own options are ignored)."""
+    return config_from_namespace({k: v for k, v in vars(ns).items() if "." in k})
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:

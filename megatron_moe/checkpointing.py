@@ -298,7 +298,7 @@ def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg
                        "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
             "config": portable_config(cfg), "optimizer": type(optimizer).__name__,
             "has_optimizer_state": bool(optimizer.state),
-            "router_calls": [layer._calls for layer in model.moe_layers()],
+            "router_calls": [layer.router.calls for layer in model.moe_layers()],
             "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
                                 "full_shape": list(p._full_shape)} for n, p in model.named_parameters()},
             "checksums": {"sha256": checksums}}
@@ -552,6 +552,6 @@ def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
     if torch.cuda.is_available() and "rng/cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng/cuda"])
     for layer, calls in zip(model.moe_layers(), meta.get("router_calls", [])):
-        layer._calls = calls
+        layer.router.calls = calls
     return meta
 

@@ -257,6 +257,8 @@ class OptimizationsConfig:
     lancet_group_ms: float = opt(1.0, "Lancet gamma: op group size in ms")
     lancet_max_range: int = opt(8, "Lancet iota: max range in op groups")
     lancet_report: Optional[str] = opt(None, "write Lancet's plan and timings to this JSON file")
+    lancet_force_partitions: int = opt(0, "Lancet: run every MoE block's range in this many parts whatever "
+                                          "the planner predicts (tests, fixed benchmarks; 0: the planner decides)")
 
     def __post_init__(self) -> None:
         check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.comm_errors import guard
-from megatron_moe.model.sharding import coords_of
+from megatron_moe.layers.sharding import coords_of
 
 
 def decays(name: str, p: torch.nn.Parameter) -> bool:

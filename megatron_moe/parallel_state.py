@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_moe.distributed.collectives import LOCAL_GROUP
 from megatron_moe.distributed.comm_errors import guard, set_group_timeout
-from megatron_moe.distributed.tracer import name_group
+from megatron_moe.distributed.observer import name_group
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,29 @@ class ParallelState:
     def new_groups(self, kind: str, rank_lists: list[list[int]], backend: Optional[str] = None):
         """Create one group per rank list (collective: every rank, same order) with this state's
         timeout; keep, name and return the one holding this rank (None if none does).
-        `destroy_model_parallel` destroys it with the others."""
+        `destroy_model_parallel` destroys it with the others. The one public way to add a group."""
+        if kind in self._groups:
+            raise ValueError(f"a group of kind {kind!r} already exists")
         mine = None
         for ranks in rank_lists:
             g = dist.new_group(ranks, backend=backend or self.backend, timeout=self.timeout)
             if self.global_rank in ranks:
                 mine = g
         if mine is not None:
-            self._groups[kind] = mine
+            self._keep(kind, mine)
             name_group(mine, kind)
             set_group_timeout(mine, self.timeout.total_seconds())
         return mine
+
+    def has_group(self, kind: str) -> bool:
+        """True when a group of `kind` is held (the layout's kinds, or one made with `new_groups`)."""
+        return kind in self._groups
+
+    def _keep(self, kind: str, group) -> None:
+        """Hold an existing group (the world group, LOCAL_GROUP) under `kind`."""
+        if kind in self._groups:
+            raise ValueError(f"a group of kind {kind!r} already exists")
+        self._groups[kind] = group
 
     def ranks(self, kind: str) -> list[int]:
         if kind == "world":
@@ -204,7 +217,7 @@ class ParallelState:
         return self.layout.esp
 
     def group_name(self, group) -> str:
-        """The kind of a group this state created ('mp', 'ep', ...), for the comm tracer."""
+        """The kind of a group this state created ('mp', 'ep', ...), for the collective observer."""
         for k, g in self._groups.items():
             if g is group:
                 return k
@@ -214,10 +227,9 @@ class ParallelState:
 def local_state() -> ParallelState:
     """A one-process state (every group is LOCAL_GROUP, size 1), usable with or without
     torch.distributed initialized: the one-process reference model uses it."""
-    from megatron_moe.distributed.collectives import LOCAL_GROUP
     state = ParallelState(rank_layout(1), 0, "none")
     for kind in GROUP_KINDS:
-        state._groups[kind] = LOCAL_GROUP
+        state._keep(kind, LOCAL_GROUP)
     state.global_rank = 0
     return state
 
@@ -261,7 +273,7 @@ def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
         backend = dist.get_backend()
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else default_group_timeout()
     state = ParallelState(layout, rank, backend, timeout)
-    state._groups["world"] = dist.group.WORLD
+    state._keep("world", dist.group.WORLD)
     name_group(dist.group.WORLD, "world")
     set_group_timeout(dist.group.WORLD, default_group_timeout().total_seconds())
     for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):

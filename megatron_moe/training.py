@@ -28,21 +28,27 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_moe import optimizations
 from megatron_moe.arguments import config_to_dict, validate
 from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, check_config,
                                         load_checkpoint, read_metadata, resolve, save_checkpoint)
+from megatron_moe.config import Config
+from megatron_moe.data.indexed_dataset import MMapIndexedDataset
+from megatron_moe.data.paths import default_data_prefix, tokenizer_dir_for
+from megatron_moe.data.preprocess import prepare_sample_data
+from megatron_moe.data.sampler import build_train_valid_test_data_loaders
+from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.data.paths import default_data_prefix, tokenizer_dir_for
+from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
-from megatron_moe.model.fused import kernel_report
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
-from megatron_moe.parallel_state import initialize_model_parallel, local_state
+from megatron_moe.parallel_state import ParallelState, initialize_model_parallel, local_state
 from megatron_moe.profiling import StepProfiler, annotate
 
 
-def init_distributed(cfg):
+def init_distributed(cfg: Config):
     """Process group from torchrun's env (or one process without it) and the layout's groups."""
     p = cfg.parallel
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
@@ -65,11 +71,10 @@ def init_distributed(cfg):
     return ps, device
 
 
-def prepare_data(cfg, ps) -> None:
+def prepare_data(cfg: Config, ps: ParallelState) -> None:
     """Default data: preprocess the bundled sample corpus once (rank 0) into
     `data.paths.default_data_dir()` (never the current directory), then read its vocab size."""
     if cfg.data.data_path is None:
-        from megatron_moe.data.preprocess import prepare_sample_data
         prefix = default_data_prefix()
         if ps.global_rank == 0:
             prepare_sample_data(prefix)
@@ -77,7 +82,6 @@ def prepare_data(cfg, ps) -> None:
             dist.barrier()
         cfg.data.data_path = prefix
     if cfg.model.vocab_size == 0:
-        from megatron_moe.data.tokenizer import load_tokenizer
         tok_dir = cfg.data.tokenizer_name_or_path or tokenizer_dir_for(cfg.data.data_path)
         if not os.path.exists(tok_dir) and cfg.train.load and not cfg.data.tokenizer_name_or_path:
             tok_dir = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)   # the checkpoint carries it
@@ -87,8 +91,7 @@ def prepare_data(cfg, ps) -> None:
         cfg.model.vocab_size = load_tokenizer(tok_dir).vocab_size
 
 
-def build_loaders(cfg, ps, consumed: int):
-    from megatron_moe.data.sampler import build_train_valid_test_data_loaders
+def build_loaders(cfg: Config, ps: ParallelState, consumed: int):
     t = cfg.train
     gb = t.global_batch_size
     eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
@@ -104,7 +107,6 @@ def build_loaders(cfg, ps, consumed: int):
 
 def _indexed_datasets(dataset) -> list:
     """The indexed datasets under a loader's dataset (a GPTDataset, or a blend holding several)."""
-    from megatron_moe.data.indexed_dataset import MMapIndexedDataset
     if dataset is None:
         return []
     if isinstance(dataset, MMapIndexedDataset):
@@ -115,7 +117,7 @@ def _indexed_datasets(dataset) -> list:
     return [d for sub in getattr(dataset, "datasets", []) for d in _indexed_datasets(sub)]
 
 
-def model_flops_per_token(cfg) -> float:
+def model_flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token (6 x active params + attention), for the TFLOP/s estimate."""
     m, moe = cfg.model, cfg.moe
     L, M, H, T = m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length
@@ -184,7 +186,7 @@ def profile_dir(cfg) -> Optional[str]:
 class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         if cfg.train.load and cfg.train.use_checkpoint_args:
             apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
@@ -201,15 +203,9 @@ class Trainer:
             check_config(read_metadata(path), cfg, self.ps, path)
         self.model = GPT2MoE(cfg, self.ps).to(self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
-        self.scheduler = None
-        if cfg.opts.lina:
-            from megatron_moe.distributed.lina import LinaScheduler
-            self.scheduler = LinaScheduler(cfg.opts.lina_partition_mb, cfg.parallel.comm_timeout)
-        self.grad_sync = GradSync(self.model, self.ps, scheduler=self.scheduler)
-        self.lancet = None
-        if cfg.opts.lancet_wgrad or cfg.opts.lancet_partition:
-            from megatron_moe import lancet
-            self.lancet = lancet.setup(self.model, self.ps, cfg.opts)
+        self.grad_sync = GradSync(self.model, self.ps)
+        self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
+        self.lancet = applied.lancet
         self.iteration, self.consumed = 0, 0
         self.checkpoint_meta: dict = {}
         if cfg.train.load:
@@ -231,8 +227,9 @@ class Trainer:
         self.logger.line(f"> layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} "
                          f"expert-DP{lay.expert_dp}; params on this rank {n_params / 1e6:.2f}M; "
                          f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})")
-        self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}; "
-                         f"MoE schedule per layer: {[l.schedule for l in self.model.moe_layers()]}")
+        self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
+        for change in applied.changes:
+            self.logger.line(f"> {change}")
 
     def choose_wandb_run_id(self) -> Optional[str]:
         """The wandb run id: the resumed checkpoint's, else a new one made on rank 0 and shared."""
@@ -413,7 +410,7 @@ class Trainer:
         self.logger.close()
 
 
-def pretrain(cfg) -> list[dict]:
+def pretrain(cfg: Config) -> list[dict]:
     """Build a Trainer and run it; returns the per-iteration records of this rank.
 
     When training raises (bad data, a NaN stop, ...) the SIGUSR1 handler of the caller is put back

@@ -11,9 +11,9 @@ import torch
 
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync, sync_gradients
-from megatron_moe.distributed.tracer import CommTracer
+from megatron_moe.distributed.observer import CommLog as CommTracer
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.model.sharding import assemble, local_pieces
+from megatron_moe.layers.sharding import assemble, local_pieces
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 
 MICRO_BATCH = 2

@@ -68,13 +68,13 @@ def test_gate_matmul_runs_in_fp32_under_bf16_autocast():
         assert shapes == [(S, M), (M, E)]
         assert dtypes == [torch.float32, torch.float32] and out_dtype == torch.float32, dtypes
     assert any(o[0] == "mm" and o[3] == torch.bfloat16 for o in ops), "autocast was not active"
-    # and the values: gate_logits under autocast equal the plain fp32 product exactly
+    # and the values: router.logits under autocast equal the plain fp32 product exactly
     layer = model.moe_layers()[0]
     x = torch.randn(S, M, generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = layer.gate_logits(x)
+        logits = layer.router.logits(x)
     assert logits.dtype == torch.float32
-    assert torch.equal(logits, x @ layer.gate_w.detach().t())
+    assert torch.equal(logits, x @ layer.router.gate_w.detach().t())
 
 
 def test_cross_entropy_runs_in_fp32_under_bf16_autocast():

@@ -15,7 +15,7 @@ from equivalence import MICRO_BATCH, global_batch, reference, tiny_config
 from megatron_moe.arguments import parse_args
 from megatron_moe.distributed.grad_sync import sync_gradients
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.model.sharding import assemble, local_pieces
+from megatron_moe.layers.sharding import assemble, local_pieces
 from megatron_moe.optim import clip_gradients, global_grad_norm
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_moe.testing import spawn

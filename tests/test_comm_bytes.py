@@ -39,7 +39,7 @@ def test_baseline_bytes_match_formula():
 
 def _collective_grads(rank, world):
     from megatron_moe.distributed import collectives as c
-    from megatron_moe.distributed.tracer import CommTracer
+    from megatron_moe.distributed.observer import CommLog as CommTracer
     import torch.distributed as dist
     group = dist.group.WORLD
     out = {}

@@ -100,7 +100,7 @@ def _load_and_resume(rank, world, data, ckpt, paths):
     from megatron_moe.arguments import config_from_dict, parse_args
     from megatron_moe.checkpointing import load_checkpoint, read_metadata, resolve
     from megatron_moe.model.gpt2 import GPT2MoE
-    from megatron_moe.model.sharding import rank_coords, shard_tensor
+    from megatron_moe.layers.sharding import rank_coords, shard_tensor
     from megatron_moe.optim import build_optimizer
     from megatron_moe.parallel_state import initialize_model_parallel
     from megatron_moe.training import pretrain

@@ -4,7 +4,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.model.hf_import import config_from_hf, full_state_from_hf, hf_state_from_full
-from megatron_moe.model.sharding import load_full_state
+from megatron_moe.layers.sharding import load_full_state
 from megatron_moe.parallel_state import local_state
 
 
@@ -47,7 +47,7 @@ def test_upcycled_top2_moe_equals_dense_without_drops():
     moe = build_ours(hf, num_experts=4, topk=2)
     moe.cfg.moe.moe_expert_capacity_factor = 4.0
     for layer in moe.moe_layers():
-        layer.cf = 4.0
+        layer.router.cf = 4.0
     dense = build_ours(hf)
     ids = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -64,11 +64,11 @@ def test_upcycled_top1_moe_output_is_gate_value_times_dense_mlp():
     moe = build_ours(hf, num_experts=4, topk=1)
     dense = build_ours(hf)
     layer, mlp = moe.blocks[1].moe, dense.blocks[1].mlp
-    layer.cf = 4.0
+    layer.router.cf = 4.0
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
         y, _ = layer(x)
-        gates = torch.softmax(x.reshape(-1, 32) @ layer.gate_w.t(), -1).max(-1).values
+        gates = torch.softmax(x.reshape(-1, 32) @ layer.router.gate_w.t(), -1).max(-1).values
         expect = mlp(x).reshape(-1, 32) * gates[:, None]
         assert (y.reshape(-1, 32) - expect).abs().max().item() < 1e-5
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_moe.lancet.axes import (AxisOp, AxisRange, feasibility, op_options, solve_axes,
                                       standard_moe_block_ops)
-from megatron_moe.lancet.cost import CommCostModel, OpProfiler, profile_comm, profile_sizes
+from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.ir import Graph, Instr, overlappable_dw
 from megatron_moe.lancet.partition_dp import group_ops, plan_ops, plan_partitions
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate, split_stages
@@ -185,8 +185,6 @@ def test_comm_cost_model_interpolates_and_extrapolates(tmp_path):
     assert m.a2a_part_ms(8192, 4) == m.predict(2048) == 1.5
     m.to_json(str(tmp_path / "comm.json"))
     assert CommCostModel.from_json(str(tmp_path / "comm.json")).predict(3072) == 2.0
-    assert profile_sizes(5000) == [1024, 2048, 4096, 5000]
-    assert profile_sizes(4096) == [1024, 2048, 4096]
     with pytest.raises(ValueError, match=">= 2"):
         CommCostModel([(1024, 1.0)])
 
@@ -197,17 +195,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def test_profile_comm_with_fake_clock():
-    clock = FakeClock()
-
-    def run(nbytes: int) -> None:
-        clock.t += 0.5e-3 + nbytes / 1024 * 1e-3  # 0.5 ms latency + 1 ms per KB
-
-    m = profile_comm(run, 8192, warmup=1, iters=3, clock=clock)
-    assert m.bytes == [1024, 2048, 4096, 8192]
-    assert m.ms == pytest.approx([1.5, 2.5, 4.5, 8.5])
 
 
 def test_op_profiler_measures_once_and_persists(tmp_path):

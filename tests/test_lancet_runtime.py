@@ -15,7 +15,7 @@ import torch
 
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.distributed.tracer import CommTracer
+from megatron_moe.distributed.observer import CommLog as CommTracer
 from megatron_moe.lancet.controller import setup
 from megatron_moe.lancet.cost import CommCostModel
 from megatron_moe.lancet.model_ir import Costs, DENSE_OPS, MOE_OPS
@@ -63,11 +63,6 @@ def one_run(cfg: Config, ps, plan) -> dict:
     """Forward + backward + GradSync of one micro-batch; what the comparisons need."""
     model = GPT2MoE(cfg, ps)
     sync = GradSync(model, ps, bucket_mb=0.01)
-    captured: dict = {}
-    for l, b in enumerate(model.blocks):
-        if b.is_moe:
-            orig = b.moe.route
-            b.moe.route = (lambda orig, l: lambda logits, g: captured.setdefault(l, orig(logits, g)))(orig, l)
     hidden = []
     model.ln_f.register_forward_hook(lambda m, a, o: hidden.append(o.detach().clone()))
     g = torch.Generator().manual_seed(5)
@@ -81,10 +76,11 @@ def one_run(cfg: Config, ps, plan) -> dict:
     sync.finish()
     slots, experts = {}, {}
     for l, b in enumerate(model.blocks):
-        if b.is_moe:
-            partitioned = plan is not None and any(r.layer == l for r in plan.ranges)
-            slots[l] = b.moe.lancet_last_slot if partitioned else captured[l].slot if l in captured else None
-            experts[l] = captured[l].expert if l in captured else None
+        if b.is_moe:          # the routes of the whole group (S1's are this rank's slices: not compared)
+            routes = b.moe.router.last_routes
+            whole = cfg.moe.moe_schedule != "s1"
+            slots[l] = torch.cat([r.slot for r in routes]) if whole else None
+            experts[l] = torch.cat([r.expert for r in routes]) if whole else None
     drops = {l: b.moe.last_stats["dropped"] for l, b in enumerate(model.blocks) if b.is_moe}
     return {"loss": loss.item(), "hidden": hidden[0], "slots": slots, "experts": experts, "drops": drops,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},

@@ -73,7 +73,7 @@ def test_deferred_expert_gemms_equal_the_plain_experts_bitwise():
         ex = Experts(4, 32, 64, local_state(), seed=3, name="ex")
         if defer:
             rt = WgradRuntime({})
-            ex.deferred_bmm = (rt.bmm("fc1.dW"), rt.bmm("fc2.dW"))
+            ex.set_dw_queue(rt, "")
         x = torch.randn(4, 5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
         (ex(x, grad_scale=0.5) ** 2).sum().backward()
         grads.append([x.grad] + [p.grad for p in ex.parameters()])
@@ -161,7 +161,7 @@ def test_report_and_remove(tmp_path):
     assert all(r["measured_forward_ms"] > 0 for r in rep["ranges"])
     assert math.isfinite(rep["predicted"]["iteration_ms"]) and rep["dp"]
     ctl.remove()
-    assert "forward" not in vars(model.blocks[1]) and model.blocks[0].attn.qkv.linear_fn is F.linear
+    assert model.runners == {} and model.blocks[0].attn.qkv.dw_queue is None
     assert model(ids, ids)[0].item() == plain
 
 

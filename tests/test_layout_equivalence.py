@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from equivalence import compare, compare_steps, reference, reference_steps, run_layout, tiny_config
-from megatron_moe.model.sharding import ShardSpec, assemble
+from megatron_moe.layers.sharding import ShardSpec, assemble
 from megatron_moe.testing import spawn
 
 LAYOUTS = {

@@ -44,3 +44,87 @@ def test_no_pickle_based_checkpoint_loading():
                     if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
                         offenders.append((path, "torch.load without weights_only=True"))
     assert not offenders, offenders
+
+
+def _writes(tree):
+    """(attribute written, the expression it is written on) for every assignment target in `tree`,
+    including subscripted ones (`a.b[k] = v` writes `b` of `a`) and setattr(obj, "name", v)."""
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant)):
+            yield node.args[1].value, node.args[0], node
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                while isinstance(el, ast.Subscript):
+                    el = el.value
+                if isinstance(el, ast.Attribute):
+                    yield el.attr, el.value, node
+
+
+def test_no_forward_replacement_and_no_private_parallel_state_writes():
+    """Optimizations ask modules for hooks: nothing assigns a module's `forward`, and only
+    ParallelState's own methods write its private fields (others call `add_group`)."""
+    from megatron_moe.parallel_state import ParallelState
+    private = {f for f in ParallelState.__dataclass_fields__ if f.startswith("_")}
+    assert private == {"_groups"}
+    bad = []
+    for path in _library_files():
+        tree = ast.parse(open(path).read(), path)
+        methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "ParallelState"
+                   for n in ast.walk(c)}
+        for attr, obj, node in _writes(tree):
+            if attr == "forward":
+                bad.append((path, node.lineno, "assigns forward"))
+            if attr in private and not (id(node) in methods and getattr(obj, "id", None) == "self"):
+                bad.append((path, node.lineno, f"writes {attr}"))
+    assert not bad, bad
+
+
+def test_the_check_sees_forward_and_private_writes():
+    """The check above is not vacuous: it flags the forms it looks for."""
+    src = "m.forward = f\nsetattr(b, 'forward', g)\nps._groups['x'] = 1\nps._groups = {}\n"
+    found = sorted(attr for attr, _, _ in _writes(ast.parse(src)))
+    assert found == ["_groups", "_groups", "forward", "forward"]
+
+
+LAYERS = {"distributed": 0, "layers": 1, "moe": 2, "model": 3, "lancet": 4, "optimizations": 5, "training": 6}
+
+
+def _layer_of(module: str):
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 and parts[0] == "megatron_moe" else None
+
+
+def test_imports_go_down_the_layers_only():
+    """distributed -> layers -> moe -> model -> lancet -> optimizations -> training: a module imports
+    only from its own layer or lower ones (at module level, outside TYPE_CHECKING) and never
+    imports a project module inside a function."""
+    bad = []
+    for path in _library_files():
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        mine = _layer_of(rel)
+        if mine is None:
+            continue
+        tree = ast.parse(open(path).read(), path)
+        checking = {id(n) for node in tree.body if isinstance(node, ast.If)
+                    and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("megatron_moe"):
+                continue
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            theirs = max((x for x in map(_layer_of, names) if x is not None), default=None)
+            if id(node) in checking:
+                continue
+            if id(node) not in top:
+                bad.append((rel, node.lineno, "import inside a function or block"))
+            elif theirs is not None and theirs > mine:
+                bad.append((rel, node.lineno, f"imports {node.module} from a higher layer"))
+    assert not bad, bad

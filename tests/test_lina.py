@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from equivalence import MICRO_BATCH, tiny_config
-from megatron_moe.distributed import events
+from megatron_moe.distributed import observer as events
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind
 from megatron_moe.distributed.lina import CommTimeoutError, LinaScheduler
 from megatron_moe.model.gpt2 import GPT2MoE
@@ -177,7 +177,7 @@ def _four_ranks(rank, world):
             heavy = heavy_config()
             for mode in ("plain", "lina", "no_priority"):
                 sched = None if mode == "plain" else LinaScheduler(HEAVY_MB, 60.0, prioritize=mode == "lina")
-                log = sched.log if sched is not None else events.EventLog().start()
+                log = sched.log if sched is not None else events.CommLog().start()
                 *_, evs, _ = train(heavy, ps, sched, 2, bucket_mb=1.0, log=log)
                 log.stop()
                 out[f"heavy_{mode}"] = [overlap_facts(e) for e in evs]

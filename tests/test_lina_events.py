@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from equivalence import tiny_config
-from megatron_moe.distributed import events
+from megatron_moe.distributed import observer as events
 from megatron_moe.distributed.collectives import LOCAL_GROUP
-from megatron_moe.distributed.events import CommEvent
+from megatron_moe.distributed.observer import CommEvent
 from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import local_state
@@ -35,7 +35,7 @@ def test_launched_during_and_overlapping():
 
 
 def test_summary_counts_overlap_of_gradient_all_reduce_only():
-    log = events.EventLog()
+    log = events.CommLog()
     log.events.extend([ev(0, "all_to_all", 0.0, 0.010), ev(1, "all_reduce", 0.005, 0.030, "grad", 64),
                        ev(2, "all_reduce", 0.0, 0.010, "", 8)])      # an untagged (ESP) all-reduce
     s = log.summary()

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import all_to_all_raw
-from megatron_moe.distributed.events import EventLog
+from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.testing import spawn
 
@@ -17,7 +17,7 @@ PARTS = 4
 def _announce_then_all_to_all(rank, world):
     grad_group = dist.new_group(list(range(world)))        # micro-ops on their own group
     grad = torch.full((PARTS * 256,), float(rank + 1))
-    log = EventLog().start()
+    log = CommLog().start()
     sched = LinaScheduler(partition_mb=256 * 4 / 2 ** 20, timeout_s=60.0, log_events=log)
     try:
         announced = time.perf_counter()

@@ -18,7 +18,7 @@ from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync, sync_gradients
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.model.sharding import assemble, local_pieces
+from megatron_moe.layers.sharding import assemble, local_pieces
 from megatron_moe.optim import (
     build_optimizer,
     clip_gradients,
@@ -61,10 +61,10 @@ def test_random_routing_draws_differ_across_routing_groups_and_calls():
 
 def test_gate_logits_are_fp32_under_bf16_autocast():
     layer = GPT2MoE(tiny_config(), local_state()).moe_layers()[0]
-    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3), device=layer.gate_w.device)
-    want = x.double() @ layer.gate_w.detach().double().t()
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3), device=layer.router.gate_w.device)
+    want = x.double() @ layer.router.gate_w.detach().double().t()
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        got = layer.gate_logits(x)
+        got = layer.router.logits(x)
     assert got.dtype == torch.float32
     # fp32 round-off is ~1e-7 here; a bf16 matmul is off by ~1e-3
     assert (got.double() - want).abs().max().item() < 1e-5
@@ -194,11 +194,11 @@ def _layout_case(schedule: str, lay: tuple, hooks: bool) -> dict:
 
 def _saa_order(rank: int) -> dict:
     from megatron_moe.distributed.saa import a2a_combine_gather
-    from megatron_moe.distributed.tracer import CommTracer
+    from megatron_moe.distributed.observer import CommLog
     ps = initialize_model_parallel(2, 2, 1)
     try:
         send = torch.arange(2 * 1 * 6 * 3, dtype=torch.float32).view(2, 1, 6, 3) + 100 * rank   # [D, E_l, N, M]
-        with CommTracer() as tr:
+        with CommLog() as tr:
             saa = a2a_combine_gather(send, ps.group("ep_esp"), ps.group("mp"), 1, overlap=True, chunks=3)
         aas = a2a_combine_gather(send, ps.group("ep_esp"), ps.group("mp"), 1, overlap=False)
         return {"ops": [r.op for r in tr.records], "equal": torch.equal(saa, aas)}
@@ -207,9 +207,9 @@ def _saa_order(rank: int) -> dict:
 
 
 def _lina_imminent(rank: int) -> dict:
-    from megatron_moe.distributed.events import EventLog
+    from megatron_moe.distributed.observer import CommLog
     from megatron_moe.distributed.lina import LinaScheduler
-    log = EventLog()
+    log = CommLog()
     sched = LinaScheduler(1.0, 60.0, log_events=log)
     try:
         sched.a2a_imminent()                 # backward reached a combine step: an all-to-all is next
@@ -227,10 +227,10 @@ def _lina_imminent(rank: int) -> dict:
 
 
 def _lina_order(rank: int) -> dict:
-    from megatron_moe.distributed.events import EventLog
+    from megatron_moe.distributed.observer import CommLog
     from megatron_moe.distributed.lina import LinaScheduler
     ps = initialize_model_parallel(1, 1, 1)
-    log = EventLog()
+    log = CommLog()
     sched = LinaScheduler(0.002, 60.0, log_events=log)            # 2097-byte micro-ops
     try:
         model = GPT2MoE(tiny_config(), ps)

@@ -69,7 +69,7 @@ def test_weight_decay_applies_to_matrices_only():
     matrices = ["attn.qkv.weight", "attn.proj.weight"]
     want_decay = (["wte.weight", "blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight"]
                   + [f"blocks.{i}.{m}" for i in (0, 1) for m in matrices]
-                  + ["blocks.1.moe.gate_w", "blocks.1.moe.experts.fc_w", "blocks.1.moe.experts.proj_w"])
+                  + ["blocks.1.moe.router.gate_w", "blocks.1.moe.experts.fc_w", "blocks.1.moe.experts.proj_w"])
     assert got_decay == sorted(want_decay)
     assert got_none == sorted(n for n in names.values() if n not in want_decay)
     # what is excluded: every bias (expert biases too), every LayerNorm parameter, the position table

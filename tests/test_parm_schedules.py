@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 from equivalence import compare, global_batch, reference, run_layout, tiny_config
-from megatron_moe.distributed.tracer import CommTracer
+from megatron_moe.distributed.observer import CommLog as CommTracer
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.router import route
@@ -109,7 +109,7 @@ def reference_routes(cfg, dp):
     M = cfg.model.hidden_size
     m = cfg.moe
     with torch.no_grad():
-        return [route(layer.gate_logits(layer_input(d, M).reshape(B * T, M)), m.moe_router_topk,
+        return [route(layer.router.logits(layer_input(d, M).reshape(B * T, M)), m.moe_router_topk,
                       m.moe_expert_capacity_factor, m.moe_min_capacity) for d in range(dp)]
 
 
@@ -247,7 +247,7 @@ def _local_capacity_drops(cfg, dp, mp):
         model(ids, labels)
     x = seen["x"].reshape(dp * mp, -1, cfg.model.hidden_size)        # group-major, then slice
     m = cfg.moe
-    return sum(route(layer.gate_logits(x[i]), m.moe_router_topk, m.moe_expert_capacity_factor,
+    return sum(route(layer.router.logits(x[i]), m.moe_router_topk, m.moe_expert_capacity_factor,
                      m.moe_min_capacity).num_dropped for i in range(dp * mp))
 
 

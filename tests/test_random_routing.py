@@ -16,7 +16,7 @@ def _layer(routing_groups: int, seed: int = 7):
 
 def _experts(layer, x_GSM: torch.Tensor) -> list[torch.Tensor]:
     """The experts chosen for each routing group of x_GSM (one route call per group)."""
-    return [layer.route(layer.gate_logits(x_GSM[g]), g).expert for g in range(x_GSM.size(0))]
+    return [layer.router.route(x_GSM[g], g).expert for g in range(x_GSM.size(0))]
 
 
 def _same_tokens(groups: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from megatron_moe.moe.dispatch import combine, dispatch, dispatch_index
+from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity, route
 
 

@@ -6,7 +6,7 @@ from megatron_moe.testing import spawn
 
 
 def _p2p_events(rank, world):
-    from megatron_moe.distributed.events import EventLog
+    from megatron_moe.distributed.observer import CommLog as EventLog
     from megatron_moe.distributed.saa import a2a_combine_gather
     from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
     ps = initialize_model_parallel(2, 2, 1)

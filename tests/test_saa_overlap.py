@@ -2,8 +2,8 @@
 return all-to-all is in flight (launched, not yet completed); with --no-moe-saa (AAS) never."""
 
 from equivalence import MICRO_BATCH, global_batch, tiny_config
-from megatron_moe.distributed import events
-from megatron_moe.distributed.events import EventLog
+from megatron_moe.distributed import observer
+from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -12,10 +12,10 @@ from megatron_moe.testing import spawn
 CHUNKS = SAA_CHUNKS     # the slot dim (8 slots per expert and MP rank here) splits into this many
 
 
-def _overlapped(log: EventLog) -> tuple[int, int]:
+def _overlapped(log: CommLog) -> tuple[int, int]:
     """(all-gathers launched while an all-to-all was in flight, all-gathers)."""
     gathers, a2as = log.of("all_gather"), log.of("all_to_all")
-    return len(events.launched_during(gathers, a2as)), len(gathers)
+    return len(observer.launched_during(gathers, a2as)), len(gathers)
 
 
 def _s2_steps(rank, world):
@@ -27,7 +27,7 @@ def _s2_steps(rank, world):
         out = {}
         for saa in (True, False):
             model = GPT2MoE(tiny_config(schedule="s2", cf=2.0, moe_saa=saa), ps)
-            with EventLog() as log:
+            with CommLog() as log:
                 lm, aux = model(ids[mine], labels[mine])
                 (lm + aux).backward()
             out[saa] = _overlapped(log)

@@ -12,14 +12,12 @@ backward each on one fixed micro-batch, so load that comes and goes on a
 shared machine hits every mode alike (gradient sync and the optimizer step are
 the same in every mode and are left out). Per iteration it measures:
   iter_ms          wall time of forward + backward (the slowest rank's median; also its min),
-  a2a_ms           time some all-to-all was in flight (union of [launch, completion];
-                   completion from the work's future callback),
+  a2a_ms           time some all-to-all was in flight (union of [launch, finish]),
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
                    call, or `wait()` on an asynchronous one) minus the part of it in
                    which the dW helper thread was computing,
 and reports the cost model's predicted iteration time (`planner.predict`).
-To see all-to-alls the benchmark wraps `torch.distributed.all_to_all_single`
-while timing (a measuring instrument of this tool; the library never does it).
+The all-to-alls come from the library's collective observer (`distributed/observer.py`).
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
 iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
 """
@@ -28,16 +26,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
+from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
-from megatron_moe.distributed.events import intersection_length, total_length, union
+from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union
 from megatron_moe.lancet.controller import setup
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
@@ -48,92 +47,44 @@ from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
 
-class A2ATimer:
-    """Records every all_to_all_single while active: launch, completion and blocked intervals."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-        self._orig = None
-
-    def __enter__(self) -> "A2ATimer":
-        self._orig = orig = dist.all_to_all_single
-        timer = self
-
-        def timed(*args, async_op: bool = False, **kwargs):
-            rec = {"launch": time.perf_counter(), "complete": None, "blocked": []}
-            timer.calls.append(rec)
-            work = orig(*args, async_op=async_op, **kwargs)
-            if not async_op:
-                rec["complete"] = time.perf_counter()
-                rec["blocked"].append((rec["launch"], rec["complete"]))
-                return work
-            try:
-                work.get_future().then(lambda _f: rec.__setitem__("complete", time.perf_counter()))
-            except (RuntimeError, AttributeError):
-                pass
-            return _TimedWork(work, rec)
-
-        dist.all_to_all_single = timed
-        return self
-
-    def __exit__(self, *exc) -> None:
-        dist.all_to_all_single = self._orig
-
-    def measure(self, helper: list) -> tuple[float, float]:
-        """(ms some all-to-all was in flight, ms the main thread was blocked on one and no dW ran)."""
-        spans = [(c["launch"], c["complete"] or max(b for _, b in c["blocked"] or [(0, c["launch"])]))
-                 for c in self.calls]
-        blocked = union([iv for c in self.calls for iv in c["blocked"]])
-        hidden = intersection_length(blocked, union(helper))
-        return 1e3 * total_length(union(spans)), 1e3 * (total_length(blocked) - hidden)
+def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
+    """From the observer: (ms some all-to-all was in flight, ms the main thread was blocked on one
+    while no helper-thread dW ran); a synchronous all-to-all blocks from launch to finish."""
+    a2a = [e for e in log.snapshot() if e.op == "all_to_all" and e.finish is not None]
+    blocked = union([iv for e in a2a for iv in e.info.get("blocked", [(e.launch, e.finish)])])
+    hidden = intersection_length(blocked, union(helper))
+    return 1e3 * total_length(union([(e.launch, e.finish) for e in a2a])), 1e3 * (total_length(blocked) - hidden)
 
 
-class _TimedWork:
-    def __init__(self, work, rec):
-        self._work, self._rec = work, rec
-
-    def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._work.wait(*args, **kwargs)
-        t1 = time.perf_counter()
-        self._rec["blocked"].append((t0, t1))
-        if self._rec["complete"] is None:
-            self._rec["complete"] = t1
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+def bench_defaults() -> Config:
+    """The benchmark's default model (the trainer's flags change any of it)."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 256, 4, 128, 1024
+    moe.num_experts, moe.moe_expert_capacity_factor, moe.moe_schedule = 8, 1.0, "baseline"
+    cfg.train.micro_batch_size, cfg.train.seed = 8, 1234
+    return cfg
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The benchmark's flags (model flags named as pretrain_gpt_moe.py's)."""
+    """The trainer's model / MoE / parallelism / training / optimization flags
+    (`arguments.add_config_flags`; --expert-model-parallel-size defaults to the world size / MP,
+    --lancet-report PATH writes PATH.<mode>.json)
+    plus the benchmark's own: --modes, --warmup, --iters, --json."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_flags(p, ("model", "moe", "parallel", "train", "opts"), bench_defaults())
     a = p.add_argument
-    a("--num-layers", type=int, default=4)
-    a("--hidden-size", type=int, default=256)
-    a("--num-attention-heads", type=int, default=4)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--seq-length", type=int, default=128)
-    a("--micro-batch-size", type=int, default=8)
-    a("--vocab-size", type=int, default=1024)
-    a("--num-experts", type=int, default=8)
-    a("--moe-layer-freq", type=int, default=2)
-    a("--moe-router-topk", type=int, default=1)
-    a("--moe-router-policy", default="position", choices=["position", "batch_prioritized", "random"])
-    a("--moe-expert-capacity-factor", type=float, default=1.0)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--expert-model-parallel-size", type=int, default=None, help="default: the world size / MP")
-    a("--expert-sharding-parallel-size", type=int, default=1)
-    a("--lancet-max-partitions", type=int, default=8)
-    a("--lancet-group-ms", type=float, default=1.0)
-    a("--lancet-max-range", type=int, default=8)
-    a("--lancet-report", default=None, help="write each mode's Lancet report to PATH.<mode>.json")
     a("--modes", default="none,dw,partition,both")
     a("--warmup", type=int, default=3)
     a("--iters", type=int, default=10)
     a("--json", default=None, help="write the rows as JSON to this path")
-    a("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    try:
+        args.cfg = config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    args.ep_given = any(x.split("=")[0] == "--expert-model-parallel-size" for x in argv)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
@@ -141,23 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(args, world: int) -> Config:
-    """A Config for the benchmark's model and Lancet knobs (baseline MoE schedule)."""
-    cfg = Config()
-    m, moe, par, o = cfg.model, cfg.moe, cfg.parallel, cfg.opts
-    m.num_layers, m.hidden_size, m.num_attention_heads = args.num_layers, args.hidden_size, args.num_attention_heads
-    m.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    m.seq_length = m.max_position_embeddings = args.seq_length
-    m.vocab_size = args.vocab_size
-    moe.num_experts, moe.moe_layer_freq = args.num_experts, args.moe_layer_freq
-    moe.moe_router_topk = args.moe_router_topk
-    moe.moe_router_policy, moe.moe_expert_capacity_factor = args.moe_router_policy, args.moe_expert_capacity_factor
-    moe.moe_schedule = "baseline"
-    par.tensor_model_parallel_size = args.tensor_model_parallel_size
-    par.expert_model_parallel_size = args.expert_model_parallel_size or world // args.tensor_model_parallel_size
-    par.expert_sharding_parallel_size = args.expert_sharding_parallel_size
-    o.lancet_max_partitions, o.lancet_group_ms, o.lancet_max_range = (args.lancet_max_partitions,
-                                                                        args.lancet_group_ms, args.lancet_max_range)
-    cfg.train.micro_batch_size, cfg.train.seed = args.micro_batch_size, 1234
+    """The parsed Config, with EP = the world size / MP unless --expert-model-parallel-size was given."""
+    cfg = args.cfg
+    if not args.ep_given:
+        cfg.parallel.expert_model_parallel_size = world // cfg.parallel.tensor_model_parallel_size
     return cfg
 
 
@@ -174,13 +112,13 @@ def step(model, ctl, ids, labels) -> tuple[float, float, float]:
     if ctl.wgrad is not None:
         ctl.wgrad.stats.helper_intervals.clear()
     dist.barrier()
-    with A2ATimer() as timer:
+    with CommLog() as log:
         t0 = time.perf_counter()
         lm, aux = model(ids, labels)
         ctl.backward(lm + aux)
         t1 = time.perf_counter()
     model.zero_grad(set_to_none=True)
-    a2a, exposed = timer.measure(ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+    a2a, exposed = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
     return 1e3 * (t1 - t0), a2a, exposed
 
 
@@ -203,8 +141,8 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
         med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)]
                            + [min(s[0] for s in samples[m])], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        if args.lancet_report and ctl.plan is not None:
-            ctl.write_report(f"{args.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
+        if cfg.opts.lancet_report and ctl.plan is not None:
+            ctl.write_report(f"{cfg.opts.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
         ctl.remove()
         rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "iter_ms_min": round(float(med[3]), 3),
                      "a2a_ms": round(float(med[1]), 3),
@@ -243,7 +181,7 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """The benchmark proper (see `main`)."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.cfg.parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()
@@ -251,17 +189,18 @@ def run(args: argparse.Namespace) -> None:
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.expert_model_parallel_size,
                                    cfg.parallel.expert_sharding_parallel_size, backend)
-    B, T = args.micro_batch_size, args.seq_length
+    m, moe = cfg.model, cfg.moe
+    B, T = cfg.train.micro_batch_size, m.seq_length
     g = torch.Generator().manual_seed(100 + ps.rank("dp"))
-    ids = torch.randint(0, args.vocab_size, (B, T + 1), generator=g)
+    ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g)
     probe = GPT2MoE(cfg, ps)
     costs = profile_costs(probe, ps, B, T)
-    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
+    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
     head = {"world": world, "mp": ps.size("mp"), "ep": ps.size("ep"), "esp": ps.size("esp"),
-            "layers": args.num_layers, "hidden": args.hidden_size, "experts": args.num_experts,
-            "topk": args.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
+            "layers": m.num_layers, "hidden": m.hidden_size, "experts": moe.num_experts,
+            "topk": moe.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
     if dist.get_rank() == 0:
         print_table(rows, head, args.iters)
         if args.json:

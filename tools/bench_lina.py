@@ -43,36 +43,49 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
-from megatron_moe.distributed.events import EventLog
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
 from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import initialize_model_parallel, shutdown, validate_degrees
 
 
+def bench_defaults() -> Config:
+    """The benchmark model: GPT-2 MoE with MoE blocks 2, 4, ..., top-1, capacity factor 1."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 512, 8, 128, 1024
+    moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity = 1, 1.0, 4
+    moe.moe_schedule = "baseline"
+    cfg.train.micro_batch_size = 4
+    return cfg
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The trainer's model / MoE / parallelism / training flags (`arguments.add_config_flags`;
+    --num-experts 0 means 2 x EP, --expert-model-parallel-size defaults to the world size) plus
+    the benchmark's own: --iters, --warmup, --rounds, --partitions, --bucket-mb, --modes, --json."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-layers", type=int, default=4, help="blocks (every 2nd is MoE)")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--ffn-hidden-size", type=int, default=2048)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: 2 x EP)")
-    p.add_argument("--expert-model-parallel-size", type=int, default=0, help="EP (0: the world size)")
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults())
     p.add_argument("--iters", type=int, default=4, help="measured iterations per mode and round")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="times every mode runs, in turn")
     p.add_argument("--partitions", default="1,4,30,100", help="Lina micro-op sizes in MB, comma-separated")
     p.add_argument("--bucket-mb", type=float, default=4.0,
                    help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)")
-    p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective errors")
     p.add_argument("--modes", default="alone,no_lina,lina", help="modes to run, comma-separated")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
+    try:
+        a.cfg = config_from_args(a)
+    except ValueError as e:
+        p.error(str(e))
+    a.ep_given = any(x.split("=")[0] == "--expert-model-parallel-size" for x in argv)
+    a.comm_timeout, a.micro_batch_size = a.cfg.parallel.comm_timeout, a.cfg.train.micro_batch_size
     try:
         a.partitions = [float(x) for x in a.partitions.split(",") if x.strip()]
     except ValueError:
@@ -89,19 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_config(a: argparse.Namespace, world: int) -> Config:
-    """The benchmark model: GPT-2 MoE with MoE blocks 2, 4, ..., top-1, capacity factor 1."""
-    ep = a.expert_model_parallel_size or world
-    cfg = Config()
-    m, moe = cfg.model, cfg.moe
-    m.num_layers, m.hidden_size, m.num_attention_heads = a.num_layers, a.hidden_size, a.num_attention_heads
-    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = a.ffn_hidden_size, a.seq_length, a.seq_length
-    m.vocab_size = a.vocab_size
-    moe.num_experts = a.num_experts or 2 * ep
-    moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity = 1, 1.0, 4
-    moe.moe_schedule = "baseline"
+    """The parsed Config with EP = the world size unless given and 2 x EP experts unless given."""
+    cfg = a.cfg
+    ep = cfg.parallel.expert_model_parallel_size if a.ep_given else world
     cfg.parallel.expert_model_parallel_size = ep
-    cfg.train.micro_batch_size = a.micro_batch_size
-    validate_degrees(world, 1, ep, 1, moe.num_experts, m.ffn_hidden_size)
+    cfg.moe.num_experts = cfg.moe.num_experts or 2 * ep
+    validate_degrees(world, 1, ep, 1, cfg.moe.num_experts, cfg.model.ffn_hidden_size)
     return cfg
 
 
@@ -119,7 +125,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(1234 + ps.rank("dp"))
-    log = EventLog().start()
+    log = CommLog().start()
     steps, a2a_calls, overlap = [], [], []
     for it in range(a.warmup + a.iters):
         ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen)

@@ -3,21 +3,24 @@
 Run under torchrun (plain localhost or the emulated cluster of scripts/emulate_cluster.sh):
 
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 tools/bench_moe_layer.py \\
-      --hidden-size 256 --ffn-hidden-size 1024 --num-experts 8 --topk 2 --capacity-factor 1.2 \\
+      --hidden-size 256 --ffn-hidden-size 1024 --num-experts 8 --moe-router-topk 2 --moe-expert-capacity-factor 1.2 \\
       --micro-batch-size 4 --seq-length 256 --tensor-model-parallel-size 2 \\
       --expert-model-parallel-size 2 --schedules baseline,s1,s2,s2-aas,auto --iters 20 --warmup 3 --json out.json
 
+Flags: the trainer's (model, MoE, parallelism, training groups; `--help` lists them) plus
+--schedules, --iters, --warmup, --json.
 Schedules: baseline, s1, s2, auto (Algorithm 1's pick from the fitted cost model,
 --comm-profile caches the fit) and s2-aas (S2 with SAA off). Iterations are
 interleaved across schedules (round robin) so a slow spell of a shared machine
 hits all of them alike; an iteration's time is the slowest rank's. Bytes are the
-comm tracer's "sent" per collective@group, averaged over ranks (S1's uneven
+collective observer's "sent" per collective@group, averaged over ranks (S1's uneven
 all-to-all sends differ per rank). Prints a table on rank 0; --json writes a
 list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen}.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -25,37 +28,42 @@ import time
 import torch
 import torch.distributed as dist
 
-
+from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
-from megatron_moe.distributed.tracer import CommTracer
+from megatron_moe.distributed.observer import CommLog
+from megatron_moe.moe.comm_profile import choose_for_layer
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 
 
+def bench_defaults() -> Config:
+    """The benchmark's default layer (the trainer's flags change any of it)."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.hidden_size, m.num_attention_heads, m.seq_length = 256, 1, 256
+    moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor = 8, 2, 1.2
+    cfg.train.micro_batch_size, cfg.train.seed = 4, 1234
+    return cfg
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The trainer's model / MoE / parallelism / training flags (`arguments.add_config_flags`) plus
+    the benchmark's own: --schedules, --iters, --warmup, --json."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults())
     a = p.add_argument
-    a("--hidden-size", type=int, default=256)
-    a("--ffn-hidden-size", type=int, default=1024)
-    a("--num-experts", type=int, default=8)
-    a("--topk", type=int, default=2, choices=[1, 2])
-    a("--capacity-factor", type=float, default=1.2)
-    a("--micro-batch-size", type=int, default=4)
-    a("--seq-length", type=int, default=256)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--expert-model-parallel-size", type=int, default=1)
-    a("--expert-sharding-parallel-size", type=int, default=1)
     a("--schedules", default="baseline,s1,s2,auto", help=f"comma-separated, from {','.join(KNOWN)}")
     a("--iters", type=int, default=20)
     a("--warmup", type=int, default=3)
-    a("--comm-profile", default=None, help="cache file of the alpha-beta fit used by auto")
-    a("--distributed-backend", default=None, choices=["gloo", "nccl"])
-    a("--seed", type=int, default=1234)
     a("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
+    try:
+        args.cfg = config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
     args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
     bad = [s for s in args.schedule_list if s not in KNOWN]
     if bad or not args.schedule_list:
@@ -66,16 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_config(args, schedule: str) -> Config:
-    cfg = Config()
-    m, moe = cfg.model, cfg.moe
-    m.hidden_size, m.ffn_hidden_size, m.num_attention_heads = args.hidden_size, args.ffn_hidden_size, 1
-    m.seq_length = m.max_position_embeddings = args.seq_length
-    moe.num_experts, moe.moe_router_topk = args.num_experts, args.topk
-    moe.moe_expert_capacity_factor, moe.moe_min_capacity = args.capacity_factor, 4
-    moe.moe_schedule = "s2" if schedule == "s2-aas" else schedule
-    moe.moe_saa = schedule != "s2-aas"
-    moe.comm_profile = args.comm_profile
-    cfg.train.micro_batch_size, cfg.train.seed = args.micro_batch_size, args.seed
+    """The layer's config with `schedule` (s2-aas: S2 with SAA off)."""
+    cfg = copy.deepcopy(args.cfg)
+    cfg.moe.moe_schedule = "s2" if schedule == "s2-aas" else schedule
+    cfg.moe.moe_saa = cfg.moe.moe_saa and schedule != "s2-aas"
     return cfg
 
 
@@ -114,18 +116,23 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Time every schedule; print the table and write --json on rank 0."""
-    backend = init_distributed(args.distributed_backend)
+    cfg, par = args.cfg, args.cfg.parallel
+    m, t = cfg.model, cfg.train
+    backend = init_distributed(par.distributed_backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    ps = initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                                   args.expert_sharding_parallel_size, backend)
-    g = torch.Generator().manual_seed(args.seed + ps.rank("dp"))       # same tokens on the MP ranks of a group
-    x = torch.randn(args.micro_batch_size, args.seq_length, args.hidden_size, generator=g).to(device)
+    ps = initialize_model_parallel(par.tensor_model_parallel_size, par.expert_model_parallel_size,
+                                   par.expert_sharding_parallel_size, backend)
+    g = torch.Generator().manual_seed(t.seed + ps.rank("dp"))          # same tokens on the MP ranks of a group
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g).to(device)
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g).to(device)
-    layers = {s: MoELayer(make_config(args, s), ps, args.seed, "bench.moe", 1).to(device) for s in args.schedule_list}
+    layers = {s: MoELayer(make_config(args, s), ps, t.seed, "bench.moe", 1).to(device) for s in args.schedule_list}
+    if "auto" in layers:                     # Parm's Algorithm 1 on the real groups, as optimizations.apply does
+        choice = choose_for_layer(make_config(args, "auto"), ps, 1)
+        layers["auto"].use_schedule(choice.schedule, choice.saa_chunks, choice)
     times = {s: [] for s in layers}
     for s, layer in layers.items():
         for _ in range(args.warmup):
@@ -137,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
     for s, layer in layers.items():
         t = torch.tensor(times[s], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)                  # the layer takes as long as its slowest rank
-        with CommTracer() as tr:
+        with CommLog() as tr:
             one_iteration(layer, x, gy, device)
         sent = tr.by_kind()
         every = [None] * world
@@ -162,10 +169,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def print_table(args, world: int, rows: list, layers: dict) -> None:
-    print(f"MoE layer fwd+bwd: P={world} MP{args.tensor_model_parallel_size} EP{args.expert_model_parallel_size} "
-          f"ESP{args.expert_sharding_parallel_size} B={args.micro_batch_size} L={args.seq_length} "
-          f"M={args.hidden_size} H={args.ffn_hidden_size} E={args.num_experts} k={args.topk} "
-          f"f={args.capacity_factor}; {args.iters} iters after {args.warmup} warmup")
+    m, moe, par = args.cfg.model, args.cfg.moe, args.cfg.parallel
+    print(f"MoE layer fwd+bwd: P={world} MP{par.tensor_model_parallel_size} EP{par.expert_model_parallel_size} "
+          f"ESP{par.expert_sharding_parallel_size} B={args.cfg.train.micro_batch_size} L={m.seq_length} "
+          f"M={m.hidden_size} H={m.ffn_hidden_size} E={moe.num_experts} k={moe.moe_router_topk} "
+          f"f={moe.moe_expert_capacity_factor}; {args.iters} iters after {args.warmup} warmup")
     print(f"{'schedule':<12}{'median ms':>11}{'p90 ms':>10}{'speedup':>9}  bytes sent per rank (MB)")
     for r in rows:
         sp = "" if r["speedup_vs_baseline"] is None else f"{r['speedup_vs_baseline']:.2f}x"

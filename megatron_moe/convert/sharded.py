@@ -3,7 +3,7 @@
 Everything goes through one layout-free form, `FullCheckpoint`: every parameter
 and every optimizer-state tensor whole, plus the config, counters and per-rank
 RNG states. Reading assembles each tensor from the rank shards with the shard
-specs saved in metadata.json (`megatron_moe.model.sharding`); writing slices the
+specs saved in metadata.json (`megatron_moe.layers.sharding`); writing slices the
 full tensors again for every rank of the target layout with `coords_of`, so a
 reshard is exact: nothing is recomputed, values are only cut and concatenated.
 
@@ -34,7 +34,7 @@ from megatron_moe.arguments import config_from_dict, validate
 from megatron_moe.checkpointing import (FORMAT_VERSION, TOKENIZER_DIR, copy_tokenizer, iter_dir, portable_config,
                                         resolve, sha256_file, shard_name, tokenizer_source)
 from megatron_moe.config import Config
-from megatron_moe.model.sharding import ShardSpec, coords_key, coords_of, local_shape, shard_tensor, unshard_tensor
+from megatron_moe.layers.sharding import ShardSpec, coords_key, coords_of, local_shape, shard_tensor, unshard_tensor
 
 CONSOLIDATED_FORMAT = "megatron_moe.consolidated"
 
@@ -357,7 +357,7 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
     `no_drop` raises every MoE layer's capacity factor to E so that no token is dropped.
     """
     from megatron_moe.model.gpt2 import GPT2MoE
-    from megatron_moe.model.sharding import load_full_state
+    from megatron_moe.layers.sharding import load_full_state
     from megatron_moe.parallel_state import local_state
     one = copy.deepcopy(cfg)
     one.parallel.tensor_model_parallel_size = one.parallel.expert_model_parallel_size = 1

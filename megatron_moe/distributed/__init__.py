@@ -1,1 +1,1 @@
-"""Collectives with autograd, the comm tracer, and gradient synchronization."""
+"""Collectives with autograd, the collective observer, gradient synchronization, SAA and Lina."""

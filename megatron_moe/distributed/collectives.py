@@ -1,7 +1,8 @@
 """Collectives: traced raw operations and autograd functions with the right backward.
 
-Raw functions (`*_raw`) move data and record bytes in the comm tracer; they
-work on gloo (CPU) and NCCL (CUDA) alike. Autograd functions wrap them:
+Raw functions (`*_raw`) move data and report to the collective observer
+(`observer.py`: bytes, group, launch and finish); they work on gloo (CPU) and
+NCCL (CUDA) alike. Autograd functions wrap them:
 
   copy_to_group      fwd identity          bwd all-reduce       (Megatron's f)
   reduce_from_group  fwd all-reduce        bwd identity         (Megatron's g)
@@ -20,9 +21,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import events as _events
+from megatron_moe.distributed import observer
 from megatron_moe.distributed.comm_errors import guard
-from megatron_moe.distributed.tracer import group_name, record
 from megatron_moe.profiling import annotate
 
 
@@ -58,13 +58,11 @@ def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "su
     """Reduce `t` in place over `group` (op 'sum' or 'max'); the work handle when async_op."""
     if group_size(group) == 1:
         return None
-    record("all_reduce", group_name(group), _nbytes(t), _nbytes(t))
     rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-    ev = _events.op_begin("all_reduce", group_name(group), _nbytes(t)) if _events.ACTIVE else None
+    token = observer.begin("all_reduce", group, _nbytes(t), _nbytes(t))
     with guard("all_reduce", group):
         work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
-    if ev is not None:                      # event log (Lina, benchmarks): finish time
-        _events.end_when_complete(ev, work if async_op else None)
+    observer.end_when_complete(token, work if async_op else None)
     return work
 
 
@@ -75,9 +73,10 @@ def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return t
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(n)]
-    record("all_gather", group_name(group), _nbytes(t), n * _nbytes(t))
+    token = observer.begin("all_gather", group, _nbytes(t), n * _nbytes(t))
     with guard("all_gather", group):
         dist.all_gather(parts, t, group=group)
+    observer.end(token)
     return torch.cat(parts, dim=dim)
 
 
@@ -94,16 +93,18 @@ def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if t.size(dim) % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.size(dim)} not divisible by {n}")
     r = group_rank(group)
-    record("reduce_scatter", group_name(group), _nbytes(t), _nbytes(t) // n)
+    token = observer.begin("reduce_scatter", group, _nbytes(t), _nbytes(t) // n)
     if t.is_cuda and dim == 0:
         out = torch.empty((t.size(0) // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
         with guard("reduce_scatter", group):
             dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
-        return out
-    buf = t.contiguous().clone()
-    with guard("reduce_scatter", group):
-        dist.all_reduce(buf, group=group)
-    return buf.chunk(n, dim=dim)[r].contiguous()
+    else:
+        buf = t.contiguous().clone()
+        with guard("reduce_scatter", group):
+            dist.all_reduce(buf, group=group)
+        out = buf.chunk(n, dim=dim)[r].contiguous()
+    observer.end(token)
+    return out
 
 
 @annotate("moe/all_to_all")
@@ -125,19 +126,16 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
     else:
         out = torch.empty((int(sum(out_splits)), *t.shape[1:]), dtype=t.dtype, device=t.device)
         remote = (int(sum(in_splits)) - int(in_splits[group_rank(group)])) * row
-    record("all_to_all", group_name(group), _nbytes(t), _nbytes(out), remote)
-    # a2a listeners (Lina holds gradient all-reduce micro-ops back) and the event log
-    token = _events.a2a_begin(group_name(group), _nbytes(t)) if _events.ACTIVE else None
+    # the observer also tells a2a listeners (Lina holds gradient all-reduce micro-ops back)
+    token = observer.begin("all_to_all", group, _nbytes(t), _nbytes(out), remote)
     with guard("all_to_all", group):
         work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
                                       input_split_sizes=None if in_splits is None else list(in_splits),
                                       group=group, async_op=async_op)
-    if token is not None:
-        if async_op:
-            work = _events.A2AWork(work, token)     # in flight until wait()
-        else:
-            _events.a2a_end(token)
-    return (out, work) if async_op else out
+    if async_op:
+        return out, observer.Work(work, token)      # in flight until wait()
+    observer.end(token)
+    return out
 
 
 # ----------------------------------------------------------------------------- autograd

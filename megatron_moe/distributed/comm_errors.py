@@ -27,7 +27,7 @@ from typing import Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
-from megatron_moe.distributed.tracer import group_name
+from megatron_moe.distributed.observer import group_name
 
 EXIT_COMM_FAILURE = 1
 _TIMEOUT_MARKERS = ("timed out", "timeout")

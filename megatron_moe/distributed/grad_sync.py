@@ -22,12 +22,15 @@ ranks whatever the hook timing. Code that writes a gradient outside autograd
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_moe.distributed import comm_errors, events
+from megatron_moe.distributed import comm_errors, observer
 from megatron_moe.distributed.collectives import all_reduce_raw
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
 def grad_group_kind(p: torch.nn.Parameter) -> str:
@@ -35,7 +38,7 @@ def grad_group_kind(p: torch.nn.Parameter) -> str:
     return "expert_dp" if getattr(p, "_shard", None) is not None and p._shard.expert else "dp"
 
 
-def sync_gradients(model: torch.nn.Module, ps) -> None:
+def sync_gradients(model: torch.nn.Module, ps: "ParallelState") -> None:
     """Blocking all-reduce of every gradient over its group, scaled by 1/DP."""
     dp = ps.size("dp")
     for p in model.parameters():
@@ -58,7 +61,7 @@ class GradSync:
     attached to the model (`scheduler.attach(model)`) and drained in `finish()`.
     """
 
-    def __init__(self, model: torch.nn.Module, ps, bucket_mb: float = 25.0, scheduler=None,
+    def __init__(self, model: torch.nn.Module, ps: "ParallelState", bucket_mb: float = 25.0, scheduler=None,
                  enabled_hooks: bool = True):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler
@@ -93,6 +96,11 @@ class GradSync:
         self.accumulating = False     # True on micro-batches that only accumulate
         self.reset()
 
+    def set_scheduler(self, scheduler, model: torch.nn.Module) -> None:
+        """Hand gradients to `scheduler` (Lina) from now on (before the first backward); attaches it."""
+        self.scheduler = scheduler
+        scheduler.attach(model)
+
     def reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._launched: list[Optional[tuple]] = [None] * len(self.buckets)
@@ -121,7 +129,7 @@ class GradSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b["params"]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         group = self.ps.group(b["kind"])
-        with events.tagged("grad", bucket=i):
+        with observer.tagged("grad", bucket=i):
             work = all_reduce_raw(flat, group, async_op=True)
         self._launched[i] = (flat, work)
 

@@ -15,9 +15,10 @@ Here:
   * one launcher thread pops the queue, launches one async all-reduce at a
     time (like a single NCCL stream) and waits for it; it launches only while
     the gate is open: no all-to-all in flight (the `a2a_start`/`a2a_end`
-    notifications `collectives.all_to_all_raw` sends) and none imminent
-    (`a2a_imminent()`, which `attach(model)` calls from the backward of every
-    MoE layer's output, i.e. when backward reaches the combine step);
+    notifications the collective observer sends) and none imminent
+    (`a2a_imminent()`, which every MoE layer's dispatcher calls once `attach(model)`
+    registered the scheduler, when backward reaches the combine step: in a Lancet
+    partitioned layer too, which tracks the output of all its parts);
   * the gate check and the launch happen under the same lock that
     `a2a_start` takes, so no micro-op is ever launched between an
     all-to-all's start and its end on this rank;
@@ -34,7 +35,7 @@ Here:
     dead peer, or ranks that issued collectives in different orders) becomes
     a `CommTimeoutError` raised by `drain()` instead of a silent hang.
 
-Every launch and finish goes into the event log (`events.py`); `summary()`
+Every launch and finish goes into the collective observer (`observer.py`); `summary()`
 returns the all-to-all time in backward and how long gradient all-reduce
 overlapped an all-to-all. Micro-ops do not change any value: each element is
 summed over the same ranks as in a bucketed all-reduce.
@@ -51,10 +52,10 @@ from typing import Optional
 
 import torch
 
-from megatron_moe.distributed import events
+from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_reduce_raw, group_size
 from megatron_moe.distributed.comm_errors import CommPeerLostError, CommTimeoutError, describe_group, translate
-from megatron_moe.distributed.tracer import group_name
+from megatron_moe.distributed.observer import group_name
 from megatron_moe.profiling import annotate
 
 log = logging.getLogger("megatron_moe.lina")
@@ -74,7 +75,7 @@ class MicroOp:
     queued: float              # perf_counter when submitted
     handle: "GradHandle"
     work: object = None
-    event: Optional[events.CommEvent] = None
+    event: Optional[observer.CommEvent] = None
 
     @property
     def nbytes(self) -> int:
@@ -95,20 +96,6 @@ class GradHandle:
         self.scheduler._raise_if_failed()
 
 
-class _Notify(torch.autograd.Function):
-    """Identity forward; backward calls `fn()` (a point where backward tells the scheduler something)."""
-
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.fn()
-        return g, None
-
-
 class LinaScheduler:
     """Lina's gradient all-reduce scheduler (see the module docstring).
 
@@ -116,14 +103,14 @@ class LinaScheduler:
     `timeout_s`: seconds a micro-op may take before `drain()` raises
     CommTimeoutError (--comm-timeout). `prioritize=False` launches micro-ops
     as soon as they are queued, ignoring all-to-alls (an ablation for tests
-    and benchmarks, not Lina). The scheduler keeps an EventLog running from
+    and benchmarks, not Lina). The scheduler keeps a CommLog running from
     construction to `close()` (the last `max_events` events, for tests and
     benchmarks) and folds each iteration's events into running totals at
     `drain()`; `summary()` returns those totals, `close()` logs them.
     """
 
     def __init__(self, partition_mb: float = 30.0, timeout_s: float = 600.0, *, prioritize: bool = True,
-                 log_events: Optional[events.EventLog] = None):
+                 log_events: Optional[observer.CommLog] = None):
         if not partition_mb > 0:
             raise ValueError(f"--lina-partition-mb must be positive, got {partition_mb}")
         if not timeout_s > 0:
@@ -141,35 +128,21 @@ class LinaScheduler:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self._hooks: list = []
-        self.log = (log_events or events.EventLog(max_events=20_000)).start()
+        self.log = (log_events or observer.CommLog(max_events=20_000)).start()
         self._totals: dict = {}
         self._folded_seq = -1          # events up to this seq are in _totals
         self.iterations = 0
-        events.add_a2a_listener(self)
+        observer.add_a2a_listener(self)
 
     # ------------------------------------------------------------------ model hooks
     def attach(self, model: torch.nn.Module) -> None:
-        """Add the notification points to every MoE layer of `model` that exchanges tokens
-        between ranks: the gradient of the layer's output (backward reaches combine: an
-        all-to-all is imminent) and of its input (the layer's backward is over)."""
-        from megatron_moe.moe.layer import MoELayer     # moe imports distributed, not the reverse
-        for m in model.modules():
+        """Listen to the dispatcher of every MoE layer of `model` that exchanges tokens between
+        ranks: it calls `a2a_imminent` when backward reaches the combine step and
+        `moe_backward_done` when the layer's backward is over."""
+        for layer in model.moe_layers():
             # a layer whose token exchange stays inside one rank has no all-to-all to wait for
-            if isinstance(m, MoELayer) and m.ps.size("ep_esp") > 1:
-                self._hooks.append(m.register_forward_pre_hook(self._wrap_input))
-                self._hooks.append(m.register_forward_hook(self._wrap_output))
-
-    def _wrap_input(self, module, args):
-        x = args[0]
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return None
-        return (_Notify.apply(x, self.moe_backward_done), *args[1:])
-
-    def _wrap_output(self, module, args, out):
-        y, aux = out
-        if not (torch.is_grad_enabled() and y.requires_grad):
-            return None
-        return _Notify.apply(y, self.a2a_imminent), aux
+            if layer.dispatcher.crosses_ranks:
+                self._hooks.append(layer.dispatcher.add_listener(self))
 
     # ------------------------------------------------------------------ all-to-all notifications
     def a2a_imminent(self) -> None:
@@ -237,10 +210,10 @@ class LinaScheduler:
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
-                    with annotate("lina/micro_op"), events.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
+                    with annotate("lina/micro_op"), observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
                                        self_timed=True):
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
-                        op.event = events.last_event()
+                        op.event = observer.last_event()
                 except Exception as e:            # noqa: BLE001  (reported by drain on the main thread)
                     self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
                     self._cv.notify_all()
@@ -264,7 +237,7 @@ class LinaScheduler:
                     self._cv.notify_all()
                 return
             # finish time stamped here, before the next launch (the future callback may run later)
-            events.op_end(op.event)
+            observer.stamp_finish(op.event)
             with self._cv:
                 self._pending -= 1
                 op.handle.remaining -= 1
@@ -306,15 +279,15 @@ class LinaScheduler:
         new = [e for e in self.log.snapshot() if e.seq > self._folded_seq]
         if new:
             self._folded_seq = max(e.seq for e in new)
-            for k, v in events.summarize(new).items():
+            for k, v in observer.summarize(new).items():
                 self._totals[k] = self._totals.get(k, 0) + v
         self.iterations += 1
 
     # ------------------------------------------------------------------ reporting, teardown
     def summary(self) -> dict:
-        """`events.summarize` totals (ms) over every drained iteration, plus the partition
+        """`observer.summarize` totals (ms) over every drained iteration, plus the partition
         size and the number of iterations."""
-        base = events.summarize([])
+        base = observer.summarize([])
         return {"partition_mb": self.partition_mb, "iterations": self.iterations,
                 **{k: self._totals.get(k, v) for k, v in base.items()}}
 
@@ -331,8 +304,8 @@ class LinaScheduler:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        events.remove_a2a_listener(self)
+        observer.remove_a2a_listener(self)
         self.log.stop()
         s = self.summary()
-        log.info(f"lina (micro-ops of {self.partition_mb:g} MB): {events.format_summary(s)}")
+        log.info(f"lina (micro-ops of {self.partition_mb:g} MB): {observer.format_summary(s)}")
         return s

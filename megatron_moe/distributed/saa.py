@@ -35,10 +35,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import events
+from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
 from megatron_moe.distributed.comm_errors import guard
-from megatron_moe.distributed.tracer import group_name, record
 from megatron_moe.profiling import annotate
 
 SAA_CHUNKS = 4   # pipeline depth: enough to hide one operation behind the other, few extra latencies
@@ -61,19 +60,16 @@ def all_gather_start(t: torch.Tensor, group):
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(n)]
     nbytes = t.numel() * t.element_size()
-    record("all_gather", group_name(group), nbytes, n * nbytes)
-    ev = events.op_begin("all_gather", group_name(group), nbytes) if events.ACTIVE else None
-    work = dist.all_gather(parts, t, group=group, async_op=True)
-    events.end_when_complete(ev, work)     # in the event log, so tests can see what overlaps
-    return parts, work
+    token = observer.begin("all_gather", group, nbytes, n * nbytes)
+    return parts, observer.Work(dist.all_gather(parts, t, group=group, async_op=True), token)
 
 
 @annotate("moe/all_to_all")
 def all_to_all_p2p_start(t: torch.Tensor, group):
     """Start an even all-to-all along dim 0 as one batch of isend/irecv; returns (out, works).
 
-    Recorded in the comm tracer as an all_to_all with the same byte counts as
-    `all_to_all_raw`, and in the event log (Lina sees it in flight until `wait`).
+    Observed as an all_to_all with the same byte counts as `all_to_all_raw`
+    (Lina sees it in flight until `wait`).
     """
     n = group_size(group)
     if n == 1:
@@ -82,7 +78,6 @@ def all_to_all_p2p_start(t: torch.Tensor, group):
     out = torch.empty_like(t)
     me = group_rank(group)
     nbytes = t.numel() * t.element_size()
-    record("all_to_all", group_name(group), nbytes, nbytes, nbytes - nbytes // n)
     send, recv = t.chunk(n), out.chunk(n)
     recv[me].copy_(send[me])
     ops = []
@@ -91,21 +86,8 @@ def all_to_all_p2p_start(t: torch.Tensor, group):
             peer = dist.get_global_rank(group, i)
             ops.append(dist.P2POp(dist.isend, send[i], peer, group))
             ops.append(dist.P2POp(dist.irecv, recv[i], peer, group))
-    token = events.a2a_begin(group_name(group), nbytes) if events.ACTIVE else None
-    works = dist.batch_isend_irecv(ops)
-    return out, ([events.A2AWork(_AllWorks(works), token)] if token is not None else works)
-
-
-class _AllWorks:
-    """Several works waited on as one (so an event-log interval ends once, after the last)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, *args, **kwargs):
-        for w in self.works:
-            w.wait(*args, **kwargs)
-        return True
+    token = observer.begin("all_to_all", group, nbytes, nbytes, nbytes - nbytes // n)
+    return out, observer.Work(dist.batch_isend_irecv(ops), token)     # one interval, ended after the last
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:

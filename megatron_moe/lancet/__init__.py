@@ -16,18 +16,12 @@ The runtime (deferred dW execution, partitioned MoE forward) consumes:
 `.leftover`; `PartitionPlan.ranges` (op index ranges with k); and the axis
 per tensor from `axes.solve_axes`.
 
-Runtime (uses process groups):
-  wgrad_runtime   deferrable linear / batched-linear GEMMs, the dW queue,
-                  windows under all-to-alls, grad-ready hooks fired once
-  irregular_a2a   count exchange + uneven token all-to-all, async in both passes
-  partitioned_moe capacity-passing gating and the k-part pipelined block forward
+Runtime (uses process groups; works through the model's own stages and hooks):
+  wgrad_runtime   the dW queue the linear / expert modules and the dispatchers take
+                  (`set_dw_queue`): deferred GEMMs, windows under all-to-alls
+  partitioned_moe `PartitionedRange`: the k-part pipelined block from the block's
+                  halves, the layer's router and a dispatcher's async handles
   model_ir        profiled costs, the model's forward op list and CP-SAT IR
   planner         `make_plan`: DP + CP-SAT + Algorithm 1 + predictions -> LancetPlan
-  controller      `setup(model, ps, opts) -> LancetController` (the trainer's API)
+  controller      `setup(model, ps, opts) -> LancetController` (what `optimizations.apply` calls)
 """
-
-
-def setup(model, ps, opts, **kwargs):
-    """Plan and install Lancet on `model` (see `megatron_moe.lancet.controller.setup`)."""
-    from megatron_moe.lancet.controller import setup as _setup
-    return _setup(model, ps, opts, **kwargs)

@@ -3,7 +3,7 @@
 API for the training loop (every rank calls `setup`, in the same place: it profiles
 all-to-alls, broadcasts the plan and may create a process group):
 
-    ctl = lancet.setup(model, ps, cfg.opts)     # after building the model and its GradSync
+    ctl = controller.setup(model, ps, cfg.opts)   # after the model and its GradSync (optimizations.apply)
     for each micro-batch:
         lm, aux = model(ids, labels)
         ctl.backward(lm + aux)                   # loss.backward(), then flush deferred dW
@@ -17,16 +17,16 @@ all-to-alls, broadcasts the plan and may create a process group):
 end-of-backward callback runs every dW still queued, so gradients are final
 (and every grad-ready hook has fired, once) when backward returns.
 
-What `setup` installs:
-  --lancet-wgrad      column/row parallel linears get a `linear_fn` and experts a
-                      `deferred_bmm` that defer dW (`wgrad_runtime.py`); the
-                      all-to-alls of layers Lancet does not partition (baseline,
-                      S1, S2 schedules) get node hooks that run their assigned
-                      dW on a helper thread while the all-to-all runs; a forward
-                      pre-hook on the model starts each iteration.
-  --lancet-partition  each planned range's MoE block gets a partitioned forward
-                      (`partitioned_moe.py`); a block whose attention the previous
-                      range ran skips it. Needs routing_groups == 1 and dropout 0.
+What `setup` installs (through the modules' own hooks; nothing is replaced):
+  --lancet-wgrad      column/row parallel linears and experts get the runtime as their dW
+                      queue (`set_dw_queue`), and so do the MoE layers' dispatchers, whose
+                      all-to-all handles run the assigned dW under their backward
+                      (`wgrad_runtime.py`); a forward pre-hook on the model starts each iteration.
+  --lancet-partition  each planned range's first block gets a `PartitionedRange` runner
+                      (`GPT2MoE.set_block_runner`), built from the blocks' halves and the
+                      layer's stages, with the layer's --moe-schedule inside the parts; a
+                      block whose attention the previous range ran runs its FFN half only.
+                      Needs routing_groups == 1 and dropout 0.
 The plan comes from `planner.make_plan` (profiled, broadcast from rank 0) or
 is passed in (`plan=LancetPlan.manual(...)`).
 """
@@ -35,47 +35,47 @@ from __future__ import annotations
 import json
 import statistics
 from collections import deque
-from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.cost import atomic_write_json
-from megatron_moe.lancet.model_ir import a2a_group
-from megatron_moe.lancet.partitioned_moe import partitioned_block_forward, skip_attn_forward
+from megatron_moe.lancet.model_ir import token_group_kind
+from megatron_moe.lancet.partitioned_moe import PartitionedRange
 from megatron_moe.lancet.planner import LancetPlan, make_plan
-from megatron_moe.lancet.wgrad_runtime import WgradRuntime, hook_foreign_a2a
+from megatron_moe.lancet.wgrad_runtime import WgradRuntime
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
+from megatron_moe.parallel_state import ParallelState
 
 
-def _counts_group(ps):
+def counts_group(ps: ParallelState):
     """A gloo group with the token all-to-all group's ranks, for the count exchanges (collective).
 
     Counts are needed on the host, so they travel over gloo even when tokens use NCCL. Made
     once per ParallelState and kept among its groups, so `destroy_model_parallel` destroys it.
     """
-    group = a2a_group(ps)
+    group = ps.group(token_group_kind(ps))
     if group_size(group) == 1 or not dist.is_initialized():
         return group
-    if "ep_counts" in ps._groups:
-        return ps._groups["ep_counts"]
-    layout = ps.layout
-    kinds = layout.ep_groups if ps.size("esp") == 1 else layout.ep_esp_groups
-    return ps.new_groups("ep_counts", kinds, backend="gloo")    # with --comm-timeout, like the others
+    if not ps.has_group("ep_counts"):
+        kinds = ps.layout.ep_groups if ps.size("esp") == 1 else ps.layout.ep_esp_groups
+        ps.new_groups("ep_counts", kinds, backend="gloo")    # with --comm-timeout, like the others
+    return ps.group("ep_counts")
 
 
 class LancetController:
     """Owns what Lancet installed on a model; see the module docstring."""
 
-    def __init__(self, model, ps, opts, plan: Optional[LancetPlan]):
+    def __init__(self, model: GPT2MoE, ps: ParallelState, opts, plan: Optional[LancetPlan]):
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
         self.timings: dict[int, deque] = {}          # MoE block -> forward ms of its partitioned range
         self._handles: list = []
-        self._patched: list = []                     # (object, attribute) to restore
-        self._counts = None
+        self._runners: list[int] = []                # blocks given a runner
+        self._queued: list = []                      # modules given the dW queue
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> "LancetController":
@@ -85,14 +85,23 @@ class LancetController:
             return self
         if plan.wgrad:
             self.wgrad = WgradRuntime(plan.assignment)
-            self._install_wgrad(plan)
+            self._install_wgrad()
         if plan.ranges:
             self._install_partitions(plan)
         return self
 
+    def part_dispatcher(self, layer) -> TokenDispatcher:
+        """The dispatcher of a partitioned layer's parts: its --moe-schedule's, with handles."""
+        if layer.schedule == "s2":
+            return layer.dispatcher
+        ps, base = self.ps, layer.schedule == "baseline"
+        d = UnevenDispatcher(ps, layer.num_experts, layer.layer_idx, 1.0 / ps.size("mp") if base else 1.0,
+                             token_group_kind(ps) if base else "ep_esp", counts_group(ps))
+        d.set_dw_queue(self.wgrad)
+        return d
+
     def _install_partitions(self, plan: LancetPlan) -> None:
         blocks = self.model.blocks
-        self._counts = _counts_group(self.ps)
         ranged = {r.layer: r for r in plan.ranges}
         skip = {r.layer + 1 for r in plan.ranges if r.end == "next_attn"}
         for r in plan.ranges:
@@ -107,54 +116,45 @@ class LancetController:
         for l, block in enumerate(blocks):
             if l in ranged:
                 r = ranged[l]
-                nxt = blocks[l + 1] if r.end == "next_attn" else None
                 self.timings[l] = deque(maxlen=1000)
-                fwd = partial(partitioned_block_forward, block, nxt, r, l in skip, self._counts,
-                              self.wgrad, self.timings[l])
+                self.model.set_block_runner(l, PartitionedRange(
+                    block, blocks[l + 1] if r.end == "next_attn" else None, r, l in skip,
+                    self.part_dispatcher(block.moe), self.timings[l]))
             elif l in skip:
-                fwd = partial(skip_attn_forward, block)
+                self.model.set_block_runner(l, block.ffn_residual)
             else:
                 continue
-            block.forward = fwd
-            self._patched.append((block, "forward"))
+            self._runners.append(l)
 
-    def _install_wgrad(self, plan: LancetPlan) -> None:
+    def _install_wgrad(self) -> None:
         rt = self.wgrad
-        partitioned = {r.layer for r in plan.ranges}
         for l, block in enumerate(self.model.blocks):
-            for mod, name in ((block.attn.qkv, "attn.qkv"), (block.attn.proj, "attn.proj")):
-                mod.linear_fn = rt.linear(f"L{l}.{name}.dW")
-                self._patched.append((mod, "linear_fn"))
+            mods = [(block.attn.qkv, f"L{l}.attn.qkv.dW"), (block.attn.proj, f"L{l}.attn.proj.dW")]
             if block.is_moe:
-                ex = block.moe.experts
-                ex.deferred_bmm = (rt.bmm(f"L{l}.moe.expert.fc1.dW"), rt.bmm(f"L{l}.moe.expert.fc2.dW"))
-                self._patched.append((ex, "deferred_bmm"))
-                if l not in partitioned:     # another schedule's all-to-alls (Lancet's open their own windows)
-                    self._handles.append(block.moe.register_forward_hook(partial(self._hook_a2a, l)))
+                block.moe.experts.set_dw_queue(rt, f"L{l}.moe.expert.")
+                block.moe.dispatcher.set_dw_queue(rt)
+                self._queued += [block.moe.experts, block.moe.dispatcher]
             else:
-                for mod, name in ((block.mlp.fc, "mlp.fc1"), (block.mlp.proj, "mlp.fc2")):
-                    mod.linear_fn = rt.linear(f"L{l}.{name}.dW")
-                    self._patched.append((mod, "linear_fn"))
+                mods += [(block.mlp.fc, f"L{l}.mlp.fc1.dW"), (block.mlp.proj, f"L{l}.mlp.fc2.dW")]
+            for mod, name in mods:
+                mod.set_dw_queue(rt, name)
+                self._queued.append(mod)
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: rt.begin_iteration()))
-
-    def _hook_a2a(self, layer_idx: int, module, args, out) -> None:
-        y = out[0]
-        if torch.is_grad_enabled() and y.requires_grad:
-            hook_foreign_a2a(self.wgrad, layer_idx, y, args[0])
 
     def remove(self) -> None:
         """Undo everything `install` did (the model runs exactly as before)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for obj, attr in self._patched:
-            if attr == "forward":
-                del obj.forward
-            elif attr == "linear_fn":
-                obj.linear_fn = F.linear
+        for l in self._runners:
+            self.model.set_block_runner(l, None)
+        for mod in self._queued:
+            if isinstance(mod, TokenDispatcher):
+                mod.set_dw_queue(None)
             else:
-                setattr(obj, attr, None)
-        self._patched.clear()
+                mod.set_dw_queue(None, "")
+        self._runners.clear()
+        self._queued.clear()
         if self.wgrad is not None:
             self.wgrad.close()
 
@@ -200,7 +200,8 @@ class LancetController:
         return d
 
 
-def setup(model, ps, opts, *, plan: Optional[LancetPlan] = None, micro_batch: Optional[int] = None,
+def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None,
+          micro_batch: Optional[int] = None,
           seq_length: Optional[int] = None, **plan_kwargs) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 

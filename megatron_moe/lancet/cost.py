@@ -1,8 +1,8 @@
 """Cost models for Lancet's planner: communication time by size, and cached op timings.
 
 CommCostModel: piecewise-linear time of one collective (e.g. an all-to-all)
-as a function of bytes, built from profiled (bytes, ms) samples at sizes
-1 KB, 2 KB, 4 KB, ... up to the largest buffer. Between samples it
+as a function of bytes, built from (bytes, ms) samples (`model_ir.profile_a2a_model`
+takes them from the collective profiler Parm uses). Between samples it
 interpolates linearly; outside them it extends the nearest segment's line
 (never below 0 ms). An all-to-all of a capacity-C buffer split into n parts
 costs, per part, what an all-to-all of C/n bytes costs (Lancet Sec. 5).
@@ -35,20 +35,6 @@ def atomic_write_json(path: str, obj: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def profile_sizes(max_bytes: int, min_bytes: int = 1024) -> list[int]:
-    """Sizes min_bytes, 2*min_bytes, ... (doubling) while <= max_bytes, plus max_bytes itself."""
-    if min_bytes < 1 or max_bytes < min_bytes:
-        raise ValueError(f"need 1 <= min_bytes <= max_bytes, got {min_bytes}, {max_bytes}")
-    sizes = []
-    s = min_bytes
-    while s <= max_bytes:
-        sizes.append(s)
-        s *= 2
-    if sizes[-1] != max_bytes:
-        sizes.append(max_bytes)
-    return sizes
 
 
 class CommCostModel:
@@ -111,22 +97,6 @@ def _time_ms(fn: Callable[[], Any], warmup: int, iters: int,
             sync()  # an asynchronous device op only finishes at the sync
         times.append((clock() - t0) * 1e3)
     return statistics.median(times)
-
-
-def profile_comm(run: Callable[[int], Any], max_bytes: int, warmup: int = 2, iters: int = 5,
-                 clock: Callable[[], float] = time.perf_counter,
-                 sync: Callable[[], None] | None = None,
-                 min_bytes: int = 1024) -> CommCostModel:
-    """Time `run(nbytes)` (e.g. an all-to-all of nbytes) at profile_sizes(max_bytes) and fit a model.
-
-    The caller makes `run` collective-safe (all ranks call profile_comm with
-    the same sizes) and passes `sync` (e.g. torch.cuda.synchronize) on devices
-    with asynchronous kernels. Times are median ms.
-    """
-    samples = []
-    for nbytes in profile_sizes(max_bytes, min_bytes):
-        samples.append((nbytes, _time_ms(lambda: run(nbytes), warmup, iters, clock, sync)))
-    return CommCostModel(samples)
 
 
 class OpProfiler:

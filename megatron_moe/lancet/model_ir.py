@@ -6,9 +6,9 @@ all-to-all group.
 
 `profile_costs` measures this rank's compute ops with an OpProfiler (once per
 op and shape, on random inputs of the model's shapes; local GEMMs only, no
-collectives, so ranks never wait on each other) and `profile_a2a_model` the
-all-to-all of the token group at 1 KB .. the largest message, doubling (a
-collective: every rank calls it with the same sizes).
+collectives, so ranks never wait on each other) and `profile_a2a_model` takes
+the all-to-all of the token group from the collective profiler Parm uses
+(`moe.comm_profile`: profiled on the real groups, alpha-beta fit, cache file).
 
 `build_model_ops` turns them into the forward op list the partition DP
 searches: embed; per block ln1, attn.qkv, attn.core, attn.proj, ln2, then
@@ -30,16 +30,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
-from megatron_moe.lancet.cost import CommCostModel, OpProfiler, profile_comm
+from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.partitioned_moe import needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
-from megatron_moe.moe.dispatch import combine, dispatch, dispatch_index
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.comm_profile import comm_model_for
+from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity
+from megatron_moe.parallel_state import ParallelState
 
 DENSE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2")
 MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.dispatch",
@@ -47,9 +49,9 @@ MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.
 COMM_OPS = ("moe.a2a_dispatch", "moe.a2a_combine")
 
 
-def a2a_group(ps):
-    """The token all-to-all group: EP, or EP x ESP when experts are sharded."""
-    return ps.group("ep") if ps.size("esp") == 1 else ps.group("ep_esp")
+def token_group_kind(ps: ParallelState) -> str:
+    """The token all-to-all group of partitioned parts: EP, or EP x ESP when experts are sharded."""
+    return "ep" if ps.size("esp") == 1 else "ep_esp"
 
 
 def deferrable_dw_names(model) -> set[str]:
@@ -92,7 +94,7 @@ class Shapes:
         return min(self.S * self.K, self.E * self.C) * self.n_esp * self.M * 4.0
 
 
-def model_shapes(model, ps, B: int, T: int) -> Shapes:
+def model_shapes(model: GPT2MoE, ps: ParallelState, B: int, T: int) -> Shapes:
     """Shapes of `model` on this rank for micro-batch B x T."""
     m, moe = model.cfg.model, model.cfg.moe
     E = max(moe.num_experts, 1)
@@ -128,12 +130,12 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     layer = block.moe
     tok = x.reshape(-1, M)
     S = tok.size(0)
-    C = capacity(S, sh.E, sh.K, layer.cf, layer.min_cap)
-    r = layer.route(layer.gate_logits(tok), 0)
+    C = layer.router.capacity(S)
+    r = layer.router.route(tok, 0)
     idx = dispatch_index(r)
     buf = torch.randn(sh.E * C, M)
     x_in = torch.randn(sh.E_l, sh.D * C, M)
-    ops["moe.gate"] = lambda: layer.route(layer.gate_logits(tok), 0)
+    ops["moe.gate"] = lambda: layer.router.route(tok, 0)
     ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
     ops["moe.experts"] = lambda: layer.experts(x_in)
     ops["moe.combine"] = lambda: x + combine(buf, idx, S).view(batch, T, M)
@@ -169,7 +171,7 @@ class Costs:
     overhead_ms: float
 
 
-def profile_costs(model, ps, B: int, T: int, profiler: Optional[OpProfiler] = None,
+def profile_costs(model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: Optional[OpProfiler] = None,
                   iters: int = 3) -> Costs:
     """Measure this rank's op costs (no collectives). The overhead per op and part is the intercept
     a of t(b) = a + c*b fitted from batches B and 1, averaged over the compute ops."""
@@ -200,20 +202,14 @@ def profile_costs(model, ps, B: int, T: int, profiler: Optional[OpProfiler] = No
     return Costs(fwd, dw, head_ms, embed_ms, overhead)
 
 
-def profile_a2a_model(ps, max_bytes: int, iters: int = 3) -> CommCostModel:
-    """Piecewise-linear time of an even all-to-all on the token group (collective on that group)."""
-    group = a2a_group(ps)
-    D = group_size(group)
-    if D == 1:
+def profile_a2a_model(ps: ParallelState, max_bytes: int, path: Optional[str] = None) -> CommCostModel:
+    """Time of an all-to-all on the token group by size, from the one collective profiler Parm uses
+    (alpha-beta fit on the real groups, cached in --comm-profile `path`; collective over the world)."""
+    kind = token_group_kind(ps)
+    if group_size(ps.group(kind)) == 1:
         return CommCostModel([(1.0, 0.0), (2.0, 0.0)])
-    unit = 4 * D
-
-    def run(nbytes: int) -> None:
-        n = max(unit, nbytes // unit * unit) // 4
-        t = torch.zeros(n)
-        dist.all_to_all_single(torch.empty_like(t), t, group=group)
-
-    return profile_comm(run, max(2048, int(max_bytes)), warmup=1, iters=iters)
+    ab = comm_model_for(ps, max(512, int(max_bytes) // 4), path).costs[f"all_to_all@{kind}"]
+    return CommCostModel([(nb, 1e3 * ab.time(nb / 4)) for nb in (1024.0, float(max(2048, int(max_bytes))))])
 
 
 # ---------------------------------------------------------------------- forward op list and CP-SAT IR

@@ -22,7 +22,7 @@ one by hand (tests, benchmarks of fixed configurations).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 
@@ -31,9 +31,12 @@ from megatron_moe.lancet.ir import Graph, Instr
 from megatron_moe.lancet.model_ir import (Costs, ModelOps, build_model_ops, deferrable_dw_names, feasibility,
                                           model_shapes, profile_a2a_model, profile_costs, runtime_range)
 from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange, plan_ops
-from megatron_moe.lancet.partitioned_moe import RangeSpec
+from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
 from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, schedule_wgrad
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
 @dataclass
@@ -138,7 +141,7 @@ def predict(mo: ModelOps, sims: dict, graph: Graph, assignment: dict, comm: Comm
             "a2a_ms": 2 * a2a, "a2a_exposed_ms": max(0.0, sims["exposed_ms"] - hidden), "dw_hidden_ms": hidden}
 
 
-def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
+def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Optional[bool] = None,
               partition: Optional[bool] = None, costs: Optional[Costs] = None,
               comm: Optional[CommCostModel] = None, profiler: Optional[OpProfiler] = None,
               broadcast: bool = True) -> LancetPlan:
@@ -154,11 +157,13 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
         raise ValueError(f"--lancet-max-partitions must be >= 1, got {opts.lancet_max_partitions}")
     if opts.lancet_group_ms <= 0:
         raise ValueError(f"--lancet-group-ms must be > 0, got {opts.lancet_group_ms}")
+    if opts.lancet_force_partitions < 0:
+        raise ValueError(f"--lancet-force-partitions must be >= 0, got {opts.lancet_force_partitions}")
     if opts.lancet_max_range < 1:
         raise ValueError(f"--lancet-max-range must be >= 1, got {opts.lancet_max_range}")
     sh = model_shapes(model, ps, B, T)
     costs = costs or profile_costs(model, ps, B, T, profiler)
-    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
+    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()), model.cfg.moe.comm_profile)
     mo = build_model_ops(model, costs, sh)
     rho = min(opts.lancet_max_partitions, B)
     if partition:
@@ -170,6 +175,10 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
     ranges = [RangeSpec(*runtime_range(mo, r.start, r.end), r.k) for r in dp.ranges if r.k > 1]
+    if partition and opts.lancet_force_partitions > 1:      # every MoE block, whatever the prediction
+        ranges = [RangeSpec(l, "gate" if needs_whole_batch_gate(b.moe) else "attn", "block",
+                            min(opts.lancet_force_partitions, B)) for l, b in enumerate(model.blocks)
+                  if b.is_moe and B > 1]
     sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms)
     graph = residual_graph(backward_graph(model, costs, comm.predict(sh.a2a_bytes())), sims["layer_exposed"])
     if wgrad:
@@ -182,7 +191,8 @@ def make_plan(model, ps, opts, B: int, T: int, *, wgrad: Optional[bool] = None,
                        for r in dp.ranges],
                       predict(mo, sims, graph, assignment, comm),
                       {"rho": opts.lancet_max_partitions, "gamma_ms": opts.lancet_group_ms,
-                       "iota": opts.lancet_max_range, "overhead_ms": costs.overhead_ms}, wgrad)
+                       "iota": opts.lancet_max_range, "overhead_ms": costs.overhead_ms,
+                       "forced_k": opts.lancet_force_partitions}, wgrad)
     if broadcast and dist.is_initialized() and dist.get_world_size() > 1:
         box = [plan]
         dist.broadcast_object_list(box, src=0)

@@ -4,9 +4,10 @@ Legend: N rows (tokens), I input features, O output features, E_l local experts.
 
 A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
 the rest of backward) and dW = g^T x (needed only by gradient sync and the
-optimizer). The layers' GEMMs made by `WgradRuntime.linear(name)` (an F.linear
-for ColumnParallelLinear / RowParallelLinear.linear_fn) and `.bmm(name)` (the
-experts' batched GEMMs, Experts.deferred_bmm) compute dX and the bias gradient
+optimizer). The modules that own the weights take the runtime as their dW queue
+(`set_dw_queue` of ColumnParallelLinear / RowParallelLinear, which then call
+`WgradRuntime.linear(name)`, and of Experts, whose batched GEMMs call
+`.bmm(name)`); those GEMMs compute dX and the bias gradient
 in autograd and hand the dW GEMM to the runtime as a closure under its
 instruction name (e.g. "L1.moe.expert.fc2.dW", the names of
 `wgrad_schedule.build_gpt_moe_backward`).
@@ -40,13 +41,12 @@ final, hence the order of grad-ready hooks and of the gradient all-reduces they
 launch, which every rank must issue in the same order. Everything above is
 decided by the plan (the same on every rank) and the autograd graph.
 
-All-to-alls of schedules Lancet does not run itself (baseline, S1, S2) are
-synchronous autograd nodes; `hook_foreign_a2a` finds them in the MoE layer's
-graph after its forward and adds node hooks: the pre-hook starts the runnable
-dW GEMMs on a helper thread, the node's all-to-all runs (gloo and NCCL calls
-release the GIL), the post-hook joins the thread and accumulates. Lancet's own
-irregular all-to-all (`irregular_a2a.py`) is asynchronous: it opens the window
-when it launches the gradient's all-to-all and calls `fill` before waiting.
+The all-to-alls come from the dispatchers (`moe/dispatcher.py`), which get the
+runtime with `set_dw_queue`: their asynchronous handles (`moe/a2a.py`) open the
+window when they launch the gradient's all-to-all and call `fill` before
+waiting; S2's synchronous all-to-alls start the runnable dW GEMMs on a helper
+thread before they communicate (gloo and NCCL calls release the GIL) and join
+it after (`start_window_async` / `finish_window_async`).
 """
 from __future__ import annotations
 
@@ -324,62 +324,3 @@ class WgradRuntime:
         self._uses.pop(p, None)
         # AccumulateGrad: sets or adds .grad like the plain backward and fires grad-ready hooks once
         torch.autograd.backward(p, d)
-
-
-# ---------------------------------------------------------------------- all-to-alls of other schedules
-
-def _is_foreign_a2a(node) -> bool:
-    name = node.name().lower()
-    return ("alltoall" in name or "all_to_all" in name) and not name.startswith("_lancet")
-
-
-def find_a2a_nodes(out: torch.Tensor, inp: Optional[torch.Tensor]) -> list:
-    """All-to-all autograd nodes created between `inp` and `out` (a layer's graph), in creation order.
-
-    The walk stops at nodes created before the layer's input (smaller sequence number).
-    """
-    root = out.grad_fn
-    if root is None:
-        return []
-    floor = inp.grad_fn._sequence_nr() if inp is not None and inp.grad_fn is not None else -1
-    seen, todo, found = set(), [root], []
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node._sequence_nr() <= floor:
-            continue
-        if _is_foreign_a2a(node):
-            found.append(node)
-        todo.extend(n for n, _ in node.next_functions)
-    return sorted(found, key=lambda n: n._sequence_nr())
-
-
-def hook_foreign_a2a(runtime: WgradRuntime, layer_idx: int, out: torch.Tensor,
-                     inp: Optional[torch.Tensor]) -> int:
-    """Add dW-window hooks to the all-to-all nodes of MoE layer `layer_idx`'s graph; returns how many.
-
-    The first all-to-all of the forward is "L{l}.moe.a2a_dispatch" and the last
-    "L{l}.moe.a2a_combine" (their backward all-to-alls carry the same names in
-    the IR); others get no dW.
-    """
-    nodes = find_a2a_nodes(out, inp)
-    for j, node in enumerate(nodes):
-        if j == 0:
-            name = f"L{layer_idx}.moe.a2a_dispatch"
-        elif j == len(nodes) - 1:
-            name = f"L{layer_idx}.moe.a2a_combine"
-        else:
-            continue
-        state: dict = {}
-
-        def pre(grad_outputs, name=name, state=state):
-            state["h"] = runtime.start_window_async(name)
-
-        def post(grad_inputs, grad_outputs, state=state):
-            runtime.finish_window_async(state.pop("h", None))
-
-        node.register_prehook(pre)
-        node.register_hook(post)
-    return len(nodes)

@@ -12,22 +12,28 @@ from the same weights.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import copy_to_group
-from megatron_moe.model.fused import gelu_tanh, layer_norm
-from megatron_moe.model.sharding import InitSpec, ShardSpec
-from megatron_moe.model.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from megatron_moe.layers.fused import gelu_tanh, layer_norm
+from megatron_moe.layers.sharding import InitSpec, ShardSpec
+from megatron_moe.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                 make_param, vocab_parallel_cross_entropy)
 from megatron_moe.moe.layer import MoELayer
+
+if TYPE_CHECKING:
+    from megatron_moe.config import Config
+    from megatron_moe.parallel_state import ParallelState
 
 
 class Attention(nn.Module):
     """Causal self-attention, heads split over MP. [B, T, M] -> [B, T, M]."""
 
-    def __init__(self, cfg, ps, seed: int, name: str):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str):
         super().__init__()
         m = cfg.model
         mp = ps.size("mp")
@@ -53,7 +59,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GPT-2 MLP, hidden dim split over MP. [B, T, M] -> [B, T, M]."""
 
-    def __init__(self, cfg, ps, seed: int, name: str):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str):
         super().__init__()
         m = cfg.model
         self.fc = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc",
@@ -68,7 +74,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block; `self.moe` replaces `self.mlp` in MoE blocks. Returns (x, aux)."""
 
-    def __init__(self, cfg, ps, seed: int, idx: int, routing_groups: int):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, idx: int, routing_groups: int):
         super().__init__()
         m = cfg.model
         name = f"blocks.{idx}"
@@ -82,14 +88,21 @@ class Block(nn.Module):
             self.mlp = MLP(cfg, ps, seed, f"{name}.mlp")
         self.drop = nn.Dropout(m.dropout)
 
-    def forward(self, x: torch.Tensor):
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def attn_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention half: x + drop(attn(ln1(x)))."""
+        return x + self.drop(self.attn(self.ln1(x)))
+
+    def ffn_residual(self, x: torch.Tensor):
+        """The FFN half: (x + drop(ffn(ln2(x))), aux or None)."""
         h = self.ln2(x)
         if self.is_moe:
             y, aux = self.moe(h)
         else:
             y, aux = self.mlp(h), None
         return x + self.drop(y), aux
+
+    def forward(self, x: torch.Tensor):
+        return self.ffn_residual(self.attn_residual(x))
 
 
 class GPT2MoE(nn.Module):
@@ -99,10 +112,12 @@ class GPT2MoE(nn.Module):
       labels None -> this rank's logits [B, T, Vp / MP] (vocab-parallel slice)
       labels      -> (lm loss: mean cross entropy, aux: sum of MoE aux losses)
     `routing_groups`: how many data-parallel shards a batch holds (the
-    one-process reference of a DP run passes DP).
+    one-process reference of a DP run passes DP). `set_block_runner(l, fn)` lets
+    an optimization run block l another way (Lancet's pipelined ranges, built
+    from the blocks' own halves); `fn(x) -> (x, aux or None)`.
     """
 
-    def __init__(self, cfg, ps, seed: int | None = None, routing_groups: int = 1):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int | None = None, routing_groups: int = 1):
         super().__init__()
         m = cfg.model
         seed = cfg.train.seed if seed is None else seed
@@ -118,6 +133,7 @@ class GPT2MoE(nn.Module):
         self.drop = nn.Dropout(m.dropout)
         self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups) for i in range(m.num_layers))
         self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon)
+        self.runners: dict[int, Callable] = {}
         for p in self.parameters():           # LayerNorms: replicated, deterministic init
             if not hasattr(p, "_shard"):
                 p._shard = ShardSpec()
@@ -126,13 +142,20 @@ class GPT2MoE(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.blocks if b.is_moe]
 
+    def set_block_runner(self, idx: int, fn: Optional[Callable]) -> None:
+        """Run block `idx` with `fn(x) -> (x, aux)` instead of the block (None: the block again)."""
+        if fn is None:
+            self.runners.pop(idx, None)
+        else:
+            self.runners[idx] = fn
+
     def hidden(self, ids: torch.Tensor):
         """Final hidden states [B, T, M] and the summed aux loss."""
         T = ids.size(1)
         x = self.drop(self.wte(ids) + self.wpe[:T][None])
         aux_total = x.new_zeros((), dtype=torch.float32)
-        for block in self.blocks:
-            x, aux = block(x)
+        for i, block in enumerate(self.blocks):
+            x, aux = self.runners.get(i, block)(x)
             if aux is not None:
                 aux_total = aux_total + aux
         return self.ln_f(x), aux_total

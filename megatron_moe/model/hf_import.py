@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_moe.config import Config
-from megatron_moe.model.sharding import seeded_generator
+from megatron_moe.layers.sharding import seeded_generator
 
 
 def config_from_hf(hf_config, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1) -> Config:
@@ -60,7 +60,8 @@ def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float 
         if cfg.is_moe_layer(i):
             # upcycling: every expert starts as the block's MLP; the gate is small and random
             b, E = f"blocks.{i}.", cfg.moe.num_experts
-            out[b + "moe.gate_w"] = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b)) * gate_std
+            gate = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b)) * gate_std
+            out[b + "moe.router.gate_w"] = gate
             for ours, mlp in (("fc_w", "fc.weight"), ("fc_b", "fc.bias"), ("proj_w", "proj.weight"),
                               ("proj_b", "proj.bias")):
                 t = out.pop(f"{b}mlp.{mlp}")

@@ -21,12 +21,18 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import collectives as coll
 from megatron_moe.moe.cost_model import AlphaBeta, Choice, CommModel, MoEShape, choose_schedule, fit_alpha_beta
+
+if TYPE_CHECKING:
+    from megatron_moe.config import Config
+    from megatron_moe.parallel_state import ParallelState
+
 
 log = logging.getLogger("megatron_moe.parm")
 
@@ -81,18 +87,18 @@ def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1, devi
     return float(sorted(samples)[len(samples) // 2])
 
 
-def layout_key(ps) -> dict:
+def layout_key(ps: "ParallelState") -> dict:
     """What a cached profile must match to be reused."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return {"world_size": ps.layout.world_size, "mp": ps.layout.mp, "ep": ps.layout.ep, "esp": ps.layout.esp,
             "backend": str(ps.backend), "device": dev, "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
 
 
-def _kinds(ps) -> list[tuple[str, str]]:
+def _kinds(ps: "ParallelState") -> list[tuple[str, str]]:
     return [(op, kind) for op, kind in PROFILED if ps.size(kind) > 1]
 
 
-def profile(ps, max_elements: int, reps: int = 3, warmup: int = 1) -> tuple[CommModel, dict]:
+def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int = 1) -> tuple[CommModel, dict]:
     """Time every collective of PROFILED on this rank's groups; returns (fitted model, raw table)."""
     device = torch.device("cuda", torch.cuda.current_device()) if ps.backend == "nccl" else None
     sizes = profile_sizes(max_elements)
@@ -136,7 +142,7 @@ def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: 
     os.replace(tmp, path)
 
 
-def _broadcast(ps, model: CommModel, source: str) -> CommModel:
+def _broadcast(ps: "ParallelState", model: CommModel, source: str) -> CommModel:
     names = [f"{op}@{kind}" for op, kind in _kinds(ps)]
     vals = torch.tensor([[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0]
                          for n in names], dtype=torch.float64).reshape(len(names), 2)
@@ -147,7 +153,7 @@ def _broadcast(ps, model: CommModel, source: str) -> CommModel:
     return CommModel({n: AlphaBeta(float(vals[i, 0]), float(vals[i, 1])) for i, n in enumerate(names)}, source)
 
 
-def load_or_profile(ps, max_elements: int, path: str | None = None, reps: int = 3) -> CommModel:
+def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = None, reps: int = 3) -> CommModel:
     """The fitted model for this layout (collective over the world; see the module docstring)."""
     if not _kinds(ps) or not dist.is_initialized():
         return CommModel({}, "none")               # nothing to communicate: every schedule is free
@@ -174,7 +180,7 @@ def load_or_profile(ps, max_elements: int, path: str | None = None, reps: int = 
     return _broadcast(ps, model, "profile")
 
 
-def shape_of(cfg, ps) -> MoEShape:
+def shape_of(cfg: "Config", ps: "ParallelState") -> MoEShape:
     """The MoE layer shape Algorithm 1 sees for a config and layout."""
     m, moe = cfg.model, cfg.moe
     return MoEShape(B=cfg.train.micro_batch_size, L=m.seq_length, M=m.hidden_size, E=moe.num_experts,
@@ -182,7 +188,7 @@ def shape_of(cfg, ps) -> MoEShape:
                     n_ep=ps.size("ep"), n_esp=ps.size("esp"), min_capacity=moe.moe_min_capacity)
 
 
-def comm_model_for(ps, max_elements: int, path: str | None = None) -> CommModel:
+def comm_model_for(ps: "ParallelState", max_elements: int, path: str | None = None) -> CommModel:
     """`load_or_profile`, remembered per layout and cache path for the life of the process."""
     key = (tuple(sorted(layout_key(ps).items())), path)
     hit = _MEMO.get(key)
@@ -191,7 +197,7 @@ def comm_model_for(ps, max_elements: int, path: str | None = None) -> CommModel:
     return _MEMO[key][1]
 
 
-def choose_for_layer(cfg, ps, layer_idx: int) -> Choice:
+def choose_for_layer(cfg: "Config", ps: "ParallelState", layer_idx: int) -> Choice:
     """Algorithm 1 for one MoE layer (--moe-schedule auto); identical on every rank; logged on rank 0."""
     sh = shape_of(cfg, ps)
     model = comm_model_for(ps, sh.largest_message(), cfg.moe.comm_profile)

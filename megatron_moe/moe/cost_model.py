@@ -1,7 +1,7 @@
 """Alpha-beta cost model of the MoE layer's collectives, and Parm's schedule choice (Algorithm 1).
 
 Every collective on a group costs t(n) = alpha + beta * n seconds for a message
-of n fp32 elements, n being what one rank puts in (the tracer's "sent"):
+of n fp32 elements, n being what one rank puts in (the observer's "sent"):
 the send buffer of an all-to-all, the input of an all-gather, the tensor of an
 all-reduce, the full input of a reduce-scatter. alpha and beta are fitted per
 (collective, group kind) from timings on the run's real groups

@@ -13,21 +13,25 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import scale_grad
-from megatron_moe.model.fused import gelu_tanh
-from megatron_moe.model.sharding import InitSpec, ShardSpec
-from megatron_moe.model.tensor_parallel import make_param
-from megatron_moe.profiling import annotate
+from megatron_moe.layers.fused import gelu_tanh
+from megatron_moe.layers.sharding import InitSpec, ShardSpec
+from megatron_moe.layers.tensor_parallel import make_param
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
 class Experts(nn.Module):
     """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps, seed: int, name: str,
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps: "ParallelState", seed: int, name: str,
                  std: float = 0.02, proj_std: float = 0.02):
         super().__init__()
         self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")
@@ -42,11 +46,15 @@ class Experts(nn.Module):
                                  f"{name}.proj_b")
         self.m_lo = self.esp_rank * (M // self.esp_size)
         self.num_local = E // ps.size("ep")
-        # Lancet's dW scheduling installs (fc, proj) batched linears that defer the weight-gradient
-        # GEMMs: fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (lancet/wgrad_runtime.py)
+        # (fc, proj) batched linears of a dW queue that defer the weight-gradient GEMMs:
+        # fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (`set_dw_queue`)
         self.deferred_bmm = None
 
-    @annotate("moe/experts")
+    def set_dw_queue(self, queue, prefix: str) -> None:
+        """Hand both weight-gradient GEMMs to `queue` (Lancet's WgradRuntime) as prefix + "fc1.dW" /
+        "fc2.dW"; None: plain autograd."""
+        self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
+
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work)."""
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)

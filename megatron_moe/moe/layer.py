@@ -1,104 +1,130 @@
-"""The MoE layer: gate + router + a schedule that moves tokens to ESP-sharded experts.
+"""The MoE layer in four stages: Router -> TokenDispatcher -> Experts -> combine.
 
 Legend: B batch, T sequence, M model dim, G routing groups in this call,
-S tokens per routing group, E experts, C capacity.
+S tokens per group (S_l = S / N_MP: one MP slice), E experts, C capacity.
 
 A routing group is one data-parallel rank's micro-batch (identical on every MP
 rank of it). A one-process reference passes `routing_groups = DP` so it routes
 each data-parallel shard of the global batch separately, as the parallel run
-does. The schedule (baseline / S1 / S2, `megatron_moe.moe.schedules`) decides
-how tokens travel; every schedule returns the same values.
+does. The schedule (--moe-schedule) picks the dispatcher and whether MP ranks
+split the tokens first:
+  baseline  every MP rank routes all tokens; PaddedDispatcher("baseline")
+  s2        every MP rank routes all tokens; PaddedDispatcher("s2")
+  s1        MP split, S1 routing (`moe.parm`), UnevenDispatcher, MP all-gather
+  auto      Parm's Algorithm 1 per layer, decided by `optimizations.apply` on the
+            real groups (`use_schedule`); until then the layer runs the baseline.
+Every schedule returns the same values.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 
-from megatron_moe.distributed.collectives import copy_to_group
+from megatron_moe.distributed.collectives import gather_from_group, scatter_to_group
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.model.sharding import InitSpec, ShardSpec
-from megatron_moe.model.tensor_parallel import make_param
+from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.router import RouteResult, route
-from megatron_moe.moe.schedules import SCHEDULES
+from megatron_moe.moe.parm import route_s1
+from megatron_moe.moe.router import Router
+from megatron_moe.profiling import annotate
+
+if TYPE_CHECKING:
+    from megatron_moe.config import Config
+    from megatron_moe.moe.cost_model import Choice
+    from megatron_moe.parallel_state import ParallelState
+
+SCHEDULES = ("baseline", "s1", "s2")
 
 
 class MoELayer(nn.Module):
     """x [B, T, M] (replicated over MP) -> (y [B, T, M], aux loss scalar).
 
-    The aux loss returned is coeff * load-balancing loss + z-loss, averaged
-    over routing groups; `last_stats` holds counts for logging.
+    The aux loss is coeff * load-balancing loss + z-loss, averaged over routing
+    groups; `last_stats` (the router's) holds counts for logging.
     """
 
-    def __init__(self, cfg, ps, seed: int, name: str, layer_idx: int, routing_groups: int = 1):
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
+                 routing_groups: int = 1):
         super().__init__()
         m, moe = cfg.model, cfg.moe
-        self.ps, self.layer_idx, self.seed = ps, layer_idx, seed
-        self.num_experts, self.hidden = moe.num_experts, m.hidden_size
-        self.k, self.cf, self.min_cap = moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity
-        self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
-        self.routing_groups = routing_groups
-        self.schedule = moe.moe_schedule
-        self.saa_chunks = SAA_CHUNKS
-        self.schedule_choice = None       # Algorithm 1's decision (cost_model.Choice) under auto
-        if moe.moe_schedule == "auto":
-            # collective over the world (profile or cached fit); the same answer on every rank
-            from megatron_moe.moe.comm_profile import choose_for_layer
-            self.schedule_choice = choose_for_layer(cfg, ps, layer_idx)
-            self.schedule, self.saa_chunks = self.schedule_choice.schedule, self.schedule_choice.saa_chunks
-        self.s1_local_capacity = moe.moe_s1_local_capacity
-        self.saa = moe.moe_saa
-        # the gate is replicated everywhere and kept in fp32
-        self.gate_w = make_param((moe.num_experts, m.hidden_size), ShardSpec(), InitSpec("normal", m.init_method_std),
-                                 ps, seed, f"{name}.gate_w")
+        self.ps, self.layer_idx, self.routing_groups = ps, layer_idx, routing_groups
+        self.num_experts = moe.num_experts
+        self.router = Router(cfg, ps, seed, name, layer_idx, routing_groups)
         proj_std = m.init_method_std / (2 * m.num_layers) ** 0.5
         self.experts = Experts(moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.experts",
                                m.init_method_std, proj_std)
-        self._calls = 0
-        self.last_stats: dict = {}
+        self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
+        self.requested = moe.moe_schedule
+        self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto
+        self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
-    # ------------------------------------------------------------------ pieces schedules use
-    def group_id(self, g: int) -> int:
-        """Global id of routing group g of this call (= the data-parallel shard it is)."""
-        return self.ps.rank("dp") * self.routing_groups + g
+    def use_schedule(self, schedule: str, saa_chunks: int = SAA_CHUNKS, choice: Optional["Choice"] = None) -> None:
+        """Pick the dispatcher of `schedule` (baseline / s1 / s2); `choice`: Algorithm 1's, under auto."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--moe-schedule must be one of {SCHEDULES} or auto, got {schedule!r}")
+        self.schedule, self.schedule_choice = schedule, choice
+        old = getattr(self, "dispatcher", None)
+        if schedule == "s1":
+            self.dispatcher: TokenDispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
+        else:
+            self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, schedule, self.saa,
+                                               saa_chunks)
+        if old is not None:                # keep what optimizations attached to the dispatcher
+            self.dispatcher.set_dw_queue(old.dw)
+            self.dispatcher.listeners = old.listeners
 
-    def generator(self, g: int) -> torch.Generator | None:
-        """Seeded generator for random routing: depends on (seed, layer, call, group) only."""
-        if self.policy != "random":
-            return None
-        gen = torch.Generator()
-        gen.manual_seed((self.seed * 1_000_003 + self.layer_idx * 10_007 + self._calls * 101 + self.group_id(g))
-                        & 0x7FFF_FFFF)
-        return gen
+    @property
+    def last_stats(self) -> dict:
+        """Counts of the last forward: {"counts": [E] kept per expert, "dropped", "choices"}."""
+        return self.router.last_stats
 
-    def gate_logits(self, x_SM: torch.Tensor, split_over_mp: bool = False) -> torch.Tensor:
-        """fp32 logits [S, E]. When MP ranks hold different tokens, gate grads are summed over MP."""
-        w = copy_to_group(self.gate_w, self.ps.group("mp")) if split_over_mp else self.gate_w
-        with torch.autocast(device_type=x_SM.device.type, enabled=False):
-            return x_SM.float() @ w.float().t()
+    def splits_tokens(self, num_tokens: int) -> bool:
+        """True when MP ranks route disjoint slices of a group of `num_tokens` tokens (S1)."""
+        if self.schedule != "s1":
+            return False
+        if num_tokens % self.ps.size("mp") == 0:
+            return True
+        if self.schedule_choice is not None:
+            return False                   # auto: these tokens do not split evenly; S2 instead
+        raise ValueError(f"--moe-schedule s1 needs the tokens of a micro-batch ({num_tokens} = --micro-batch-size "
+                         f"x --seq-length) divisible by --tensor-model-parallel-size {self.ps.size('mp')}")
 
-    def route(self, logits_SE: torch.Tensor, g: int) -> RouteResult:
-        return route(logits_SE, self.k, self.cf, self.min_cap, self.policy, self.generator(g), self.z_coeff)
+    # ------------------------------------------------------------------ the four stages
+    def route(self, x_GSM: torch.Tensor, split: bool):
+        """Router: (routes of this rank's tokens, aux loss, the tokens [G*S', M] they refer to)."""
+        G, S, M = x_GSM.shape
+        with annotate("moe/router"):
+            if split:
+                x_l = scatter_to_group(x_GSM, self.ps.group("mp"), dim=1)              # [G, S_l, M]
+                routes, aux, kept = route_s1(self.router, x_l, S, self.s1_local_capacity)
+                self.router.record(routes, kept, G * S * self.router.k)
+                return routes, aux, x_l.reshape(-1, M)
+            routes = [self.router.route(x_GSM[g], g) for g in range(G)]
+            self.router.record(routes)
+            return routes, torch.stack([self.router.aux(r) for r in routes]).mean(), x_GSM.reshape(G * S, M)
 
-    def aux_of(self, r: RouteResult) -> torch.Tensor:
-        return self.aux_coeff * r.aux_loss + r.z_loss
-
-    def record_stats(self, routes: list[RouteResult]) -> None:
-        counts = torch.stack([r.counts for r in routes]).sum(0).detach().cpu()
-        total = sum(r.slot.numel() for r in routes)
-        dropped = sum(r.num_dropped for r in routes)
-        self.last_stats = {"counts": counts, "dropped": dropped, "choices": total}
-
-    # ------------------------------------------------------------------ forward
     def forward(self, x_BTM: torch.Tensor):
         B, T, M = x_BTM.shape
         G = self.routing_groups
         if B % G:
             raise ValueError(f"batch {B} is not divisible into {G} routing groups")
-        x_GSM = x_BTM.reshape(G, (B // G) * T, M)
-        name = self.schedule
-        if name == "s1" and self.schedule_choice is not None and x_GSM.size(1) % self.ps.size("mp"):
-            name = "s2"   # auto: these tokens do not split evenly over MP (same on every rank)
-        y_GSM, aux = SCHEDULES[name](self, x_GSM)
-        self._calls += 1
-        return y_GSM.reshape(B, T, M), aux
+        d = self.dispatcher
+        x_GSM = d.track_input(x_BTM).reshape(G, (B // G) * T, M)
+        split = self.splits_tokens(x_GSM.size(1))
+        if self.schedule == "s1" and not split:
+            d = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa,
+                                 self.schedule_choice.saa_chunks)
+            d.set_dw_queue(self.dispatcher.dw)
+        routes, aux, tokens = self.route(x_GSM, split)
+        with annotate("moe/dispatch"):
+            plan = d.plan(routes)
+            x_in = d.dispatch(tokens, plan)
+        with annotate("moe/experts"):
+            y_partial = self.experts(x_in, grad_scale=d.grad_scale)
+        with annotate("moe/combine"):
+            y = d.combine(y_partial, plan)
+            if split:
+                y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
+        return self.dispatcher.track_output(y.reshape(B, T, M)), aux

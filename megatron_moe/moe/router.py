@@ -21,15 +21,26 @@ Semantics (docs/DESIGN.md "Router semantics"):
 The pieces are separate functions so that schedules that split a routing
 group across ranks (Parm S1, Lancet's partitions) can compute the same slots
 from per-part counts: `choose_experts` -> `slot_positions` (with offsets) ->
-`finish_route`.
+`finish_route`. `Router` is the module that owns the gate and calls them:
+`route` for a whole group, `route_slice` for a slice given per-expert offsets
+("capacity passing"), `record` for the stats of a forward (one place).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn as nn
+
+from megatron_moe.distributed.collectives import copy_to_group
+from megatron_moe.layers.sharding import InitSpec, ShardSpec
+from megatron_moe.layers.tensor_parallel import make_param
+
+if TYPE_CHECKING:
+    from megatron_moe.config import Config
+    from megatron_moe.parallel_state import ParallelState
 
 POLICIES = ("position", "batch_prioritized", "random")
 
@@ -193,3 +204,92 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: in
     aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
     z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
     return finish_route(gates, expert, pos, cap, aux, z)
+
+
+class Router(nn.Module):
+    """The gate of one MoE layer and its routing rule (module docstring).
+
+    Owns the fp32 gate weight [E, M] (replicated), k, capacity factor, minimum
+    capacity, policy, aux / z-loss coefficients and the seeded generator of
+    random routing, which depends on (seed, layer, call, routing group) only.
+    `calls` counts finished forwards (saved in checkpoints); `last_stats` and
+    `last_routes` describe the last one (set by `record`).
+    """
+
+    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
+                 routing_groups: int = 1):
+        super().__init__()
+        m, moe = cfg.model, cfg.moe
+        self.ps, self.seed, self.layer_idx, self.routing_groups = ps, seed, layer_idx, routing_groups
+        self.num_experts, self.k, self.cf, self.min_cap = (moe.num_experts, moe.moe_router_topk,
+                                                           moe.moe_expert_capacity_factor, moe.moe_min_capacity)
+        self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
+        self.gate_w = make_param((moe.num_experts, m.hidden_size), ShardSpec(), InitSpec("normal", m.init_method_std),
+                                 ps, seed, f"{name}.gate_w")
+        self.calls = 0
+        self.last_stats: dict = {}
+        self.last_routes: list[RouteResult] = []
+
+    def capacity(self, num_tokens: int) -> int:
+        """C of a routing group of `num_tokens` tokens."""
+        return capacity(num_tokens, self.num_experts, self.k, self.cf, self.min_cap)
+
+    def generator(self, g: int) -> Optional[torch.Generator]:
+        """Seeded generator of routing group g of this call (random routing only)."""
+        if self.policy != "random":
+            return None
+        gid = self.ps.rank("dp") * self.routing_groups + g
+        gen = torch.Generator()
+        gen.manual_seed((self.seed * 1_000_003 + self.layer_idx * 10_007 + self.calls * 101 + gid) & 0x7FFF_FFFF)
+        return gen
+
+    def logits(self, x_SM: torch.Tensor, split_over_mp: bool = False) -> torch.Tensor:
+        """fp32 logits [S, E]. When MP ranks hold different tokens, gate grads are summed over MP."""
+        w = copy_to_group(self.gate_w, self.ps.group("mp")) if split_over_mp else self.gate_w
+        with torch.autocast(device_type=x_SM.device.type, enabled=False):
+            return x_SM.float() @ w.float().t()
+
+    def route(self, x_SM: torch.Tensor, g: int = 0) -> RouteResult:
+        """Route a whole routing group x [S, M] (group g of this call)."""
+        return route(self.logits(x_SM), self.k, self.cf, self.min_cap, self.policy, self.generator(g), self.z_coeff)
+
+    def choose(self, logits_sE: torch.Tensor, g: int, start: int, group_tokens: int):
+        """Experts of rows [start, start + s) of group g (logits [s, E]): (gates [s, E], expert [s, k])."""
+        return choose_experts_slice(logits_sE, self.k, self.policy, self.generator(g), start, group_tokens)
+
+    def route_slice(self, gates_sE: torch.Tensor, expert_sk: torch.Tensor, group_tokens: int,
+                    offset_kE: Optional[torch.Tensor] = None,
+                    first_total_E: Optional[torch.Tensor] = None) -> RouteResult:
+        """Capacity passing: the route of a slice of a group of `group_tokens` tokens (experts from
+        `choose`) with the slots it holds in the whole group, given the choice-j tokens of each expert
+        before the slice (`offset_kE` [k, E]) and, for top-2, the group's first-choice totals [E].
+        The losses are left at zero: the caller computes them from the group's sums (`aux_of_sums`)."""
+        pos = slot_positions(expert_sk, self.num_experts, token_order(gates_sE, expert_sk, self.policy), offset_kE,
+                             first_total_E)
+        zero = gates_sE.new_zeros((), dtype=torch.float32)
+        return finish_route(gates_sE, expert_sk, pos, self.capacity(group_tokens), zero, zero)
+
+    def aux(self, r: RouteResult) -> torch.Tensor:
+        """The loss a routed group adds: coeff * load balancing + z-loss."""
+        return self.aux_coeff * r.aux_loss + r.z_loss
+
+    def aux_of_sums(self, gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, z_sum: Optional[torch.Tensor],
+                    group_tokens: int) -> torch.Tensor:
+        """`aux` of a group from sums over its slices: gates [E], first choices [E], logsumexp^2 (or None)."""
+        lb = aux_loss_from_terms(gate_sum_E, first_count_E, group_tokens, self.k)
+        z = z_sum / group_tokens * self.z_coeff if self.z_coeff and z_sum is not None else lb.new_zeros(())
+        return self.aux_coeff * lb + z
+
+    def record(self, routes: list[RouteResult], kept_E: Optional[torch.Tensor] = None,
+               choices: Optional[int] = None) -> None:
+        """End of a forward: keep the routes of this rank's tokens and the stats of the whole groups.
+
+        Without `kept_E` / `choices` the routes cover whole groups; S1 passes the groups' kept
+        counts [E] and number of choices (its routes are this rank's slices)."""
+        if kept_E is None:
+            kept_E = torch.stack([r.counts for r in routes]).sum(0)
+            choices = sum(r.slot.numel() for r in routes)
+        counts = kept_E.detach().cpu()
+        self.last_stats = {"counts": counts, "dropped": int(choices) - int(counts.sum()), "choices": int(choices)}
+        self.last_routes = routes
+        self.calls += 1

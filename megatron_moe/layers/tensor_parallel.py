@@ -12,16 +12,22 @@ sliced, so any layout starts from the same full weights as one process.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group, gather_from_group,
                                                   reduce_from_group)
-from megatron_moe.model.sharding import InitSpec, ShardSpec, make_full, shard_tensor
+from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
-def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name: str) -> nn.Parameter:
+def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState", seed: int,
+               name: str) -> nn.Parameter:
     """Create the full tensor deterministically, keep this rank's slice, tag it with its spec."""
     full = make_full(full_shape, init, seed, name)
     coords = {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
@@ -31,6 +37,13 @@ def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps, seed: int, name:
     return p
 
 
+def _linear(mod: nn.Module, x: torch.Tensor, bias) -> torch.Tensor:
+    """F.linear with the module's weight, or its dW queue's linear that defers the weight gradient."""
+    if mod.dw_queue is None:
+        return F.linear(x, mod.weight, bias)
+    return mod.dw_queue.linear(mod.dw_name)(x, mod.weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear whose output features are split over MP; input is replicated.
 
@@ -38,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
     `qkv=True` splits a fused [q; k; v] weight per third so each rank keeps its heads.
     """
 
-    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
                  bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
@@ -48,11 +61,14 @@ class ColumnParallelLinear(nn.Module):
                                  f"{name}.weight")
         self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
-        # F.linear, or Lancet's replacement that defers the weight-gradient GEMM (lancet/wgrad_runtime.py)
-        self.linear_fn = F.linear
+        self.dw_queue, self.dw_name = None, ""
+
+    def set_dw_queue(self, queue, name: str) -> None:
+        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
+        self.dw_queue, self.dw_name = queue, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fn(copy_to_group(x, self.group), self.weight, self.bias)
+        y = _linear(self, copy_to_group(x, self.group), self.bias)
         return gather_from_group(y, self.group, dim=-1) if self.gather_output else y
 
 
@@ -62,7 +78,7 @@ class RowParallelLinear(nn.Module):
     in [..., in_features / MP] -> out [..., out_features] (replicated).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps, seed: int, name: str,
+    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
                  bias: bool = True, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
@@ -70,17 +86,19 @@ class RowParallelLinear(nn.Module):
                                  InitSpec("normal", std), ps, seed, f"{name}.weight")
         self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias")
                      if bias else None)
-        self.linear_fn = F.linear             # as in ColumnParallelLinear (Lancet may defer dW)
+        self.dw_queue, self.dw_name = None, ""
+
+    set_dw_queue = ColumnParallelLinear.set_dw_queue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_group(self.linear_fn(x, self.weight), self.group)
+        y = reduce_from_group(_linear(self, x, None), self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ps, seed: int, name: str, std: float = 0.02):
+    def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02):
         super().__init__()
         self.group = ps.group("mp")
         self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),

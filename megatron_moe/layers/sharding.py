@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,12 @@ def make_full(shape, init: InitSpec, seed: int, name: str) -> torch.Tensor:
     return torch.randn(shape, generator=seeded_generator(seed, name)) * init.std
 
 
-def rank_coords(ps) -> Coords:
+def rank_coords(ps: "ParallelState") -> Coords:
     """Coordinates of the calling rank from a ParallelState."""
     return {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
 
 
-def local_pieces(model: torch.nn.Module, ps, what: str = "param") -> dict:
+def local_pieces(model: torch.nn.Module, ps: "ParallelState", what: str = "param") -> dict:
     """{name: (coords_key, tensor)} of this rank's slices of params ('param') or grads ('grad')."""
     out = {}
     coords = rank_coords(ps)
@@ -152,7 +156,7 @@ def assemble(per_rank: list[dict], specs: dict, atol: float = 1e-6) -> dict:
     return full
 
 
-def load_full_state(model: torch.nn.Module, full: dict, ps) -> None:
+def load_full_state(model: torch.nn.Module, full: dict, ps: "ParallelState") -> None:
     """Copy this rank's slice of every full tensor in `full` into the model's parameters."""
     coords = rank_coords(ps)
     with torch.no_grad():

@@ -1,0 +1,378 @@
+"""The observer of collectives: what every collective of this process moved, and when.
+
+Every collective in `megatron_moe.distributed` (and the dispatchers' all-to-all
+handles) calls `begin(op, group, sent, recv, remote_sent)` before it launches
+and `end(token)` when it finishes (a synchronous call: when it returns; an
+asynchronous one: at `wait()` of its `Work`, or when its future completes).
+While a `CommLog` is started (``with CommLog() as log:``) each collective
+becomes one `CommEvent` in it: op, group name, bytes, tag, phase, launch and
+finish times. Tests count bytes (`totals`), Lina and the benchmarks read times
+(`summarize`). With no log and no listener, `begin` costs one global read.
+
+Byte convention (what tests compute from formulas):
+  all_reduce      sent = recv = numel * itemsize
+  all_gather      sent = local input, recv = group_size * local input
+  reduce_scatter  sent = full input, recv = full input / group_size
+  all_to_all      sent = input buffer, recv = output buffer,
+                  remote_sent = the bytes that leave this rank
+
+An event's interval is [launch, finish] in `time.perf_counter()` seconds. For
+all-to-alls, listeners (Lina's scheduler) are told `a2a_start(group)` before
+the launch is stamped and `a2a_end(group)` after the finish is, so a listener
+that refuses to launch between the two sees exactly the logged intervals.
+`a2a_queued()` (the dispatcher's combine step in backward: an all-to-all is
+about to be issued) stamps the `queued` time of the next all-to-all.
+
+Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync
+bucket), '' (anything else). A thread sets them with `with tagged('lina', ...)`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+ACTIVE = False                      # a log or a listener is registered
+_LOGS: list["CommLog"] = []
+_A2A_LISTENERS: list = []
+_SEQ = itertools.count()
+_local = threading.local()
+_QUEUED: list[Optional[float]] = [None]
+GRAD_TAGS = ("lina", "grad")        # tags of gradient all-reduces
+_GROUP_NAMES: dict[int, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Register a readable name ('mp', 'ep', ...) for a process group."""
+    _GROUP_NAMES[id(group)] = name
+
+
+def group_name(group) -> str:
+    """The registered name of `group` ('world' for None / the default group)."""
+    return "world" if group is None else _GROUP_NAMES.get(id(group), "other")
+
+
+@dataclass
+class CommEvent:
+    """One collective issued by this process.
+
+    seq: launch order; op: 'all_to_all', 'all_reduce', 'all_gather', 'reduce_scatter';
+    group: group name; nbytes (= `sent`): local input bytes; tag: 'lina' / 'grad' / '';
+    phase: 'bwd' inside autograd backward, else 'fwd'; launch / finish: perf_counter
+    seconds (finish None while running); queued: when it was known to be coming;
+    recv / remote_sent: see the byte convention; info: free-form details ("blocked": the
+    intervals a thread spent in `wait()` of an asynchronous one).
+    """
+
+    seq: int
+    op: str
+    group: str
+    nbytes: int
+    tag: str
+    phase: str
+    launch: float
+    finish: Optional[float] = None
+    queued: Optional[float] = None
+    info: dict = field(default_factory=dict)
+    recv: int = 0
+    remote_sent: int = 0
+
+    @property
+    def sent(self) -> int:
+        return self.nbytes
+
+    @property
+    def duration(self) -> float:
+        """Seconds from launch to finish (0 while unfinished)."""
+        return 0.0 if self.finish is None else self.finish - self.launch
+
+
+class CommLog:
+    """Collects CommEvents while started; several logs may be active, each gets every event.
+
+    Keeps the last `max_events` events, so a long run cannot grow it without bound.
+    """
+
+    def __init__(self, max_events: int = 200_000):
+        self.events: deque[CommEvent] = deque(maxlen=max_events)
+        self._lock = threading.Lock()       # other threads append while one reads
+
+    def start(self) -> "CommLog":
+        """Begin receiving events (idempotent); returns self."""
+        if self not in _LOGS:
+            _LOGS.append(self)
+            _refresh()
+        return self
+
+    def stop(self) -> None:
+        """Stop receiving events; the kept ones stay readable."""
+        if self in _LOGS:
+            _LOGS.remove(self)
+            _refresh()
+
+    def __enter__(self) -> "CommLog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+    def snapshot(self) -> list[CommEvent]:
+        """A copy of the kept events (safe while another thread adds some)."""
+        with self._lock:
+            return list(self.events)
+
+    @property
+    def records(self) -> list[CommEvent]:
+        return self.snapshot()
+
+    def of(self, op: Optional[str] = None, tags: Optional[Iterable[str]] = None,
+           phase: Optional[str] = None) -> list[CommEvent]:
+        """Events matching op, any of `tags` and phase (None matches all), in launch order."""
+        tags = None if tags is None else tuple(tags)
+        return sorted((e for e in self.snapshot() if (op is None or e.op == op)
+                       and (tags is None or e.tag in tags) and (phase is None or e.phase == phase)),
+                      key=lambda e: e.seq)
+
+    def totals(self, key: str = "sent") -> dict[tuple[str, str], int]:
+        """Sum of `key` bytes per (op, group)."""
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        for e in self.snapshot():
+            out[(e.op, e.group)] += getattr(e, key)
+        return dict(out)
+
+    def count(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
+        return sum(1 for e in self.snapshot() if (op is None or e.op == op) and (group is None or e.group == group))
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes sent per 'op@group' string (for benchmark JSON)."""
+        return {f"{op}@{g}": v for (op, g), v in sorted(self.totals("sent").items())}
+
+    def summary(self) -> dict:
+        return summarize(self.snapshot())
+
+
+def summarize(evs: list[CommEvent]) -> dict:
+    """Totals over `evs` (milliseconds):
+
+    a2a_bwd_ms / a2a_fwd_ms: all-to-all time in backward / forward;
+    grad_allreduce_ms: time some gradient all-reduce was running (union);
+    overlap_ms: time a gradient all-reduce ran while an all-to-all was in flight;
+    launched_during_a2a: gradient all-reduces launched while an all-to-all was queued or in flight;
+    n_a2a, n_grad_allreduce, grad_allreduce_bytes.
+    """
+    a2a = sorted((e for e in evs if e.op == "all_to_all"), key=lambda e: e.seq)
+    grads = sorted((e for e in evs if e.op == "all_reduce" and e.tag in GRAD_TAGS), key=lambda e: e.seq)
+    a2a_u = union([(e.launch, e.finish) for e in a2a if e.finish is not None])
+    ar_u = union([(e.launch, e.finish) for e in grads if e.finish is not None])
+    return {
+        "a2a_bwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "bwd"),
+        "a2a_fwd_ms": 1e3 * sum(e.duration for e in a2a if e.phase == "fwd"),
+        "grad_allreduce_ms": 1e3 * total_length(ar_u),
+        "overlap_ms": 1e3 * intersection_length(a2a_u, ar_u),
+        "launched_during_a2a": len(launched_during(grads, a2a)),
+        "n_a2a": len(a2a),
+        "n_grad_allreduce": len(grads),
+        "grad_allreduce_bytes": sum(e.nbytes for e in grads),
+    }
+
+
+def format_summary(s: dict) -> str:
+    """One readable line of `summarize`."""
+    return (f"comm events: all-to-all {s['n_a2a']} ({s['a2a_bwd_ms']:.1f} ms in backward, "
+            f"{s['a2a_fwd_ms']:.1f} ms in forward); gradient all-reduce {s['n_grad_allreduce']} ops, "
+            f"{s['grad_allreduce_bytes'] / 2 ** 20:.1f} MB, {s['grad_allreduce_ms']:.1f} ms busy, "
+            f"{s['overlap_ms']:.1f} ms overlapped with all-to-all, "
+            f"{s['launched_during_a2a']} launched during an all-to-all")
+
+
+# ----------------------------------------------------------------------------- interval arithmetic
+
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint intervals covering the same points as `intervals`."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def total_length(u: list[tuple[float, float]]) -> float:
+    """Summed length of disjoint intervals."""
+    return sum(b - a for a, b in u)
+
+
+def intersection_length(u: list[tuple[float, float]], v: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two unions of disjoint sorted intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(u) and j < len(v):
+        lo, hi = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+        total += max(0.0, hi - lo)
+        if u[i][1] < v[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def launched_during(ops: list[CommEvent], a2as: list[CommEvent]) -> list[CommEvent]:
+    """The ops of `ops` launched inside some all-to-all's [queued or launch, finish]
+    (an unfinished all-to-all counts as still in flight)."""
+    spans = [(a.launch if a.queued is None else min(a.queued, a.launch),
+              a.finish if a.finish is not None else float("inf")) for a in a2as]
+    return [e for e in ops if any(lo <= e.launch <= hi for lo, hi in spans)]
+
+
+def overlapping(ops: list[CommEvent], a2a: CommEvent) -> list[CommEvent]:
+    """The ops of `ops` whose [launch, finish] intersects the all-to-all's interval."""
+    hi_a = a2a.finish if a2a.finish is not None else float("inf")
+    return [e for e in ops if e.launch <= hi_a and (e.finish is None or e.finish >= a2a.launch)]
+
+
+# ----------------------------------------------------------------------------- hooks for collectives
+
+def _refresh() -> None:
+    global ACTIVE
+    ACTIVE = bool(_LOGS or _A2A_LISTENERS)
+
+
+def add_a2a_listener(listener) -> None:
+    """Register an object with a2a_start(group: str) and a2a_end(group: str) methods."""
+    if listener not in _A2A_LISTENERS:
+        _A2A_LISTENERS.append(listener)
+        _refresh()
+
+
+def remove_a2a_listener(listener) -> None:
+    """Unregister a listener added with add_a2a_listener (no error if absent)."""
+    if listener in _A2A_LISTENERS:
+        _A2A_LISTENERS.remove(listener)
+        _refresh()
+
+
+@contextmanager
+def tagged(tag: str, **info) -> Iterator[None]:
+    """Ops issued by this thread inside the block carry `tag` and `info` (queued=... sets the
+    event's queued time; self_timed=True: the issuing thread stamps the finish itself)."""
+    old = getattr(_local, "tag", None)
+    _local.tag = (tag, info)
+    try:
+        yield
+    finally:
+        _local.tag = old
+
+
+def a2a_queued() -> None:
+    """An all-to-all is about to be issued (backward reached a combine step): stamp the next one."""
+    if _QUEUED[0] is None:
+        _QUEUED[0] = time.perf_counter()
+
+
+def _in_backward() -> bool:
+    # -1 outside a backward pass; the API is private but stable (torch.utils.checkpoint uses it)
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return f is not None and f() >= 0
+
+
+@dataclass
+class _Token:
+    """What `begin` hands to `end`: the group and the event (None when no log is active)."""
+
+    op: str
+    group: str
+    event: Optional[CommEvent]
+    ended: bool = False
+
+
+def begin(op: str, group, sent: int, recv: int = 0, remote_sent: int = 0) -> Optional[_Token]:
+    """A collective on `group` is launched now; returns the token for `end` (None if unobserved)."""
+    _local.last = None
+    if not ACTIVE:
+        return None
+    name = group if isinstance(group, str) else group_name(group)
+    if op == "all_to_all":
+        for listener in list(_A2A_LISTENERS):
+            listener.a2a_start(name)
+    ev = None
+    if _LOGS:
+        tag, info = getattr(_local, "tag", None) or ("", {})
+        info = dict(info)
+        queued = info.pop("queued", None)
+        if op == "all_to_all":
+            queued, _QUEUED[0] = _QUEUED[0], None
+        ev = CommEvent(next(_SEQ), op, name, int(sent), tag, "bwd" if _in_backward() else "fwd",
+                       time.perf_counter(), queued=queued, info=info, recv=int(recv), remote_sent=int(remote_sent))
+        for log in list(_LOGS):
+            with log._lock:
+                log.events.append(ev)
+        _local.last = ev
+    return _Token(op, name, ev)
+
+
+def last_event() -> Optional[CommEvent]:
+    """The event of the last op this thread began (None if no log was active then)."""
+    return getattr(_local, "last", None)
+
+
+def stamp_finish(ev: Optional[CommEvent]) -> None:
+    """Time-stamp the finish of an event (None is ignored)."""
+    if ev is not None and ev.finish is None:
+        ev.finish = time.perf_counter()
+
+
+def end(token: Optional[_Token]) -> None:
+    """The collective of `token` finished (once per token): stamp it, then tell the listeners."""
+    if token is None or token.ended:
+        return
+    token.ended = True
+    stamp_finish(token.event)
+    if token.op == "all_to_all":
+        for listener in list(_A2A_LISTENERS):
+            listener.a2a_end(token.group)
+
+
+def end_when_complete(token: Optional[_Token], work) -> None:
+    """Finish now (work None: synchronous), or when async work completes (a future callback),
+    unless the issuing thread stamps the finish itself (`tagged(..., self_timed=True)`)."""
+    if token is None:
+        return
+    if work is None:
+        end(token)
+    elif token.event is not None and not token.event.info.get("self_timed"):
+        try:
+            work.get_future().then(lambda _f: end(token))
+        except (RuntimeError, AttributeError):    # a backend without futures: the event stays unfinished
+            token.event.info["unfinished"] = True
+
+
+class Work:
+    """An async collective's work (or several, waited on as one): `wait()` waits, then ends the
+    observed interval. Other attributes are the first wrapped work's."""
+
+    def __init__(self, work, token: Optional[_Token]):
+        self._works = work if isinstance(work, list) else [work]
+        self._token = token
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        for w in self._works:
+            w.wait(*args, **kwargs)
+        if self._token is not None and self._token.event is not None:   # when this thread was blocked
+            self._token.event.info.setdefault("blocked", []).append((t0, time.perf_counter()))
+        end(self._token)
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._works[0], name)

@@ -1,0 +1,365 @@
+"""Token dispatchers: how routed tokens reach their experts' ranks and come back.
+
+Legend: G routing groups in the call, S tokens per group (S_l: this rank's slice),
+T tokens this rank dispatches (G*S or G*S_l), M model dim, E experts (E_l = E / N_EP
+local), k choices per token, C capacity, K kept choices of this rank, D = N_EP *
+N_ESP ranks of the EP x ESP group, N rows per local expert in the expert input.
+
+Every dispatcher has the same three steps (`MoELayer.forward` calls them in order):
+  plan(routes)       -> a plan (index maps; the uneven one also exchanges counts)
+  dispatch(x, plan)  -> expert input [E_l, N, M]
+  combine(y, plan)   -> y [T, M], the weighted sum of each token's expert outputs
+and `grad_scale`, the factor of the experts' weight gradients (1/N_MP when the N_MP
+ranks of an MP group push identical tokens through the experts).
+
+PaddedDispatcher (capacity-padded buffer [E, G*C', M], index dispatch/combine):
+  "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather of the buffer, EP
+      all-to-all, experts on their H/N_ESP slice, ESP all-reduce of the partial
+      outputs, EP all-to-all back, ESP split.
+  "s2" (Parm S2): every MP rank keeps slots [r*C_mp, (r+1)*C_mp) of each expert
+      (C' = N_MP * C_mp, the pad slots stay empty); local dump (one copy per ESP
+      shard), one EP x ESP all-to-all, experts, return all-to-all with local
+      combine (sum of the N_ESP partials) and MP all-gather, overlapped chunk by
+      chunk (SAA, `distributed.saa`) unless --no-moe-saa. The backward of the
+      dispatch is the same all-to-all -> ESP sum -> MP all-gather, so SAA serves there too.
+UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choices
+  sorted by (expert, group, slot), a count exchange tells receivers the split sizes,
+  local dump, uneven all-to-all into a zero-padded [E_l, N, M] input (padding rows get
+  zero gradient and are never sent back), return all-to-all, local combine.
+  `dispatch_start` / `dispatch_finish` and `combine_start` / `combine_finish` return
+  and take handles, so a pipeline starts part i+1 while part i is in flight.
+
+The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
+a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
+backward (Lancet). `track_input` / `track_output` mark the layer's input and output
+so that backward tells listeners (Lina) when the combine step starts (an all-to-all
+is coming) and when the layer's backward is over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from megatron_moe.distributed import observer
+from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
+from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
+from megatron_moe.moe import a2a
+from megatron_moe.moe.router import RouteResult
+from megatron_moe.profiling import annotate
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
+
+
+@dataclass
+class DispatchIndex:
+    """Flat positions of kept choices: token index [K], row e*C + c in the buffer [K], weight [K]."""
+
+    token: torch.Tensor
+    row: torch.Tensor
+    weight: torch.Tensor
+
+
+def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base: int = 0) -> DispatchIndex:
+    """Kept choices of a routing result as flat buffer rows (`capacity`: row stride per expert,
+    default the route's; `slot_base` shifts every slot: several groups side by side)."""
+    cap = route.capacity if capacity is None else capacity
+    kept = route.slot >= 0
+    S, k = route.slot.shape
+    token = torch.arange(S, device=route.slot.device)[:, None].expand(S, k)[kept]
+    return DispatchIndex(token, route.expert[kept] * cap + route.slot[kept] + slot_base, route.weight[kept])
+
+
+def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
+    """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere (differentiable)."""
+    return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy(0, idx.row, x_SM.index_select(0, idx.token))
+
+
+def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
+    """y [S, M] = weighted sum of each token's kept rows of buf [R, M]."""
+    rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
+    return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add(0, idx.token, rows)
+
+
+class _Notify(torch.autograd.Function):
+    """Identity forward; backward calls `fn()` (a point where backward tells listeners something)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn()
+        return g, None
+
+
+class _Listening:
+    """Removes a listener from a dispatcher (what `add_listener` returns)."""
+
+    def __init__(self, owner: "TokenDispatcher", listener):
+        self.owner, self.listener = owner, listener
+
+    def remove(self) -> None:
+        if self.listener in self.owner.listeners:
+            self.owner.listeners.remove(self.listener)
+
+
+class TokenDispatcher:
+    """What every dispatcher shares: groups, names of its all-to-alls, dW queue, listeners."""
+
+    def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, grad_scale: float):
+        self.ps, self.num_experts, self.layer_idx, self.grad_scale = ps, num_experts, layer_idx, grad_scale
+        self.n_ep, self.n_esp, self.n_mp = ps.size("ep"), ps.size("esp"), ps.size("mp")
+        self.num_local = num_experts // self.n_ep
+        self.dw = None
+        self.listeners: list = []
+
+    @property
+    def crosses_ranks(self) -> bool:
+        """True when tokens leave this rank (there are all-to-alls to wait for)."""
+        return self.n_ep * self.n_esp > 1
+
+    def set_dw_queue(self, dw) -> None:
+        """Run the deferred dW of a weight-gradient queue under this dispatcher's backward all-to-alls."""
+        self.dw = dw
+
+    def a2a_name(self, step: str) -> str:
+        return f"L{self.layer_idx}.moe.a2a_{step}"
+
+    def add_listener(self, listener) -> _Listening:
+        """`listener.a2a_imminent()` fires when backward reaches the combine step and
+        `listener.moe_backward_done()` when the layer's backward is over; returns a handle to remove it."""
+        self.listeners.append(listener)
+        return _Listening(self, listener)
+
+    def _imminent(self) -> None:
+        for listener in list(self.listeners):
+            listener.a2a_imminent()
+        observer.a2a_queued()
+
+    def _done(self) -> None:
+        for listener in list(self.listeners):
+            listener.moe_backward_done()
+
+    def track_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input: its gradient means the layer's backward (and its all-to-alls) is over."""
+        if not (self.listeners and torch.is_grad_enabled() and x.requires_grad):
+            return x
+        return _Notify.apply(x, self._done)
+
+    def track_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output: its gradient means backward reached the combine step."""
+        if not (self.listeners and torch.is_grad_enabled() and y.requires_grad):
+            return y
+        return _Notify.apply(y, self._imminent)
+
+
+# ----------------------------------------------------------------------------- padded buffer
+
+@dataclass
+class PaddedPlan:
+    """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2)."""
+
+    idx: DispatchIndex
+    groups: int
+    slots: int
+    tokens: int
+
+
+class PaddedDispatcher(TokenDispatcher):
+    """Capacity-padded dispatch: "baseline" or "s2" (module docstring)."""
+
+    def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, mode: str = "baseline",
+                 saa: bool = True, saa_chunks: int = SAA_CHUNKS):
+        if mode not in ("baseline", "s2"):
+            raise ValueError(f"unknown padded dispatch mode {mode!r}")
+        super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)
+        self.mode, self.saa, self.saa_chunks = mode, saa, saa_chunks
+
+    def slots_per_group(self, capacity: int) -> int:
+        """Buffer slots of one group: C, or C rounded up to a multiple of N_MP (S2)."""
+        return capacity if self.mode == "baseline" else -(-capacity // self.n_mp) * self.n_mp
+
+    def plan(self, routes: list[RouteResult]) -> PaddedPlan:
+        """One index over the buffer holding every group side by side."""
+        G, S = len(routes), routes[0].slot.size(0)
+        Cs = self.slots_per_group(routes[0].capacity)
+        idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
+        idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
+                            torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
+        return PaddedPlan(idx, G, Cs, G * S)
+
+    def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
+        E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
+        buf = dispatch(x_TM, plan.idx, E * GC)
+        if self.mode == "s2":
+            ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
+            buf = buf.view(E, plan.groups, self.n_mp, ctx.C_mp, M)
+            return a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
+        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
+        gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)      # [N_ESP, E, GC, M]
+        send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)              # by destination EP rank
+        recv = a2a.run(send, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw))
+        return recv.permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
+
+    def combine(self, y_LNM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
+        E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
+        if self.mode == "s2":
+            ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
+            out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_LNM, self.dw, self.a2a_name("combine"))
+            return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
+        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
+        full = all_reduce(y_LNM, self.ps.group("esp"))                                # sum of the H slices
+        back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
+        ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
+        out = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]                    # ESP split: our buffer
+        return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
+
+
+class _S2Ctx:
+    """What S2's all-to-alls need: groups, sizes, this rank's MP index, SAA switch."""
+
+    def __init__(self, d: PaddedDispatcher, G: int, C_mp: int):
+        self.a2a_group, self.mp_group = d.ps.group("ep_esp"), d.ps.group("mp")
+        self.n_ep, self.n_esp, self.n_mp, self.r = d.n_ep, d.n_esp, d.n_mp, d.ps.rank("mp")
+        self.E, self.G, self.C_mp, self.saa, self.chunks = d.num_experts, G, C_mp, d.saa, d.saa_chunks
+
+    def dump_a2a(self, own_EGCM: torch.Tensor) -> torch.Tensor:
+        """This rank's slots [E, G, C_mp, M] -> local dump -> all-to-all -> expert input [E_l, D*G*C_mp, M]."""
+        E_l, M, GC = self.E // self.n_ep, own_EGCM.size(-1), self.G * self.C_mp
+        own = own_EGCM.reshape(self.n_ep, 1, E_l, GC, M)
+        send = own.expand(self.n_ep, self.n_esp, E_l, GC, M).reshape(self.n_ep * self.n_esp, E_l, GC, M)
+        with annotate("moe/all_to_all"):
+            recv = all_to_all_raw(send.contiguous(), self.a2a_group)                # [D src, E_l, GC, M]
+        return recv.permute(1, 0, 2, 3).reshape(E_l, -1, M)
+
+    def a2a_gather(self, x_LRM: torch.Tensor) -> torch.Tensor:
+        """Expert rows [E_l, D*G*C_mp, M] -> return all-to-all, local combine, MP all-gather
+        -> the full buffer [E, G, N_MP, C_mp, M]."""
+        E_l, _, M = x_LRM.shape
+        send = x_LRM.reshape(E_l, self.n_ep * self.n_esp, self.G * self.C_mp, M).permute(1, 0, 2, 3).contiguous()
+        with annotate("moe/all_to_all"):
+            full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa,
+                                      chunks=self.chunks)
+        return full.view(self.n_mp, self.E, self.G, self.C_mp, M).permute(1, 2, 0, 3, 4).contiguous()
+
+
+class _S2Dispatch(torch.autograd.Function):
+    """fwd: keep own slots (MP split), local dump, all-to-all; bwd: all-to-all, ESP sum, MP all-gather (SAA)."""
+
+    @staticmethod
+    def forward(ctx, buf_EGnCM, s2):
+        ctx.s2 = s2
+        return s2.dump_a2a(buf_EGnCM[:, :, s2.r])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.s2.a2a_gather(grad.contiguous()), None
+
+
+class _S2Return(torch.autograd.Function):
+    """fwd: return all-to-all, local combine, MP all-gather (SAA); bwd: own slots, local dump, all-to-all.
+
+    The gathered buffer feeds a combine that every MP rank computes alike, so the
+    gradient of this rank's slots is complete here (gather_from_group semantics)."""
+
+    @staticmethod
+    def forward(ctx, partial_LRM, s2):
+        ctx.s2 = s2
+        return s2.a2a_gather(partial_LRM.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.s2.dump_a2a(grad[:, :, ctx.s2.r].contiguous()), None
+
+
+# ----------------------------------------------------------------------------- uneven
+
+@dataclass
+class UnevenPlan:
+    """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
+    of each send row, once per ESP shard); recv_row [R_recv] (row of each received token in the
+    padded expert input [E_l * N, M]); the handles of the two all-to-alls once started."""
+
+    token: torch.Tensor
+    weight: torch.Tensor
+    dump: torch.Tensor
+    recv_row: torch.Tensor
+    rows_per_expert: int
+    tokens: int
+    out: a2a.A2AHandle
+    back: a2a.A2AHandle
+    in_flight: Optional[torch.Tensor] = field(default=None, repr=False)
+
+
+class UnevenDispatcher(TokenDispatcher):
+    """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
+    `counts_group`: where the per-expert counts are exchanged (default that group)."""
+
+    def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, grad_scale: float = 1.0,
+                 group_kind: str = "ep_esp", counts_group=None):
+        super().__init__(ps, num_experts, layer_idx, grad_scale)
+        self.group = ps.group(group_kind)
+        self.counts_group = self.group if counts_group is None else counts_group
+
+    def plan(self, routes: list[RouteResult]) -> UnevenPlan:
+        """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
+        G, (s, k) = len(routes), routes[0].slot.shape
+        cap, E, E_l, n_esp = routes[0].capacity, self.num_experts, self.num_local, self.n_esp
+        kept = [r.slot >= 0 for r in routes]
+        token = torch.cat([torch.arange(s, device=r.slot.device)[:, None].expand(s, k)[m] + g * s
+                           for g, (r, m) in enumerate(zip(routes, kept))])
+        key = torch.cat([r.expert[m] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))])
+        order = torch.argsort(key)
+        expert = torch.cat([r.expert[m] for r, m in zip(routes, kept)])[order]
+        weight = torch.cat([r.weight[m] for r, m in zip(routes, kept)])[order]
+        per_ep_E = torch.bincount(expert, minlength=E).view(self.n_ep, E_l)
+        K_ep = per_ep_E.sum(dim=1).tolist()
+        starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
+        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep]) for ep in range(self.n_ep)
+                          for _ in range(n_esp)])
+        recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, E_l]
+        N = max(1, int(recv_counts.sum(dim=0).max()))
+        flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
+        block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
+        within = torch.arange(int(flat.sum())) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
+        row = (torch.repeat_interleave(torch.arange(E_l).repeat(recv_counts.size(0)), flat) * N
+               + torch.repeat_interleave(block_pos, flat) + within)
+        out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
+                            recv_counts.sum(dim=1).tolist(), self.a2a_name("dispatch"), self.dw)
+        dev = expert.device
+        return UnevenPlan(token[order], weight, dump.to(dev), row.to(dev), N, G * s, out,
+                          out.reverse(self.a2a_name("combine")))
+
+    def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
+        """Local dump of the kept tokens and launch of the all-to-all."""
+        plan.in_flight = a2a.start(x_TM.index_select(0, plan.token.index_select(0, plan.dump)), plan.out)
+
+    def dispatch_finish(self, plan: UnevenPlan, M: int) -> torch.Tensor:
+        """Wait for the tokens; the zero-padded expert input [E_l, N, M]."""
+        recv, plan.in_flight = a2a.finish(plan.in_flight, plan.out), None
+        x_in = recv.new_zeros(self.num_local * plan.rows_per_expert, M).index_copy(0, plan.recv_row, recv)
+        return x_in.view(self.num_local, plan.rows_per_expert, M)
+
+    def combine_start(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> None:
+        """Launch the return all-to-all of the rows that were received."""
+        plan.in_flight = a2a.start(y_LNM.reshape(-1, y_LNM.size(-1)).index_select(0, plan.recv_row), plan.back)
+
+    def combine_finish(self, plan: UnevenPlan) -> torch.Tensor:
+        """Wait for the outputs; local combine of the N_ESP partials, then the weighted sum y [T, M]."""
+        ret, plan.in_flight = a2a.finish(plan.in_flight, plan.back), None
+        rows = ret.new_zeros(plan.token.numel(), ret.size(1)).index_add(0, plan.dump, ret)
+        weighted = rows * plan.weight[:, None].to(ret.dtype)
+        return ret.new_zeros(plan.tokens, ret.size(1)).index_add(0, plan.token, weighted)
+
+    def dispatch(self, x_TM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
+        self.dispatch_start(x_TM, plan)
+        return self.dispatch_finish(plan, x_TM.size(1))
+
+    def combine(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
+        self.combine_start(y_LNM, plan)
+        return self.combine_finish(plan)

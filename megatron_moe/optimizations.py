@@ -1,0 +1,91 @@
+"""The one place that applies the optimizations to a built model, in a fixed order.
+
+    applied = apply(model, ps, cfg, grad_sync)     # every rank, after building model and GradSync
+    for line in applied.changes: log(line)
+
+1. Parm (--moe-schedule auto): Algorithm 1 per MoE layer from collective costs
+   profiled on the run's real groups (or the --comm-profile cache), the same
+   choice on every rank (`moe.comm_profile.choose_for_layer`); the layer takes
+   the chosen dispatcher (`MoELayer.use_schedule`). Explicit schedules stay.
+2. Lina (--lina): gradient all-reduce goes to a `LinaScheduler` in micro-ops;
+   it listens to the dispatchers of the MoE layers that exchange tokens.
+3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
+   through the modules' own hooks (`lancet.controller.setup`); partitioned
+   layers keep the schedule step 1 left them (S1 / S2 inside the parts).
+
+Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
+the trainer logs the lines. A combination the code cannot run stops here with
+an error naming both flags (`UNSUPPORTED`; empty today: every schedule x Lina x
+Lancet combination runs and keeps the training curve, tests/test_composition.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_moe.config import Config
+from megatron_moe.distributed.grad_sync import GradSync
+from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.comm_profile import choose_for_layer
+from megatron_moe.parallel_state import ParallelState
+
+# (flag, value, flag, value) pairs that cannot run together; value None: the switch is on
+UNSUPPORTED: tuple = ()
+
+
+@dataclass
+class Applied:
+    """What `apply` installed: log lines, the Lina scheduler and the Lancet controller (or None)."""
+
+    changes: list[str] = field(default_factory=list)
+    lina: Optional[LinaScheduler] = None
+    lancet: Optional[LancetController] = None
+
+
+def _flag_value(cfg: Config, flag: str):
+    name = flag.lstrip("-").replace("-", "_")
+    section = cfg.moe if hasattr(cfg.moe, name) else cfg.opts
+    return getattr(section, name)
+
+
+def check_combination(cfg: Config, unsupported: tuple = UNSUPPORTED) -> None:
+    """Raise ValueError naming both flags of an unsupported combination."""
+    for flag_a, val_a, flag_b, val_b in unsupported:
+        a, b = _flag_value(cfg, flag_a), _flag_value(cfg, flag_b)
+        if (a if val_a is None else a == val_a) and (b if val_b is None else b == val_b):
+            raise ValueError(f"{flag_a}{'' if val_a is None else ' ' + str(val_a)} cannot be combined with "
+                             f"{flag_b}{'' if val_b is None else ' ' + str(val_b)}")
+
+
+def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -> Applied:
+    """Parm's per-layer choice, then Lina, then Lancet (module docstring). Collective: every rank calls it."""
+    check_combination(cfg)
+    out = Applied()
+    for layer in model.moe_layers():
+        if layer.requested == "auto":
+            choice = choose_for_layer(cfg, ps, layer.layer_idx)
+            layer.use_schedule(choice.schedule, choice.saa_chunks, choice)
+            out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
+        else:
+            out.changes.append(f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}")
+    opts = cfg.opts
+    if opts.lina:
+        out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout)
+        grad_sync.set_scheduler(out.lina, model)
+        n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
+        out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
+                           f"held back around the all-to-alls of {n} MoE layers")
+    if opts.lancet_wgrad or opts.lancet_partition:
+        out.lancet = lancet_setup(model, ps, opts)
+        plan = out.lancet.plan
+        if plan.wgrad:
+            n = sum(len(ws) for ws in plan.assignment.values())
+            out.changes.append(f"lancet: {n} weight-gradient GEMMs deferred under all-to-alls")
+        for r in plan.ranges:
+            out.changes.append(f"layer {r.layer}: partitioned k={r.k} from {r.start} to {r.end} with "
+                               f"{model.blocks[r.layer].moe.schedule} inside")
+        if opts.lancet_partition and not plan.ranges:
+            out.changes.append("lancet: the planner partitioned no range (not predicted faster)")
+    return out
