@@ -48,7 +48,7 @@ def test_random_routing_draws_differ_across_routing_groups_and_calls():
     layer = model.moe_layers()[0]
 
     def draws():
-        return [torch.rand((64, 4), generator=layer.generator(g)) for g in range(2)]
+        return [torch.rand((64, 4), generator=layer.router.generator(g)) for g in range(2)]
 
     first = draws()
     assert all(torch.equal(a, b) for a, b in zip(first, draws())), "a group's draws must be reproducible"
@@ -142,7 +142,7 @@ def test_checkpoint_restores_optimizer_state_rng_and_routing_draws(tmp_path):
         opt.step()
     save_checkpoint(str(tmp_path), 2, 8, model, opt, cfg, ps)
     rng_next = torch.rand(8)                                   # what the saved RNG state draws next
-    draws = torch.rand((64, 4), generator=model.moe_layers()[0].generator(0))
+    draws = torch.rand((64, 4), generator=model.moe_layers()[0].router.generator(0))
 
     torch.manual_seed(1234)
     fresh = GPT2MoE(cfg, ps)
@@ -150,7 +150,7 @@ def test_checkpoint_restores_optimizer_state_rng_and_routing_draws(tmp_path):
     meta = load_checkpoint(str(tmp_path), fresh, opt2, ps)
     assert meta["iteration"] == 2 and meta["consumed_samples"] == 8
     assert torch.equal(torch.rand(8), rng_next)
-    assert torch.equal(torch.rand((64, 4), generator=fresh.moe_layers()[0].generator(0)), draws)
+    assert torch.equal(torch.rand((64, 4), generator=fresh.moe_layers()[0].router.generator(0)), draws)
     names = dict(model.named_parameters())
     for n, p in fresh.named_parameters():
         assert torch.equal(p, names[n]), n

@@ -121,8 +121,7 @@ class MoELayer(nn.Module):
         with annotate("moe/dispatch"):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
-        with annotate("moe/experts"):
-            y_partial = self.experts(x_in, grad_scale=d.grad_scale)
+        y_partial = self.experts(x_in, grad_scale=d.grad_scale)          # the "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if split:
