@@ -1,27 +1,7 @@
-"""Pretrain GPT-2 Mixture-of-Experts on WikiText.
-
-  python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU
-  torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 \\
-      --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
-"""
-import os
+"""Pretrain GPT-2 MoE: the repository's entry point, same as `mmoe-pretrain` (megatron_moe/cli/pretrain.py)."""
 import sys
 
-import torch.distributed as dist
-
-from megatron_moe.arguments import parse_args
-from megatron_moe.training import pretrain
-
-
-def main(argv=None) -> None:
-    os.environ.setdefault("WANDB_MODE", "offline")
-    cfg = parse_args(argv)
-    try:
-        pretrain(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
+from megatron_moe.cli.pretrain import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

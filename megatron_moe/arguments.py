@@ -30,11 +30,23 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: X)` to a flag's help, except where the help already states its default
+    (`--ffn-hidden-size`: "default 4 * hidden size") or there is none to show (default None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(GROUPS),
-                     defaults: Optional[Config] = None) -> None:
+                     defaults: Optional[Config] = None, with_defaults: bool = True) -> None:
     """Add the trainer's flags of the config `sections` to `parser` (one group each), with the
     values of `defaults` (a Config; the dataclass defaults when None). Tools use it so their
-    flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config."""
+    flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config.
+    `with_defaults=False`: unset flags stay absent from the namespace."""
     defaults = defaults or Config()
     for section in sections:
         group = parser.add_argument_group(GROUPS[section])
@@ -44,20 +56,22 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
             dest = f"{section}.{f.name}"
             derived = f.name in ("ffn_hidden_size", "max_position_embeddings")     # from the others when None
             default = None if derived else getattr(sub, f.name)
+            if not with_defaults:
+                default = argparse.SUPPRESS
             if tp is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata.get("help", ""))
             else:
                 group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
                                    metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
-                                   help=f.metadata.get("help", ""))
+                                   nargs=f.metadata.get("nargs"), help=f.metadata.get("help", ""))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One argument group per config dataclass."""
+def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
     parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_config_flags(parser)
+                                     formatter_class=HelpFormatter)
+    add_config_flags(parser, with_defaults=with_defaults)
     return parser
 
 
@@ -67,9 +81,16 @@ def config_from_args(ns: argparse.Namespace) -> Config:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
-    """Parse flags into a Config (dataclass validation runs here)."""
-    ns = vars(build_parser().parse_args(argv))
-    return config_from_namespace(ns)
+    """Parse flags into a Config (dataclass validation runs here).
+
+    The returned config carries `explicit_flags`, the set of "section.field" names given on
+    the command line (what --use-checkpoint-args must not override).
+    """
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    cfg = config_from_namespace(ns)
+    cfg.explicit_flags = frozenset(vars(build_parser(with_defaults=False).parse_args(argv)))
+    return cfg
 
 
 def config_from_namespace(ns: dict) -> Config:

@@ -3,37 +3,106 @@
 Layout of `--save DIR`:
   DIR/latest                          text: the newest complete iteration
   DIR/iter_0000100/metadata.json      layout, iteration, consumed samples, config, per-layer
-                                      router call counters, optimizer kind
+                                      router call counters, optimizer kind, SHA-256 of every shard
   DIR/iter_0000100/rank_00003.safetensors
         model/<param>                 this rank's slice of every parameter
         optim/<param>/<state>         its optimizer state (exp_avg, exp_avg_sq, step, momentum_buffer)
         rng/torch, rng/cuda           this rank's RNG states
-A checkpoint is written into `iter_XXXXXXX.tmp-<pid>` and renamed when every
-rank has written its shard, then `latest` is replaced atomically. Loading
-reads tensors only (safetensors: no code can run from a checkpoint).
+  DIR/iter_0000100/tokenizer/         the run's tokenizer (so generate/convert/resume work from anywhere)
+
+A save never loses the previous good state. In order (each a named fault point, below):
+  1. every rank writes and fsyncs its shard into `iter_N.tmp-<pid>`      -> "after_shards"
+  2. rank 0 writes the tokenizer and metadata.json, fsyncs the directory -> "after_metadata"
+  3. an existing `iter_N` (a re-save) is renamed aside to `iter_N.old-<pid>` -> "after_old_aside"
+  4. the temporary directory is renamed to `iter_N`                      -> "after_new_in"
+  5. `latest` is replaced atomically (write, fsync, rename, fsync dir)   -> "after_latest"
+  6. the old copy is deleted                                             -> "after_old_removed"
+  7. with --keep-last N, all but the newest N iterations are deleted.
+Leftovers of a crash (`iter_*.tmp-*` not being written by a live process, `iter_*.old-*`) are
+cleaned by rank 0 at the next save; an `.old` copy whose `iter_N` is missing is renamed back.
+Loading follows `latest`; when it is missing, unreadable or names an incomplete directory, the
+newest complete iteration is used with a warning naming what was skipped.
+
+Crash injection for tests: `MEGATRON_MOE_CKPT_FAULT=<fault point>` makes `save_checkpoint`
+raise `CheckpointFault` (a BaseException, so nothing cleans up) at that point, leaving the
+directory exactly as a crash there would. Nothing else reads that variable.
+
+Loading reads tensors only (safetensors: no code can run from a checkpoint), after the shard's
+SHA-256 and the checkpoint's model/optimizer config have been checked against this run.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import warnings
+from dataclasses import fields
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
+from megatron_moe.data.paths import tokenizer_dir_for
 from megatron_moe.arguments import config_to_dict
 
 FORMAT_VERSION = 1
+FAULT_ENV = "MEGATRON_MOE_CKPT_FAULT"
+FAULT_POINTS = ("after_shards", "after_metadata", "after_old_aside", "after_new_in", "after_latest",
+                "after_old_removed")
+TOKENIZER_DIR = "tokenizer"
+_ITER_RE = re.compile(r"^iter_(\d{7})(?:\.old-(\d+))?$")
+_TMP_RE = re.compile(r"^iter_\d{7}\.tmp-(\d+)$")
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/inf loss, gradient norm or parameter: the step is not applied, nothing is saved."""
+
+
+class CheckpointFault(BaseException):
+    """Raised at the fault point named by MEGATRON_MOE_CKPT_FAULT (crash injection in tests)."""
+
+
+def _fault_point(name: str) -> None:
+    if os.environ.get(FAULT_ENV) == name:
+        raise CheckpointFault(f"injected crash at checkpoint fault point {name!r}")
 
 
 def iter_dir(root: str, iteration: int) -> str:
+    """`root/iter_XXXXXXX`."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def shard_name(rank: int) -> str:
+    """File name of `rank`'s shard."""
     return f"rank_{rank:05d}.safetensors"
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _barrier(ps) -> None:
@@ -47,6 +116,14 @@ def _broadcast_str(s: str, ps) -> str:
     obj = [s]
     dist.broadcast_object_list(obj, src=0, group=ps.group("world"))
     return obj[0]
+
+
+def _gather(obj, ps) -> list:
+    if ps.layout.world_size == 1:
+        return [obj]
+    out = [None] * ps.layout.world_size
+    dist.all_gather_object(out, obj, group=ps.group("world"))
+    return out
 
 
 def state_tensors(model, optimizer) -> dict:
@@ -63,92 +140,411 @@ def state_tensors(model, optimizer) -> dict:
     return out
 
 
+def _non_finite(tensors: dict) -> list:
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def tokenizer_source(cfg) -> Optional[str]:
+    """The run's tokenizer: --tokenizer-name-or-path, else the one preprocessing wrote beside the data."""
+    if cfg.data.tokenizer_name_or_path:
+        return cfg.data.tokenizer_name_or_path
+    if cfg.data.data_path and os.path.isdir(tokenizer_dir_for(cfg.data.data_path)):
+        return tokenizer_dir_for(cfg.data.data_path)
+    return None
+
+
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "spiece",
+                           "megatron_moe_tokenizer")
+
+
+def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
+    """Copy the tokenizer `src` (a directory, or a name `load_tokenizer` accepts) to `dest`;
+    returns a warning in words when it could not be copied (the checkpoint is still written).
+
+    From a directory only the tokenizer's files are copied (not, say, an HF model's weights).
+    """
+    if not src:
+        return None
+    if os.path.isdir(src):
+        names = [n for n in sorted(os.listdir(src)) if n.startswith(TOKENIZER_FILE_PREFIXES)
+                 and os.path.isfile(os.path.join(src, n))]
+        if names:
+            os.makedirs(dest)
+            for n in names:
+                shutil.copyfile(os.path.join(src, n), os.path.join(dest, n))
+            return None
+    try:
+        from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer
+        tok = load_tokenizer(src)
+        if hasattr(tok.backend, "save_pretrained"):
+            tok.backend.save_pretrained(dest)
+        else:
+            save_tokenizer(tok, dest)
+    except Exception as e:  # a tokenizer that cannot be copied must not lose the weights
+        shutil.rmtree(dest, ignore_errors=True)
+        return f"tokenizer {src} not copied into the checkpoint ({type(e).__name__}: {e})"
+    return None
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def portable_config(cfg) -> dict:
+    """config_to_dict with existing local paths made absolute (no cwd-relative path is recorded)."""
+    d = config_to_dict(cfg)
+    data = d["data"]
+    if isinstance(data.get("data_path"), str):
+        data["data_path"] = os.path.abspath(data["data_path"])
+    elif data.get("data_path"):                   # a blend: weights stay, prefixes become absolute
+        data["data_path"] = [w if _is_number(w) else os.path.abspath(w) for w in data["data_path"]]
+    tok = data.get("tokenizer_name_or_path")
+    if tok and os.path.exists(tok):               # a hub name stays as it is
+        data["tokenizer_name_or_path"] = os.path.abspath(tok)
+    return d
+
+
+# ----------------------------------------------------------------------------- save
+def _clean_leftovers(root: str, own_tmp: str) -> None:
+    """Rank 0, before a save: remove crashed temporaries, restore or drop `.old` copies."""
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        m = _TMP_RE.match(name)
+        if m and path != own_tmp:
+            pid = int(m.group(1))
+            if pid != os.getpid() and _pid_alive(pid):
+                continue                               # another live process may be writing it
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        m = _ITER_RE.match(name)
+        if m and m.group(2) is not None:
+            final = iter_dir(root, int(m.group(1)))
+            if not _is_complete(final) and _is_complete(path):
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(path, final)                # the only good copy of this iteration
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+    _fsync_dir(root)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _retain(root: str, keep_last: int, keep: int) -> list:
+    """Delete all but the newest `keep_last` iterations (never `keep`); returns the deleted dirs."""
+    if not keep_last:
+        return []
+    its = sorted(it for it, path in complete_iterations(root) if path == iter_dir(root, it))
+    doomed = [it for it in its[:-keep_last] if it != keep]
+    for it in doomed:
+        shutil.rmtree(iter_dir(root, it))
+    return [iter_dir(root, it) for it in doomed]
+
+
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, optimizer, cfg, ps,
                     extra: Optional[dict] = None) -> str:
-    """Write the checkpoint of `iteration` (all ranks call this); returns its directory."""
+    """Write the checkpoint of `iteration` (all ranks call this); returns its directory.
+
+    Refuses (NonFiniteError, nothing written) when any parameter or optimizer state is NaN/inf
+    and --check-for-nan-in-loss-and-grad is on.
+    """
     final = iter_dir(root, iteration)
+    tensors = state_tensors(model, optimizer)
+    if cfg.train.check_for_nan_in_loss_and_grad:
+        bad = _non_finite(tensors)
+        flags = _gather(bool(bad), ps)
+        if any(flags):
+            raise NonFiniteError(f"iteration {iteration}: not saved, non-finite values in "
+                                 f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)")
     tmp = _broadcast_str(f"{final}.tmp-{os.getpid()}", ps)
     if ps.global_rank == 0:
         os.makedirs(root, exist_ok=True)
+        _clean_leftovers(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(ps)
-    save_file(state_tensors(model, optimizer), os.path.join(tmp, shard_name(ps.global_rank)))
-    _barrier(ps)
+    name = shard_name(ps.global_rank)
+    data = save_bytes(tensors)
+    _write_durably(os.path.join(tmp, name), data)
+    checksums = dict(_gather((name, hashlib.sha256(data).hexdigest()), ps))
+    del data
+    _fault_point("after_shards")
     if ps.global_rank == 0:
-        lay = ps.layout
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-                "layout": {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
-                           "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
-                "config": config_to_dict(cfg), "optimizer": type(optimizer).__name__,
-                "router_calls": [layer.router.calls for layer in model.moe_layers()],
-                "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
-                                    "full_shape": list(p._full_shape)} for n, p in model.named_parameters()}}
-        meta.update(extra or {})
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg, ps, checksums, extra)
     _barrier(ps)
     return final
 
 
-def latest_iteration(root: str) -> int:
-    path = os.path.join(root, "latest")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--load {root}: no 'latest' file (not a checkpoint directory?)")
-    with open(path) as f:
-        return int(f.read().strip())
+def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg, ps, checksums, extra) -> None:
+    """Rank 0: metadata, renames and `latest` (steps 2-7 of the module docstring)."""
+    note = copy_tokenizer(tokenizer_source(cfg), os.path.join(tmp, TOKENIZER_DIR))
+    if note:
+        warnings.warn(note)
+    lay = ps.layout
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+            "layout": {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
+                       "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
+            "config": portable_config(cfg), "optimizer": type(optimizer).__name__,
+            "has_optimizer_state": bool(optimizer.state),
+            "router_calls": [layer.router.calls for layer in model.moe_layers()],
+            "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
+                                "full_shape": list(p._full_shape)} for n, p in model.named_parameters()},
+            "checksums": {"sha256": checksums}}
+    if os.path.isdir(os.path.join(tmp, TOKENIZER_DIR)):
+        meta["tokenizer"] = TOKENIZER_DIR
+    meta.update(extra or {})
+    _write_durably(os.path.join(tmp, "metadata.json"), json.dumps(meta, indent=1).encode())
+    _fsync_dir(tmp)
+    _fault_point("after_metadata")
+    aside = None
+    if os.path.exists(final):
+        aside = f"{final}.old-{os.getpid()}"
+        os.replace(final, aside)
+        _fsync_dir(root)
+        _fault_point("after_old_aside")
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _fault_point("after_new_in")
+    latest_tmp = os.path.join(root, "latest.tmp")
+    _write_durably(latest_tmp, str(iteration).encode())
+    os.replace(latest_tmp, os.path.join(root, "latest"))
+    _fsync_dir(root)
+    _fault_point("after_latest")
+    if aside is not None:
+        shutil.rmtree(aside)
+        _fault_point("after_old_removed")
+    _retain(root, cfg.train.keep_last, iteration)
 
 
+# ----------------------------------------------------------------------------- finding a checkpoint
 def read_metadata(ckpt_dir: str) -> dict:
+    """metadata.json of an iteration directory; errors name the file."""
     path = os.path.join(ckpt_dir, "metadata.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint metadata {path} is missing")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint metadata {path} is corrupt (not valid JSON: {e})") from e
+    missing = [k for k in ("iteration", "consumed_samples", "layout", "config") if not isinstance(meta, dict)
+               or k not in meta]
+    if missing or not (isinstance(meta["layout"], dict) and isinstance(meta["config"], dict)):
+        raise ValueError(f"checkpoint metadata {path} is corrupt or from another format "
+                         f"({'no ' + str(missing) if missing else 'layout/config are not objects'})")
+    return meta
+
+
+def incomplete_reason(path: str) -> Optional[str]:
+    """Why the iteration directory `path` cannot be loaded (None: metadata readable, every shard present)."""
+    if not os.path.isdir(path):
+        return f"{path} does not exist"
+    try:
+        world = int(read_metadata(path)["layout"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return str(e)
+    missing = [shard_name(r) for r in range(world) if not os.path.isfile(os.path.join(path, shard_name(r)))]
+    if not missing:
+        return None
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return f"checkpoint shard {os.path.join(path, missing[0])} is missing{more}"
+
+
+def _is_complete(path: str) -> bool:
+    return incomplete_reason(path) is None
+
+
+def complete_iterations(root: str) -> list:
+    """[(iteration, directory)] of the complete checkpoints under `root` (`.old` copies included),
+    newest first; for one iteration the regular directory comes before an `.old` copy."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = _ITER_RE.match(name)
+        path = os.path.join(root, name)
+        if m and _is_complete(path):
+            found.append((int(m.group(1)), m.group(2) is not None, path))
+    return [(it, path) for it, _, path in sorted(found, key=lambda x: (-x[0], x[1]))]
+
+
+def latest_iteration(root: str) -> int:
+    """The iteration named by `root/latest`; errors name the file."""
+    path = os.path.join(root, "latest")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing (not a checkpoint directory?)")
+    with open(path, "rb") as f:
+        text = f.read(64).decode(errors="replace").strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} is unreadable: {text[:20]!r} is not an iteration number")
+    return int(text)
 
 
 def resolve(load: str) -> str:
-    """A checkpoint directory from --load: DIR (uses DIR/latest) or DIR/iter_XXXXXXX."""
+    """A checkpoint directory from --load: DIR/iter_XXXXXXX as is, else the one DIR/latest names.
+
+    A missing or unreadable `latest`, or one naming an incomplete directory, falls back to the
+    newest complete iteration with a warning naming what was skipped.
+    """
     if os.path.isfile(os.path.join(load, "metadata.json")):
         return load
-    return iter_dir(load, latest_iteration(load))
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load}: no such checkpoint directory")
+    try:
+        path = iter_dir(load, latest_iteration(load))
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path
+        problem = f"{os.path.join(load, 'latest')} names an unusable checkpoint ({reason})"
+    except (OSError, ValueError) as e:
+        problem = str(e)
+    found = complete_iterations(load)
+    if not found:
+        raise FileNotFoundError(f"{problem}; no complete iteration exists under --load {load} to fall back to")
+    it, path = found[0]
+    warnings.warn(f"{problem}; skipped, using the newest complete iteration {it} ({path})")
+    return path
 
 
-def check_layout(meta: dict, ps, path: str) -> None:
-    lay, saved = ps.layout, meta["layout"]
-    now = {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
-           "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp}
-    if now != saved:
-        raise ValueError(f"checkpoint {path} was saved with layout {saved} but this run uses {now}; "
-                         f"convert it with `python tools/convert_checkpoint.py reshard --load {path} ...`")
+# ----------------------------------------------------------------------------- --use-checkpoint-args
+CHECKPOINT_ARGS = {"model": None, "moe": ("num_experts", "moe_layer_freq", "moe_router_topk",
+                                          "moe_expert_capacity_factor", "moe_min_capacity", "moe_router_policy",
+                                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_schedule",
+                                          "moe_s1_local_capacity", "moe_saa")}
 
 
-def load_checkpoint(load: str, model, optimizer, ps) -> dict:
-    """Restore model, optimizer, RNG and router counters; returns the metadata."""
+def apply_checkpoint_args(cfg, meta: dict) -> list:
+    """--use-checkpoint-args: set every model field and the MoE routing fields (and the tokenizer)
+    from the checkpoint's config, except flags given on the command line (`cfg.explicit_flags`),
+    as Megatron does. The sections are rebuilt so their validation runs. Returns the fields set."""
+    explicit: frozenset[str] = getattr(cfg, "explicit_flags", frozenset())
+    saved, changed = meta["config"], []
+    for section, names in CHECKPOINT_ARGS.items():
+        sub = getattr(cfg, section)
+        values = {f.name: getattr(sub, f.name) for f in fields(sub)}
+        for name in names or values:
+            if f"{section}.{name}" not in explicit and name in saved.get(section, {}):
+                values[name] = saved[section][name]
+                changed.append(f"{section}.{name}")
+        setattr(cfg, section, type(sub)(**values))
+    if "data.tokenizer_name_or_path" not in explicit:
+        carried = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)
+        tok = carried if os.path.isdir(carried) else saved.get("data", {}).get("tokenizer_name_or_path")
+        if tok:
+            cfg.data.tokenizer_name_or_path = tok
+            changed.append("data.tokenizer_name_or_path")
+    return changed
+
+
+# ----------------------------------------------------------------------------- checks before loading
+def _flag(section, name: str) -> str:
+    f = {f.name: f for f in fields(section)}[name]
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "vocab_size", "make_vocab_size_divisible_by")
+MOE_FIELDS = ("num_experts", "moe_layer_freq")
+
+
+def config_mismatches(meta: dict, cfg, ps) -> list:
+    """Every difference between the checkpoint and this run that makes its tensors unloadable:
+    ["--flag: checkpoint X, this run Y", ...] (layout lines name the conversion tool)."""
+    saved = meta["config"]
+    out = []
+    for section, names in (("model", MODEL_FIELDS), ("moe", MOE_FIELDS)):
+        now = getattr(cfg, section)
+        for name in names:
+            old = saved.get(section, {}).get(name)
+            if old is not None and old != getattr(now, name):
+                out.append(f"{_flag(now, name)}: checkpoint {old}, this run {getattr(now, name)}")
+    old_opt = saved.get("optim", {}).get("optimizer")
+    has_state = meta.get("has_optimizer_state", meta.get("optimizer") is not None)
+    if has_state and old_opt is not None and old_opt != cfg.optim.optimizer:
+        out.append(f"--optimizer: checkpoint {old_opt} (its optimizer state), this run {cfg.optim.optimizer}")
+    return out + layout_mismatches(meta, ps)
+
+
+def layout_mismatches(meta: dict, ps) -> list:
+    """Differences of the parallel layout, each naming the conversion tool."""
+    out = []
+    lay, layout = ps.layout, meta["layout"]
+    now_layout = {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
+                  "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp}
+    for key, value in now_layout.items():
+        if layout.get(key) != value:
+            flag = "world size" if key == "world_size" else "--" + key.replace("_", "-")
+            out.append(f"{flag}: checkpoint {layout.get(key)}, this run {value} (layout: convert it with "
+                       f"`python tools/convert_checkpoint.py reshard`)")
+    return out
+
+
+def check_config(meta: dict, cfg, ps, path: str) -> None:
+    """Raise ValueError listing every mismatch (before any tensor is read)."""
+    bad = config_mismatches(meta, cfg, ps)
+    if bad:
+        raise ValueError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(bad) +
+                         "\nchange these flags (or pass --use-checkpoint-args to take the model flags from "
+                         "the checkpoint)")
+
+
+def read_shard(path: str, meta: dict) -> dict:
+    """{key: tensor} of one shard after checking its SHA-256 against metadata.json."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint shard {path} is missing")
+    with open(path, "rb") as f:
+        data = f.read()
+    expected = (meta.get("checksums") or {}).get("sha256", {}).get(os.path.basename(path))
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"checkpoint shard {path} is corrupt: its SHA-256 does not match metadata.json")
+    try:
+        return load_bytes(data)
+    except Exception as e:  # safetensors raises its own error type for truncated/garbled files
+        raise ValueError(f"checkpoint shard {path} is corrupt or truncated ({e})") from e
+
+
+# ----------------------------------------------------------------------------- load
+def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
+    """Restore model, optimizer, RNG and router counters; returns the metadata.
+
+    With `cfg`, the checkpoint's model/optimizer config is compared with it first.
+    """
     path = resolve(load)
     meta = read_metadata(path)
-    check_layout(meta, ps, path)
+    if cfg is not None:
+        check_config(meta, cfg, ps, path)
+    else:
+        bad = layout_mismatches(meta, ps)
+        if bad:
+            raise ValueError(f"checkpoint {path} was saved with another layout:\n  " + "\n  ".join(bad))
     shard = os.path.join(path, shard_name(ps.global_rank))
-    if not os.path.isfile(shard):
-        raise FileNotFoundError(f"checkpoint shard {shard} is missing")
-    tensors = load_file(shard)
+    tensors = read_shard(shard, meta)
     with torch.no_grad():
         for n, p in model.named_parameters():
             key = f"model/{n}"
             if key not in tensors:
-                raise KeyError(f"{shard}: parameter {n} missing")
+                raise ValueError(f"checkpoint shard {shard}: parameter {n} missing")
+            if tuple(tensors[key].shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint shard {shard}: {n} has shape {tuple(tensors[key].shape)}, "
+                                 f"this model {tuple(p.shape)}")
             p.copy_(tensors[key].to(p.device))
     names = {n: p for n, p in model.named_parameters()}
     step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
     for key, t in tensors.items():
         if key.startswith("optim/"):
             _, pname, state_key = key.split("/", 2)
+            if pname not in names:
+                raise ValueError(f"checkpoint shard {shard}: optimizer state {key} belongs to no parameter")
             p = names[pname]
             on_device = state_key != "step" or step_on_device
             optimizer.state[p][state_key] = t.to(p.device) if on_device else t.clone()
@@ -158,3 +554,4 @@ def load_checkpoint(load: str, model, optimizer, ps) -> dict:
     for layer, calls in zip(model.moe_layers(), meta.get("router_calls", [])):
         layer.router.calls = calls
     return meta
+

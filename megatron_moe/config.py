@@ -7,17 +7,43 @@ concerns one dataclass lives in its `__post_init__` and names the flag.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
-def opt(default, help: str, flag: Optional[str] = None, choices=None):
-    """A dataclass field carrying its CLI help text (and optional flag name / choices)."""
+def opt(default, help: str, flag: Optional[str] = None, choices=None, nargs: Optional[str] = None):
+    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs)."""
     md = {"help": help}
     if flag:
         md["flag"] = flag
     if choices:
         md["choices"] = choices
+    if nargs:
+        md["nargs"] = nargs
     return field(default=default, metadata=md)
+
+
+def _flag_of(obj, name: str) -> str:
+    """The CLI flag of field `name` of dataclass instance `obj` (its metadata `flag`, else --name)."""
+    f = obj.__dataclass_fields__[name]
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def check_fields(obj, rules: dict) -> None:
+    """Raise ValueError naming the flag of the first field of `obj` that breaks its rule.
+
+    `rules` maps a field name to (predicate, requirement in words); None values are
+    skipped (an unset optional flag has its own default).
+    """
+    for name, (ok, words) in rules.items():
+        value = getattr(obj, name)
+        if value is not None and not ok(value):
+            raise ValueError(f"{_flag_of(obj, name)} must be {words}, got {value!r}")
+
+
+POSITIVE = (lambda v: v > 0, "positive")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE = (lambda v: v >= 1, ">= 1")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 @dataclass
@@ -38,6 +64,11 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout on embeddings, attention output and MLP output", flag="--hidden-dropout")
 
     def __post_init__(self) -> None:
+        check_fields(self, {"num_layers": AT_LEAST_ONE, "hidden_size": AT_LEAST_ONE,
+                            "num_attention_heads": AT_LEAST_ONE, "ffn_hidden_size": AT_LEAST_ONE,
+                            "seq_length": AT_LEAST_ONE, "max_position_embeddings": AT_LEAST_ONE,
+                            "vocab_size": NON_NEGATIVE, "make_vocab_size_divisible_by": AT_LEAST_ONE,
+                            "layernorm_epsilon": POSITIVE, "init_method_std": NON_NEGATIVE, "dropout": FRACTION})
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -48,16 +79,11 @@ class ModelConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                              f"{self.max_position_embeddings}")
-        if self.hidden_size % self.num_attention_heads == 0 and self.make_vocab_size_divisible_by < 1:
-            raise ValueError("--make-vocab-size-divisible-by must be positive")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
 
 
 @dataclass
 class MoEConfig:
-    """Router and expert settings (DESIGN.md 'The MoE layer')."""
+    """Router and expert settings (docs/DESIGN.md "The MoE layer")."""
 
     num_experts: int = opt(4, "experts per MoE layer E (0: dense model)")
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
@@ -78,8 +104,9 @@ class MoEConfig:
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
 
     def __post_init__(self) -> None:
-        if self.num_experts < 0:
-            raise ValueError("--num-experts must be >= 0")
+        check_fields(self, {"num_experts": NON_NEGATIVE, "moe_layer_freq": AT_LEAST_ONE,
+                            "moe_expert_capacity_factor": POSITIVE, "moe_min_capacity": NON_NEGATIVE,
+                            "moe_aux_loss_coeff": NON_NEGATIVE, "moe_z_loss_coeff": NON_NEGATIVE})
         if self.moe_router_topk not in (1, 2):
             raise ValueError(f"--moe-router-topk must be 1 or 2, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
@@ -115,6 +142,8 @@ class ParallelConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cpu" and self.distributed_backend == "nccl":
             raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
+        check_fields(self, {"tensor_model_parallel_size": AT_LEAST_ONE, "expert_model_parallel_size": AT_LEAST_ONE,
+                            "expert_sharding_parallel_size": AT_LEAST_ONE, "comm_timeout": POSITIVE})
 
 
 @dataclass
@@ -135,15 +164,34 @@ class OptimConfig:
     clip_grad: float = opt(1.0, "global gradient-norm clip (0: off)")
     bf16: bool = opt(False, "bf16 autocast with fp32 master weights")
 
+    def __post_init__(self) -> None:
+        check_fields(self, {"lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE,
+                            "lr_decay_iters": AT_LEAST_ONE, "weight_decay": NON_NEGATIVE,
+                            "adam_beta1": FRACTION, "adam_beta2": FRACTION, "adam_eps": POSITIVE,
+                            "sgd_momentum": NON_NEGATIVE, "clip_grad": NON_NEGATIVE})
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must be <= --lr {self.lr} (pass a smaller --min-lr)")
+
 
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
 
-    data_path: Optional[str] = opt(None, "PREFIX of PREFIX_{train,valid,test}_text_document.{bin,idx} "
-                                   "(default: preprocess the bundled sample corpus)")
+    data_path: Optional[Union[str, list[str]]] = opt(
+        None, "PREFIX (files PREFIX.{bin,idx}, cut by --split; or PREFIX_{train,valid,test}_text_document"
+        ".{bin,idx}), or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' as in Megatron "
+        "(default: the bundled sample corpus, preprocessed once; see data/README.md)", nargs="+")
     tokenizer_name_or_path: Optional[str] = opt(None, "tokenizer directory/hub name (default: beside the data)")
     num_workers: int = opt(0, "dataloader workers")
+    split: str = opt("969,30,1", "train,valid,test weights cutting a single PREFIX.{bin,idx} corpus into "
+                     "document ranges (unused for per-split PREFIX_{train,valid,test}_text_document files)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, (list, tuple)):
+            self.data_path = self.data_path[0] if len(self.data_path) == 1 else list(self.data_path)
+        from megatron_moe.data.paths import parse_split
+        parse_split(self.split)          # error naming --split
+        check_fields(self, {"num_workers": NON_NEGATIVE})
 
 
 @dataclass
@@ -154,12 +202,31 @@ class TrainConfig:
     global_batch_size: Optional[int] = opt(None, "samples per iteration (default micro x DP)")
     train_iters: int = opt(300, "iterations")
     eval_interval: int = opt(100, "evaluate on valid every this many iterations (0: never)")
-    eval_iters: int = opt(10, "valid/test micro-batches per evaluation")
+    eval_iters: int = opt(10, "valid/test global batches per evaluation (each --global-batch-size samples)")
     seed: int = opt(1234, "random seed")
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")
-    save_interval: int = opt(0, "save every this many iterations (0: only at the end if --save)")
+    save_interval: Optional[int] = opt(0, "save every this many iterations (0: only at the end if --save)")
     exit_interval: int = opt(0, "stop after this many iterations of this run (0: never; for tests)")
+    keep_last: int = opt(0, "keep only the newest N checkpoints under --save (0: keep all)")
+    use_checkpoint_args: bool = opt(False, "take the model and MoE flags from the --load checkpoint's metadata "
+                                    "(flags given on the command line win, as in Megatron)")
+    check_for_nan_in_loss_and_grad: bool = opt(True, "stop with an error when the loss or the gradient norm is "
+                                               "NaN/inf (the step is not applied, nothing non-finite is saved)")
+    exit_duration_in_mins: float = opt(0.0, "save (with --save) and exit 0 once this run has lasted this many "
+                                       "minutes; all ranks stop at the same iteration (0: never)")
+    exit_signal_handler: bool = opt(True, "on SIGUSR1 (e.g. sbatch --signal=USR1@300) save and exit 0 at the "
+                                    "next iteration boundary, all ranks together")
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"micro_batch_size": AT_LEAST_ONE, "global_batch_size": AT_LEAST_ONE,
+                            "train_iters": AT_LEAST_ONE, "eval_interval": NON_NEGATIVE, "eval_iters": NON_NEGATIVE,
+                            "save_interval": NON_NEGATIVE, "exit_interval": NON_NEGATIVE,
+                            "keep_last": NON_NEGATIVE})
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load")
+        if self.exit_duration_in_mins < 0:
+            raise ValueError(f"--exit-duration-in-mins must be >= 0, got {self.exit_duration_in_mins}")
 
 
 @dataclass
@@ -171,7 +238,26 @@ class LoggingConfig:
     wandb_project: Optional[str] = opt(None, "wandb project (enables wandb)")
     wandb_exp_name: Optional[str] = opt(None, "wandb run name")
     wandb_mode: str = opt("offline", "wandb mode", choices=["offline", "online", "disabled"])
-    wandb_save_dir: Optional[str] = opt(None, "wandb directory (default ./wandb)")
+    wandb_save_dir: Optional[str] = opt(None, "wandb writes DIR/wandb/ (default: the --save directory, else "
+                                        "$XDG_CACHE_HOME/megatron-moe)")
+    tensorboard_dir: Optional[str] = opt(None, "write TensorBoard event files here: the log line's scalars "
+                                         "and expert-load histograms")
+    timestamps: bool = opt(True, "prefix log lines with [YYYY-MM-DD HH:MM:SS]")
+    profile: bool = opt(False, "record a torch.profiler Chrome trace of iterations "
+                        "[--profile-step-start, --profile-step-end) on --profile-ranks")
+    profile_step_start: int = opt(10, "first profiled iteration (counted as iterations already done)")
+    profile_step_end: int = opt(12, "profiling stops before this iteration")
+    profile_ranks: list[int] = opt((0,), "global ranks that write a trace", nargs="+")
+    profile_dir: Optional[str] = opt(None, "trace directory (default SAVE/profile; needs --save or this flag)")
+
+    def __post_init__(self) -> None:
+        self.profile_ranks = [int(r) for r in self.profile_ranks]
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                             f"--profile-step-start ({self.profile_step_start})")
+        if self.profile and self.profile_step_start < 0:
+            raise ValueError("--profile-step-start must be >= 0")
+        check_fields(self, {"log_interval": AT_LEAST_ONE})
 
 
 @dataclass
@@ -189,10 +275,18 @@ class OptimizationsConfig:
     lancet_force_partitions: int = opt(0, "Lancet: run every MoE block's range in this many parts whatever "
                                           "the planner predicts (tests, fixed benchmarks; 0: the planner decides)")
 
+    def __post_init__(self) -> None:
+        check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,
+                            "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE})
+
 
 @dataclass
 class Config:
-    """Everything a run needs; built by `arguments.parse_args`."""
+    """Everything a run needs; built by `arguments.parse_args`.
+
+    `parse_args` also sets `explicit_flags`, the "section.field" names given on the command line
+    (not a dataclass field: it is not saved); --use-checkpoint-args leaves those as given.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -40,11 +40,23 @@ def load_model(path: str, iteration: Optional[int] = None, capacity_factor: Opti
     return model, ckpt.cfg
 
 
-def tokenizer_path(cfg: Config, override: Optional[str] = None) -> str:
-    """Where the tokenizer is: `override`, the config's --tokenizer-name-or-path, or the
-    directory saved beside the training data (data_path + '_tokenizer')."""
+def carried_tokenizer(path: str, iteration: Optional[int] = None) -> Optional[str]:
+    """The tokenizer directory a sharded checkpoint carries (ITER_DIR/tokenizer), if any."""
+    if os.path.isfile(path):
+        return None
+    from megatron_moe.checkpointing import TOKENIZER_DIR
+    from megatron_moe.convert import checkpoint_dir
+    tok = os.path.join(checkpoint_dir(path, iteration), TOKENIZER_DIR)
+    return tok if os.path.isdir(tok) else None
+
+
+def tokenizer_path(cfg: Config, override: Optional[str] = None, carried: Optional[str] = None) -> str:
+    """Where the tokenizer is: `override`, the one the checkpoint carries, the config's
+    --tokenizer-name-or-path, or the directory saved beside the training data (data_path + '_tokenizer')."""
     if override:
         return override
+    if carried:
+        return carried
     if cfg.data.tokenizer_name_or_path:
         return cfg.data.tokenizer_name_or_path
     if cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):

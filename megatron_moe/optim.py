@@ -14,7 +14,15 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.layers.sharding import coords_of
+
+
+def decays(name: str, p: torch.nn.Parameter) -> bool:
+    """Whether weight decay applies: matrices only. Not biases (an expert bias is [E_l, H], one
+    dim per expert), LayerNorm parameters, or the position table `wpe`."""
+    expert_bias = getattr(p, "_shard", None) is not None and p._shard.expert and p.dim() == 2
+    return p.dim() >= 2 and name != "wpe" and not expert_bias
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -22,7 +30,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and name != "wpe" else no_decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -75,7 +83,8 @@ def global_grad_norm(model: torch.nn.Module, ps) -> float:
         if _owns(ps.global_rank, kinds, lay.mp, lay.ep, lay.esp):
             sq += p.grad.detach().double().pow(2).sum()
     if ps.layout.world_size > 1:
-        dist.all_reduce(sq, group=ps.group("world"))
+        with guard("gradient-norm all_reduce", ps.group("world")):
+            dist.all_reduce(sq, group=ps.group("world"))
     return float(sq.sqrt())
 
 

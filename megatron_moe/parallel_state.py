@@ -1,6 +1,6 @@
 """Rank layout and process groups for MP, DP, EP, ESP, EP x ESP and expert-DP.
 
-Layout (DESIGN.md "Ranks and groups"), world size P:
+Layout (docs/DESIGN.md "Ranks and groups"), world size P:
   dense part:  r = mp + N_MP * dp                      (MP groups are consecutive ranks)
   expert part: r = esp + N_ESP * (ep + N_EP * edp)     (ESP fastest, then EP, then expert-DP)
 
@@ -12,14 +12,17 @@ that object passed in (or asks `get_parallel_state()`), never module globals.
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import LOCAL_GROUP
+from megatron_moe.distributed.comm_errors import guard, set_group_timeout
 from megatron_moe.distributed.observer import name_group
 
 
@@ -113,6 +116,7 @@ class ParallelState:
     layout: RankLayout
     global_rank: int
     backend: str
+    timeout: timedelta = dist.default_pg_timeout      # every group's (--comm-timeout)
     _groups: dict = field(default_factory=dict)
     # The device of this rank's tensors (the groups' device: CUDA under NCCL, CPU under gloo).
     # Every tensor the library creates takes its device from here or from the model's parameters.
@@ -121,12 +125,29 @@ class ParallelState:
     def group(self, kind: str):
         return self._groups[kind]
 
+    def new_groups(self, kind: str, rank_lists: list[list[int]], backend: Optional[str] = None):
+        """Create one group per rank list (collective: every rank, same order) with this state's
+        timeout; keep, name and return the one holding this rank (None if none does).
+        `destroy_model_parallel` destroys it with the others. The one public way to add a group."""
+        if kind in self._groups:
+            raise ValueError(f"a group of kind {kind!r} already exists")
+        mine = None
+        for ranks in rank_lists:
+            g = dist.new_group(ranks, backend=backend or self.backend, timeout=self.timeout)
+            if self.global_rank in ranks:
+                mine = g
+        if mine is not None:
+            self._keep(kind, mine)
+            name_group(mine, kind)
+            set_group_timeout(mine, self.timeout.total_seconds())
+        return mine
+
     def has_group(self, kind: str) -> bool:
-        """True when a group of `kind` is held (the layout's kinds, or one added with `add_group`)."""
+        """True when a group of `kind` is held (the layout's kinds, or one made with `new_groups`)."""
         return kind in self._groups
 
-    def add_group(self, kind: str, group) -> None:
-        """Keep an extra group (e.g. Lancet's count-exchange group) so `destroy_model_parallel` destroys it."""
+    def _keep(self, kind: str, group) -> None:
+        """Hold an existing group (the world group, LOCAL_GROUP) under `kind`."""
         if kind in self._groups:
             raise ValueError(f"a group of kind {kind!r} already exists")
         self._groups[kind] = group
@@ -212,7 +233,7 @@ def local_state(device: torch.device | None = None) -> ParallelState:
     with or without torch.distributed initialized: the one-process reference model uses it."""
     state = ParallelState(rank_layout(1), 0, "none", device=torch.device(device or "cpu"))
     for kind in GROUP_KINDS:
-        state.add_group(kind, LOCAL_GROUP)
+        state._keep(kind, LOCAL_GROUP)
     state.global_rank = 0
     return state
 
@@ -220,31 +241,49 @@ def local_state(device: torch.device | None = None) -> ParallelState:
 _STATE: Optional[ParallelState] = None
 
 
+def default_group_timeout() -> timedelta:
+    """The timeout the default group was created with (init_process_group's `timeout=`, which the
+    trainer sets from --comm-timeout); torch's default when the backend does not tell."""
+    world = dist.group.WORLD
+    if world is None:
+        return dist.default_pg_timeout
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout
+
+
 def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
                               backend: Optional[str] = None,
+                              timeout_s: Optional[float] = None,
                               device: torch.device | None = None) -> ParallelState:
     """Create the process groups of the layout on an initialized default group.
 
     Every rank creates every group in the same order (torch.distributed
-    requires it) and keeps its own. `device` (default: `backend_device(backend)`)
-    is where this rank's tensors live. Returns the state and makes it current.
+    requires it) and keeps its own. Every group gets `timeout_s` seconds
+    (--comm-timeout; None: the default group's timeout), so a collective on
+    any of them whose peer stalls fails instead of waiting torch's 30 minutes.
+    `device` (default: `backend_device(backend)`) is where this rank's tensors
+    live. Returns the state and makes it current.
     """
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"--comm-timeout must be positive, got {timeout_s}")
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world, mp, ep, esp)
     if backend is None:
         backend = dist.get_backend()
-    state = ParallelState(layout, rank, backend, device=torch.device(device or backend_device(backend)))
-    state.add_group("world", dist.group.WORLD)
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else default_group_timeout()
+    state = ParallelState(layout, rank, backend, timeout, device=torch.device(device or backend_device(backend)))
+    state._keep("world", dist.group.WORLD)
     name_group(dist.group.WORLD, "world")
+    set_group_timeout(dist.group.WORLD, default_group_timeout().total_seconds())
     for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):
-        for ranks in getattr(layout, f"{kind}_groups"):
-            g = dist.new_group(ranks, backend=backend)
-            if rank in ranks:
-                state.add_group(kind, g)
-                name_group(g, kind)
+        state.new_groups(kind, getattr(layout, f"{kind}_groups"))
     _STATE = state
     return state
 
@@ -271,6 +310,28 @@ def destroy_model_parallel() -> None:
                 except Exception:
                     pass
     _STATE = None
+
+
+def shutdown(barrier: bool = True) -> None:
+    """End this process's communication cleanly: the one teardown of the trainer, tools and tests.
+
+    Call it once the code that used the groups has returned and closed its helpers (Lina's
+    `close()` joins its launcher thread), on every rank. `barrier=True` (a successful run) first
+    waits on WORLD until every rank got here, so every rank has issued and waited for its last
+    collective and none tears down a connection a peer still reads. Then every group of the
+    layout and the default group are destroyed, the current state is forgotten and garbage is
+    collected, so each gloo backend's destructor (which drains its queued work and joins its
+    worker threads) runs now. Left to interpreter exit, a worker thread still releasing a finished
+    work needs the GIL while the interpreter is being finalized, and the process aborts with
+    "terminate called without an active exception" after a successful run.
+    """
+    if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            with guard("shutdown barrier", dist.group.WORLD):
+                dist.barrier()
+        destroy_model_parallel()
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -1,9 +1,126 @@
-"""Named profiler ranges (`torch.profiler.record_function`) around the stages of the MoE layer."""
+"""Named timeline ranges and the torch.profiler window of a run.
+
+`annotate(name)` is the one place where ranges get their names: a
+`torch.profiler.record_function` (it shows up in torch.profiler / Chrome
+traces) plus, when CUDA is available, an NVTX range of the same name (it
+shows up in Nsight Systems). It works as a context manager and as a function
+decorator, so call sites stay one line:
+
+    @annotate("moe/dispatch")
+    def dispatch(...): ...
+
+    with annotate("lina/micro_op"):
+        ...
+
+Range names used in the library (docs/PROFILING.md explains each):
+moe/router, moe/dispatch, moe/all_to_all, moe/experts, moe/combine,
+lina/micro_op, lancet/part, train/step, train/forward_backward, train/optimizer.
+
+`StepProfiler` runs torch.profiler on the iterations [start, end) of the
+chosen ranks and writes one Chrome trace per rank.
+"""
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Optional, Sequence
 
 import torch
 
 
-def annotate(name: str) -> torch.profiler.record_function:
-    """A context manager marking `name` (e.g. "moe/router") in a torch profiler trace."""
-    return torch.profiler.record_function(name)
+@functools.lru_cache(maxsize=1)
+def _nvtx_enabled() -> bool:
+    """NVTX only where CUDA is there (checked once; does not initialize CUDA)."""
+    return torch.cuda.is_available()
+
+
+class annotate(contextlib.ContextDecorator):
+    """A named range: record_function (profiler traces) + NVTX on CUDA. Context manager or decorator."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._rf: Optional[torch.profiler.record_function] = None
+
+    def __enter__(self) -> "annotate":
+        if _nvtx_enabled():
+            torch.cuda.nvtx.range_push(self.name)
+        self._rf = torch.profiler.record_function(self.name)
+        self._rf.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        rf, self._rf = self._rf, None
+        if rf is not None:
+            rf.__exit__(*exc)
+        if _nvtx_enabled():
+            torch.cuda.nvtx.range_pop()
+
+    def _recreate_cm(self) -> "annotate":
+        # a decorated function may run re-entrantly or on several threads: one object per call
+        return annotate(self.name)
+
+
+def _all_threads_config():
+    """Kineto option to record every thread (Lina's launcher thread, the autograd engine's), where
+    this torch has it; otherwise None (only threads that existed at start are recorded)."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+def trace_path(profile_dir: str, rank: int, start: int, end: int) -> str:
+    """Where rank `rank`'s trace of iterations [start, end) goes."""
+    return os.path.join(profile_dir, f"trace_rank{rank:05d}_iter{start}-{end}.json")
+
+
+class StepProfiler:
+    """torch.profiler over the iterations [start, end) of this rank when it is in `ranks`.
+
+    Call `before_step(iteration)` before each iteration (iteration = iterations
+    already done) and `after_step(iteration)` after it; `close()` at the end
+    writes a trace cut short by an early exit. The trace is written to a
+    temporary name and renamed, so a reader never sees half a file.
+    """
+
+    def __init__(self, enabled: bool, start: int, end: int, ranks: Sequence[int], rank: int,
+                 profile_dir: Optional[str], device: torch.device) -> None:
+        self.active = bool(enabled) and rank in set(ranks)
+        self.start, self.end, self.rank = start, end, rank
+        self.dir = profile_dir
+        self.device = device
+        self.prof: Optional[torch.profiler.profile] = None
+        self.written: Optional[str] = None
+
+    def before_step(self, iteration: int) -> None:
+        if self.active and self.prof is None and self.written is None and self.start <= iteration < self.end:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False,
+                                               experimental_config=_all_threads_config())
+            self.prof.start()
+            self.first = iteration
+
+    def after_step(self, iteration: int) -> Optional[str]:
+        """`iteration` = iterations done now; stops and writes the trace at the window's end."""
+        if self.prof is not None and iteration >= self.end:
+            return self._write(iteration)
+        return None
+
+    def close(self, iteration: int) -> Optional[str]:
+        return self._write(iteration) if self.prof is not None else None
+
+    def _write(self, iteration: int) -> str:
+        assert self.prof is not None and self.dir is not None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.stop()
+        os.makedirs(self.dir, exist_ok=True)
+        path = trace_path(self.dir, self.rank, self.first, iteration)
+        tmp = f"{path}.tmp-{os.getpid()}.json"
+        self.prof.export_chrome_trace(tmp)
+        os.replace(tmp, path)
+        self.prof, self.written = None, path
+        return path

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_moe.parallel_state import shutdown
+
 
 def free_port() -> int:
     """Return a TCP port that is free on localhost right now."""
@@ -35,19 +37,20 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
+    ok = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", pickle.dumps(result)))
+        ok = True
     except BaseException:  # report everything, including assertion errors
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        try:
+            shutdown(barrier=ok)        # the shared teardown (parallel_state.shutdown)
+        except Exception:               # noqa: BLE001  (the result is reported already)
+            pass
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list:

@@ -6,12 +6,21 @@ rank with gradient accumulation; each micro-batch's loss is
 Gradient all-reduce (dense over DP, experts over expert-DP) starts from
 grad-ready hooks during the last micro-batch's backward (`GradSync`), or is
 handed to Lina's scheduler with --lina.
+
+Stopping early, cleanly (Slurm time limits, requeueing): SIGUSR1 (`#SBATCH
+--signal=USR1@300`) or --exit-duration-in-mins sets a flag; at the next
+iteration boundary the ranks agree through a MAX all-reduce of the flags, so
+all stop after the same iteration, save (with --save) and return normally
+(exit 0). A rerun with --load continues exactly. --profile records a
+torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
 """
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Optional
@@ -21,19 +30,22 @@ import torch.distributed as dist
 
 from megatron_moe import optimizations
 from megatron_moe.arguments import config_to_dict, validate
-from megatron_moe.checkpointing import load_checkpoint, save_checkpoint
+from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, check_config,
+                                        load_checkpoint, read_metadata, resolve, save_checkpoint)
 from megatron_moe.config import Config
+from megatron_moe.data.indexed_dataset import MMapIndexedDataset
+from megatron_moe.data.paths import default_data_prefix, tokenizer_dir_for
 from megatron_moe.data.preprocess import prepare_sample_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
+from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.logging import MetricsLogger, setup_console
 from megatron_moe.layers.fused import kernel_report
+from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
-
-DEFAULT_DATA_PREFIX = os.path.join("data", "processed", "wikitext-sample")
+from megatron_moe.profiling import StepProfiler, annotate
 
 
 def init_distributed(cfg: Config):
@@ -55,20 +67,25 @@ def init_distributed(cfg: Config):
         dist.init_process_group(backend, timeout=timedelta(seconds=p.comm_timeout))
     validate(cfg, dist.get_world_size())
     ps = initialize_model_parallel(p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                                   p.expert_sharding_parallel_size, backend, device)
+                                   p.expert_sharding_parallel_size, backend, timeout_s=p.comm_timeout,
+                                   device=device)
     return ps, device
 
 
 def prepare_data(cfg: Config, ps: ParallelState) -> None:
-    """Default data: preprocess the bundled sample corpus once (rank 0), then read its vocab size."""
+    """Default data: preprocess the bundled sample corpus once (rank 0) into
+    `data.paths.default_data_dir()` (never the current directory), then read its vocab size."""
     if cfg.data.data_path is None:
+        prefix = default_data_prefix()
         if ps.global_rank == 0:
-            prepare_sample_data(DEFAULT_DATA_PREFIX)
+            prepare_sample_data(prefix)
         if ps.layout.world_size > 1:
             dist.barrier()
-        cfg.data.data_path = DEFAULT_DATA_PREFIX
+        cfg.data.data_path = prefix
     if cfg.model.vocab_size == 0:
-        tok_dir = cfg.data.tokenizer_name_or_path or f"{cfg.data.data_path}_tokenizer"
+        tok_dir = cfg.data.tokenizer_name_or_path or tokenizer_dir_for(cfg.data.data_path)
+        if not os.path.exists(tok_dir) and cfg.train.load and not cfg.data.tokenizer_name_or_path:
+            tok_dir = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)   # the checkpoint carries it
         if not os.path.exists(tok_dir):
             raise FileNotFoundError(f"--vocab-size not given and no tokenizer at {tok_dir}: pass "
                                     f"--vocab-size or --tokenizer-name-or-path")
@@ -79,10 +96,26 @@ def build_loaders(cfg: Config, ps: ParallelState, consumed: int):
     t = cfg.train
     gb = t.global_batch_size
     eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
-    return build_train_valid_test_data_loaders(
+    loaders = build_train_valid_test_data_loaders(
         cfg.data.data_path, cfg.model.seq_length, t.seed, t.micro_batch_size, gb, ps.rank("dp"), ps.size("dp"),
         train_samples=t.train_iters * gb, valid_samples=eval_samples, test_samples=eval_samples,
-        consumed_train_samples=consumed, num_workers=cfg.data.num_workers)
+        consumed_train_samples=consumed, num_workers=cfg.data.num_workers, split=cfg.data.split)
+    for loader in loaders:
+        for indexed in _indexed_datasets(getattr(loader, "dataset", None)):
+            indexed.check_vocab(cfg.model.vocab_size)
+    return loaders
+
+
+def _indexed_datasets(dataset) -> list:
+    """The indexed datasets under a loader's dataset (a GPTDataset, or a blend holding several)."""
+    if dataset is None:
+        return []
+    if isinstance(dataset, MMapIndexedDataset):
+        return [dataset]
+    inner = getattr(dataset, "indexed", None)
+    if inner is not None:
+        return _indexed_datasets(inner)
+    return [d for sub in getattr(dataset, "datasets", []) for d in _indexed_datasets(sub)]
 
 
 def model_flops_per_token(cfg: Config) -> float:
@@ -95,28 +128,99 @@ def model_flops_per_token(cfg: Config) -> float:
     return 6 * (dense + active) + 12 * L * T * M
 
 
+class StopControl:
+    """When to save and exit early: SIGUSR1 or --exit-duration-in-mins, decided alike on every rank.
+
+    The handler only sets a flag (nothing else is safe inside a signal handler);
+    `poll()` is called at each iteration boundary and all-reduces (MAX) the two
+    flags over the world, so every rank sees the same answer at the same iteration.
+    """
+
+    def __init__(self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device,
+                 start: Optional[float] = None):
+        self.start = time.time() if start is None else start     # the run's start (setup counts too)
+        self.limit_s = 60.0 * exit_duration_mins
+        self.ps, self.device = ps, device
+        self.received = False
+        self.previous = None
+        # decided from the config only, so every rank joins the same all-reduces
+        self.collective = (handle_signal or self.limit_s > 0) and ps.layout.world_size > 1
+        self.installed = handle_signal and threading.current_thread() is threading.main_thread()
+        if self.installed:
+            self.previous = signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def poll(self) -> Optional[str]:
+        """None to go on, else why to stop ('SIGUSR1' or 'exit duration ...')."""
+        flags = [float(self.received), float(self.limit_s > 0 and time.time() - self.start >= self.limit_s)]
+        if self.collective:
+            t = torch.tensor(flags, dtype=torch.float32, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
+            flags = t.tolist()
+        if flags[0]:
+            return "SIGUSR1"
+        if flags[1]:
+            return f"exit duration ({self.limit_s / 60:g} min) reached"
+        return None
+
+    def restore(self) -> None:
+        """Put back the SIGUSR1 handler that was there before the trainer."""
+        if self.installed:
+            signal.signal(signal.SIGUSR1, self.previous if self.previous is not None else signal.SIG_DFL)
+            self.installed = False
+
+
+def profile_dir(cfg) -> Optional[str]:
+    """--profile-dir, else SAVE/profile; an error naming the flags when --profile has neither."""
+    lg = cfg.logging
+    if lg.profile_dir:
+        return lg.profile_dir
+    if cfg.train.save:
+        return os.path.join(cfg.train.save, "profile")
+    if lg.profile:
+        raise ValueError("--profile needs --profile-dir DIR or --save DIR (traces then go to DIR/profile)")
+    return None
+
+
 class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.train.load and cfg.train.use_checkpoint_args:
+            apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
+        started = time.time()
+        trace_dir = profile_dir(cfg)
         self.ps, self.device = init_distributed(cfg)
-        setup_console(self.ps.global_rank)
+        setup_console(self.ps.global_rank, cfg.logging.timestamps)
         if self.ps.layout.world_size == 1:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
         prepare_data(cfg, self.ps)
+        if cfg.train.load:                   # refuse a mismatching checkpoint before building anything
+            path = resolve(cfg.train.load)
+            check_config(read_metadata(path), cfg, self.ps, path)
         self.model = GPT2MoE(cfg, self.ps, device=self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
         self.grad_sync = GradSync(self.model, self.ps)
         self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
         self.lancet = applied.lancet
         self.iteration, self.consumed = 0, 0
+        self.checkpoint_meta: dict = {}
         if cfg.train.load:
-            meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps)
+            meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps, cfg)
             self.iteration, self.consumed = meta["iteration"], meta["consumed_samples"]
+            self.checkpoint_meta = meta
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
-        self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg))
+        self.wandb_run_id = self.choose_wandb_run_id()
+        self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
+        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
+                                start=started)
+        lg = cfg.logging
+        self.profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks,
+                                     self.ps.global_rank, trace_dir, self.device)
         self.train_loader, self.valid_loader, self.test_loader = build_loaders(cfg, self.ps, self.consumed)
         self.num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.ps.size("dp"))
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -127,6 +231,25 @@ class Trainer:
         self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
         for change in applied.changes:
             self.logger.line(f"> {change}")
+
+    def choose_wandb_run_id(self) -> Optional[str]:
+        """The wandb run id: the resumed checkpoint's, else a new one made on rank 0 and shared."""
+        if not wandb_enabled(self.cfg):
+            return None
+        run_id = self.checkpoint_meta.get("wandb_run_id") or new_wandb_run_id()
+        if self.ps.layout.world_size > 1:
+            obj = [run_id]
+            dist.broadcast_object_list(obj, src=0, group=self.ps.group("world"))
+            run_id = obj[0]
+        return run_id
+
+    def checkpoint_extra(self) -> dict:
+        """Extra checkpoint metadata: the wandb run id, so that a resume continues the same run."""
+        return {"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {}
+
+    def save(self) -> None:
+        save_checkpoint(self.cfg.train.save, self.iteration, self.consumed, self.model, self.optimizer, self.cfg,
+                        self.ps, extra=self.checkpoint_extra())
 
     # ------------------------------------------------------------------ one iteration
     def autocast(self):
@@ -142,6 +265,7 @@ class Trainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum, aux_sum, dropped, choices, loads = 0.0, 0.0, 0, 0, []
+        per_layer: dict[int, torch.Tensor] = {}   # block index -> kept tokens per expert, this rank
         for i, batch in enumerate(batches):
             ids, labels = self.micro_batch(batch)
             self.grad_sync.accumulating = i < len(batches) - 1
@@ -158,22 +282,38 @@ class Trainer:
                 st = layer.last_stats
                 dropped, choices = dropped + st["dropped"], choices + st["choices"]
                 loads.append(st["counts"].float())
+                per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + st["counts"].long()
         self.grad_sync.finish()
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
-        self.optimizer.step()
         stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64,
                              device=self.device)
         stats = self.average_over_dp(stats)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            self.check_finite(float(stats[0]), norm)
+        self.optimizer.step()
         load = torch.stack(loads).sum(0).cpu() if loads else torch.zeros(1, device="cpu")   # host-side log
         imbalance = float(load.max() / load.mean()) if loads and load.mean() > 0 else 1.0
         return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
                 "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
-                "load_imbalance": imbalance, "expert_load": load.tolist()}
+                "load_imbalance": imbalance, "expert_load": load.tolist(),
+                "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())}}
+
+    def check_finite(self, loss: float, grad_norm: float) -> None:
+        """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf.
+
+        Both values are the same on every rank (reduced over the groups), so every rank stops together.
+        """
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"iteration {self.iteration + 1}: non-finite lm loss {loss} or grad norm "
+                                 f"{grad_norm}; the step was not applied and the run stops (the last checkpoint "
+                                 f"is finite; lower --lr or disable with --no-check-for-nan-in-loss-and-grad)")
 
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (on the run's device) averaged over DP, returned on the host for logging."""
         if self.ps.size("dp") > 1:
-            dist.all_reduce(t, group=self.ps.group("dp"))
+            with guard("loss all_reduce", self.ps.group("dp")):
+                dist.all_reduce(t, group=self.ps.group("dp"))
             t = t / self.ps.size("dp")
         return t.cpu()
 
@@ -210,8 +350,10 @@ class Trainer:
         flops_per_iter = model_flops_per_token(cfg) * tokens_per_iter
         start_iter = self.iteration
         while self.iteration < t.train_iters:
+            self.profiler.before_step(self.iteration)
             t0 = time.perf_counter()
-            rec = self.train_step([next(it) for _ in range(self.num_micro)])
+            with annotate("train/step"):
+                rec = self.train_step([next(it) for _ in range(self.num_micro)])
             self.iteration += 1
             self.consumed += t.global_batch_size
             dt = time.perf_counter() - t0
@@ -228,13 +370,25 @@ class Trainer:
             if t.eval_interval and self.iteration % t.eval_interval == 0:
                 self.evaluate(self.valid_loader, "valid")
             if t.save and t.save_interval and self.iteration % t.save_interval == 0:
-                save_checkpoint(t.save, self.iteration, self.consumed, self.model, self.optimizer, cfg, self.ps)
+                self.save()
+            trace = self.profiler.after_step(self.iteration)
+            if trace:
+                self.logger.line(f"> profile: rank {self.ps.global_rank} wrote {trace}")
             if t.exit_interval and self.iteration - start_iter >= t.exit_interval:
+                break
+            reason = self.stop.poll()
+            if reason:
+                self.logger.line(f"> {reason}: stopping after iteration {self.iteration}"
+                                 + (f", saving to {t.save}" if t.save else " (no --save: nothing is saved)"))
                 break
         if bar is not None:
             bar.close()
+        self.stop.restore()
+        trace = self.profiler.close(self.iteration)
+        if trace:
+            self.logger.line(f"> profile: rank {self.ps.global_rank} wrote {trace}")
         if t.save and (not t.save_interval or self.iteration % t.save_interval):
-            save_checkpoint(t.save, self.iteration, self.consumed, self.model, self.optimizer, cfg, self.ps)
+            self.save()
         if self.iteration >= t.train_iters:
             if not (t.eval_interval and self.iteration % t.eval_interval == 0):   # not just evaluated
                 self.evaluate(self.valid_loader, "valid")
@@ -260,5 +414,12 @@ class Trainer:
 
 
 def pretrain(cfg: Config) -> list[dict]:
-    """Build a Trainer and run it; returns the per-iteration records of this rank."""
-    return Trainer(cfg).train()
+    """Build a Trainer and run it; returns the per-iteration records of this rank.
+
+    When training raises (bad data, a NaN stop, ...) the SIGUSR1 handler of the caller is put back
+    before the error propagates, so a process that goes on (a test, a notebook) is left as it was."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.stop.restore()

@@ -8,7 +8,10 @@
 #   mm_expand_hostlist EXPR    Slurm hostlist -> one host per line, no scontrol
 #   mm_job_hosts               this job's hosts (scontrol, else the parser)
 #   mm_run CMD...              run CMD, or print it when DRY_RUN=1
-#   mm_slurm_pretrain NAME ... the body of the sbatch launchers (srun + torchrun)
+#   mm_run_groups ARRAY...     run the arrays' words as one command, or print
+#                              it one array (flag group) per line when DRY_RUN=1
+#   mm_slurm_pretrain NAME ... the body of the sbatch launchers (srun + torchrun),
+#                              saving to runs/NAME/ckpt and resuming from it
 #
 # Every value a launcher passes has an environment override with the same
 # name as in docs/CLUSTER.md, e.g. `TP=2 TOPK=2 sbatch scripts/...`.
@@ -105,6 +108,41 @@ mm_run() {
     fi
 }
 
+# mm_run_groups NAME...: the words of the named arrays, in order, are one
+# command; run it, or with DRY_RUN=1 print it with one array per line
+# (continued with a backslash), so each flag group reads on its own.
+mm_run_groups() {
+    local name ref cmd=() line sep=""
+    for name in "$@"; do
+        ref="${name}[@]"
+        cmd+=("${!ref}")
+    done
+    if [[ ${DRY_RUN:-0} != 1 ]]; then
+        "${cmd[@]}"
+        return
+    fi
+    local word words
+    for name in "$@"; do
+        ref="${name}[@]"
+        words=("${!ref}")
+        ((${#words[@]})) || continue
+        line=""
+        for word in "${words[@]}"; do line+=" $(mm_quote "$word")"; done
+        printf '%s%s' "$sep" "${line# }"
+        sep=$' \\\n    '
+    done
+    echo
+}
+
+# mm_quote WORD: WORD as the shell reads it back: bare when safe, else in single quotes.
+mm_quote() {
+    if [[ $1 =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+        printf '%s' "$1"
+    else
+        printf "'%s'" "${1//\'/\'\\\'\'}"
+    fi
+}
+
 # ---------------------------------------------------------------- arguments
 
 # Defaults per model; any variable already set in the environment wins.
@@ -177,7 +215,12 @@ mm_build_args() {
     [[ ${LANCET_PARTITION:-0} != 1 ]] || MOE_ARGS+=(--lancet-partition)
 
     DATA_ARGS=()
-    [[ -z ${DATA_PATH:-} ]] || DATA_ARGS+=(--data-path "$DATA_PATH")
+    if [[ -n ${DATA_PATH:-} ]]; then                 # a blend is "W1 PREFIX1 W2 PREFIX2 ..."
+        local data_words=()
+        read -ra data_words <<<"$DATA_PATH"
+        DATA_ARGS+=(--data-path "${data_words[@]}")
+    fi
+    [[ -z ${SPLIT:-} ]] || DATA_ARGS+=(--split "$SPLIT")
     [[ -z ${TOKENIZER:-} ]] || DATA_ARGS+=(--tokenizer-name-or-path "$TOKENIZER")
 
     TRAINING_ARGS=(
@@ -198,16 +241,42 @@ mm_build_args() {
     [[ ${BF16:-1} != 1 ]] || TRAINING_ARGS+=(--bf16)
     [[ -z ${SAVE_DIR:-} ]] || TRAINING_ARGS+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
     [[ -z ${LOAD_DIR:-} ]] || TRAINING_ARGS+=(--load "$LOAD_DIR")
+    [[ -z ${EXIT_DURATION_MINS:-} ]] || TRAINING_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
 
     LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}")
     [[ -z ${LOG_JSON:-} ]] || LOGGING_ARGS+=(--log-json "$LOG_JSON")
+    [[ -z ${TENSORBOARD_DIR:-} ]] || LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
     if [[ -n ${WANDB_PROJECT:-} ]]; then
         LOGGING_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-mode "${WANDB_MODE:-offline}")
         [[ -z ${WANDB_EXP_NAME:-} ]] || LOGGING_ARGS+=(--wandb-exp-name "$WANDB_EXP_NAME")
+        [[ -z ${WANDB_SAVE_DIR:-} ]] || LOGGING_ARGS+=(--wandb-save-dir "$WANDB_SAVE_DIR")
+    fi
+    if [[ ${PROFILE:-0} == 1 ]]; then
+        LOGGING_ARGS+=(--profile --profile-step-start "${PROFILE_STEP_START:-10}"
+                       --profile-step-end "${PROFILE_STEP_END:-12}")
+        local ranks=()
+        read -ra ranks <<<"${PROFILE_RANKS:-0}"
+        LOGGING_ARGS+=(--profile-ranks "${ranks[@]}")
     fi
 }
 
 # ---------------------------------------------------------------- Slurm
+
+# mm_abs PATH: PATH when absolute, else REPO_DIR/PATH (the job runs from REPO_DIR).
+mm_abs() {
+    if [[ $1 == /* ]]; then echo "$1"; else echo "$REPO_DIR/$1"; fi
+}
+
+# mm_last_value FLAG WORDS...: the value after the last FLAG among WORDS (empty if none).
+mm_last_value() {
+    local flag=$1 value="" prev=""
+    shift
+    for word in "$@"; do
+        [[ $prev != "$flag" ]] || value=$word
+        prev=$word
+    done
+    echo "$value"
+}
 
 # mm_slurm_pretrain RUN_NAME [TRAINER_FLAGS...]: one torchrun per node via
 # srun, c10d rendezvous on the first node of the allocation. Needs REPO_DIR
@@ -237,10 +306,20 @@ mm_slurm_pretrain() {
 
     mm_export_comm_env
     BACKEND=${BACKEND:-nccl}
-    DATA_PATH=${DATA_PATH-data/wikitext-103/wikitext-103}   # '' = the trainer's default
+    DATA_PATH=${DATA_PATH-data/processed/wt103}             # '' = the trainer's default
+    # Everything of one run lives in runs/$RUN_NAME (relative to REPO_DIR): a
+    # resubmitted or requeued job finds its checkpoints there and continues.
+    RUN_NAME=${RUN_NAME:-$run_name}
+    RUN_DIR=${RUN_DIR:-runs/$RUN_NAME}
+    SAVE_DIR=${SAVE_DIR-$RUN_DIR/ckpt}                      # '' = no checkpoints
+    if [[ -z ${LOAD_DIR:-} && -n $SAVE_DIR && -f $(mm_abs "$SAVE_DIR")/latest ]]; then
+        LOAD_DIR=$SAVE_DIR                                  # it holds a checkpoint: resume
+    fi
     WANDB_PROJECT=${WANDB_PROJECT-megatron-moe}             # '' = no wandb
-    WANDB_EXP_NAME=${WANDB_EXP_NAME:-$run_name-${SLURM_JOB_ID:-dryrun}}
-    LOG_JSON=${LOG_JSON-runs/$WANDB_EXP_NAME/metrics.jsonl}
+    WANDB_EXP_NAME=${WANDB_EXP_NAME:-$RUN_NAME}
+    WANDB_SAVE_DIR=${WANDB_SAVE_DIR-$RUN_DIR}
+    LOG_JSON=${LOG_JSON-$RUN_DIR/metrics.jsonl}
+    TENSORBOARD_DIR=${TENSORBOARD_DIR-$RUN_DIR/tensorboard}
     mm_build_args "$world"
 
     DISTRIBUTED_ARGS=(
@@ -250,14 +329,67 @@ mm_slurm_pretrain() {
         --rdzv-backend c10d
         --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
     )
-    local srun_args=(--nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1)
+    SRUN_ARGS=(srun --nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1)
+    # `#SBATCH --signal=USR1@300` signals the job step: torchrun must not die
+    # of it and the trainers must get it (mm_usr1_to_workers).
+    # shellcheck disable=SC2016  # $0 and $@ are for the inner bash
+    SIGNAL_ARGS=(bash -c 'source "$0" && mm_usr1_to_workers "$@"' "$REPO_DIR/scripts/common.sh")
+    LAUNCH_ARGS=(torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/pretrain_gpt_moe.py")
+    EXTRA_ARGS=("$@")
 
-    echo "# $WANDB_EXP_NAME: $NNODES nodes x $GPUS_PER_NODE GPUs, TP=$TP EP=$EP ESP=$ESP, $NUM_EXPERTS experts"
+    echo "# $RUN_NAME: $NNODES nodes x $GPUS_PER_NODE GPUs, TP=$TP EP=$EP ESP=$ESP, $NUM_EXPERTS experts"
+    echo "# save: ${SAVE_DIR:-none}; load: ${LOAD_DIR:-none (no checkpoint there yet)}"
+    echo "# signals: #SBATCH --signal=USR1@300 --requeue; SIGUSR1 -> save and exit 0;" \
+         "requeue while the run is unfinished (REQUEUE=${REQUEUE:-1})"
     mm_show_env
     if [[ ${DRY_RUN:-0} != 1 ]]; then
         cd "$REPO_DIR" || mm_die "cannot cd to REPO_DIR=$REPO_DIR"
         [[ -z $LOG_JSON ]] || mkdir -p "$(dirname "$LOG_JSON")"
     fi
-    mm_run srun "${srun_args[@]}" torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/pretrain_gpt_moe.py" \
-        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+    mm_run_groups SRUN_ARGS SIGNAL_ARGS LAUNCH_ARGS MODEL_ARGS MOE_ARGS DATA_ARGS TRAINING_ARGS LOGGING_ARGS \
+        EXTRA_ARGS
+    [[ ${DRY_RUN:-0} != 1 ]] || return 0
+    mm_requeue_if_unfinished
+}
+
+# mm_usr1_to_workers CMD...: run CMD (torchrun) with SIGUSR1 ignored (its
+# default action would kill torchrun; the trainers install their own handler)
+# and pass a SIGUSR1 this shell receives on to every process below it. So the
+# trainers get the signal whether Slurm signals the whole step (proctrack/cgroup)
+# or only the task's process group (torchrun starts its workers in new sessions).
+mm_usr1_to_workers() {
+    local child rc
+    trap '' USR1
+    "$@" &
+    child=$!
+    trap '_MM_USR1=1; mm_signal_descendants USR1 "$child"' USR1
+    while true; do
+        _MM_USR1=0
+        wait "$child"
+        rc=$?
+        ((_MM_USR1)) || return "$rc"                # CMD ended (not a trap interrupting wait)
+    done
+}
+
+# mm_signal_descendants SIG PID: send SIG to PID and every process below it.
+mm_signal_descendants() {
+    local kid
+    for kid in $(pgrep -P "$2"); do
+        mm_signal_descendants "$1" "$kid"
+    done
+    kill -s "$1" "$2" 2>/dev/null || true
+}
+
+# After a clean exit (SIGUSR1 or --exit-duration-in-mins) the checkpoint is
+# short of --train-iters: put the job back in the queue (it resumes from
+# SAVE_DIR). REQUEUE=0 turns this off.
+mm_requeue_if_unfinished() {
+    [[ ${REQUEUE:-1} == 1 && -n ${SAVE_DIR:-} && -n ${SLURM_JOB_ID:-} ]] || return 0
+    local all=("${TRAINING_ARGS[@]}" "${EXTRA_ARGS[@]}") latest=0 target
+    target=$(mm_last_value --train-iters "${all[@]}")
+    [[ -f $SAVE_DIR/latest ]] && latest=$(<"$SAVE_DIR/latest")
+    if [[ -n $target ]] && ((latest < target)); then
+        echo "# checkpoint at iteration $latest of $target: requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
 }

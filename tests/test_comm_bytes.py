@@ -1,4 +1,4 @@
-"""Comm tracer byte counts of the baseline schedule equal DESIGN.md's formulas, and the
+"""Comm tracer byte counts of the baseline schedule equal its formulas (docs/DESIGN.md, "Schedules"), and the
 autograd collectives have the right backward."""
 import math
 

@@ -16,9 +16,9 @@ from megatron_moe.data.preprocess import (SAMPLE_CORPUS_DIR, prepare_sample_data
                                           split_wikitext_documents)
 from megatron_moe.data.tokenizer import load_tokenizer
 
+from megatron_moe.cli import preprocess as preprocess_data  # the CLI, called in-process for the error cases
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import preprocess_data  # noqa: E402  (the CLI, called in-process for the error cases)
 
 
 def corpus_docs(split: str) -> list[str]:
@@ -33,7 +33,8 @@ def sample(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", "data/wikitext-sample",
          "--output-prefix", str(out), "--train-tokenizer", "--vocab-size", "512",
-         "--append-eod", "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--append-eod", "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert proc.returncode == 0, proc.stderr
     return out
 

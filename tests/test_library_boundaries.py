@@ -70,7 +70,7 @@ def _writes(tree):
 
 def test_no_forward_replacement_and_no_private_parallel_state_writes():
     """Optimizations ask modules for hooks: nothing assigns a module's `forward`, and only
-    ParallelState's own methods write its private fields (others call `add_group`)."""
+    ParallelState's own methods write its private fields (others call `new_groups`)."""
     from megatron_moe.parallel_state import ParallelState
     private = {f for f in ParallelState.__dataclass_fields__ if f.startswith("_")}
     assert private == {"_groups"}

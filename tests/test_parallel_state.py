@@ -8,7 +8,7 @@ from megatron_moe.testing import spawn
 
 
 def brute_force(P, mp, ep, esp):
-    """Groups by enumerating coordinates of every rank from DESIGN.md's formulas."""
+    """Groups by enumerating coordinates of every rank from the formulas of docs/DESIGN.md "Ranks and groups"."""
     dense = {r: (r % mp, r // mp) for r in range(P)}                      # (mp, dp)
     expert = {r: (r % esp, (r // esp) % ep, r // (esp * ep)) for r in range(P)}  # (esp, ep, edp)
 

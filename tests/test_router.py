@@ -1,4 +1,4 @@
-"""Router semantics (DESIGN.md): hand-checked examples, drops, and dispatch/combine identity."""
+"""Router semantics (docs/DESIGN.md): hand-checked examples, drops, and dispatch/combine identity."""
 import math
 
 import torch

@@ -2,8 +2,8 @@
 
 The sbatch launchers are run with DRY_RUN=1 under a fake Slurm environment
 (two nodes `node[01-02]`, eight GPUs each, no `scontrol` on PATH so the
-fallback hostlist parser is used) and their printed srun/torchrun line is
-parsed back into flags.
+fallback hostlist parser is used) and their printed srun/torchrun command (one
+flag group per line, continued with backslashes) is parsed back into flags.
 """
 
 import os
@@ -44,7 +44,7 @@ def _run(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedP
 
 
 def _parse_flags(tokens: list[str]) -> dict[str, object]:
-    """`--a 1 --b --c x` -> {'--a': '1', '--b': True, '--c': 'x'}; the last occurrence wins."""
+    """`--a 1 --b --c x y` -> {'--a': '1', '--b': True, '--c': ['x', 'y']}; the last occurrence wins."""
     flags: dict[str, object] = {}
     i = 0
     while i < len(tokens):
@@ -54,26 +54,43 @@ def _parse_flags(tokens: list[str]) -> dict[str, object]:
             key, value = tok.split("=", 1)
             flags[key] = value
             i += 1
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            flags[tok] = tokens[i + 1]
-            i += 2
-        else:
-            flags[tok] = True
-            i += 1
+            continue
+        j = i + 1
+        while j < len(tokens) and not tokens[j].startswith("--"):
+            j += 1
+        values = tokens[i + 1:j]
+        flags[tok] = True if not values else values[0] if len(values) == 1 else values
+        i = j
     return flags
+
+
+def _command_lines(stdout: str, first: str) -> list[str]:
+    """The printed command that starts with `first`, one entry per printed line (group)."""
+    lines = stdout.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(first + " ")]
+    assert len(starts) == 1, stdout
+    out = [lines[starts[0]]]
+    while out[-1].endswith(" \\"):
+        out.append(lines[starts[0] + len(out)])
+    return [ln.removesuffix(" \\").strip() for ln in out]
 
 
 def _launch_line(stdout: str, first: str) -> tuple[dict, dict, dict, list[str]]:
     """Split the printed command into (srun flags, torchrun flags, trainer flags, trainer tokens)."""
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(first + " ")]
-    assert len(lines) == 1, stdout
-    tokens = shlex.split(lines[0])
+    tokens = shlex.split(" ".join(_command_lines(stdout, first)))
     t = tokens.index("torchrun")
+    if first == "srun":                     # srun FLAGS bash -c '...' common.sh torchrun ...
+        assert tokens[tokens.index("bash"):t] == ["bash", "-c", 'source "$0" && mm_usr1_to_workers "$@"',
+                                                   str(ROOT / "scripts/common.sh")], tokens
+        return (_parse_flags(tokens[1:tokens.index("bash")]), *_after_torchrun(tokens, t))
+    return (_parse_flags(tokens[1:t]), *_after_torchrun(tokens, t))
+
+
+def _after_torchrun(tokens: list[str], t: int) -> tuple[dict, dict, list[str]]:
     script = next(i for i, tok in enumerate(tokens) if tok.endswith("pretrain_gpt_moe.py"))
     assert tokens[script] == str(ROOT / "pretrain_gpt_moe.py")
     trainer = tokens[script + 1:]
-    return (_parse_flags(tokens[1:t]), _parse_flags(tokens[t + 1:script]),
-            _parse_flags(trainer), trainer)
+    return _parse_flags(tokens[t + 1:script]), _parse_flags(trainer), trainer
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -107,10 +124,13 @@ def test_sbatch_dry_run_prints_the_two_node_launch(size, layers, hidden, heads, 
         "--num-experts": "32",                       # two experts per GPU, 16 GPUs
         "--expert-model-parallel-size": "16", "--tensor-model-parallel-size": "1",
         "--expert-sharding-parallel-size": "1", "--distributed-backend": "nccl",
-        "--data-path": "data/wikitext-103/wikitext-103",
+        "--data-path": "data/processed/wt103",
         "--micro-batch-size": micro, "--global-batch-size": str(int(micro) * 16),
         "--bf16": True, "--wandb-mode": "offline", "--wandb-project": "megatron-moe",
-        "--wandb-exp-name": f"gpt2-{size}-moe-4242",
+        "--wandb-exp-name": f"gpt2-{size}-moe", "--wandb-save-dir": f"runs/gpt2-{size}-moe",
+        "--save": f"runs/gpt2-{size}-moe/ckpt", "--save-interval": "1000", "--load": None,
+        "--log-json": f"runs/gpt2-{size}-moe/metrics.jsonl",
+        "--tensorboard-dir": f"runs/gpt2-{size}-moe/tensorboard",
     }
     assert {k: trainer.get(k) for k in expected} == expected
     assert tokens[-2:] == ["--train-iters", "7"]       # extra flags come last and win
@@ -192,3 +212,72 @@ def test_launch_local_rejects_tp_that_does_not_divide() -> None:
     result = _run(LOCAL, env)
     assert result.returncode == 2
     assert "TP=3 does not divide the world size 4" in result.stderr
+
+
+@pytest.mark.parametrize("size", ["s", "l"])
+def test_sbatch_saves_to_the_run_directory_and_handles_the_time_limit(size) -> None:
+    header = SBATCH[size].read_text().splitlines()
+    assert "#SBATCH --signal=USR1@300" in header and "#SBATCH --requeue" in header
+    result = _run(SBATCH[size], _fake_slurm_env())
+    assert result.returncode == 0, result.stderr
+    assert f"# save: runs/gpt2-{size}-moe/ckpt; load: none (no checkpoint there yet)" in result.stdout
+    assert ("# signals: #SBATCH --signal=USR1@300 --requeue; SIGUSR1 -> save and exit 0; "
+            "requeue while the run is unfinished (REQUEUE=1)") in result.stdout
+    assert _launch_line(result.stdout, "srun")[2]["--save"] == f"runs/gpt2-{size}-moe/ckpt"
+
+
+def test_sbatch_resumes_when_the_save_directory_holds_a_checkpoint(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    env = _fake_slurm_env(SAVE_DIR=str(save), RUN_NAME="exp1")
+    first = _launch_line(_run(SBATCH["s"], env).stdout, "srun")[2]
+    assert first["--save"] == str(save) and "--load" not in first
+    (save / "latest").write_text("500")
+    result = _run(SBATCH["s"], env)
+    assert f"# save: {save}; load: {save}" in result.stdout
+    trainer = _launch_line(result.stdout, "srun")[2]
+    assert trainer["--load"] == str(save) and trainer["--wandb-exp-name"] == "exp1"
+    assert trainer["--log-json"] == "runs/exp1/metrics.jsonl"
+
+
+def test_sbatch_passes_a_blend_as_separate_words() -> None:
+    env = _fake_slurm_env(DATA_PATH="0.3 /d/a_text_document 0.7 /d/b", SPLIT="98,2,0")
+    result = _run(SBATCH["s"], env)
+    assert result.returncode == 0, result.stderr
+    tokens = _launch_line(result.stdout, "srun")[3]
+    i = tokens.index("--data-path")
+    assert tokens[i:i + 7] == ["--data-path", "0.3", "/d/a_text_document", "0.7", "/d/b", "--split", "98,2,0"]
+
+
+def test_sbatch_prints_one_flag_group_per_line() -> None:
+    result = _run(SBATCH["s"], _fake_slurm_env(), "--train-iters", "7")
+    lines = _command_lines(result.stdout, "srun")
+    firsts = [ln.split()[0] for ln in lines]
+    assert firsts == ["srun", "bash", "torchrun", "--num-layers", "--num-experts", "--data-path",
+                      "--micro-batch-size", "--log-interval", "--train-iters"], lines
+
+
+def _requeue(tmp_path: Path, latest: str | None, train_iters: str, extra: str = "") -> str:
+    """Run mm_requeue_if_unfinished with a fake scontrol that logs its arguments."""
+    log = tmp_path / "scontrol.log"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    save = tmp_path / "ckpt"
+    save.mkdir(exist_ok=True)
+    if latest is not None:
+        (save / "latest").write_text(latest)
+    cmd = (f'source {shlex.quote(str(ROOT / "scripts/common.sh"))}; SAVE_DIR={shlex.quote(str(save))}; '
+           f'TRAINING_ARGS=(--train-iters {train_iters} --seed 1); EXTRA_ARGS=({extra}); mm_requeue_if_unfinished')
+    env = {"PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    result = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return log.read_text() if log.exists() else ""
+
+
+def test_an_unfinished_run_requeues_itself_and_a_finished_one_does_not(tmp_path: Path) -> None:
+    assert _requeue(tmp_path / "a", "500", "2000") == "requeue 77\n"
+    assert _requeue(tmp_path / "b", "2000", "2000") == ""
+    assert _requeue(tmp_path / "c", "700", "2000", "--train-iters 700") == ""   # the last --train-iters wins
+    assert _requeue(tmp_path / "d", None, "10") == "requeue 77\n"               # nothing saved yet

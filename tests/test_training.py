@@ -106,8 +106,8 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(sample_dat
     bf16 = trainer.train()
     assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in trainer.model.parameters())
     for a, b in zip(fp32, bf16):
-        assert abs(a["loss"] - b["loss"]) < 5e-2, (a["loss"], b["loss"])
-    assert bf16[-1]["loss"] != fp32[-1]["loss"]      # bf16 really ran (round-off differs)
+        assert abs(a["loss"] - b["loss"]) < 2e-3, (a["loss"], b["loss"])   # measured max 8.4e-4 (test_bf16.py)
+    assert abs(bf16[0]["loss"] - fp32[0]["loss"]) > 1e-4      # bf16 really ran (measured 2.2e-4)
 
 
 def test_every_optimization_switch_keeps_the_training_curve(sample_data):

@@ -33,17 +33,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_moe.arguments import add_config_flags, config_from_args  # noqa: E402
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union  # noqa: E402
-from megatron_moe.lancet.controller import setup  # noqa: E402
-from megatron_moe.lancet.cost import atomic_write_json  # noqa: E402
-from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs  # noqa: E402
-from megatron_moe.lancet.planner import make_plan  # noqa: E402
-from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
+from megatron_moe.arguments import add_config_flags, config_from_args
+from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union
+from megatron_moe.lancet.controller import setup
+from megatron_moe.lancet.cost import atomic_write_json
+from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
+from megatron_moe.lancet.planner import make_plan
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
@@ -171,8 +170,18 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
 
 
 def main(argv=None) -> None:
-    """Profile once, time every mode, print the table (rank 0) and write --json."""
+    """Profile once, time every mode, print the table (rank 0) and write --json; then the shared
+    teardown (after `run` returned, so its groups are released)."""
     args = parse_args(argv)
+    with exit_on_comm_error():
+        run(args)
+        shutdown()
+    if int(os.environ.get("RANK", "0")) == 0:
+        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
+
+
+def run(args: argparse.Namespace) -> None:
+    """The benchmark proper (see `main`)."""
     device, backend = device_and_backend(args.cfg.parallel.device, args.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -182,7 +191,7 @@ def main(argv=None) -> None:
     cfg = build_config(args, world)
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.expert_model_parallel_size,
-                                   cfg.parallel.expert_sharding_parallel_size, backend, device)
+                                   cfg.parallel.expert_sharding_parallel_size, backend, device=device)
     m, moe = cfg.model, cfg.moe
     B, T = cfg.train.micro_batch_size, m.seq_length
     g = torch.Generator(device="cpu").manual_seed(100 + ps.rank("dp"))      # host draws: same ids on every device
@@ -199,10 +208,6 @@ def main(argv=None) -> None:
         print_table(rows, head, args.iters)
         if args.json:
             atomic_write_json(args.json, [dict(r, config=head) for r in rows])
-    dist.barrier()
-    dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
 
 
 if __name__ == "__main__":

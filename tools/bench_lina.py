@@ -39,18 +39,18 @@ import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megatron_moe.arguments import add_config_flags, config_from_args  # noqa: E402
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.observer import CommLog  # noqa: E402
-from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients  # noqa: E402
-from megatron_moe.distributed.lina import LinaScheduler  # noqa: E402
-from megatron_moe.model.gpt2 import GPT2MoE  # noqa: E402
-from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, validate_degrees  # noqa: E402
+from megatron_moe.arguments import add_config_flags, config_from_args
+from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
+from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.distributed.observer import CommLog
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
 def bench_defaults() -> Config:
@@ -186,9 +186,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    """Parse, benchmark, then the shared teardown (after `run` returned: its groups are released)."""
     a = parse_args(argv)
     if "RANK" not in os.environ:
         sys.exit("bench_lina.py: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_lina.py)")
+    with exit_on_comm_error():
+        run(a)
+        shutdown()
+
+
+def run(a: argparse.Namespace) -> None:
+    """Every mode for --rounds rounds; table and --json on rank 0."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     device, backend = device_and_backend(a.cfg.parallel.device, a.cfg.parallel.distributed_backend)
     if device.type == "cuda":
@@ -199,7 +207,7 @@ def main(argv=None) -> None:
         cfg = build_config(a, world)
     except ValueError as e:
         sys.exit(f"bench_lina.py: {e}")
-    ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1, backend, device)
+    ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1, backend, device=device)
     probe = GPT2MoE(cfg, ps)
     dense_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "dp") / 2 ** 20
     expert_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "expert_dp") / 2 ** 20
@@ -234,8 +242,6 @@ def main(argv=None) -> None:
         if a.json:
             write_json(a.json, results)
             print(f"wrote {a.json}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

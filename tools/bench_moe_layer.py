@@ -23,20 +23,18 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_moe.arguments import add_config_flags, config_from_args  # noqa: E402
-from megatron_moe.config import Config  # noqa: E402
-from megatron_moe.distributed.observer import CommLog  # noqa: E402
-from megatron_moe.moe.comm_profile import choose_for_layer  # noqa: E402
-from megatron_moe.moe.layer import MoELayer  # noqa: E402
-from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel  # noqa: E402
+from megatron_moe.arguments import add_config_flags, config_from_args
+from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.distributed.observer import CommLog
+from megatron_moe.moe.comm_profile import choose_for_layer
+from megatron_moe.moe.layer import MoELayer
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
 
@@ -107,7 +105,15 @@ def one_iteration(layer, x, gy, device) -> float:
 
 
 def main(argv=None) -> None:
+    """Parse, benchmark, then the shared teardown (after `run` returned: its groups are released)."""
     args = parse_args(argv)
+    with exit_on_comm_error():
+        run(args)
+        shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Time every schedule; print the table and write --json on rank 0."""
     cfg, par = args.cfg, args.cfg.parallel
     m, t = cfg.model, cfg.train
     device, backend = device_and_backend(par.device, par.distributed_backend)
@@ -116,7 +122,7 @@ def main(argv=None) -> None:
     init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ps = initialize_model_parallel(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                                   par.expert_sharding_parallel_size, backend, device)
+                                   par.expert_sharding_parallel_size, backend, device=device)
     # inputs drawn on the host (same numbers on every device), then placed
     g = torch.Generator(device="cpu").manual_seed(t.seed + ps.rank("dp"))   # same tokens on the MP ranks of a group
     x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g, device="cpu").to(device)
@@ -160,7 +166,6 @@ def main(argv=None) -> None:
             with open(tmp, "w") as f:
                 json.dump(rows, f, indent=1)
             os.replace(tmp, args.json)
-    dist.destroy_process_group()
 
 
 def print_table(args, world: int, rows: list, layers: dict) -> None:

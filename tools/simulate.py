@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_moe.moe.cost_model import (PAPER_ALLGATHER, AlphaBeta, CommModel, simulate_grid,  # noqa: E402
+from megatron_moe.moe.cost_model import (PAPER_ALLGATHER, AlphaBeta, CommModel, simulate_grid,
                                          uniform_model)
 
 

@@ -26,10 +26,20 @@ from megatron_moe.convert.sharded import (CONSOLIDATED_FORMAT, FullCheckpoint, _
 def load_hf_model(name_or_path: str):
     """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode)."""
     from transformers import GPT2LMHeadModel
+    if not os.path.isdir(name_or_path) and _looks_like_path(name_or_path):
+        raise FileNotFoundError(f"--hf {name_or_path}: no such directory")
     try:
         return GPT2LMHeadModel.from_pretrained(name_or_path).eval()
     except Exception as e:  # missing directory, no hub access, not a GPT-2: say which flag
         raise ValueError(f"--hf {name_or_path}: cannot load a GPT2LMHeadModel ({type(e).__name__}: {e})") from e
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id ("gpt2", "org/name"): absolute, ./ ../ ~, two or more
+    slashes, a path separator other than '/', or a first component that exists here."""
+    if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        return True
+    return "/" in name and os.path.exists(name.split("/")[0])
 
 
 def import_hf(hf_model, source: str, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1,

@@ -30,8 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from megatron_moe.arguments import config_from_dict, config_to_dict, validate
-from megatron_moe.checkpointing import FORMAT_VERSION, iter_dir, latest_iteration, shard_name
+from megatron_moe.arguments import config_from_dict, validate
+from megatron_moe.checkpointing import (FORMAT_VERSION, TOKENIZER_DIR, copy_tokenizer, iter_dir, portable_config,
+                                        resolve, sha256_file, shard_name, tokenizer_source)
 from megatron_moe.config import Config
 from megatron_moe.layers.sharding import ShardSpec, coords_key, coords_of, local_shape, shard_tensor, unshard_tensor
 
@@ -126,11 +127,15 @@ def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--load {load} --iteration {iteration}: {path} does not exist")
         return path
-    if os.path.isfile(os.path.join(load, "metadata.json")):
-        return load
-    if not os.path.isdir(load):
-        raise FileNotFoundError(f"--load {load}: no such checkpoint directory")
-    return iter_dir(load, latest_iteration(load))
+    return resolve(load)      # DIR/latest, falling back to the newest complete iteration
+
+
+def verify_checksum(shard: str, meta: dict) -> None:
+    """ValueError naming `shard` when its SHA-256 differs from the one in metadata.json
+    (checkpoints written before checksums existed have none and pass)."""
+    expected = (meta.get("checksums") or {}).get("sha256", {}).get(os.path.basename(shard))
+    if expected is not None and os.path.isfile(shard) and sha256_file(shard) != expected:
+        raise ValueError(f"checkpoint shard {shard} is corrupt: its SHA-256 does not match metadata.json")
 
 
 def _open_shard(path: str):
@@ -180,6 +185,7 @@ def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: boo
     for rank in tqdm(range(world), desc="reading shards", unit="shard", disable=None if progress else True):
         shard = os.path.join(path, shard_name(rank))
         coords = coords_of(rank, mp, ep, esp)
+        verify_checksum(shard, meta)
         with _open_shard(shard) as f:
             keys = sorted(f.keys())
             present = set(keys)
@@ -214,6 +220,7 @@ def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: boo
         else:
             optim.setdefault(name, {})[state] = full
     keep = {k: v for k, v in meta.items() if k not in ("layout", "config", "shard_specs", "format_version")}
+    keep.pop("checksums", None)
     keep["source"] = {"path": os.path.abspath(path), "layout": meta["layout"]}
     return FullCheckpoint(cfg, model, specs, optim, rngs, keep)
 
@@ -278,10 +285,13 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
                   before_commit: Optional[Callable[[str], None]] = None) -> str:
     """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under `save`.
 
-    `save` is a checkpoint root: a new one is staged whole and renamed; into an
-    existing one the iteration directory is staged and renamed, then `latest` is
-    replaced. `before_commit(staged_iteration_dir)` runs before the rename (the
-    --verify check), so a failure leaves nothing behind. Returns the final iteration dir.
+    `save` is a checkpoint root: a new one is staged whole and renamed; into an existing
+    directory that holds no checkpoint the iteration directory is staged and renamed, then
+    `latest` is replaced; the root of another run (a `latest` or `iter_*` inside) is refused,
+    so its `latest` never moves. Each shard's SHA-256 goes into metadata.json and the tokenizer
+    (the source checkpoint's, else the config's) into ITER_DIR/tokenizer.
+    `before_commit(staged_iteration_dir)` runs before the rename (the --verify check), so a
+    failure leaves nothing behind. Returns the final iteration dir.
     """
     p = cfg.parallel
     mp, ep, esp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size
@@ -292,17 +302,28 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
                  "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
                  "layout": {"world_size": world, "tensor_model_parallel_size": mp,
                             "expert_model_parallel_size": ep, "expert_sharding_parallel_size": esp},
-                 "config": config_to_dict(cfg), "optimizer": ckpt.meta.get("optimizer"),
+                 "config": portable_config(cfg), "optimizer": ckpt.meta.get("optimizer"),
                  "router_calls": list(ckpt.meta.get("router_calls") or [0] * n_moe),
                  "shard_specs": specs_to_json(ckpt.model, ckpt.specs)})
     if "source" in ckpt.meta:
         meta["converted_from"] = ckpt.meta["source"]
 
+    carried = os.path.join(ckpt.meta.get("source", {}).get("path", ""), TOKENIZER_DIR)
+    tokenizer = carried if os.path.isdir(carried) else tokenizer_source(cfg)
+
     def fill(directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
+        sums = {}
         for rank in tqdm(range(world), desc="writing shards", unit="shard", disable=None if progress else True):
-            save_file(_rank_tensors(ckpt, coords_of(rank, mp, ep, esp), rank),
-                      os.path.join(directory, shard_name(rank)))
+            shard = os.path.join(directory, shard_name(rank))
+            save_file(_rank_tensors(ckpt, coords_of(rank, mp, ep, esp), rank), shard)
+            sums[shard_name(rank)] = sha256_file(shard)
+        meta["checksums"] = {"sha256": sums}
+        note = copy_tokenizer(tokenizer, os.path.join(directory, TOKENIZER_DIR))
+        if note:
+            print(f"note: {note}", flush=True)
+        if os.path.isdir(os.path.join(directory, TOKENIZER_DIR)):
+            meta["tokenizer"] = TOKENIZER_DIR
         with open(os.path.join(directory, "metadata.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if before_commit is not None:
@@ -317,6 +338,10 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
         return final
     if not os.path.isdir(save):
         raise FileExistsError(f"--save {save} exists and is not a directory")
+    held = sorted(n for n in os.listdir(save) if n == "latest" or n.startswith("iter_"))
+    if held:
+        raise FileExistsError(f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
+                              f"writing into it would move its 'latest': choose a new directory")
     with staged_dir(final) as staged:
         fill(staged)
     with open(os.path.join(save, "latest.tmp"), "w") as f:

@@ -129,9 +129,10 @@ class GPTDataset(torch.utils.data.Dataset):
     is `{"tokens": LongTensor [micro_batch_size, seq_length + 1]}`.
     """
 
-    def __init__(self, data: str | MMapIndexedDataset, num_samples: int, seq_length: int,
+    def __init__(self, data, num_samples: int, seq_length: int,
                  seed: int, cache_dir: str | None = None, use_cache: bool = True) -> None:
-        self.indexed = data if isinstance(data, MMapIndexedDataset) else MMapIndexedDataset(data)
+        # a prefix, an open dataset, or anything read like one (blended.DocumentRange)
+        self.indexed = MMapIndexedDataset(data) if isinstance(data, (str, os.PathLike)) else data
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.doc_idx, self.sample_idx, self.shuffle_idx = load_or_build_sample_index(

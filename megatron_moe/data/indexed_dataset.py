@@ -14,9 +14,17 @@ Layout of `PREFIX.idx` (all little-endian), as written by Megatron-LM's `MMapInd
 
 `PREFIX.bin` holds the sequences back to back in that dtype, with no header. We write one
 sequence per document (no sentence splitting), so the document index is 0, 1, ..., N.
+
+Opening a dataset validates it once: sizes non-negative, pointers equal to the running sum of
+sizes x itemsize, document index starting at 0, non-decreasing and ending at N, token ids
+non-negative. The result (with the largest token id, which `check_vocab` compares with the
+model's vocabulary) is cached in `PREFIX.idx.valid`, keyed by the size, mtime and SHA-256 of
+the `.idx` and the size and mtime of the `.bin`; a changed file is checked again.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from pathlib import Path
@@ -179,6 +187,75 @@ class MMapIndexedDataset:
         # np.memmap refuses empty files; an empty dataset gets an empty array instead.
         self._bin = (np.memmap(bin_path, mode="r", dtype=self.dtype) if total
                      else np.zeros(0, dtype=self.dtype))
+        self.max_token_id = self._validated()
+
+    # ------------------------------------------------------------------ validation
+    def _cache_key(self) -> dict:
+        idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
+        h = hashlib.sha256()
+        with open(idx_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        si, sb = os.stat(idx_path), os.stat(bin_path)
+        return {"idx_size": si.st_size, "idx_mtime_ns": si.st_mtime_ns, "idx_sha256": h.hexdigest(),
+                "bin_size": sb.st_size, "bin_mtime_ns": sb.st_mtime_ns}
+
+    def _validated(self) -> int:
+        """Validate the index and the tokens (or trust the cache); returns the largest token id (-1: none)."""
+        cache = index_file_path(self.prefix) + ".valid"
+        key = self._cache_key()
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("key") == key:
+                return int(saved["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        max_id = self.validate()
+        tmp = f"{cache}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"key": key, "max_token_id": max_id}, f)
+            os.replace(tmp, cache)
+        except OSError:            # a read-only dataset directory: check again next time
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return max_id
+
+    def validate(self) -> int:
+        """Check sizes, pointers, document index and token ids; ValueError naming the file.
+        Returns the largest token id (-1 for an empty dataset)."""
+        idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
+        n = len(self.sizes)
+        if n and int(self.sizes.min()) < 0:
+            i = int(np.argmin(self.sizes))
+            raise ValueError(f"{idx_path}: sequence {i} has negative size {int(self.sizes[i])}")
+        expect = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            np.cumsum(self.sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=expect[1:])
+        if not np.array_equal(self.pointers, expect):
+            i = int(np.argmax(self.pointers != expect))
+            raise ValueError(f"{idx_path}: pointer of sequence {i} is {int(self.pointers[i])}, but the sizes "
+                             f"before it and the token dtype {self.dtype} put it at {int(expect[i])}")
+        d = self.doc_idx
+        if len(d) == 0 or int(d[0]) != 0 or int(d[-1]) != n or (len(d) > 1 and bool((np.diff(d) < 0).any())):
+            raise ValueError(f"{idx_path}: the document index must start at 0, never decrease and end at "
+                             f"the number of sequences {n}")
+        if not self._bin.size:
+            return -1
+        if not np.issubdtype(self.dtype, np.integer):
+            raise ValueError(f"{bin_path}: token dtype {self.dtype} is not an integer type")
+        lo, hi = int(self._bin.min()), int(self._bin.max())
+        if lo < 0:
+            raise ValueError(f"{bin_path}: negative token id {lo}")
+        return hi
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the .bin when a token id is >= `vocab_size`."""
+        if self.max_token_id >= vocab_size:
+            raise ValueError(f"{data_file_path(self.prefix)}: token id {self.max_token_id} is outside the "
+                             f"vocabulary of {vocab_size} (--vocab-size / the tokenizer); was it tokenized "
+                             f"with another tokenizer?")
 
     def __getstate__(self) -> str:
         # DataLoader workers started by spawn get the prefix and map the files again,

@@ -38,7 +38,18 @@ from .tokenizer import train_tokenizer as train_bpe
 
 SPLITS = ("train", "valid", "test")
 WIKITEXT_DATASETS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
-SAMPLE_CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "wikitext-sample"
+
+
+def sample_corpus_dir() -> Path:
+    """The bundled sample corpus (wiki.{train,valid,test}.tokens): `megatron_moe/sample_corpus/`
+    in an installed package (pyproject.toml ships it as package data), else the repository's
+    `data/wikitext-sample/` (a checkout, or `pip install -e .`). Never relative to the cwd."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "sample_corpus"
+    return installed if installed.is_dir() else package.parent / "data" / "wikitext-sample"
+
+
+SAMPLE_CORPUS_DIR = sample_corpus_dir()
 _TITLE = re.compile(r"= [^=](.*[^=])? =")  # ' = Title = ' stripped; '= = Sub = =' fails
 
 Records = Callable[[], Iterator[dict[str, str]]]  # re-iterable source of {key: document}
@@ -324,7 +335,7 @@ def _write_split(tmp_prefix: Path, split: str, label: str, records: Iterator[dic
 
 def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
                         progress: bool = False) -> PreprocessResult:
-    """Preprocess the bundled sample corpus (data/wikitext-sample) with a byte-level BPE of
+    """Preprocess the bundled sample corpus (`sample_corpus_dir()`) with a byte-level BPE of
     `vocab_size` trained on its train split and --append-eod, unless `output_prefix` already
     holds the result. Call it on one rank and barrier: ranks racing would do the work twice."""
     prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
@@ -338,5 +349,5 @@ def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
                 ds = MMapIndexedDataset(p)
                 res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
             return res
-    return preprocess(output_prefix, input_path=str(SAMPLE_CORPUS_DIR), train_tokenizer=True,
+    return preprocess(output_prefix, input_path=str(sample_corpus_dir()), train_tokenizer=True,
                       vocab_size=vocab_size, append_eod=True, progress=progress)

@@ -14,16 +14,13 @@ micro-steps.
 """
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from .gpt_dataset import GPTDataset
-from .indexed_dataset import index_file_path
-
-SPLITS = ("train", "valid", "test")
+from .blended import build_split_dataset
+from .paths import SPLITS, DataPath, split_prefix  # noqa: F401  (split_prefix: re-exported)
 
 
 def check_batch_sizes(micro_batch_size: int, global_batch_size: int, dp_size: int) -> int:
@@ -105,19 +102,15 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset, consumed_sa
                           persistent_workers=num_workers > 0)
 
 
-def split_prefix(data_path: str, split: str) -> str:
-    """Prefix of one split's files: `PREFIX_{split}_text_document`."""
-    return f"{data_path}_{split}_text_document"
-
-
 def build_train_valid_test_data_loaders(
-        data_path: str, seq_length: int, seed: int, micro_batch_size: int,
+        data_path: DataPath, seq_length: int, seed: int, micro_batch_size: int,
         global_batch_size: int, dp_rank: int, dp_size: int, train_samples: int,
         valid_samples: int = 0, test_samples: int = 0, consumed_train_samples: int = 0,
-        num_workers: int = 0, cache_dir: str | None = None,
+        num_workers: int = 0, cache_dir: str | None = None, split: str = "969,30,1",
 ) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None,
            torch.utils.data.DataLoader | None]:
-    """Loaders for `--data-path PREFIX` (files `PREFIX_{train,valid,test}_text_document.*`).
+    """Loaders for `--data-path` (a per-split PREFIX, a Megatron PREFIX cut by `split`, or a
+    weighted blend of those; `megatron_moe.data.paths`).
 
     The train loader holds `train_samples` (normally --train-iters x G) samples and starts at
     `consumed_train_samples`. The valid/test loaders hold `valid_samples` / `test_samples`
@@ -128,22 +121,17 @@ def build_train_valid_test_data_loaders(
     check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
     wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
     loaders: list[torch.utils.data.DataLoader | None] = []
-    for i, split in enumerate(SPLITS):
-        if wanted[split] <= 0:
-            if split == "train":
+    for i, name in enumerate(SPLITS):
+        if wanted[name] <= 0:
+            if name == "train":
                 raise ValueError(f"train_samples must be positive, got {train_samples}")
             loaders.append(None)
             continue
-        if wanted[split] < global_batch_size:
-            raise ValueError(f"{split} samples ({wanted[split]}) are fewer than one global batch "
+        if wanted[name] < global_batch_size:
+            raise ValueError(f"{name} samples ({wanted[name]}) are fewer than one global batch "
                              f"(--global-batch-size {global_batch_size})")
-        prefix = split_prefix(data_path, split)
-        if not os.path.isfile(index_file_path(prefix)):
-            raise FileNotFoundError(
-                f"--data-path {data_path}: {index_file_path(prefix)} not found (run "
-                f"tools/preprocess_data.py --output-prefix {data_path} first)")
-        ds = GPTDataset(prefix, wanted[split], seq_length, seed + i, cache_dir=cache_dir)
-        consumed = consumed_train_samples if split == "train" else 0
+        ds = build_split_dataset(data_path, name, wanted[name], seq_length, seed + i, split, cache_dir)
+        consumed = consumed_train_samples if name == "train" else 0
         loaders.append(build_pretraining_data_loader(ds, consumed, micro_batch_size,
                                                      global_batch_size, dp_rank, dp_size,
                                                      num_workers))

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import observer
+from megatron_moe.distributed.comm_errors import guard
+from megatron_moe.profiling import annotate
 
 
 class _LocalGroup:
@@ -58,7 +60,8 @@ def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "su
         return None
     rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     token = observer.begin("all_reduce", group, _nbytes(t), _nbytes(t))
-    work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
+    with guard("all_reduce", group):
+        work = dist.all_reduce(t, op=rop, group=group, async_op=async_op)
     observer.end_when_complete(token, work if async_op else None)
     return work
 
@@ -71,7 +74,8 @@ def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(n)]
     token = observer.begin("all_gather", group, _nbytes(t), n * _nbytes(t))
-    dist.all_gather(parts, t, group=group)
+    with guard("all_gather", group):
+        dist.all_gather(parts, t, group=group)
     observer.end(token)
     return torch.cat(parts, dim=dim)
 
@@ -92,15 +96,18 @@ def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     token = observer.begin("reduce_scatter", group, _nbytes(t), _nbytes(t) // n)
     if t.is_cuda and dim == 0:
         out = torch.empty((t.size(0) // n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+        with guard("reduce_scatter", group):
+            dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
     else:
         buf = t.contiguous().clone()
-        dist.all_reduce(buf, group=group)
+        with guard("reduce_scatter", group):
+            dist.all_reduce(buf, group=group)
         out = buf.chunk(n, dim=dim)[r].contiguous()
     observer.end(token)
     return out
 
 
+@annotate("moe/all_to_all")
 def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
                    in_splits: Optional[Sequence[int]] = None, async_op: bool = False):
     """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.
@@ -121,9 +128,10 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
         remote = (int(sum(in_splits)) - int(in_splits[group_rank(group)])) * row
     # the observer also tells a2a listeners (Lina holds gradient all-reduce micro-ops back)
     token = observer.begin("all_to_all", group, _nbytes(t), _nbytes(out), remote)
-    work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
-                                  input_split_sizes=None if in_splits is None else list(in_splits),
-                                  group=group, async_op=async_op)
+    with guard("all_to_all", group):
+        work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
+                                      input_split_sizes=None if in_splits is None else list(in_splits),
+                                      group=group, async_op=async_op)
     if async_op:
         return out, observer.Work(work, token)      # in flight until wait()
     observer.end(token)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_moe.distributed import observer
+from megatron_moe.distributed import comm_errors, observer
 from megatron_moe.distributed.collectives import all_reduce_raw
 
 if TYPE_CHECKING:
@@ -165,8 +165,7 @@ class GradSync:
                 self._launch(i)
         for i, b in enumerate(self.buckets):
             flat, work = self._launched[i]
-            if work is not None and hasattr(work, "wait"):
-                work.wait()
+            comm_errors.wait(work, "gradient all_reduce", self.ps.group(b["kind"]))
             if self.dp > 1:
                 flat.div_(self.dp)
             off = 0

@@ -54,14 +54,12 @@ import torch
 
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_reduce_raw, group_size
+from megatron_moe.distributed.comm_errors import CommPeerLostError, CommTimeoutError, describe_group, translate
 from megatron_moe.distributed.observer import group_name
+from megatron_moe.profiling import annotate
 
 log = logging.getLogger("megatron_moe.lina")
 MB = 2 ** 20
-
-
-class CommTimeoutError(RuntimeError):
-    """A collective did not finish within --comm-timeout seconds."""
 
 
 @dataclass
@@ -212,7 +210,7 @@ class LinaScheduler:
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
-                    with observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
+                    with annotate("lina/micro_op"), observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
                                        self_timed=True):
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = observer.last_event()
@@ -223,11 +221,17 @@ class LinaScheduler:
             try:
                 op.work.wait(timeout=timedelta(seconds=self.timeout_s))
             except Exception as e:                # noqa: BLE001  (gloo raises RuntimeError on timeout)
-                err = CommTimeoutError(
-                    f"Lina: gradient all-reduce micro-op #{op.index} ({op.kind} group "
-                    f"'{group_name(op.group)}', {op.nbytes} bytes, chunk {op.part + 1}/{op.parts} of its "
-                    f"tensor) did not finish within --comm-timeout {self.timeout_s:g} s: a peer rank is "
-                    f"stalled or dead, or the ranks issued collectives in different orders ({e})")
+                what = (f"Lina: gradient all_reduce micro-op #{op.index} on {describe_group(op.group)} "
+                        f"({op.nbytes} bytes, chunk {op.part + 1}/{op.parts} of its tensor)")
+                lost = translate(e, "all_reduce", op.group)
+                err: BaseException
+                if isinstance(lost, CommPeerLostError):
+                    err = CommPeerLostError(f"{what}: {lost}", "all_reduce", group_name(op.group))
+                else:                             # the wait above has the scheduler's own limit
+                    err = CommTimeoutError(
+                        f"{what} did not finish within --comm-timeout {self.timeout_s:g} s: a peer rank is "
+                        f"stalled or dead, or the ranks issued collectives in different orders ({e})",
+                        "all_reduce", group_name(op.group))
                 with self._cv:
                     self._error = err
                     self._cv.notify_all()
@@ -257,9 +261,12 @@ class LinaScheduler:
                     before = self._pending
                     if not self._cv.wait(timeout=self.timeout_s + 5.0) and self._pending == before \
                             and self._error is None:
+                        head = self._queue[0] if self._queue else None
+                        where = f" on {describe_group(head.group)}" if head is not None else ""
                         self._error = CommTimeoutError(
-                            f"Lina: {self._pending} gradient all-reduce micro-ops made no progress in "
-                            f"--comm-timeout {self.timeout_s:g} s")
+                            f"Lina: {self._pending} gradient all_reduce micro-ops{where} made no progress in "
+                            f"--comm-timeout {self.timeout_s:g} s", "all_reduce",
+                            group_name(head.group) if head is not None else "other")
             finally:
                 self._draining = False
                 self._imminent = False
@@ -289,8 +296,11 @@ class LinaScheduler:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
+        if self._thread is not None:       # idle, it exits at once; in a wait, within the timeout
+            self._thread.join(timeout=self.timeout_s + 5.0)
+            if self._thread.is_alive():
+                log.warning(f"lina: the launcher thread did not stop within --comm-timeout {self.timeout_s:g} s")
+            self._thread = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

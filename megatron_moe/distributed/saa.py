@@ -37,15 +37,19 @@ import torch.distributed as dist
 
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
+from megatron_moe.distributed.comm_errors import guard
+from megatron_moe.profiling import annotate
 
 SAA_CHUNKS = 4   # pipeline depth: enough to hide one operation behind the other, few extra latencies
 
 
-def _wait(work) -> None:
+def _wait(work, collective: str, group) -> None:
+    """Wait for one work or a list of them; a timeout or lost peer becomes a CommError."""
     if work is None:
         return
-    for w in work if isinstance(work, list) else [work]:
-        w.wait()
+    with guard(collective, group):
+        for w in work if isinstance(work, list) else [work]:
+            w.wait()
 
 
 def all_gather_start(t: torch.Tensor, group):
@@ -60,6 +64,7 @@ def all_gather_start(t: torch.Tensor, group):
     return parts, observer.Work(dist.all_gather(parts, t, group=group, async_op=True), token)
 
 
+@annotate("moe/all_to_all")
 def all_to_all_p2p_start(t: torch.Tensor, group):
     """Start an even all-to-all along dim 0 as one batch of isend/irecv; returns (out, works).
 
@@ -123,11 +128,11 @@ def a2a_combine_gather(send_DLNM: torch.Tensor, a2a_group, mp_group, n_esp: int,
     gathers = []
     for i, (a, b) in enumerate(bounds):
         recv, work = pending
-        _wait(work)
+        _wait(work, "all_to_all", a2a_group)
         if i + 1 < len(bounds):
             pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...
         gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers
     for (parts, work), a, b in gathers:
-        _wait(work)
+        _wait(work, "all_gather", mp_group)
         out[:, :, a:b] = torch.stack(parts)
     return out

@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import group_size
-from megatron_moe.distributed.observer import name_group
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import token_group_kind
 from megatron_moe.lancet.partitioned_moe import PartitionedRange
@@ -62,12 +61,8 @@ def counts_group(ps: ParallelState):
     if group_size(group) == 1 or not dist.is_initialized():
         return group
     if not ps.has_group("ep_counts"):
-        mine = None
-        for ranks in (ps.layout.ep_groups if ps.size("esp") == 1 else ps.layout.ep_esp_groups):
-            g = dist.new_group(ranks, backend="gloo")      # every rank creates every group, in the same order
-            mine = g if ps.global_rank in ranks else mine
-        name_group(mine, "ep_counts")
-        ps.add_group("ep_counts", mine)
+        kinds = ps.layout.ep_groups if ps.size("esp") == 1 else ps.layout.ep_esp_groups
+        ps.new_groups("ep_counts", kinds, backend="gloo")    # with --comm-timeout, like the others
     return ps.group("ep_counts")
 
 

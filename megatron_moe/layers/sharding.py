@@ -32,7 +32,7 @@ Coords = dict  # kind -> (rank, size)
 
 
 def coords_of(rank: int, mp: int, ep: int, esp: int) -> Coords:
-    """Group coordinates of a global rank under the DESIGN.md layout."""
+    """Group coordinates of a global rank under the layout of docs/DESIGN.md "Ranks and groups"."""
     return {"mp": (rank % mp, mp), "esp": (rank % esp, esp), "ep": ((rank // esp) % ep, ep)}
 
 
@@ -134,15 +134,27 @@ def local_pieces(model: torch.nn.Module, ps: "ParallelState", what: str = "param
     return out
 
 
-def assemble(per_rank: list[dict], specs: dict) -> dict:
-    """Full tensors from every rank's `local_pieces` output (`specs`: name -> ShardSpec)."""
+def assemble(per_rank: list[dict], specs: dict, atol: float = 1e-6) -> dict:
+    """Full tensors from every rank's `local_pieces` output (`specs`: name -> ShardSpec).
+
+    A slice held by several ranks (data-parallel replicas, parameters replicated over MP, ...)
+    must be the same on all of them (max abs difference <= `atol`); otherwise ValueError names
+    the parameter, the slice and the two ranks (positions in `per_rank`).
+    """
     full = {}
     for name, spec in specs.items():
-        pieces = {}
-        for d in per_rank:
+        pieces: dict = {}
+        for i, d in enumerate(per_rank):
             key, t = d[name]
-            pieces.setdefault(key, t)
-        full[name] = unshard_tensor(pieces, spec)
+            first = pieces.setdefault(key, (i, t))
+            if first[0] != i:
+                same_shape = t.shape == first[1].shape
+                err = float("inf") if not same_shape else \
+                    (t.double() - first[1].double()).abs().max().item() if t.numel() else 0.0
+                if not same_shape or not err <= atol:
+                    raise ValueError(f"{name}: the copy of slice {dict(key)} on rank {i} differs from rank "
+                                     f"{first[0]}'s by {err:.3g} (replicas must agree within {atol:g})")
+        full[name] = unshard_tensor({k: t for k, (_, t) in pieces.items()}, spec)
     return full
 
 

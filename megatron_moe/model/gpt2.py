@@ -42,7 +42,6 @@ class Attention(nn.Module):
                              f"--tensor-model-parallel-size {mp}")
         self.heads = m.num_attention_heads // mp
         self.head_dim = m.hidden_size // m.num_attention_heads
-        self.dropout = m.dropout
         std, proj_std = m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
         self.qkv = ColumnParallelLinear(m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std,
                                         device=device)
@@ -53,8 +52,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
         q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        # no dropout on the attention probabilities: --hidden-dropout acts on the replicated
+        # [B, T, M] activations only (Block), so every MP rank and a one-process run draw the same masks
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 

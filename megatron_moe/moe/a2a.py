@@ -24,11 +24,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import observer
+from megatron_moe.distributed import comm_errors, observer
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
 from megatron_moe.profiling import annotate
 
 
+@annotate("moe/all_to_all")
 def _launch(send: torch.Tensor, out: torch.Tensor, group, send_splits: Optional[list[int]],
             recv_splits: Optional[list[int]]):
     """Async all_to_all_single of `send` [R, ...] into `out`; returns the work (observed until `wait`)."""
@@ -88,7 +89,7 @@ class _Start(torch.autograd.Function):
         out, work, _ = ctx.op._bwd
         if ctx.op.dw is not None:
             ctx.op.dw.fill()                    # dW GEMMs while the gradient is on the wire
-        work.wait()
+        comm_errors.wait(work, "all_to_all", ctx.op.group)
         ctx.op._bwd = ()
         return out, None
 
@@ -97,7 +98,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv_RM, op: A2AHandle):
         ctx.op = op
-        op._work.wait()
+        comm_errors.wait(op._work, "all_to_all", op.group)
         op._work = op._send = None
         return recv_RM
 
@@ -130,8 +131,7 @@ def start(send_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
     """Launch the all-to-all; the returned rows are valid after `finish`."""
     if group_size(op.group) == 1:
         return send_RM
-    with annotate("moe/all_to_all"):
-        return _Start.apply(send_RM, op)
+    return _Start.apply(send_RM, op)
 
 
 def finish(recv_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
@@ -140,8 +140,7 @@ def finish(recv_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
         if op.dw is not None and op.name is not None and recv_RM.requires_grad:
             recv_RM = _WindowOnly.apply(recv_RM, op)
         return recv_RM
-    with annotate("moe/all_to_all"):
-        return _Finish.apply(recv_RM, op)
+    return _Finish.apply(recv_RM, op)
 
 
 def run(send_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:

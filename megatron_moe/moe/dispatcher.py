@@ -50,7 +50,6 @@ from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
 from megatron_moe.moe.router import RouteResult
-from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -236,8 +235,7 @@ class _S2Ctx:
         E_l, M, GC = self.E // self.n_ep, own_EGCM.size(-1), self.G * self.C_mp
         own = own_EGCM.reshape(self.n_ep, 1, E_l, GC, M)
         send = own.expand(self.n_ep, self.n_esp, E_l, GC, M).reshape(self.n_ep * self.n_esp, E_l, GC, M)
-        with annotate("moe/all_to_all"):
-            recv = all_to_all_raw(send.contiguous(), self.a2a_group)                # [D src, E_l, GC, M]
+        recv = all_to_all_raw(send.contiguous(), self.a2a_group)                    # [D src, E_l, GC, M]
         return recv.permute(1, 0, 2, 3).reshape(E_l, -1, M)
 
     def a2a_gather(self, x_LRM: torch.Tensor) -> torch.Tensor:
@@ -245,9 +243,8 @@ class _S2Ctx:
         -> the full buffer [E, G, N_MP, C_mp, M]."""
         E_l, _, M = x_LRM.shape
         send = x_LRM.reshape(E_l, self.n_ep * self.n_esp, self.G * self.C_mp, M).permute(1, 0, 2, 3).contiguous()
-        with annotate("moe/all_to_all"):
-            full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa,
-                                      chunks=self.chunks)
+        full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa,
+                                  chunks=self.chunks)      # each all-to-all in it is a "moe/all_to_all" range
         return full.view(self.n_mp, self.E, self.G, self.C_mp, M).permute(1, 2, 0, 3, 4).contiguous()
 
 

@@ -26,6 +26,7 @@ from megatron_moe.distributed.collectives import scale_grad
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
+from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -58,6 +59,7 @@ class Experts(nn.Module):
         "fc2.dW"; None: plain autograd."""
         self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
 
+    @annotate("moe/experts")
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0,
                 counts: Optional[list[int]] = None) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).

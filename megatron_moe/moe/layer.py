@@ -134,9 +134,8 @@ class MoELayer(nn.Module):
         with annotate("moe/dispatch"):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
-        with annotate("moe/experts"):
-            ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None    # dropless: rows per expert
-            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged)
+        ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None        # dropless: rows per expert
+        y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged)   # the "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if split:

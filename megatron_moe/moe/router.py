@@ -3,7 +3,7 @@
 Legend: S tokens of one routing group, E experts, k experts per token,
 C expert capacity, M model dim.
 
-Semantics (DESIGN.md "The MoE layer"):
+Semantics (docs/DESIGN.md "Router semantics"):
   gates_SE = softmax(logits_SE) in fp32
   top-1: C = max(ceil(cf * S / E), min_capacity); expert = argmax; slot = the
          token's position among tokens of that expert; weight = gate value;

@@ -1,0 +1,67 @@
+"""Pretrain GPT-2 Mixture-of-Experts on WikiText.
+
+Installed as `mmoe-pretrain`; `python pretrain_gpt_moe.py` in the repository runs the same.
+
+  python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU
+  torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 \\
+      --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
+
+Bad input (a flag, a data file, a checkpoint) ends with one `error: ...` line and exit status 2;
+a NaN/inf loss or gradient norm ends with one `error: ...` line and exit status 1.
+"""
+import os
+import socket
+import sys
+
+import torch.distributed as dist
+
+from megatron_moe.arguments import parse_args
+from megatron_moe.checkpointing import NonFiniteError
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.parallel_state import shutdown
+from megatron_moe.training import pretrain
+
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+_claim = None   # keeps the socket that marks this process as the one that reported
+
+
+def first_to_report() -> bool:
+    """True in exactly one failing process of a launch (the first to ask).
+
+    The processes of one torchrun launch share the parent (the agent) and MASTER_PORT; the first
+    binds an abstract Unix socket named after them, which the kernel frees when it exits. Without
+    a launcher, or where abstract sockets do not exist, every process reports.
+    """
+    global _claim
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not sys.platform.startswith("linux"):
+        return True
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(f"\0megatron_moe-error-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}")
+    except OSError:
+        s.close()
+        return False
+    _claim = s
+    return True
+
+
+def main(argv=None) -> int:
+    """Parse flags and train; returns the exit status."""
+    os.environ.setdefault("WANDB_MODE", "offline")
+    try:
+        # a collective stuck past --comm-timeout (or a lost peer): `error: ...` once, exit 1
+        with exit_on_comm_error():
+            pretrain(parse_args(argv))     # returns with Lina's thread joined and the logger closed
+            shutdown()                     # barrier, destroy every group, join the backends' threads
+    except (*BAD_INPUT, NonFiniteError) as e:
+        if first_to_report():
+            print(f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e}", file=sys.stderr, flush=True)
+        return 1 if isinstance(e, NonFiniteError) else 2
+    finally:
+        if dist.is_initialized():          # an error left the groups up
+            shutdown(barrier=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

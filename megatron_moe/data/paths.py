@@ -1,0 +1,146 @@
+"""What `--data-path` names, and where the bundled sample corpus is preprocessed.
+
+`--data-path` takes Megatron's forms:
+
+    --data-path PREFIX                    one corpus
+    --data-path 0.3 PREFIX_A 0.7 PREFIX_B a weighted blend (weights are normalized)
+
+and each PREFIX is either
+  * a Megatron prefix: `PREFIX.bin` / `PREFIX.idx` exist (e.g. `..._text_document`); its
+    documents are cut into train / valid / test ranges by `--split 969,30,1`, or
+  * a per-split prefix (what tools/preprocess_data.py writes): the files
+    `PREFIX_{train,valid,test}_text_document.{bin,idx}`; --split is not used.
+
+Without `--data-path` the trainer preprocesses the bundled sample corpus once
+into `default_data_dir()`: never the current directory, so a run started from
+anywhere finds (or builds) the same files.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+from .indexed_dataset import index_file_path
+
+SPLITS = ("train", "valid", "test")
+SAMPLE_NAME = "wikitext-sample"
+DATA_DIR_ENV = "MEGATRON_MOE_DATA_DIR"
+
+DataPath = Union[str, list[str], tuple[str, ...]]
+
+
+def cache_home() -> Path:
+    """`$XDG_CACHE_HOME/megatron-moe` (default `~/.cache/megatron-moe`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron-moe"
+
+
+def default_data_dir() -> Path:
+    """Where the bundled corpus is preprocessed, independent of the current directory:
+
+    1. `$MEGATRON_MOE_DATA_DIR` when set;
+    2. `data/processed/` beside the bundled corpus (`data/wikitext-sample/` of the checkout the
+       package runs from) when that directory can be written;
+    3. otherwise `$XDG_CACHE_HOME/megatron-moe/processed` (an installed, read-only package).
+    """
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    from .preprocess import SAMPLE_CORPUS_DIR
+    beside = SAMPLE_CORPUS_DIR.resolve().parent / "processed"
+    probe = beside if beside.is_dir() else beside.parent
+    if probe.is_dir() and os.access(probe, os.W_OK):
+        return beside
+    return cache_home() / "processed"
+
+
+def default_data_prefix() -> str:
+    """Absolute prefix of the preprocessed bundled corpus."""
+    return str(default_data_dir() / SAMPLE_NAME)
+
+
+def parse_data_path(data_path: DataPath) -> list[tuple[float, str]]:
+    """[(weight, prefix)] with weights summing to 1, from `--data-path`'s words.
+
+    One word is one corpus (weight 1). Several words must alternate WEIGHT PREFIX.
+    """
+    words = [data_path] if isinstance(data_path, str) else list(data_path)
+    if not words:
+        raise ValueError("--data-path needs a PREFIX or 'WEIGHT PREFIX ...'")
+    if len(words) == 1:
+        return [(1.0, words[0])]
+    if len(words) % 2:
+        raise ValueError(f"--data-path with several words must alternate WEIGHT PREFIX, got {len(words)} "
+                         f"words: {' '.join(words)}")
+    pairs = []
+    for w, prefix in zip(words[0::2], words[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: '{w}' is not a weight (blends are 'WEIGHT PREFIX WEIGHT PREFIX ...')"
+                             ) from None
+        if not weight >= 0:
+            raise ValueError(f"--data-path: weight {w} of {prefix} must be >= 0")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ValueError("--data-path: the blend weights sum to 0")
+    return [(w / total, p) for w, p in pairs]
+
+
+def split_prefix(data_path: str, split: str) -> str:
+    """Prefix of one split's files: `PREFIX_{split}_text_document`."""
+    return f"{data_path}_{split}_text_document"
+
+
+def prefix_kind(prefix: str) -> str:
+    """'single' for a Megatron PREFIX.{bin,idx}, 'splits' for PREFIX_{train,...}_text_document.*."""
+    if os.path.isfile(index_file_path(prefix)):
+        return "single"
+    if os.path.isfile(index_file_path(split_prefix(prefix, "train"))):
+        return "splits"
+    raise FileNotFoundError(
+        f"--data-path {prefix}: neither {index_file_path(prefix)} (a Megatron prefix) nor "
+        f"{index_file_path(split_prefix(prefix, 'train'))} (per-split files) exists; run "
+        f"tools/preprocess_data.py --output-prefix {prefix} first")
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> normalized [train, valid, test] weights (`/` also separates, as in Megatron)."""
+    try:
+        w = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        w = []
+    if len(w) != 3 or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"--split must be three non-negative weights 'train,valid,test' with a positive "
+                         f"sum, got '{split}'")
+    return [x / sum(w) for x in w]
+
+
+def split_ranges(num_docs: int, split: str) -> dict[str, tuple[int, int]]:
+    """Disjoint document ranges {split: (start, stop)} covering [0, num_docs) in order.
+
+    Boundary k is round(num_docs x cumulative weight k): 969,30,1 over 1000 documents gives
+    train [0, 969), valid [969, 999), test [999, 1000).
+    """
+    w = parse_split(split)
+    cum = [0.0, w[0], w[0] + w[1], 1.0]
+    bounds = [min(num_docs, int(round(c * num_docs))) for c in cum]
+    bounds[-1] = num_docs
+    return {s: (bounds[i], bounds[i + 1]) for i, s in enumerate(SPLITS)}
+
+
+def tokenizer_dir_for(data_path: DataPath) -> str:
+    """The tokenizer directory preprocess_data.py writes beside a corpus: `PREFIX_tokenizer` of the
+    first prefix (a Megatron `..._text_document` prefix also looks beside its stem)."""
+    prefix = parse_data_path(data_path)[0][1]
+    here = f"{prefix}_tokenizer"
+    if os.path.exists(here) or not prefix.endswith("_text_document"):
+        return here
+    stem = prefix[: -len("_text_document")]
+    for s in SPLITS:                       # PREFIX_train_text_document -> PREFIX_tokenizer
+        if stem.endswith("_" + s):
+            stem = stem[: -len(s) - 1]
+            break
+    return f"{stem}_tokenizer"
