@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,26 +66,26 @@ def init_distributed(cfg):
                                    p.expert_sharding_parallel_size, backend, timeout_s=p.comm_timeout)
     return ps, device
 
+T = TypeVar("T")
 
-def _on_rank0(ps, work):
+
+def _on_rank0(ps, work: Callable[[], T]) -> T:
     """`work()` on global rank 0 only, its result shared with every rank; an error raised there
     is raised on every rank with the same type (ValueError or FileNotFoundError) and text, so
     no rank waits forever for a rank that gave up."""
-    result, error = None, None
+    box: list = [None, None]             # [result, (error type name, message) or None]
     if ps.global_rank == 0:
         try:
-            result = work()
+            box[0] = work()
         except (ValueError, FileNotFoundError) as e:
             if ps.layout.world_size == 1:
                 raise
-            error = (type(e).__name__, str(e))
+            box[1] = (type(e).__name__, str(e))
     if ps.layout.world_size > 1:
-        box = [result, error]
         dist.broadcast_object_list(box, src=0, group=ps.group("world"))
-        result, error = box
-    if error is not None:
-        raise (FileNotFoundError if error[0] == "FileNotFoundError" else ValueError)(error[1])
-    return result
+    if box[1] is not None:
+        raise (FileNotFoundError if box[1][0] == "FileNotFoundError" else ValueError)(box[1][1])
+    return box[0]
 
 
 def prepare_data(cfg, ps) -> None:

@@ -176,3 +176,33 @@ def test_raw_wikitext_inside_a_blend_is_refused(tmp_path, monkeypatch):
                                          "--data-path preprocesses"):
         prepare_data(parse_args(tiny_args("x", 2)[2:] + ["--data-path", "0.5", "wikitext-2", "0.5", "/d/x"]),
                      local_state())
+
+
+def _prepare_on_rank(rank, world_size, cache, good, bad):
+    """prepare_data on every rank of a 2-rank world: a good directory, then one without train."""
+    from megatron_moe.parallel_state import initialize_model_parallel
+    os.environ[DATA_DIR_ENV] = cache
+    ps = initialize_model_parallel(1, 1, 1, "gloo")
+    cfg = parse_args(tiny_args(good, 2))
+    prepare_data(cfg, ps)
+    try:
+        prepare_data(parse_args(tiny_args(bad, 2)), ps)
+        error = None
+    except (ValueError, FileNotFoundError) as e:
+        error = (type(e).__name__, str(e))
+    return cfg.data.data_path, cfg.model.vocab_size, error
+
+
+def test_two_ranks_share_rank_zeros_preprocessing_and_its_error(tmp_path):
+    from megatron_moe.testing import spawn
+    write_wikitext(tmp_path / "good")
+    write_wikitext(tmp_path / "bad", splits=("valid", "test"))
+    out = spawn(_prepare_on_rank, 2, str(tmp_path / "cache"), str(tmp_path / "good"), str(tmp_path / "bad"),
+                timeout=120)
+    assert out[0] == out[1]
+    prefix, vocab, error = out[0]
+    assert prefix.startswith(str(tmp_path / "cache" / "wikitext-good-")) and prefix.endswith("-bpe8192")
+    assert vocab == load_tokenizer(prefix + "_tokenizer").vocab_size
+    assert error == ("FileNotFoundError", f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad'} has no "
+                     f"wiki.train.tokens (or wiki.train.raw): the train split is missing; a WikiText "
+                     f"directory needs wiki.train, wiki.valid and wiki.test")

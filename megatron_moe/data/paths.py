@@ -225,8 +225,8 @@ def wikitext_cache_prefix(source: WikiTextSource, tokenizer: Optional[str], voca
     modification times, so edited files are preprocessed again) and the tokenizer (its name or
     resolved path), so another source or tokenizer never reuses a stale cache.
     """
-    if source.dataset:
-        src = source.dataset
+    if source.directory is None:
+        src = str(source.dataset)
     else:
         d = source.directory
         files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.iterdir()

@@ -27,7 +27,7 @@ import shutil
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -35,6 +35,9 @@ from tqdm import tqdm
 from .indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset, best_dtype
 from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from .tokenizer import train_tokenizer as train_bpe
+
+if TYPE_CHECKING:
+    from .paths import WikiTextSource
 
 SPLITS = ("train", "valid", "test")
 WIKITEXT_DATASETS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
@@ -382,7 +385,7 @@ def _download_hint(dataset: str) -> str:
             f"directory that holds those three files (wiki.*.tokens work too)")
 
 
-def prepare_wikitext_data(source, output_prefix: str, tokenizer_name_or_path: str | None = None,
+def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_name_or_path: str | None = None,
                           vocab_size: int | None = None,
                           progress: bool = False) -> tuple[PreprocessResult, bool]:
     """Preprocess raw WikiText (`paths.WikiTextSource`: a directory or a hub name) into
