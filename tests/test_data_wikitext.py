@@ -206,3 +206,21 @@ def test_two_ranks_share_rank_zeros_preprocessing_and_its_error(tmp_path):
     assert error == ("FileNotFoundError", f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad'} has no "
                      f"wiki.train.tokens (or wiki.train.raw): the train split is missing; a WikiText "
                      f"directory needs wiki.train, wiki.valid and wiki.test")
+
+
+def test_a_given_tokenizer_is_used_instead_of_training_one(tmp_path, monkeypatch):
+    from megatron_moe.data.tokenizer import save_tokenizer, train_tokenizer
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
+    docs = write_wikitext(tmp_path / "wt")
+    tok_dir = tmp_path / "my-tok"
+    save_tokenizer(train_tokenizer(["unrelated words for another vocabulary . \n"] * 20, 270), tok_dir)
+    tok = load_tokenizer(str(tok_dir))
+    cfg = parse_args(tiny_args(str(tmp_path / "wt"), 2, "--tokenizer-name-or-path", str(tok_dir)))
+    prepare_data(cfg, local_state())
+    assert "-tok-my-tok-" in os.path.basename(cfg.data.data_path)
+    assert cfg.model.vocab_size == tok.vocab_size
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
+        f"{os.path.basename(cfg.data.data_path)}_{s}_text_document.{e}" for s in docs for e in ("bin", "idx"))
+    ds = MMapIndexedDataset(output_prefix_for(cfg.data.data_path, "valid"))
+    assert [np.asarray(ds[i]).tolist() for i in range(len(ds))] == [ids + [tok.eod] for ids in
+                                                                     tok.encode_batch(docs["valid"])]
