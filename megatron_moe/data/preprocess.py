@@ -13,6 +13,9 @@ its own files, and WikiText counts as key `text`, hence `PREFIX_train_text_docum
 Tokenizer (exactly one): `tokenizer_name_or_path` (see tokenizer.py), or `train_tokenizer=True`
 with `vocab_size`: a byte-level BPE trained on the train split, saved as `PREFIX_tokenizer/`.
 
+The trainer's `--data-path wikitext-2` / `wikitext-103` / `DIR` goes through
+`prepare_wikitext_data` (preprocessed once into a cache keyed by source and tokenizer).
+
 Nothing is written until every input is checked; all files go to a temporary directory beside
 the output and are renamed into place only when every split has been written, so a failure
 leaves no partial output.
@@ -115,7 +118,7 @@ def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
         ds = datasets.load_dataset("wikitext", name)
     except Exception as e:  # offline, hub down, ...: name the flag and say why
         raise HubUnavailable(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
-                         f"failed ({type(e).__name__}: {e})") from e
+                             f"failed ({type(e).__name__}: {e})") from e
     out = {}
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
