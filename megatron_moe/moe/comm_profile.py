@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import collectives as coll
-from megatron_moe.moe.cost_model import (AlphaBeta, Choice, CommModel, MoEShape, choose_schedule, fit_alpha_beta,
-                                         fit_overlap)
+from megatron_moe.moe.cost_model import (OVERLAP_KEY, AlphaBeta, Choice, CommModel, MoEShape, choose_schedule,
+                                         fit_alpha_beta, fit_overlap)
 
 log = logging.getLogger("megatron_moe.parm")
 
@@ -242,6 +242,20 @@ def profile_saa(ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int 
     times = times.cpu()
     fit = fit_overlap(rounded, times.tolist(), all_gather, ps.size("mp") / n_esp)
     return fit, {"sizes": rounded, "times": times.tolist(), "chunks": chunks}
+
+
+def with_saa_overlap(ps, model: CommModel, max_elements: int, chunks: int = 4, reps: int = 3) -> CommModel:
+    """`model` plus the measured SAA overlap (alpha_o, beta_o) of eq. (14) under OVERLAP_KEY.
+
+    Collective over the world. Profiles `profile_saa` at `profile_sizes(max_elements)` (V, the
+    all-to-all's send elements) with the model's MP all-gather; returns `model` unchanged when
+    the layout has no MP or no EP x ESP group (S2 has no SAA step there). Every rank gets the
+    same fit (the timings are MAX-reduced before fitting).
+    """
+    if ps.size("mp") == 1 or ps.size("ep_esp") == 1 or not dist.is_initialized():
+        return model
+    fit, _ = profile_saa(ps, profile_sizes(max_elements), model.costs.get("all_gather@mp"), chunks, reps)
+    return CommModel({**model.costs, OVERLAP_KEY: fit}, model.source)
 
 
 def shape_of(cfg, ps) -> MoEShape:
