@@ -265,12 +265,13 @@ class Trainer:
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
-        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
-                                start=started)
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks,
                                      self.ps.global_rank, trace_dir, self.device)
         self.train_loader, self.valid_loader, self.test_loader = build_loaders(cfg, self.ps, self.consumed)
+        # the SIGUSR1 handler goes in last: nothing below can fail and leave it installed
+        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
+                                start=started)
         self.num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.ps.size("dp"))
         n_params = sum(p.numel() for p in self.model.parameters())
         lay = self.ps.layout

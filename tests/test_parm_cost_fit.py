@@ -200,8 +200,6 @@ def _profile_saa_worker(rank: int, world_size: int):
     return fit, raw, extended
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
 def test_profile_saa_fits_the_same_numbers_on_every_rank():
     from megatron_moe.testing import spawn
     results = spawn(_profile_saa_worker, 4, timeout=120)
