@@ -16,6 +16,7 @@ torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_che
                                         load_checkpoint, read_metadata, resolve, save_checkpoint)
 from megatron_moe.config import Config
 from megatron_moe.data.indexed_dataset import MMapIndexedDataset
-from megatron_moe.data.paths import default_data_prefix, tokenizer_dir_for
+from megatron_moe.data.paths import (WIKITEXT_VOCAB_SIZE, default_data_prefix, tokenizer_dir_for,
+                                     wikitext_cache_prefix, wikitext_source)
 from megatron_moe.data.preprocess import prepare_sample_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
@@ -71,17 +73,61 @@ def init_distributed(cfg: Config):
                                    device=device)
     return ps, device
 
+T = TypeVar("T")
+
+
+def _on_rank0(ps, work: Callable[[], T]) -> T:
+    """`work()` on global rank 0 only, its result shared with every rank; an error raised there
+    is raised on every rank with the same type (ValueError or FileNotFoundError) and text, so
+    no rank waits forever for a rank that gave up."""
+    box: list = [None, None]             # [result, (error type name, message) or None]
+    if ps.global_rank == 0:
+        try:
+            box[0] = work()
+        except (ValueError, FileNotFoundError) as e:
+            if ps.layout.world_size == 1:
+                raise
+            box[1] = (type(e).__name__, str(e))
+    if ps.layout.world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=ps.group("world"))
+    if box[1] is not None:
+        raise (FileNotFoundError if box[1][0] == "FileNotFoundError" else ValueError)(box[1][1])
+    return box[0]
+
 
 def prepare_data(cfg: Config, ps: ParallelState) -> None:
     """Default data: preprocess the bundled sample corpus once (rank 0) into
-    `data.paths.default_data_dir()` (never the current directory), then read its vocab size."""
+    `data.paths.default_data_dir()` (never the current directory), then read its vocab size.
+
+    `--data-path` naming raw WikiText (`wikitext-2`, `wikitext-103`, a full dataset name, or a
+    directory of wiki.{train,valid,test}.tokens) is preprocessed the same way, once per source and
+    tokenizer (`paths.wikitext_cache_prefix`), and read from there."""
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
-        if ps.global_rank == 0:
-            prepare_sample_data(prefix)
-        if ps.layout.world_size > 1:
-            dist.barrier()
+        _on_rank0(ps, lambda: prepare_sample_data(prefix))
         cfg.data.data_path = prefix
+    words = [cfg.data.data_path] if isinstance(cfg.data.data_path, str) else list(cfg.data.data_path)
+    sources = [wikitext_source(w) for w in words]
+    if any(sources) and len(words) > 1:
+        raw = next(w for w, s in zip(words, sources) if s)
+        raise ValueError(f"--data-path: {raw} is raw WikiText, which only a one-word --data-path "
+                         f"preprocesses; in a blend give preprocessed prefixes (tools/preprocess_data.py)")
+    if sources[0] is not None:
+        from megatron_moe.data.preprocess import prepare_wikitext_data
+        source, tok_name = sources[0], cfg.data.tokenizer_name_or_path
+        vocab = None if tok_name else (cfg.model.vocab_size or WIKITEXT_VOCAB_SIZE)
+        prefix = wikitext_cache_prefix(source, tok_name, vocab or 0)
+
+        def work():
+            res, reused = prepare_wikitext_data(source, prefix, tok_name, vocab)
+            logging.info("> data: %s %s (%s) at %s_{train,valid,test}_text_document",
+                         "reusing" if reused else "preprocessed", source.word, source.label(), prefix)
+            return res.vocab_size
+
+        tok_vocab = _on_rank0(ps, work)
+        cfg.data.data_path = prefix
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = tok_vocab
     if cfg.model.vocab_size == 0:
         tok_dir = cfg.data.tokenizer_name_or_path or tokenizer_dir_for(cfg.data.data_path)
         if not os.path.exists(tok_dir) and cfg.train.load and not cfg.data.tokenizer_name_or_path:
@@ -216,12 +262,13 @@ class Trainer:
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
-        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
-                                start=started)
         lg = cfg.logging
         self.profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks,
                                      self.ps.global_rank, trace_dir, self.device)
         self.train_loader, self.valid_loader, self.test_loader = build_loaders(cfg, self.ps, self.consumed)
+        # the SIGUSR1 handler goes in last: nothing below can fail and leave it installed
+        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
+                                start=started)
         self.num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.ps.size("dp"))
         n_params = sum(p.numel() for p in self.model.parameters())
         lay = self.ps.layout

@@ -81,14 +81,14 @@ def brute_force_exposed(g: Graph, allow_hoist: bool = False) -> float:
     return best
 
 
-def test_best_fit_prefers_largest_fitting_then_smallest_overshoot():
+def test_best_fit_takes_the_dw_closest_to_the_remaining_time():
     # a2a of 10 ms; independent dW of 4, 12, 7 ms before it.
     g = Graph([Instr("w4", "dW", ("g",), ("a",), 4), Instr("w12", "dW", ("g",), ("b",), 12),
                Instr("w7", "dW", ("g",), ("c",), 7), Instr("comm", "a2a", ("x",), ("y",), 10)])
     s = schedule_wgrad(g)
-    # 7 fits best (remaining 3); nothing fits 3, so the smallest overshoot, 4, closes it.
-    assert s.assignment == {"comm": ["w7", "w4"]}
-    assert s.leftover == ["w12"]
+    # the paper's argmin |10 - cost|: 12 (distance 2) beats 7 (3) and 4 (6) and covers the all-to-all
+    assert s.assignment == {"comm": ["w12"]}
+    assert s.leftover == ["w4", "w7"]
     assert exposed_comm_ms(g, s.assignment) == 0.0 == brute_force_exposed(g)
 
 

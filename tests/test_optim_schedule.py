@@ -156,7 +156,9 @@ def test_eval_loss_and_perplexity_under_dp_equal_one_process(trainer_runs):
 def test_default_auto_schedule_through_the_trainer_equals_the_baseline_curve(trainer_runs):
     *_, results = trainer_runs
     for res in results:
-        assert res["auto_schedule"][0] in ("s1", "s2")       # Algorithm 1 picked a Parm schedule
+        # the cost model picks per layer among baseline, S1 and S2 (baseline wins on tiny layers);
+        # whichever it picked, the curve is the baseline's (S1/S2 through the trainer: test_composition.py)
+        assert res["auto_schedule"] and set(res["auto_schedule"]) <= {"baseline", "s1", "s2"}
         _assert_same_curve(res["baseline"], res["auto"], "--moe-schedule auto")
 
 

@@ -11,15 +11,26 @@ and each PREFIX is either
   * a per-split prefix (what tools/preprocess_data.py writes): the files
     `PREFIX_{train,valid,test}_text_document.{bin,idx}`; --split is not used.
 
+A single word may also name raw WikiText, preprocessed once into `default_data_dir()` and
+reused by later runs (`wikitext_cache_prefix`; see `preprocess.prepare_wikitext_data`):
+  * a dataset name: `wikitext-2`, `wikitext-103` (the `-raw-v1` variants) or a full name
+    (`wikitext-2-raw-v1`, `wikitext-103-v1`, ...): the files unzipped under
+    `default_data_dir()` (`wikitext_local_dir`) when there, else the hub through `datasets`;
+  * a directory holding `wiki.{train,valid,test}.tokens` (or `.raw`).
+An existing PREFIX's files win over a directory, and a directory wins over a name.
+
 Without `--data-path` the trainer preprocesses the bundled sample corpus once
 into `default_data_dir()`: never the current directory, so a run started from
 anywhere finds (or builds) the same files.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from .indexed_dataset import index_file_path
 
@@ -144,3 +155,86 @@ def tokenizer_dir_for(data_path: DataPath) -> str:
             stem = stem[: -len(s) - 1]
             break
     return f"{stem}_tokenizer"
+
+
+# ---- raw WikiText named by --data-path ----
+WIKITEXT_ALIASES = {"wikitext-2": "wikitext-2-raw-v1", "wikitext-103": "wikitext-103-raw-v1"}
+WIKITEXT_NAMES = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
+WIKITEXT_VOCAB_SIZE = 8192      # the BPE trained on the train split when --vocab-size is not given
+_UNZIPPED = {"wikitext-2-raw-v1": "wikitext-2-raw", "wikitext-103-raw-v1": "wikitext-103-raw",
+             "wikitext-2-v1": "wikitext-2", "wikitext-103-v1": "wikitext-103"}   # the zips' folders
+
+
+@dataclass(frozen=True)
+class WikiTextSource:
+    """Raw WikiText named by `--data-path`: a hub dataset name or a local directory (one is None).
+    `word` is what the user wrote, for messages."""
+    word: str
+    dataset: Optional[str] = None
+    directory: Optional[Path] = None
+
+    def label(self) -> str:
+        """How messages name the source."""
+        return f"{self.dataset} from the Hugging Face hub" if self.dataset else str(self.directory)
+
+
+def wikitext_local_dir(dataset: str) -> Path:
+    """Where `--data-path NAME` looks for unzipped files before the hub: the folder the release
+    zip unpacks to (`wikitext-2-raw-v1.zip` -> `wikitext-2-raw/`) inside `default_data_dir()`."""
+    return default_data_dir() / _UNZIPPED[dataset]
+
+
+def _has_prefix_files(word: str) -> bool:
+    return (os.path.isfile(index_file_path(word))
+            or os.path.isfile(index_file_path(split_prefix(word, "train"))))
+
+
+def wikitext_source(word: str) -> Optional[WikiTextSource]:
+    """The raw WikiText a `--data-path` word names, or None for a preprocessed PREFIX.
+
+    An existing PREFIX (its .idx files) is a PREFIX; an existing directory is a WikiText
+    directory; a dataset name (`WIKITEXT_ALIASES`, `WIKITEXT_NAMES`) is its unzipped files under
+    `default_data_dir()` when that folder exists, else the hub.
+    """
+    if _has_prefix_files(word):
+        return None
+    if os.path.isdir(word):
+        return WikiTextSource(word, directory=Path(word).resolve())
+    name = WIKITEXT_ALIASES.get(word.lower(), word.lower())
+    if name not in WIKITEXT_NAMES:
+        return None
+    local = wikitext_local_dir(name)
+    if local.is_dir():
+        return WikiTextSource(word, directory=local.resolve())
+    return WikiTextSource(word, dataset=name)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-.")[:40] or "x"
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:10]
+
+
+def wikitext_cache_prefix(source: WikiTextSource, tokenizer: Optional[str], vocab_size: int) -> str:
+    """Absolute prefix, in `default_data_dir()`, of `source` preprocessed with `tokenizer` (a
+    name or directory) or, when None, a BPE of `vocab_size` trained on its train split.
+
+    The key holds the source (a hub name; a directory's path and its files' names, sizes and
+    modification times, so edited files are preprocessed again) and the tokenizer (its name or
+    resolved path), so another source or tokenizer never reuses a stale cache.
+    """
+    if source.directory is None:
+        src = str(source.dataset)
+    else:
+        d = source.directory
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.iterdir()
+                       if f.is_file() and f.name.startswith("wiki."))
+        src = f"wikitext-{_slug(d.name)}-{_digest(d, files)}"
+    if tokenizer is None:
+        tok = f"bpe{vocab_size}"
+    else:
+        where = os.path.abspath(tokenizer) if os.path.exists(tokenizer) else tokenizer
+        tok = f"tok-{_slug(os.path.basename(tokenizer.rstrip('/')))}-{_digest(where)}"
+    return str(default_data_dir() / f"{src}-{tok}")

@@ -13,6 +13,9 @@ its own files, and WikiText counts as key `text`, hence `PREFIX_train_text_docum
 Tokenizer (exactly one): `tokenizer_name_or_path` (see tokenizer.py), or `train_tokenizer=True`
 with `vocab_size`: a byte-level BPE trained on the train split, saved as `PREFIX_tokenizer/`.
 
+The trainer's `--data-path wikitext-2` / `wikitext-103` / `DIR` goes through
+`prepare_wikitext_data` (preprocessed once into a cache keyed by source and tokenizer).
+
 Nothing is written until every input is checked; all files go to a temporary directory beside
 the output and are renamed into place only when every split has been written, so a failure
 leaves no partial output.
@@ -27,7 +30,7 @@ import shutil
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -35,6 +38,9 @@ from tqdm import tqdm
 from .indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset, best_dtype
 from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from .tokenizer import train_tokenizer as train_bpe
+
+if TYPE_CHECKING:
+    from .paths import WikiTextSource
 
 SPLITS = ("train", "valid", "test")
 WIKITEXT_DATASETS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
@@ -101,14 +107,18 @@ def _jsonl_file(path: Path, keys: Sequence[str]) -> Records:
     return records
 
 
+class HubUnavailable(ValueError):
+    """`datasets.load_dataset` could not give a WikiText dataset (offline, hub down, ...)."""
+
+
 def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
     """The three splits of WikiText from the HF hub (never used by tests: no network there)."""
     import datasets
     try:
         ds = datasets.load_dataset("wikitext", name)
     except Exception as e:  # offline, hub down, ...: name the flag and say why
-        raise ValueError(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
-                         f"failed ({type(e).__name__}: {e})") from e
+        raise HubUnavailable(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
+                             f"failed ({type(e).__name__}: {e})") from e
     out = {}
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
@@ -351,3 +361,78 @@ def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
             return res
     return preprocess(output_prefix, input_path=str(sample_corpus_dir()), train_tokenizer=True,
                       vocab_size=vocab_size, append_eod=True, progress=progress)
+
+
+WIKITEXT_URL = "https://wikitext.smerity.com"     # the publishers' release zips
+
+
+def wikitext_split_files(directory: Path) -> dict[str, Path | None]:
+    """{split: wiki.{split}.raw, else wiki.{split}.tokens, else None} in `directory` (the same
+    preference as `preprocess(input_path=DIR)`)."""
+    out: dict[str, Path | None] = {}
+    for split in SPLITS:
+        cands = [directory / f"wiki.{split}.raw", directory / f"wiki.{split}.tokens"]
+        out[split] = next((c for c in cands if c.is_file()), None)
+    return out
+
+
+def _download_hint(dataset: str) -> str:
+    """What to download for `dataset` and where to put it (see paths.wikitext_local_dir)."""
+    from .paths import default_data_dir, wikitext_local_dir
+    raw = "raw" in dataset
+    ext = "raw" if raw else "tokens"
+    title = "WikiText-103" if "103" in dataset else "WikiText-2"
+    return (f"download {title} ({WIKITEXT_URL}/{dataset}.zip) and unzip it into {default_data_dir()} so "
+            f"that {wikitext_local_dir(dataset)}/ holds wiki.train.{ext}, wiki.valid.{ext} and "
+            f"wiki.test.{ext} (then this --data-path finds it), or pass --data-path DIR naming any "
+            f"directory that holds those three files (wiki.*.tokens work too)")
+
+
+def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_name_or_path: str | None = None,
+                          vocab_size: int | None = None,
+                          progress: bool = False) -> tuple[PreprocessResult, bool]:
+    """Preprocess raw WikiText (`paths.WikiTextSource`: a directory or a hub name) into
+    `output_prefix` (see `paths.wikitext_cache_prefix`) with --append-eod, unless it already
+    holds the result; returns (result, whether it was reused).
+
+    The tokenizer is `tokenizer_name_or_path`, else a byte-level BPE of `vocab_size` ids trained
+    on the train split. A directory must hold all three splits (the error names the missing
+    ones); a hub name that `datasets` cannot load gives a ValueError saying what to download and
+    where to put it. Nothing is written when an input is missing. Call it on one rank only.
+    """
+    if (tokenizer_name_or_path is None) == (vocab_size is None):
+        raise ValueError("give exactly one of tokenizer_name_or_path and vocab_size")
+    flag = f"--data-path {source.word}"
+    if source.directory is not None:
+        files = wikitext_split_files(source.directory)
+        missing = [s for s, f in files.items() if f is None]
+        if missing:
+            names = " and ".join(f"wiki.{s}.tokens (or wiki.{s}.raw)" for s in missing)
+            raise FileNotFoundError(
+                f"{flag}: {source.directory} has no {names}: the {', '.join(missing)} split"
+                f"{'s are' if len(missing) > 1 else ' is'} missing; a WikiText directory needs "
+                f"wiki.train, wiki.valid and wiki.test")
+        for f in files.values():
+            _check_file(f, flag)
+    prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
+    tok_dir = f"{output_prefix}_tokenizer"
+    if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and (
+            tokenizer_name_or_path is not None or os.path.isdir(tok_dir)):
+        tok = load_tokenizer(tokenizer_name_or_path or tok_dir)
+        res = PreprocessResult(output_prefix, tokenizer_name_or_path or tok_dir, tok.vocab_size,
+                               tok.eod, np.dtype(best_dtype(tok.vocab_size)).name, prefixes)
+        for key, p in prefixes.items():
+            ds = MMapIndexedDataset(p)
+            res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
+        return res, True
+    try:
+        res = preprocess(output_prefix,
+                         input_path=str(source.directory) if source.directory else None,
+                         dataset=source.dataset, tokenizer_name_or_path=tokenizer_name_or_path,
+                         train_tokenizer=tokenizer_name_or_path is None, vocab_size=vocab_size,
+                         append_eod=True, progress=progress)
+    except HubUnavailable as e:
+        raise ValueError(f"{flag}: cannot load {source.dataset} from the Hugging Face hub "
+                         f"({e.__cause__.__class__.__name__}: {e.__cause__}); "
+                         f"{_download_hint(source.dataset)}") from e
+    return res, False

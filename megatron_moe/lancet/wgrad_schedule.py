@@ -10,13 +10,15 @@ dW instructions to all-to-alls with a best-fit greedy:
         while remaining > 0 and some unused dW is eligible for a:
             w = best fit for `remaining`;  assign w to a;  remaining -= cost(w)
 
-Best-fit rule used here: the eligible dW with the largest cost <= remaining,
-if any (it fills the gap most without overshooting, like best-fit bin
-packing); otherwise the one with the smallest cost > remaining (it closes the
-gap completely while pushing the least compute past the all-to-all's end).
-Overshooting is still worth it: the dW has to run somewhere, and run here it
-hides the rest of the communication. Ties go to the earlier instruction in
-program order, so the result is deterministic.
+Best-fit rule (the paper's): the eligible dW whose cost is closest to the
+remaining time, argmin |remaining - cost(w)|, whether it falls short or
+overshoots. Overshooting is worth it: the dW has to run somewhere, and run
+here it hides the rest of the communication. Ties go to the earlier
+instruction in program order, so the result is deterministic. (An earlier
+version took the largest dW not above `remaining`, else the smallest above;
+with all-to-alls of 10 and 2 and dW {2, 11} it put both dW on the first and
+left the second exposed, where the paper's rule takes 11 for the first and 2
+for the second and hides both.)
 
 Eligible for a: no directed path to or from a (`ir.overlappable_dw`), and
 runnable when a is launched. By default (`allow_hoist=False`) that means the
@@ -69,21 +71,18 @@ def eligible_dw(graph: Graph, a2a: str, allow_hoist: bool = False) -> list[str]:
 
 
 def best_fit(graph: Graph, candidates: Sequence[str], remaining: float) -> str:
-    """The candidate dW whose cost best fits `remaining` ms (rule in the module docstring).
+    """The candidate dW whose cost is closest to `remaining` ms: argmin |remaining - cost|.
 
     `candidates` must be non-empty and in program order (ties go to the earliest).
     """
     if not candidates:
         raise ValueError("best_fit needs at least one candidate")
-    fits = [w for w in candidates if graph[w].cost_ms <= remaining]
-    if fits:
-        # max() keeps the first maximum it sees, i.e. the earliest in program order.
-        return max(fits, key=lambda w: graph[w].cost_ms)
-    return min(candidates, key=lambda w: graph[w].cost_ms)
+    # min() keeps the first minimum it sees, i.e. the earliest in program order.
+    return min(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))
 
 
 def schedule_wgrad(graph: Graph, allow_hoist: bool = False) -> WgradSchedule:
-    """Assign dW instructions to all-to-alls by Lancet's best-fit greedy (Algorithm 1)."""
+    """Assign dW instructions to all-to-alls by Lancet's Algorithm 1 (closest-fit greedy, program order)."""
     used: set[str] = set()
     sched = WgradSchedule()
     for a in graph.of_kind("a2a"):

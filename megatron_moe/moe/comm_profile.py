@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import collectives as coll
-from megatron_moe.moe.cost_model import AlphaBeta, Choice, CommModel, MoEShape, choose_schedule, fit_alpha_beta
+from megatron_moe.moe.cost_model import (OVERLAP_KEY, AlphaBeta, Choice, CommModel, MoEShape, choose_schedule,
+                                         fit_alpha_beta, fit_overlap)
 
 if TYPE_CHECKING:
     from megatron_moe.config import Config
@@ -40,7 +41,7 @@ PROFILED = (("all_to_all", "ep_esp"), ("all_gather", "mp"), ("all_reduce", "mp")
             ("all_gather", "esp"), ("all_reduce", "esp"), ("reduce_scatter", "esp"))
 MIN_ELEMENTS = 256                 # 1 KB of fp32
 MAX_PROFILE_ELEMENTS = 1 << 24     # 64 MB: larger messages are extrapolated from the fit
-CACHE_VERSION = 1
+CACHE_VERSION = 2                  # 2: all-gathers sized by their gathered output (Parm's convention)
 
 _MEMO: dict = {}
 
@@ -88,6 +89,14 @@ def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1,
     return float(sorted(samples)[len(samples) // 2])
 
 
+def fit_sizes(op: str, group_size: int, sizes: list[int]) -> list[int]:
+    """The sizes the cost model prices a profiled collective by: the message one rank puts in
+    (rounded up to the group size, as `time_collective` does), times the group size for an
+    all-gather (its gathered output, the paper's convention)."""
+    rounded = [-(-n // group_size) * group_size for n in sizes]
+    return [n * group_size for n in rounded] if op == "all_gather" else rounded
+
+
 def layout_key(ps: "ParallelState") -> dict:
     """What a cached profile must match to be reused."""
     dev = ps.device.type                 # the run's device (a --device cpu run on a CUDA machine is "cpu")
@@ -110,8 +119,9 @@ def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int =
     times = times.cpu()
     costs, raw = {}, {}
     for i, (op, kind) in enumerate(kinds):
-        costs[f"{op}@{kind}"] = fit_alpha_beta(sizes, times[i].tolist())
-        raw[f"{op}@{kind}"] = {"sizes": sizes, "times": times[i].tolist()}
+        priced = fit_sizes(op, ps.size(kind), sizes)
+        costs[f"{op}@{kind}"] = fit_alpha_beta(priced, times[i].tolist())
+        raw[f"{op}@{kind}"] = {"sizes": priced, "times": times[i].tolist()}
     return CommModel(costs, "profile"), raw
 
 
@@ -131,7 +141,7 @@ def _read_cache(path: str, key: dict, max_elements: int):
 def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: dict) -> None:
     """Write the fit as JSON (temporary file, then rename)."""
     data = {"version": CACHE_VERSION, "layout": key, "max_elements": int(max_elements),
-            "units": "alpha [s], beta [s per fp32 element], size = elements one rank puts in",
+            "units": "alpha [s], beta [s per fp32 element], size = elements one rank puts in (all_gather: gathered output)",
             "costs": {k: {"alpha": ab.alpha, "beta": ab.beta, **raw.get(k, {})} for k, ab in model.costs.items()}}
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -173,6 +183,80 @@ def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = N
         if int(failed.item()):
             raise ValueError(f"--comm-profile {path}: cannot write the profile cache ({error or 'see rank 0'})")
     return _broadcast(ps, model, "profile")
+
+
+def time_saa(a2a_group, mp_group, n: int, n_esp: int = 1, chunks: int = 4, reps: int = 3, warmup: int = 1,
+             device: torch.device | None = None) -> float:
+    """Median wall time [s] of an SAA-like step: an all-to-all of n fp32 elements over `a2a_group`,
+    cut into `chunks`; each received chunk is summed over its N_ESP partials (local combine) and
+    all-gathered over `mp_group` while the next chunk's all-to-all is in flight.
+
+    Collective over both groups. n is rounded up to a multiple of chunks * a2a size * n_esp.
+    `device`: where the buffers live (None: CPU).
+    """
+    d = coll.group_size(a2a_group)
+    quantum = chunks * d * n_esp
+    n = -(-max(int(n), 1) // quantum) * quantum
+    send = torch.ones(n, device=device)
+    recv = torch.empty(n, device=device)
+    step = n // chunks
+    samples = []
+    for i in range(warmup + reps):
+        dist.barrier(group=a2a_group)
+        dist.barrier(group=mp_group)
+        if send.is_cuda:
+            torch.cuda.synchronize(send.device)
+        t0 = time.perf_counter()
+        gathers = []
+        for c in range(chunks):
+            dist.all_to_all_single(recv[c * step:(c + 1) * step], send[c * step:(c + 1) * step],
+                                   group=a2a_group, async_op=True).wait()
+            part = recv[c * step:(c + 1) * step].view(n_esp, -1).sum(0)
+            outs = [torch.empty_like(part) for _ in range(coll.group_size(mp_group))]
+            gathers.append(dist.all_gather(outs, part, group=mp_group, async_op=True))
+        for w in gathers:
+            w.wait()
+        if send.is_cuda:
+            torch.cuda.synchronize(send.device)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return float(sorted(samples)[len(samples) // 2])
+
+
+def profile_saa(ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int = 4, reps: int = 3,
+                warmup: int = 1) -> tuple[AlphaBeta, dict]:
+    """(alpha_o, beta_o) of Parm's eq. (14) on this rank's EP x ESP and MP groups (collective over the world).
+
+    Times `time_saa` at each all-to-all size V of `sizes` [elements] on every rank at once (as in
+    training), takes the MAX over the world per size, and fits with `fit_overlap` (the MP
+    all-gather `all_gather`, gathered-output convention, is what eq. (14) adds beside the overlap;
+    gathered elements per element of V are N_MP / N_ESP). Returns (fit, raw table). The caller
+    stores the fit under `cost_model.OVERLAP_KEY` in the CommModel.
+    """
+    device = ps.device
+    n_esp = ps.size("esp")
+    quantum = chunks * ps.size("ep_esp") * n_esp
+    rounded = [-(-max(int(n), 1) // quantum) * quantum for n in sizes]
+    times = torch.tensor([time_saa(ps.group("ep_esp"), ps.group("mp"), n, n_esp, chunks, reps, warmup, device)
+                          for n in rounded], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu()
+    fit = fit_overlap(rounded, times.tolist(), all_gather, ps.size("mp") / n_esp)
+    return fit, {"sizes": rounded, "times": times.tolist(), "chunks": chunks}
+
+
+def with_saa_overlap(ps, model: CommModel, max_elements: int, chunks: int = 4, reps: int = 3) -> CommModel:
+    """`model` plus the measured SAA overlap (alpha_o, beta_o) of eq. (14) under OVERLAP_KEY.
+
+    Collective over the world. Profiles `profile_saa` at `profile_sizes(max_elements)` (V, the
+    all-to-all's send elements) with the model's MP all-gather; returns `model` unchanged when
+    the layout has no MP or no EP x ESP group (S2 has no SAA step there). Every rank gets the
+    same fit (the timings are MAX-reduced before fitting).
+    """
+    if ps.size("mp") == 1 or ps.size("ep_esp") == 1 or not dist.is_initialized():
+        return model
+    fit, _ = profile_saa(ps, profile_sizes(max_elements), model.costs.get("all_gather@mp"), chunks, reps)
+    return CommModel({**model.costs, OVERLAP_KEY: fit}, model.source)
 
 
 def shape_of(cfg: "Config", ps: "ParallelState") -> MoEShape:

@@ -1,33 +1,45 @@
 """Alpha-beta cost model of the MoE layer's collectives, and Parm's schedule choice (Algorithm 1).
 
 Every collective on a group costs t(n) = alpha + beta * n seconds for a message
-of n fp32 elements, n being what one rank puts in (the observer's "sent"):
-the send buffer of an all-to-all, the input of an all-gather, the tensor of an
-all-reduce, the full input of a reduce-scatter. alpha and beta are fitted per
-(collective, group kind) from timings on the run's real groups
+of n fp32 elements. n follows the paper's definitions: the send buffer of an
+all-to-all, the *gathered output* of an all-gather (Parm's AG_MP(B L M) is the
+full [B L, M] result, so its published beta is seconds per gathered element),
+the tensor of an all-reduce, the full input of a reduce-scatter. alpha and beta
+are fitted per (collective, group kind) from timings on the run's real groups
 (`megatron_moe.moe.comm_profile`).
 
-Per-rank messages of one MoE layer, S = B * L tokens per routing group,
-C = max(ceil(k f S / E), min_capacity), C_mp = ceil(C / N_MP) (elements, forward;
-the backward moves the same messages, so every time below is forward + backward):
-  baseline  all_gather@esp E C M; all_to_all@ep N_ESP E C M (x2);
-            all_reduce@esp N_ESP E C M; backward: reduce_scatter@esp instead of the all-gather
-  S1        all_gather@mp 2 k E (int64 counts); all_to_all@ep_esp 2 N_ESP E (counts);
-            all_reduce@mp E + 1 (aux sums); all_to_all@ep_esp N_ESP min(k S, E C) M / N_MP
-            (x2: only the rank's kept choices travel; balanced routing assumed);
-            all_gather@mp S M / N_MP (output; backward: the input gradient);
-            backward all_reduce@mp E M (gate gradient)
-  S2        all_to_all@ep_esp N_ESP E C_mp M; then the return all-to-all of the same
-            size overlapped with all_gather@mp E C_mp M (SAA); the backward repeats both
-Parm's Algorithm 1 (our rendition): predict T_S1 and T_S2 from these messages and
-the fitted model and take the smaller (S1 on a tie: it moves fewer bytes); S1 is
-impossible when N_MP does not divide S. SAA with c chunks is a pipeline:
-  T_saa = a + (c - 1) * max(a, g) + g,  a = t_a2a(V / c), g = t_ag(W / c),
-with c in {1, 2, 4, 8} (at most the slots) chosen to minimize it, so for tiny
-messages (alpha-bound) c = 1 and S2 pays no extra latency, and for large ones
-the all-gather hides behind the all-to-all. Hence with N_ESP = 1 the choice is
-S2 as the sequence shrinks (S1 pays three more small collectives) and S1 as it
-grows when k f > 1 (S2's all-gather carries k f times S1's).
+Notation (Parm): S = B * L tokens per routing group, T = C = max(ceil(k f S / E),
+min_capacity) slots per expert, C_mp = ceil(C / N_MP). Per-rank messages of one
+MoE layer (elements, forward; the backward moves the same messages, so every
+time below is forward + backward):
+  baseline  runtime: all_gather@esp N_ESP E C M (the dispatch buffer, gathered);
+            all_to_all@ep N_ESP E C M (x2); all_reduce@esp N_ESP E C M;
+            backward: reduce_scatter@esp instead of the all-gather.
+            paper=True: eq. (1), the ESP all-gather takes the tokens, N_ESP S M.
+  S1        eq. (11)/(13): 2 x all_to_all@ep_esp E T M N_ESP / N_MP + all_gather@mp S M
+            ("padded": the paper's capacity-padded buffers, what its S1 sends);
+            s1="kept" (this project's runtime, the default for `auto`): only the
+            rank's kept choices travel, N_ESP min(k S, E C) M / N_MP per all-to-all
+            (balanced routing assumed), plus the collectives that make it exact:
+            all_gather@mp 2 k E * N_MP gathered (int64 counts), all_to_all@ep_esp
+            2 N_ESP E (counts), all_reduce@mp E + 1 (aux sums) and, in backward,
+            all_reduce@mp E M (gate gradient).
+  S2        eq. (14): all_to_all@ep_esp V with V = N_ESP E C_mp M (= E T M N_ESP / N_MP),
+            then the return all-to-all overlapped with the MP all-gather (SAA):
+              Overlap(V) + all_gather@mp E C_mp M N_MP (gathered, = E T M),
+            where Overlap(V) = alpha_o + beta_o V is fitted from measured SAA
+            steps (`fit_overlap`: the measured step time minus the stand-alone
+            all-gather it contains, so that eq. (14) adds up to the measurement).
+            Without a fitted overlap (no OVERLAP_KEY in the model) the SAA step
+            is modelled as a c-chunk pipeline:
+              T_saa = a + (c - 1) * max(a, g) + g,  a = t_a2a(V / c), g = t_ag(E C_mp M N_MP / c),
+            c in {1, 2, 4, 8} (at most the slots) minimizing it.
+Algorithm 1 (`choose_schedule`): the paper compares only t_D1 and t_D2 and takes
+S1 on a tie; `auto` also prices the baseline and takes it when it is strictly
+cheaper than both (small layers, where S1/S2's extra collectives' latencies
+dominate). S1 is impossible when N_MP does not divide S.
+`expert_flops` is the compute term of the simulator: the baseline runs every
+token's expert FFN on each of the N_MP ranks, S1 and S2 once.
 """
 from __future__ import annotations
 
@@ -69,6 +81,34 @@ def fit_alpha_beta(sizes, times) -> AlphaBeta:
     return AlphaBeta(max(float(alpha), 0.0), float(beta))
 
 
+OVERLAP_KEY = "saa@ep_esp_mp"     # (alpha_o, beta_o) of eq. (14), sized by the all-to-all's V
+
+
+def fit_overlap(sizes, times, all_gather: AlphaBeta | None, gather_ratio: float) -> AlphaBeta:
+    """(alpha_o, beta_o) of eq. (14) from measured SAA steps, by least squares weighted by 1/time.
+
+    sizes: V, the all-to-all's send elements of each sample (E T M N_ESP / N_MP);
+    times: measured seconds of the overlapped all-to-all + MP all-gather step;
+    all_gather: the fitted MP all-gather (gathered-output convention), or None
+    to fit the whole step; gather_ratio: gathered elements per element of V
+    (N_MP / N_ESP). Eq. (14) adds AG_MP(E T M) to Overlap(V), so Overlap is the
+    measured step minus that all-gather: Overlap(V) = t(V) - AG(gather_ratio V).
+    No clamping: a negative alpha_o or beta_o means the overlap hides more of
+    the all-gather than the all-to-all adds.
+    """
+    n = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    if n.size != t.size:
+        raise ValueError(f"fit_overlap: {n.size} sizes but {t.size} times")
+    if n.size < 2 or np.unique(n).size < 2:
+        raise ValueError("fit_overlap needs timings at two or more distinct sizes")
+    ag = np.zeros_like(n) if all_gather is None else all_gather.alpha + all_gather.beta * gather_ratio * n
+    w = 1.0 / np.maximum(t, 1e-12)
+    A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(A, (t - ag) * w, rcond=None)
+    return AlphaBeta(float(alpha), float(beta))
+
+
 @dataclass
 class CommModel:
     """Fitted alpha-beta per 'op@group' (e.g. 'all_to_all@ep_esp'); missing entries cost nothing."""
@@ -97,6 +137,7 @@ class MoEShape:
     n_ep: int = 1
     n_esp: int = 1
     min_capacity: int = 0
+    H: int = 0                    # expert FFN hidden size (0: H = M); only the compute term uses it
 
     @property
     def S(self) -> int:
@@ -115,8 +156,9 @@ class MoEShape:
 
     def largest_message(self) -> int:
         """Largest per-rank message (elements) any schedule sends for this shape."""
-        return max(self.n_esp * self.E * self.C * self.M, self.S * self.M // self.n_mp,
-                   self.n_esp * self.E * self.C_mp * self.M, self.E * self.M)
+        return max(self.n_esp * self.E * self.C * self.M, self.S * self.M,
+                   self.n_esp * self.E * self.C_mp * self.M, self.E * self.C_mp * self.M * self.n_mp,
+                   self.E * self.M)
 
 
 def _sized(model: CommModel, sh: MoEShape, op: str, group: str, n: float) -> float:
@@ -124,29 +166,63 @@ def _sized(model: CommModel, sh: MoEShape, op: str, group: str, n: float) -> flo
     return 0.0 if size == 1 else model.t(op, group, n)
 
 
-def time_baseline(model: CommModel, sh: MoEShape) -> float:
-    """Forward + backward communication time of the baseline schedule [s]."""
-    buf = sh.E * sh.C * sh.M
+def time_baseline(model: CommModel, sh: MoEShape, paper: bool = False) -> float:
+    """Forward + backward communication time of the baseline schedule [s].
+
+    paper=False: this project's runtime (the ESP all-gather carries the dispatch
+    buffer); paper=True: Parm's eq. (1) (it carries the N_ESP S M tokens).
+    """
+    buf = sh.n_esp * sh.E * sh.C * sh.M
+    gathered = sh.n_esp * sh.S * sh.M if paper else buf
     t = lambda op, g, n: _sized(model, sh, op, g, n)  # noqa: E731
-    a2a = t("all_to_all", "ep", sh.n_esp * buf)
-    ar = t("all_reduce", "esp", sh.n_esp * buf)
-    return (t("all_gather", "esp", buf) + 2 * a2a + ar) + (2 * a2a + ar + t("reduce_scatter", "esp", sh.n_esp * buf))
+    a2a = t("all_to_all", "ep", buf)
+    ar = t("all_reduce", "esp", buf)
+    return (t("all_gather", "esp", gathered) + 2 * a2a + ar) + (2 * a2a + ar + t("reduce_scatter", "esp", gathered))
 
 
-def time_s1(model: CommModel, sh: MoEShape) -> float:
-    """Forward + backward communication time of S1 [s]."""
+S1_TRANSFERS = ("kept", "padded")
+
+
+def s1_a2a_elements(sh: MoEShape, transfer: str = "kept") -> float:
+    """Send elements of one S1 all-to-all: "padded" E T M N_ESP / N_MP (eq. (13)),
+    "kept" N_ESP min(k S, E C) M / N_MP (kept choices only, balanced routing)."""
+    if transfer == "padded":
+        return sh.E * sh.C * sh.M * sh.n_esp / sh.n_mp
+    if transfer == "kept":
+        return sh.n_esp * min(sh.k * sh.S, sh.E * sh.C) * sh.M / sh.n_mp
+    raise ValueError(f"S1 transfer must be one of {S1_TRANSFERS}, got {transfer!r}")
+
+
+def s2_a2a_elements(sh: MoEShape) -> int:
+    """Send elements V of one S2 all-to-all: N_ESP E C_mp M (E T M N_ESP / N_MP, T padded to N_MP C_mp)."""
+    return sh.n_esp * sh.E * sh.C_mp * sh.M
+
+
+def s2_gather_elements(sh: MoEShape) -> int:
+    """Gathered (output) elements of S2's MP all-gather: E C_mp M N_MP (the paper's E T M)."""
+    return sh.E * sh.C_mp * sh.M * sh.n_mp
+
+
+def time_s1(model: CommModel, sh: MoEShape, transfer: str = "kept") -> float:
+    """Forward + backward communication time of S1 [s] (`transfer`: see `s1_a2a_elements`).
+
+    "padded" is eq. (13) each way; "kept" adds the runtime's count, aux and
+    gate-gradient collectives (module docstring).
+    """
     t = lambda op, g, n: _sized(model, sh, op, g, n)  # noqa: E731
-    a2a = t("all_to_all", "ep_esp", sh.n_esp * min(sh.k * sh.S, sh.E * sh.C) * sh.M / sh.n_mp)
-    small = (t("all_gather", "mp", 2 * sh.k * sh.E) + t("all_to_all", "ep_esp", 2 * sh.n_esp * sh.E)
+    a2a = t("all_to_all", "ep_esp", s1_a2a_elements(sh, transfer))
+    gather = t("all_gather", "mp", sh.S * sh.M)
+    if transfer == "padded":
+        return 2 * (2 * a2a + gather)
+    small = (t("all_gather", "mp", 2 * sh.k * sh.E * sh.n_mp) + t("all_to_all", "ep_esp", 2 * sh.n_esp * sh.E)
              + t("all_reduce", "mp", sh.E + 1))
-    gather = t("all_gather", "mp", sh.S * sh.M // sh.n_mp)
     return (small + 2 * a2a + gather) + (2 * a2a + gather + t("all_reduce", "mp", sh.E * sh.M))
 
 
 def saa_time(model: CommModel, sh: MoEShape, chunks: int) -> float:
-    """Return all-to-all + MP all-gather of S2 pipelined in `chunks` chunks [s] (one direction)."""
-    a = _sized(model, sh, "all_to_all", "ep_esp", sh.n_esp * sh.E * sh.C_mp * sh.M / chunks)
-    g = _sized(model, sh, "all_gather", "mp", sh.E * sh.C_mp * sh.M / chunks)
+    """Return all-to-all + MP all-gather of S2 modelled as a pipeline of `chunks` chunks [s] (one direction)."""
+    a = _sized(model, sh, "all_to_all", "ep_esp", s2_a2a_elements(sh) / chunks)
+    g = _sized(model, sh, "all_gather", "mp", s2_gather_elements(sh) / chunks)
     return a + (chunks - 1) * max(a, g) + g
 
 
@@ -157,12 +233,22 @@ def best_saa_chunks(model: CommModel, sh: MoEShape) -> int:
 
 
 def time_s2(model: CommModel, sh: MoEShape, saa: bool = True, chunks: int | None = None) -> float:
-    """Forward + backward communication time of S2 [s]; `saa=False`: all-to-all then all-gather."""
-    a2a = _sized(model, sh, "all_to_all", "ep_esp", sh.n_esp * sh.E * sh.C_mp * sh.M)
-    if saa:
-        tail = saa_time(model, sh, chunks if chunks is not None else best_saa_chunks(model, sh))
+    """Forward + backward communication time of S2 [s].
+
+    saa=True: eq. (14) with the fitted (alpha_o, beta_o) when the model has
+    OVERLAP_KEY, else the chunk pipeline (`chunks`, default the best);
+    saa=False: all-to-all, then the return all-to-all, then the all-gather.
+    """
+    V = s2_a2a_elements(sh)
+    a2a = _sized(model, sh, "all_to_all", "ep_esp", V)
+    ag = _sized(model, sh, "all_gather", "mp", s2_gather_elements(sh))
+    overlap = model.costs.get(OVERLAP_KEY)
+    if not saa:
+        tail = a2a + ag
+    elif overlap is not None and sh.n_mp > 1:
+        tail = overlap.time(V) + ag                  # eq. (14): Overlap(V) + AG_MP(E T M)
     else:
-        tail = a2a + _sized(model, sh, "all_gather", "mp", sh.E * sh.C_mp * sh.M)
+        tail = saa_time(model, sh, chunks if chunks is not None else best_saa_chunks(model, sh))
     return 2 * (a2a + tail)
 
 
@@ -179,13 +265,43 @@ class Choice:
         return f"{self.schedule} (predicted fwd+bwd communication: {ms}; SAA chunks {self.saa_chunks})"
 
 
-def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True) -> Choice:
-    """Parm's Algorithm 1: S1 or S2 for a layer of shape `sh`, from the fitted model."""
+def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True, s1: str = "kept",
+                    with_baseline: bool = True) -> Choice:
+    """`auto` for a layer of shape `sh` from the fitted model: Parm's Algorithm 1 (S1 if
+    t_D1 <= t_D2, else S2), then the baseline if it is strictly cheaper than that pick.
+
+    s1: how S1 is priced ("kept": this project's runtime; "padded": the paper's);
+    with_baseline=False is the paper's Algorithm 1 alone.
+    """
     chunks = best_saa_chunks(model, sh) if saa else 1
-    times = {"baseline": time_baseline(model, sh), "s1": time_s1(model, sh), "s2": time_s2(model, sh, saa, chunks)}
+    times = {"baseline": time_baseline(model, sh), "s1": time_s1(model, sh, s1), "s2": time_s2(model, sh, saa, chunks)}
     if sh.S % sh.n_mp:
-        return Choice("s2", times, chunks)           # S1 cannot split the tokens evenly over MP
-    return Choice("s1" if times["s1"] <= times["s2"] else "s2", times, chunks)
+        pick = "s2"                                  # S1 cannot split the tokens evenly over MP
+    else:
+        pick = "s1" if times["s1"] <= times["s2"] else "s2"
+    if with_baseline and times["baseline"] < times[pick]:
+        pick = "baseline"
+    return Choice(pick, times, chunks)
+
+
+def expert_flops(sh: MoEShape, schedule: str, s1: str = "padded") -> float:
+    """Forward + backward expert FLOPs one rank runs (two GEMMs M x H/N_ESP per row, backward 2x forward).
+
+    Rows per rank: the baseline computes the N_ESP E C rows of its all-to-all
+    buffer (every MP rank repeats them); S2 and padded S1 1/N_MP of them; kept
+    S1 only kept rows, N_ESP min(k S, E C) / N_MP.
+    """
+    H = sh.H or sh.M
+    per_row = 3 * 2 * 2 * sh.M * H / sh.n_esp
+    if schedule == "baseline":
+        rows = sh.n_esp * sh.E * sh.C
+    elif schedule == "s2":
+        rows = sh.n_esp * sh.E * sh.C_mp
+    elif schedule == "s1":
+        rows = s1_a2a_elements(sh, s1) / sh.M
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return rows * per_row
 
 
 # ----------------------------------------------------------------------------- the paper's grid (simulator)
@@ -193,8 +309,21 @@ def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True) -> Choice:
 # Parm Table III: P, N_MP, N_ESP, B, L, M / N_ESP (= H / N_ESP), f
 PAPER_GRID = {"P": (8, 16, 32), "n_mp": (1, 2, 4), "n_esp": (1, 2, 4), "B": (2, 4, 8), "L": (512, 1024, 2048),
               "m": (1024, 2048, 4096), "f": (1.2, 2.4)}
-# the paper's fitted MP all-gather on its 8-GPU server: alpha [s], beta [s per element]
+# the paper's fitted MP all-gather on its 8-GPU server: alpha [s], beta [s per gathered element]
 PAPER_ALLGATHER = AlphaBeta(6.64e-4, 5.38e-10)
+# the published fits per testbed (MP all-gather only): A = 8x RTX 4090 (PCIe 4.0), B = 32x RTX 2080Ti (4 per node)
+TESTBEDS = {"A": AlphaBeta(6.64e-4, 5.38e-10), "B": AlphaBeta(1.09e-4, 7.14e-10)}
+# Parm Table IV: average MoE-layer speedup over DeepSpeed-MoE per (schedule, N_MP, N_ESP):
+# columns A (8 GPUs), B-8, B-16, B-32
+TABLE_IV_COLUMNS = ("A", "B-8", "B-16", "B-32")
+TABLE_IV = {
+    ("s1", 2, 2): (2.10, 2.62, 2.46, 2.72), ("s1", 2, 4): (2.24, 3.37, 2.85, 2.85),
+    ("s1", 4, 2): (3.72, 4.18, 4.12, 3.92), ("s1", 4, 4): (4.19, 5.77, 5.08, 4.57),
+    ("s2", 2, 2): (1.99, 2.42, 2.20, 2.57), ("s2", 2, 4): (2.41, 3.05, 2.44, 2.75),
+    ("s2", 4, 2): (3.21, 3.58, 3.81, 4.10), ("s2", 4, 4): (4.12, 5.38, 4.82, 4.91),
+    ("parm", 2, 2): (2.10, 2.62, 2.46, 2.57), ("parm", 2, 4): (2.41, 3.37, 2.85, 2.85),
+    ("parm", 4, 2): (3.70, 4.18, 4.12, 4.06), ("parm", 4, 4): (4.20, 5.77, 5.08, 4.91),
+}
 MODEL_KEYS = ("all_to_all@ep_esp", "all_gather@mp", "all_reduce@mp", "all_to_all@ep", "all_gather@esp",
               "all_reduce@esp", "reduce_scatter@esp")
 
@@ -209,22 +338,28 @@ def uniform_model(ab: AlphaBeta, **overrides: AlphaBeta) -> CommModel:
     return CommModel(costs, "given")
 
 
-def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | None = None) -> dict:
-    """Predicted communication speedups over the baseline, averaged per (N_MP, N_ESP) like Parm's Table IV.
+def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | None = None,
+                  s1: str = "padded", paper_baseline: bool = True, flops_per_s: float | None = None) -> dict:
+    """Predicted MoE-layer speedups over the baseline, averaged per (N_MP, N_ESP) like Parm's Table IV.
 
-    Every configuration of `grid` (default PAPER_GRID) with N_MP * N_ESP <= P gets
-    M = N_ESP * m, one expert per EP rank (E = N_EP = P / N_ESP; E cancels out of
-    the volumes except for rounding), top-k. The alpha-beta costs do not depend on
-    the group size here (a first-order what-if). Returns {(n_mp, n_esp):
-    {"s1", "s2", "parm", "picked_s1" (fraction), "configs"}}; "parm" uses
-    Algorithm 1's pick per configuration.
+    Every configuration of `grid` (default PAPER_GRID) where N_MP and N_ESP
+    divide P gets M = H = N_ESP * m and one expert per EP rank (E = N_EP = P /
+    N_ESP), top-k. MP and ESP may share GPUs (DeepSpeed slices experts over the
+    tensor-parallel group; Table IV has N_MP = N_ESP = 4 on 8 GPUs). The
+    alpha-beta costs do not depend on the group size here (a first-order
+    what-if). s1: S1's transfer ("padded": the paper's); paper_baseline: price
+    the baseline by eq. (1); flops_per_s: add the expert compute (`expert_flops`)
+    at this throughput, None = communication only. Returns {(n_mp, n_esp):
+    {"s1", "s2", "parm", "auto", "picked_s1" (fraction), "picked_baseline"
+    (fraction, of auto), "configs"}}: "parm" is Algorithm 1's S1/S2 pick per
+    configuration, "auto" ours (baseline, S1 or S2).
     """
     g = PAPER_GRID if grid is None else grid
     acc: dict = {}
     for P in g["P"]:
         for n_mp in g["n_mp"]:
             for n_esp in g["n_esp"]:
-                if n_mp * n_esp > P or P % n_esp:
+                if P % n_mp or P % n_esp:
                     continue
                 for B in g["B"]:
                     for L in g["L"]:
@@ -232,16 +367,27 @@ def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | N
                             for f in g["f"]:
                                 n_ep = P // n_esp
                                 sh = MoEShape(B, L, n_esp * m, n_ep, k, f, n_mp, n_ep, n_esp)
-                                c = choose_schedule(model, sh, saa)
-                                base = c.times["baseline"]
-                                row = acc.setdefault((n_mp, n_esp), {"s1": 0.0, "s2": 0.0, "parm": 0.0,
-                                                                     "picked_s1": 0.0, "configs": 0})
-                                row["s1"] += base / c.times["s1"]
-                                row["s2"] += base / c.times["s2"]
-                                row["parm"] += base / c.times[c.schedule]
-                                row["picked_s1"] += c.schedule == "s1"
+                                chunks = best_saa_chunks(model, sh) if saa else 1
+                                tot = {"baseline": time_baseline(model, sh, paper=paper_baseline),
+                                       "s1": time_s1(model, sh, s1), "s2": time_s2(model, sh, saa, chunks)}
+                                if flops_per_s:
+                                    for name in tot:
+                                        tot[name] += expert_flops(sh, name, s1) / flops_per_s
+                                feasible = ("s1", "s2") if sh.S % n_mp == 0 else ("s2",)
+                                parm = min(feasible, key=lambda x: (tot[x], x))
+                                auto = "baseline" if tot["baseline"] < tot[parm] else parm
+                                base = tot["baseline"]
+                                row = acc.setdefault((n_mp, n_esp), {"s1": 0.0, "s2": 0.0, "parm": 0.0, "auto": 0.0,
+                                                                     "picked_s1": 0.0, "picked_baseline": 0.0,
+                                                                     "configs": 0})
+                                row["s1"] += base / tot["s1"]
+                                row["s2"] += base / tot["s2"]
+                                row["parm"] += base / tot[parm]
+                                row["auto"] += base / tot[auto]
+                                row["picked_s1"] += parm == "s1"
+                                row["picked_baseline"] += auto == "baseline"
                                 row["configs"] += 1
     for row in acc.values():
-        for key in ("s1", "s2", "parm", "picked_s1"):
+        for key in ("s1", "s2", "parm", "auto", "picked_s1", "picked_baseline"):
             row[key] /= row["configs"]
     return acc
