@@ -37,7 +37,7 @@ from megatron_moe.config import Config
 from megatron_moe.data.indexed_dataset import MMapIndexedDataset
 from megatron_moe.data.paths import (WIKITEXT_VOCAB_SIZE, default_data_prefix, tokenizer_dir_for,
                                      wikitext_cache_prefix, wikitext_source)
-from megatron_moe.data.preprocess import prepare_sample_data
+from megatron_moe.data.preprocess import prepare_sample_data, prepare_wikitext_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import guard
@@ -113,7 +113,6 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
         raise ValueError(f"--data-path: {raw} is raw WikiText, which only a one-word --data-path "
                          f"preprocesses; in a blend give preprocessed prefixes (tools/preprocess_data.py)")
     if sources[0] is not None:
-        from megatron_moe.data.preprocess import prepare_wikitext_data
         source, tok_name = sources[0], cfg.data.tokenizer_name_or_path
         vocab = None if tok_name else (cfg.model.vocab_size or WIKITEXT_VOCAB_SIZE)
         prefix = wikitext_cache_prefix(source, tok_name, vocab or 0)
