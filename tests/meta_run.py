@@ -7,7 +7,6 @@ tensor the library (or a tool) forgets to place fails on first use next to a rea
 one, or silently has no data; the run's results then differ from the run without
 --meta. Without --meta the script runs as usual, through the same wrapper.
 """
-import os
 import runpy
 import sys
 
@@ -22,7 +21,6 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: meta_run.py [--meta] SCRIPT.py ARGS...")
     script = argv[0]
     sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))     # as `python SCRIPT.py` does
     runpy.run_path(script, run_name="__main__")
 
 
