@@ -106,6 +106,16 @@ MARKS: dict[str, dict[str, object]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory) -> str:
+    """The bundled sample corpus preprocessed (512-id tokenizer) into a fresh directory per test
+    module: PREFIX of PREFIX_{train,valid,test}_text_document and PREFIX_tokenizer."""
+    from megatron_moe.data.preprocess import prepare_sample_data
+    prefix = str(tmp_path_factory.mktemp("data") / "sample")
+    prepare_sample_data(prefix, vocab_size=512)
+    return prefix
+
+
 def marked(marker: str, filename: str, test_name: str) -> bool:
     """Whether MARKS gives `marker` to test function `test_name` of `filename`."""
     names = MARKS[marker].get(filename)

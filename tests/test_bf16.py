@@ -93,14 +93,6 @@ def test_cross_entropy_runs_in_fp32_under_bf16_autocast():
     assert abs(lm.item() - want.item()) < 1e-5, (lm.item(), want.item())
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _losses(rank, world, argv):
     return [h["loss"] for h in pretrain(parse_args(argv))]
 

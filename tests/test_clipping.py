@@ -29,14 +29,6 @@ SGD = ("--optimizer", "sgd", "--lr", "1.0")
 CLIPPED = (*SGD, "--clip-grad", str(CLIP))
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _curve_on_rank(rank, world, argv):
     return [(h["loss"], h["grad_norm"], h["dropped_frac"]) for h in pretrain(parse_args(argv))]
 

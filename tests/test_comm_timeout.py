@@ -92,14 +92,6 @@ def test_ep2_stalled_peer_ends_the_other_rank_with_the_timeout_error():
 
 # ----------------------------------------------------------------------------- DP2, the trainer
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]

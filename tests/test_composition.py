@@ -25,14 +25,6 @@ COMBOS = list(itertools.product(SCHEDULES, (False, True), LANCET))
 REFUSED: dict = {}          # (schedule, lina, lancet) -> the two flags its error names
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def flags(schedule: str, lina: bool, lancet: str) -> list[str]:
     # the planner predicts no gain for this tiny model: partition its MoE range in 2 parts anyway
     return ["--moe-schedule", schedule, "--lancet-force-partitions", "2"] + (["--lina"] if lina else []) + LANCET[lancet]

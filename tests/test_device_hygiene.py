@@ -132,14 +132,6 @@ def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float
     return res.stdout
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def test_meta_run_makes_unplaced_tensors_meta(tmp_path):
     script = tmp_path / "where.py"
     script.write_text("import torch\nprint(torch.zeros(1).device, torch.zeros(1, device='cpu').device)\n")

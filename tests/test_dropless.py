@@ -150,14 +150,6 @@ def test_refused_combinations_name_both_flags():
 
 # ----------------------------------------------------------------------------- (e) the trainer
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _train(rank, world, argv):
     trainer = Trainer(parse_args(argv))
     hist = trainer.train()

@@ -11,14 +11,6 @@ from megatron_moe.training import pretrain
 from tiny_run import tiny_args
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _accumulator(log_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})

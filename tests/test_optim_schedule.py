@@ -18,14 +18,6 @@ from megatron_moe.training import Trainer, pretrain
 from tiny_run import tiny_args
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 # ----------------------------------------------------------------------------- LR schedule
 
 def _optim(style: str, warmup: int = 4, decay_iters: int = 14):

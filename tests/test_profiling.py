@@ -15,14 +15,6 @@ from tiny_run import tiny_args
 MOE_RANGES = ("moe/router", "moe/dispatch", "moe/experts", "moe/combine")
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _range_counts(path) -> Counter:
     with open(path) as f:
         events = json.load(f)["traceEvents"]

@@ -209,14 +209,6 @@ def test_a_config_mismatch_is_refused_before_any_tensor_is_read(tmp_path, flags,
 
 
 # ----------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 MODEL_FLAGS = {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--num-experts",
                "--moe-router-topk", "--moe-expert-capacity-factor", "--moe-min-capacity", "--moe-schedule"}
 

@@ -17,14 +17,6 @@ LAYOUTS = {"MP2xEP2": ("2", "2", "1"), "EP2xESP2": ("1", "2", "2")}
 ITERS, SPLIT = 6, 3
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _layout_args(layout):
     mp, ep, esp = LAYOUTS[layout]
     return ["--tensor-model-parallel-size", mp, "--expert-model-parallel-size", ep,

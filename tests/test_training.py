@@ -14,14 +14,6 @@ from tiny_run import tiny_args
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    from megatron_moe.data.preprocess import prepare_sample_data
-    prefix = str(tmp_path_factory.mktemp("data") / "sample")
-    prepare_sample_data(prefix, vocab_size=512)
-    return prefix
-
-
 def _train_on_rank(rank, world, argv):
     hist = pretrain(parse_args(argv))
     return [(h["loss"], h["grad_norm"], h["dropped_frac"]) for h in hist]
