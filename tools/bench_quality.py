@@ -22,6 +22,7 @@ moe-vs-dense  WikiText-2's validation split as the training data and its test sp
                 dense         4 blocks, FFN H = 4M
                 top1-e4/e8    top-1 routing over 4 / 8 experts of H = 4M
                 top2-e8-half  top-2 routing over 8 experts of H = 2M
+                *-dropless    the same with --moe-dropless (no capacity, nothing dropped; not in the default --models)
               Each (model, seed) is one Trainer run (with --log-json under --work-dir, which
               tools/plot_run.py draws). --json writes a list of objects with keys model, seed,
               tokens, valid_ppl, tokens_per_s, dropped_fraction, load_imbalance_final,
@@ -155,12 +156,15 @@ def print_reference(res: dict) -> None:
 
 
 # ============================================================================ moe vs dense
-MODELS = {   # name -> (num_experts, top-k, FFN multiple of M); every block MoE when experts > 0
-    "dense": (0, 1, 4),
-    "top1-e4": (4, 1, 4),
-    "top1-e8": (8, 1, 4),
-    "top2-e8-half": (8, 2, 2),
+MODELS = {   # name -> (num_experts, top-k, FFN multiple of M, dropless); every block MoE when experts > 0
+    "dense": (0, 1, 4, False),
+    "top1-e4": (4, 1, 4, False),
+    "top1-e8": (8, 1, 4, False),
+    "top2-e8-half": (8, 2, 2, False),
+    "top1-e4-dropless": (4, 1, 4, True),        # --moe-dropless: no capacity, nothing dropped
+    "top2-e8-half-dropless": (8, 2, 2, True),
 }
+DEFAULT_MODELS = ("dense", "top1-e4", "top1-e8", "top2-e8-half")
 
 
 def prepare_wikitext(wikitext_dir: str, work_dir: str, vocab_size: int) -> str:
@@ -187,8 +191,8 @@ def prepare_wikitext(wikitext_dir: str, work_dir: str, vocab_size: int) -> str:
 
 def model_flags(args, name: str, seed: int, data_prefix: str, log_json: str) -> list[str]:
     """Trainer flags of one (model, seed) run; all models share everything but the MoE settings."""
-    experts, topk, ffn_mult = MODELS[name]
-    return ["--data-path", data_prefix, "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+    experts, topk, ffn_mult, dropless = MODELS[name]
+    return [*(["--moe-dropless"] if dropless else []),"--data-path", data_prefix, "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
             "--ffn-hidden-size", str(ffn_mult * args.hidden_size), "--num-experts", str(experts),
             "--moe-layer-freq", "1", "--moe-router-topk", str(topk),
@@ -226,7 +230,7 @@ def run_one(args, name: str, seed: int, data_prefix: str) -> dict:
         evals = [r for r in map(json.loads, f) if r.get("split") == "valid"]
     m = cfg.model
     n_total = sum(p.numel() for p in trainer.model.parameters())
-    experts, topk, _ = MODELS[name]
+    experts, topk, _, _ = MODELS[name]
     expert_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".experts." in n)
     n_active = n_total - expert_params + (expert_params * topk // experts if experts else 0)
     tokens = len(history) * cfg.train.global_batch_size * m.seq_length
@@ -294,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     mvd.add_argument("--wikitext-dir", default=DEFAULT_WIKITEXT,
                      help="folder with wiki.valid.tokens and wiki.test.tokens (default ../shared/wikitext-2)")
     mvd.add_argument("--seeds", default="1,2", help="comma-separated seeds")
-    mvd.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    mvd.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     mvd.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary trained on the training split")
     mvd.add_argument("--num-layers", type=int, default=4)
     mvd.add_argument("--hidden-size", type=int, default=128)
