@@ -331,8 +331,8 @@ class Trainer:
                 per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + st["counts"].long()
         self.grad_sync.finish()
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
-        stats = torch.tensor([lm_sum / len(batches), aux_sum / len(batches), dropped, choices], dtype=torch.float64,
-                             device=self.device)
+        sums = [lm_sum / len(batches), aux_sum / len(batches), dropped, choices]
+        stats = torch.tensor(sums, device=self.device, dtype=torch.float64)
         stats = self.average_over_dp(stats)
         if self.cfg.train.check_for_nan_in_loss_and_grad:
             self.check_finite(float(stats[0]), norm)
@@ -376,8 +376,8 @@ class Trainer:
                 lm, _ = self.model(ids, labels)
             total, n = total + lm.item(), n + 1
         self.model.train()
-        loss = float(self.average_over_dp(torch.tensor([total / max(n, 1)], dtype=torch.float64,
-                                                        device=self.device))[0])
+        mean = torch.tensor([total / max(n, 1)], device=self.device, dtype=torch.float64)
+        loss = float(self.average_over_dp(mean)[0])
         rec = {"split": split, "iteration": self.iteration, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.logger.line(f" {split} at iteration {self.iteration:6d} | lm loss {loss:.4f} | ppl {rec['ppl']:.2f}")
         self.logger.record(rec, self.iteration)

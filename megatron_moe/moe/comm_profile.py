@@ -153,8 +153,8 @@ def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: 
 
 def _broadcast(ps: "ParallelState", model: CommModel, source: str) -> CommModel:
     names = [f"{op}@{kind}" for op, kind in _kinds(ps)]
-    vals = torch.tensor([[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0]
-                         for n in names], dtype=torch.float64, device=ps.device).reshape(len(names), 2)
+    rows = [[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0] for n in names]
+    vals = torch.tensor(rows, device=ps.device, dtype=torch.float64).reshape(len(names), 2)
     dist.broadcast(vals, src=0)
     vals = vals.cpu()
     return CommModel({n: AlphaBeta(float(vals[i, 0]), float(vals[i, 1])) for i, n in enumerate(names)}, source)
