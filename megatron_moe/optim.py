@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.comm_errors import guard
-from megatron_moe.layers.sharding import coords_of
+from megatron_moe.layers.sharding import coords_of, shard_spec
 
 
 def decays(name: str, p: torch.nn.Parameter) -> bool:
     """Whether weight decay applies: matrices only. Not biases (an expert bias is [E_l, H], one
     dim per expert), LayerNorm parameters, or the position table `wpe`."""
-    expert_bias = getattr(p, "_shard", None) is not None and p._shard.expert and p.dim() == 2
+    expert_bias = shard_spec(p).expert and p.dim() == 2
     return p.dim() >= 2 and name != "wpe" and not expert_bias
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -79,7 +80,7 @@ def global_grad_norm(model: torch.nn.Module, ps) -> float:
     for p in model.parameters():
         if p.grad is None:
             continue
-        kinds = frozenset("mp" if k == "mp_qkv" else k for _, k in p._shard.dims)
+        kinds = frozenset("mp" if k == "mp_qkv" else k for _, k in shard_spec(p).dims)
         if _owns(ps.global_rank, kinds, lay.mp, lay.ep, lay.esp):
             sq += p.grad.detach().double().pow(2).sum()
     if ps.layout.world_size > 1:

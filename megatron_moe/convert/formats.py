@@ -70,7 +70,7 @@ def hf_logit_diff(hf_model, ckpt: FullCheckpoint, no_drop: bool = False) -> floa
 def _hf_config(cfg: Config):
     from transformers import GPT2Config
     m = cfg.model
-    return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
+    return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings or m.seq_length, n_embd=m.hidden_size,
                       n_layer=m.num_layers, n_head=m.num_attention_heads,
                       n_inner=None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
                       activation_function="gelu_new", layer_norm_epsilon=m.layernorm_epsilon,

@@ -34,7 +34,8 @@ from megatron_moe.arguments import config_from_dict, validate
 from megatron_moe.checkpointing import (FORMAT_VERSION, TOKENIZER_DIR, copy_tokenizer, iter_dir, portable_config,
                                         resolve, sha256_file, shard_name, tokenizer_source)
 from megatron_moe.config import Config
-from megatron_moe.layers.sharding import ShardSpec, coords_key, coords_of, local_shape, shard_tensor, unshard_tensor
+from megatron_moe.layers.sharding import (ShardSpec, coords_key, coords_of, local_shape, shard_spec, shard_tensor,
+                                          unshard_tensor)
 
 CONSOLIDATED_FORMAT = "megatron_moe.consolidated"
 
@@ -93,7 +94,7 @@ def structure_specs(cfg: Config) -> dict:
     m.hidden_size, m.ffn_hidden_size = m.num_attention_heads, 1
     m.seq_length = m.max_position_embeddings = m.vocab_size = m.make_vocab_size_divisible_by = 1
     tiny.moe.comm_profile = None
-    return {n: p._shard for n, p in GPT2MoE(tiny, local_state()).named_parameters()}
+    return {n: shard_spec(p) for n, p in GPT2MoE(tiny, local_state()).named_parameters()}
 
 
 def seeded_rng_state(seed: int) -> torch.Tensor:
@@ -211,7 +212,8 @@ def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: boo
                     raise ValueError(f"checkpoint shard {shard}: {k} has shape {tuple(t.shape)}, expected {expect}")
                 slot[key] = t
             rngs.append({k: _get(f, shard, k) for k in keys if k.startswith("rng/")})
-    model, optim = {}, {}
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
     for (name, state), slices in pieces.items():
         first = next(iter(slices.values()))
         full = first if first.dim() == 0 and state else unshard_tensor(slices, specs[name])
@@ -354,7 +356,8 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
 def build_model(cfg: Config, full: dict, no_drop: bool = False):
     """A one-process eval-mode GPT2MoE (one routing group per batch) holding the full state.
 
-    `no_drop` raises every MoE layer's capacity factor to E so that no token is dropped.
+    `no_drop` builds it dropless (every routed choice kept, baseline schedule; all schedules
+    are equal on one process), so that no token is dropped.
     """
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.layers.sharding import load_full_state
@@ -363,17 +366,16 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
     one.parallel.tensor_model_parallel_size = one.parallel.expert_model_parallel_size = 1
     one.parallel.expert_sharding_parallel_size = 1
     one.moe.comm_profile = None
+    if no_drop:                            # dropless routing: every choice is kept
+        one.moe.moe_dropless, one.moe.moe_schedule = True, "baseline"
     model = GPT2MoE(one, local_state(), routing_groups=1).eval()
     load_full_state(model, full, local_state())
-    if no_drop:
-        for layer in model.moe_layers():
-            layer.cf = float(max(layer.num_experts, 1))
     return model
 
 
 def fixed_batch(cfg: Config, batch: int = 2, length: int = 16) -> torch.Tensor:
     """The --verify batch: token ids [batch, T] (T = min(length, seq length)) from a seed-0 generator."""
-    T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings)
+    T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings or cfg.model.seq_length)
     return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator(device="cpu").manual_seed(0),
                          device="cpu")     # the one-process CPU reference of --verify
 

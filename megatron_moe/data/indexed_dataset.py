@@ -89,7 +89,7 @@ class IndexedDatasetBuilder:
         if arr.ndim != 1:
             raise ValueError(f"a sequence must be 1-D, got shape {arr.shape}")
         if arr.size and arr.dtype != self.dtype and np.issubdtype(self.dtype, np.integer):
-            info = np.iinfo(self.dtype)
+            info = np.iinfo(self.dtype)  # type: ignore[type-var]  # an integer dtype (checked above)
             if arr.min() < info.min or arr.max() > info.max:
                 raise ValueError(f"token ids in [{arr.min()}, {arr.max()}] do not fit "
                                  f"{self.dtype}; choose a wider dtype (see best_dtype)")
@@ -154,6 +154,10 @@ class MMapIndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike) -> None:
+        self._open(prefix)
+
+    def _open(self, prefix: str | os.PathLike) -> None:
+        """Check and memory-map the index and data files of `prefix`."""
         self.prefix = str(prefix)
         idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
         for p in (idx_path, bin_path):
@@ -263,7 +267,7 @@ class MMapIndexedDataset:
         return self.prefix
 
     def __setstate__(self, prefix: str) -> None:
-        self.__init__(prefix)
+        self._open(prefix)
 
     def __len__(self) -> int:
         """Number of sequences N."""

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
@@ -119,7 +120,7 @@ def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
     except Exception as e:  # offline, hub down, ...: name the flag and say why
         raise HubUnavailable(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
                              f"failed ({type(e).__name__}: {e})") from e
-    out = {}
+    out: dict[str, tuple[str, Records]] = {}
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
             # rows are the file's lines, newline kept, except blank lines which are "": put
@@ -153,6 +154,11 @@ def _directory_sources(d: Path, keys: Sequence[str]) -> dict[str, tuple[str, Rec
     return out
 
 
+def _slice_of(recs: Records, lo: int, hi: int) -> Iterator[dict[str, str]]:
+    """Documents lo..hi-1 of `recs` (one split of a single file)."""
+    return islice(recs(), lo, hi)
+
+
 def _single_file_sources(path: Path, keys: Sequence[str],
                          split: Sequence[float]) -> dict[str, tuple[str, Records]]:
     """Cut one file's documents into contiguous train/valid/test blocks by percentage."""
@@ -164,7 +170,7 @@ def _single_file_sources(path: Path, keys: Sequence[str],
     n = sum(1 for _ in recs())
     cum = np.cumsum(np.asarray(split, dtype=np.float64)) / float(sum(split))
     bounds = [0] + [int(round(c * n)) for c in cum]
-    out = {}
+    out: dict[str, tuple[str, Records]] = {}
     for i, s in enumerate(SPLITS):
         lo, hi = bounds[i], bounds[i + 1]
         if split[i] == 0:
@@ -173,7 +179,7 @@ def _single_file_sources(path: Path, keys: Sequence[str],
             raise ValueError(f"--split {split}: the {s} split of {path} gets no documents "
                              f"({n} in the file)")
         out[s] = (f"{path} [{s}: documents {lo}..{hi - 1}]",
-                  lambda lo=lo, hi=hi: islice(recs(), lo, hi))
+                  partial(_slice_of, recs, lo, hi))
     return out
 
 
@@ -186,7 +192,7 @@ def resolve_sources(input_path: str | None, dataset: str | None, json_keys: Sequ
         if dataset not in WIKITEXT_DATASETS:
             raise ValueError(f"--dataset {dataset}: expected one of {', '.join(WIKITEXT_DATASETS)}")
         return _hf_wikitext(dataset)
-    p = Path(input_path)
+    p = Path(str(input_path))
     if p.is_dir():
         return _directory_sources(p, json_keys)
     return _single_file_sources(p, json_keys, split)
@@ -287,7 +293,7 @@ def preprocess(output_prefix: str, *, input_path: str | None = None,
     try:
         if tok is None:
             texts = (v for r in sources["train"][1]() for v in r.values())
-            tok = train_bpe(texts, vocab_size)
+            tok = train_bpe(texts, int(vocab_size or 0))  # checked above: given with --train-tokenizer
             save_tokenizer(tok, tmp / f"{out.name}_tokenizer")
         dtype = best_dtype(tok.vocab_size)
         result = PreprocessResult(str(out), tok.name if tokenizer_name_or_path else
@@ -413,7 +419,8 @@ def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_
                 f"{'s are' if len(missing) > 1 else ' is'} missing; a WikiText directory needs "
                 f"wiki.train, wiki.valid and wiki.test")
         for f in files.values():
-            _check_file(f, flag)
+            if f is not None:
+                _check_file(f, flag)
     prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
     tok_dir = f"{output_prefix}_tokenizer"
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and (
@@ -434,5 +441,5 @@ def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_
     except HubUnavailable as e:
         raise ValueError(f"{flag}: cannot load {source.dataset} from the Hugging Face hub "
                          f"({e.__cause__.__class__.__name__}: {e.__cause__}); "
-                         f"{_download_hint(source.dataset)}") from e
+                         f"{_download_hint(str(source.dataset))}") from e
     return res, False

@@ -96,7 +96,8 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset, consumed_sa
                                   ) -> HostDataLoader:
     """A DataLoader over `dataset` driven by `PretrainingSampler`; each batch is the default
     collation of B items, e.g. {"tokens": int64 [B, seq_length + 1]} for a GPTDataset."""
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+    num_samples = len(dataset)  # type: ignore[arg-type]  # a map-style dataset: sized
+    sampler = PretrainingSampler(num_samples, consumed_samples, micro_batch_size,
                                  global_batch_size, dp_rank, dp_size)
     return HostDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                           persistent_workers=num_workers > 0)
@@ -135,4 +136,6 @@ def build_train_valid_test_data_loaders(
         loaders.append(build_pretraining_data_loader(ds, consumed, micro_batch_size,
                                                      global_batch_size, dp_rank, dp_size,
                                                      num_workers))
-    return loaders[0], loaders[1], loaders[2]
+    train = loaders[0]
+    assert train is not None               # train_samples > 0 was checked above
+    return train, loaders[1], loaders[2]

@@ -85,7 +85,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    return Tokenizer(tok, tok.token_to_id(EOD_TOKEN), name="trained byte-level BPE")
+    eod = tok.token_to_id(EOD_TOKEN)
+    assert eod is not None                 # a special token of the trainer
+    return Tokenizer(tok, eod, name="trained byte-level BPE")
 
 
 def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> None:
@@ -122,10 +124,10 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
     except Exception as e:  # hub unreachable, bad directory, ...: say which flag and why
         raise ValueError(f"--tokenizer-name-or-path {name_or_path}: could not load it with "
                          f"transformers.AutoTokenizer ({type(e).__name__}: {e})") from e
-    eod = hf.eos_token_id
-    if eod is None:
-        eod = hf.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in hf.get_vocab() else None
-    if eod is None:
+    hf_eod: Any = hf.eos_token_id
+    if hf_eod is None:
+        hf_eod = hf.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in hf.get_vocab() else None
+    if hf_eod is None:
         raise ValueError(f"--tokenizer-name-or-path {name_or_path}: the tokenizer has no "
                          f"end-of-document token (no eos_token and no {EOD_TOKEN})")
-    return Tokenizer(hf, int(eod), name=str(name_or_path))
+    return Tokenizer(hf, int(hf_eod), name=str(name_or_path))

@@ -15,7 +15,7 @@ def _apex_layer_norm():
     if not torch.cuda.is_available():
         return None
     try:
-        from apex.normalization import FusedLayerNorm  # type: ignore
+        from apex.normalization import FusedLayerNorm
         return FusedLayerNorm
     except Exception:
         return None

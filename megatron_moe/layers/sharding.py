@@ -31,6 +31,25 @@ class ShardSpec:
 Coords = dict  # kind -> (rank, size)
 
 
+def tag(p: torch.nn.Parameter, spec: ShardSpec, full_shape) -> None:
+    """Attach the split of `p` (its `ShardSpec`) and the shape of the full tensor to the parameter."""
+    setattr(p, "_shard", spec)
+    setattr(p, "_full_shape", tuple(full_shape))
+
+
+def shard_spec(p: torch.Tensor) -> ShardSpec:
+    """The `ShardSpec` a parameter was tagged with (`tag`); KeyError-like ValueError when untagged."""
+    spec = getattr(p, "_shard", None)
+    if not isinstance(spec, ShardSpec):
+        raise ValueError(f"parameter of shape {tuple(p.shape)} has no shard spec (built outside make_param?)")
+    return spec
+
+
+def full_shape(p: torch.Tensor) -> tuple:
+    """The full (unsplit) shape a parameter was tagged with."""
+    return tuple(getattr(p, "_full_shape"))
+
+
 def coords_of(rank: int, mp: int, ep: int, esp: int) -> Coords:
     """Group coordinates of a global rank under the layout of docs/DESIGN.md "Ranks and groups"."""
     return {"mp": (rank % mp, mp), "esp": (rank % esp, esp), "ep": ((rank // esp) % ep, ep)}
@@ -130,7 +149,7 @@ def local_pieces(model: torch.nn.Module, ps: "ParallelState", what: str = "param
     coords = rank_coords(ps)
     for name, p in model.named_parameters():
         t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
-        out[name] = (coords_key(coords, p._shard), t.detach().cpu().clone())
+        out[name] = (coords_key(coords, shard_spec(p)), t.detach().cpu().clone())
     return out
 
 
@@ -165,7 +184,7 @@ def load_full_state(model: torch.nn.Module, full: dict, ps: "ParallelState") -> 
         for name, p in model.named_parameters():
             if name not in full:
                 raise KeyError(f"parameter {name} missing from the full state")
-            src = shard_tensor(full[name], p._shard, coords)
+            src = shard_tensor(full[name], shard_spec(p), coords)
             if src.shape != p.shape:
                 raise ValueError(f"{name}: slice {tuple(src.shape)} does not fit parameter {tuple(p.shape)}")
             p.copy_(src)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group, gather_from_group,
                                                   reduce_from_group)
-from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor
+from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor, tag
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -33,12 +33,11 @@ def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState",
     full = make_full(full_shape, init, seed, name)
     coords = {k: (ps.rank(k), ps.size(k)) for k in ("mp", "ep", "esp")}
     p = nn.Parameter(shard_tensor(full, spec, coords).to(device if device is not None else ps.device))
-    p._shard = spec
-    p._full_shape = tuple(full_shape)
+    tag(p, spec, full_shape)
     return p
 
 
-def _linear(mod: nn.Module, x: torch.Tensor, bias) -> torch.Tensor:
+def _linear(mod: "ColumnParallelLinear | RowParallelLinear", x: torch.Tensor, bias) -> torch.Tensor:
     """F.linear with the module's weight, or its dW queue's linear that defers the weight gradient."""
     if mod.dw_queue is None:
         return F.linear(x, mod.weight, bias)

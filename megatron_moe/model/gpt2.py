@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import copy_to_group
 from megatron_moe.layers.fused import gelu_tanh, layer_norm
-from megatron_moe.layers.sharding import InitSpec, ShardSpec
+from megatron_moe.layers.sharding import InitSpec, ShardSpec, tag
 from megatron_moe.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                 make_param, vocab_parallel_cross_entropy)
 from megatron_moe.moe.layer import MoELayer
@@ -142,8 +142,7 @@ class GPT2MoE(nn.Module):
         self.runners: dict[int, Callable] = {}
         for p in self.parameters():           # LayerNorms: replicated, deterministic init
             if not hasattr(p, "_shard"):
-                p._shard = ShardSpec()
-                p._full_shape = tuple(p.shape)
+                tag(p, ShardSpec(), p.shape)
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.blocks if b.is_moe]
