@@ -1,16 +1,20 @@
 """Render docs/img/profile_timeline.png: the named ranges of one iteration, two ranks.
 
     python docs/img/make_profile_timeline.py [--out docs/img/profile_timeline.png]
+    sudo python docs/img/make_profile_timeline.py --emulated 200mbit   # the published one
 
 Trains a small GPT-2 MoE for 3 iterations on 2 CPU processes (gloo, expert parallel 2,
 Lina on), profiles iteration 3 on both ranks with --profile, and draws the
 `moe/*`, `lina/*` and `train/step` ranges of each rank's Chrome trace as a timeline.
+With `--emulated RATE` the two processes run as two emulated nodes, one process each
+(scripts/emulate_cluster.sh, needs root), joined by a link shaped to RATE.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -30,7 +34,7 @@ def _train(rank: int, world: int, argv: list[str]) -> None:
     pretrain(parse_args(argv))
 
 
-def make_traces(work: str) -> list[str]:
+def make_traces(work: str, emulated: str | None = None) -> list[str]:
     from megatron_moe.data.preprocess import prepare_sample_data
     from megatron_moe.testing import spawn
     data = os.path.join(work, "sample")
@@ -42,11 +46,17 @@ def make_traces(work: str) -> list[str]:
             "--train-iters", "3", "--eval-interval", "0", "--eval-iters", "1", "--lina",
             "--lina-partition-mb", "0.05", "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
             "--profile-ranks", "0", "1", "--profile-dir", prof]
-    spawn(_train, 2, argv, timeout=600)
+    if emulated is None:
+        spawn(_train, 2, argv, timeout=600)
+    else:
+        cmd = ["bash", os.path.join(ROOT, "scripts", "emulate_cluster.sh"), "--nodes", "2", "--procs-per-node", "1",
+               "--inter-node-rate", emulated, "--timeout", "600", "--",
+               os.path.join(ROOT, "pretrain_gpt_moe.py"), *argv]
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ROOT})
     return [os.path.join(prof, f) for f in sorted(os.listdir(prof))]
 
 
-def draw(traces: list[str], out: str) -> None:
+def draw(traces: list[str], out: str, emulated: str | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,7 +79,8 @@ def draw(traces: list[str], out: str) -> None:
         ax.set_ylabel(f"rank {r}", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
     axes[-1].set_xlabel("ms since the start of the profiled iteration")
-    axes[0].set_title("One iteration, EP=2 on 2 CPU processes (gloo), Lina on: "
+    where = (f"2 emulated nodes x 1 process, {emulated} link" if emulated else "2 CPU processes")
+    axes[0].set_title(f"One iteration, EP=2 on {where} (gloo), Lina on: "
                       "forward then backward; Lina micro-ops launch between all-to-alls", fontsize=9)
     fig.tight_layout()
     tmp = out + ".tmp.png"
@@ -80,9 +91,11 @@ def draw(traces: list[str], out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "profile_timeline.png"))
+    ap.add_argument("--emulated", metavar="RATE", default=None,
+                    help="run as 2 emulated nodes x 1 process with this inter-node rate (e.g. 200mbit; root)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        draw(make_traces(work), args.out)
+        draw(make_traces(work, args.emulated), args.out, args.emulated)
     print(args.out)
 
 
