@@ -152,7 +152,7 @@ class OptimConfig:
 
     optimizer: str = opt("adamw", "optimizer", choices=["adamw", "sgd"])
     lr: float = opt(1e-3, "peak learning rate")
-    min_lr: float = opt(1e-4, "final learning rate of the decay")
+    min_lr: float = opt(0.0, "final learning rate of the decay (Megatron-LM's default 0)")
     lr_warmup_iters: int = opt(20, "linear warmup iterations")
     lr_decay_style: str = opt("cosine", "decay after warmup", choices=["cosine", "linear", "constant"])
     lr_decay_iters: Optional[int] = opt(None, "decay length (default --train-iters)")
