@@ -87,7 +87,7 @@ def _is_cuda(device: Union[torch.device, str, None]) -> bool:
 def side_stream(device: Union[torch.device, str, None], name: str) -> Optional["torch.cuda.Stream"]:
     """The side stream `name` of a CUDA device (one per (device, name), created on first use);
     None on any other device."""
-    if not _is_cuda(device):
+    if device is None or not _is_cuda(device):
         return None
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -99,7 +99,9 @@ def side_stream(device: Union[torch.device, str, None], name: str) -> Optional["
 
 def current_stream(device: Union[torch.device, str, None]) -> Optional["torch.cuda.Stream"]:
     """The calling thread's current stream on a CUDA device; None on any other device."""
-    return torch.cuda.current_stream(torch.device(device)) if _is_cuda(device) else None
+    if device is None or not _is_cuda(device):
+        return None
+    return torch.cuda.current_stream(torch.device(device))
 
 
 def use(stream: Optional["torch.cuda.Stream"]):
