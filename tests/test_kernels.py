@@ -2,6 +2,7 @@
 present, else on CPU tensors under TRITON_INTERPRET=1, which tests/conftest.py sets): token permute (dispatch), unpermute with combine weights (combine), and top-k
 softmax gating with capacity slots (the router's `route`), top-1 and top-2, with drops and dropless."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,13 +12,22 @@ from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity, route
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = [
+NEEDS_TRITON = [
     pytest.mark.skipif(not kernels.HAVE_TRITON, reason=f"triton is not importable ({kernels.TRITON_ERROR}): "
                                                        "pip install -r requirements-gpu.txt"),
     pytest.mark.skipif(DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                        reason="no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton loads)"),
 ]
 S, E, M = 150, 6, 40         # S > one token block (64): the slot scan carries counts across blocks
+
+
+
+
+def needs_triton(fn):
+    """The skip conditions of a test that runs the kernels."""
+    for mark in NEEDS_TRITON:
+        fn = mark(fn)
+    return fn
 
 
 CPU = torch.device("cpu")     # the torch references run here (on a GPU machine they would take the Triton path)
@@ -39,12 +49,14 @@ def _dev(*ts: torch.Tensor):
     return [t.to(DEV) for t in ts]
 
 
+@needs_triton
 def test_use_triton_only_for_cuda_tensors():
     assert kernels.use_triton(torch.zeros(1, device=CPU)) is False
     if DEV.type == "cuda":
         assert kernels.use_triton(torch.zeros(1, device=DEV)) is True
 
 
+@needs_triton
 @pytest.mark.parametrize("k", [1, 2])
 def test_permute_equals_torch_dispatch_forward_and_backward(k):
     r = _route(k, 0.5)
@@ -63,6 +75,7 @@ def test_permute_equals_torch_dispatch_forward_and_backward(k):
     assert torch.equal(x_tri.grad.cpu(), x_ref.grad)          # <= 2 fp32 adds onto zero per token: exact
 
 
+@needs_triton
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("cf", [0.5, 0.0])             # 0.0: dropless
 def test_unpermute_equals_torch_combine_forward_and_backward(k, cf):
@@ -85,6 +98,7 @@ def test_unpermute_equals_torch_combine_forward_and_backward(k, cf):
     torch.testing.assert_close(w_tri.grad.cpu(), w_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("cf", [0.5, 1.0, 0.0])
 def test_topk_gating_equals_the_router_forward_and_backward(k, cf):
@@ -107,6 +121,16 @@ def test_topk_gating_equals_the_router_forward_and_backward(k, cf):
     torch.testing.assert_close(leaf_tri.grad.cpu(), leaf_ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@needs_triton
 def test_topk_gating_refuses_k_3():
     with pytest.raises(ValueError, match="--moe-router-topk must be 1 or 2, got 3"):
         kernels.topk_gating(_logits(0).to(DEV), 3, 10)
+
+
+def test_requirements_gpu_repeats_the_gpu_extra():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    root = Path(__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["gpu"]
+    lines = [ln.split("#", 1)[0].strip() for ln in (root / "requirements-gpu.txt").read_text().splitlines()]
+    assert [ln for ln in lines if ln and not ln.startswith("-r ")] == extra == ["triton>=2.3"]
