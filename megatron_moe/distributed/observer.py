@@ -37,6 +37,9 @@ and after a `torch.cuda.synchronize()` by `CommLog.finish_step()`, at the end
 of a step) then sets `launch` / `finish` from the events' `elapsed_time` to an
 anchor event taken once after a synchronize, on the `perf_counter` timeline.
 `completed(event)` asks without blocking (Lina's gate must use it on CUDA).
+Under TORCH_NCCL_BLOCKING_WAIT=1 (`wait()` blocks the host) the end event of an
+asynchronous collective is recorded at the caller's `Work.wait()` instead, and
+an asynchronous all-reduce ended by its future stays unresolved.
 On the CPU (gloo) an event finishes when its `Work` completes, as described
 above. Listeners (`a2a_end`) are told at the host-side end on both devices.
 
@@ -57,6 +60,7 @@ bucket), '' (anything else). A thread sets them with `with tagged('lina', ...)`.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -296,6 +300,8 @@ class CudaTiming:
 
 _ANCHOR: list = [None]              # (perf_counter seconds, Marker): one point on both clocks
 _NCCL: dict[int, bool] = {}         # id(group) -> runs on NCCL
+# with TORCH_NCCL_BLOCKING_WAIT, work.wait() blocks the host: no early wait on the observer stream
+_BLOCKING_WAIT = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true")
 
 
 def _on_nccl(group) -> bool:
@@ -337,6 +343,8 @@ def _record_completion(token: Optional["_Token"], works: Optional[list]) -> None
         return
     if works is None:
         timing.end = streams.record_event(torch.cuda.current_stream(), timing=True)
+        return
+    if _BLOCKING_WAIT:          # wait() would block the host here: the end is recorded at the caller's wait
         return
     side = streams.side_stream(torch.device("cuda", torch.cuda.current_device()), f"observer-{token.group}")
     with streams.use(side):
