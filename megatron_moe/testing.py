@@ -2,7 +2,8 @@
 
 `spawn(fn, world_size, *args)` starts `world_size` processes, initializes
 torch.distributed (gloo, free port, one thread per process), calls
-`fn(rank, world_size, *args)` in each, and returns the list of the values the
+`fn(rank, world_size, *args)` in each (`backend="nccl"`: NCCL, rank r on GPU r,
+for tests/gpu/), and returns the list of the values the
 ranks returned (rank order). An exception in any child is re-raised in the
 parent with the child's traceback; a run that exceeds `timeout` seconds is
 killed and reported as a TimeoutError.
@@ -30,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str = "gloo") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -39,7 +40,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     torch.set_num_threads(1)
     ok = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -53,7 +56,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             pass
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo") -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results.
 
     `fn` must be a module-level function (it is pickled to the children).
@@ -61,7 +64,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

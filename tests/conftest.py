@@ -12,10 +12,15 @@ test which spawns processes is marked `multiprocess` and that every name below e
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton's kernels on CPU tensors (tests/test_kernels.py): the interpreter must be chosen before
+# triton is first imported (triton.language's own jit functions are made then), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # subprocesses (tools/*.py, torchrun) import this checkout's package whether or not it is installed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -70,6 +75,7 @@ MARKS: dict[str, dict[str, object]] = {
         "test_parallel_state.py": {"test_process_groups_reduce_over_the_layout_groups"},
         "test_parm_schedules.py": ALL,
         "test_saa_events.py": ALL,
+        "test_streams.py": {"test_collective_waited_on_a_lane_finishes_before_its_consumer_launches"},
         "test_training.py": {"test_golden_curve_matches_one_process",
                              "test_resume_reproduces_the_uninterrupted_curve_exactly",
                              "test_loading_under_another_layout_names_the_conversion_tool",

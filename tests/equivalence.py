@@ -92,7 +92,7 @@ def run_layout(cfg: Config, mp: int, ep: int, esp: int, use_hooks: bool = False,
                 opt.zero_grad(set_to_none=True)
             ids, labels = global_batch(ps.size("dp"), seed=step)
             with CommTracer() as tracer:
-                lm, aux = model(ids[sl], labels[sl])
+                lm, aux = model(ids[sl].to(ps.device), labels[sl].to(ps.device))
                 loss = lm + aux
                 loss.backward()
             if sync is not None:

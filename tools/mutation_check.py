@@ -67,13 +67,13 @@ MUTATIONS: tuple[Mutation, ...] = (
       "SAA made sequential: chunk i's MP all-gather is started and waited for before chunk i+1's "
       "all-to-all is issued (AAS in chunks; same values, no overlap)",
       "megatron_moe/distributed/saa.py",
-      "            pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...\n"
-      "        gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers",
-      "            gathers.append((start_gather(recv, a, b), a, b))\n"
-      "            _wait(gathers[-1][0][1])\n"
-      "            pending = start_a2a(*bounds[i + 1])\n"
-      "        else:\n"
-      "            gathers.append((start_gather(recv, a, b), a, b))",
+      "                pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...\n"
+      "            gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers",
+      "                gathers.append((start_gather(recv, a, b), a, b))\n"
+      "                _wait(gathers[-1][0][1], \"all_gather\", mp_group)\n"
+      "                pending = start_a2a(*bounds[i + 1])\n"
+      "            else:\n"
+      "                gathers.append((start_gather(recv, a, b), a, b))",
       (T + "test_saa_sends_the_next_chunk_before_gathering_the_previous_one", "tests/test_saa_overlap.py")),
     M("lina_imminent_ignored",
       "Lina: an imminent all-to-all (backward reached the combine step) no longer closes the gate",

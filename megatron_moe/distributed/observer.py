@@ -23,20 +23,55 @@ that refuses to launch between the two sees exactly the logged intervals.
 `a2a_queued()` (the dispatcher's combine step in backward: an all-to-all is
 about to be issued) stamps the `queued` time of the next all-to-all.
 
+Completion, not enqueue (CUDA). An NCCL collective "returns" when it is
+enqueued; its bytes move later, on NCCL's stream. For a collective on an NCCL
+group, `begin` records a timed CUDA event on the caller's stream (the
+collective cannot start before it: NCCL's stream waits for the caller's stream
+at launch), and its completion is a timed event recorded on a per-group
+observer side stream after that stream waited on the collective's work
+(`work.wait()` under `streams.use(side)`: the GPU waits, the host does not;
+a synchronous collective: on the caller's stream, which already waited on it).
+Such an event's `launch` is its enqueue time and its `finish` stays None (in
+flight) until the end event has completed; `resolve` (called by `snapshot`,
+and after a `torch.cuda.synchronize()` by `CommLog.finish_step()`, at the end
+of a step) then sets `launch` / `finish` from the events' `elapsed_time` to an
+anchor event taken once after a synchronize, on the `perf_counter` timeline.
+`completed(event)` asks without blocking (Lina's gate must use it on CUDA).
+Under TORCH_NCCL_BLOCKING_WAIT=1 (`wait()` blocks the host) the end event of an
+asynchronous collective is recorded at the caller's `Work.wait()` instead, and
+an asynchronous all-reduce ended by its future stays unresolved.
+On the CPU (gloo) an event finishes when its `Work` completes, as described
+above. Listeners (`a2a_end`) are told at the host-side end on both devices.
+
+Lina's communicators (the rule its scheduler follows): every Lina micro-op of
+a group (dp, expert-dp) goes through ONE dedicated communicator per group, a
+second process group over the same ranks that nothing else uses
+(`ps.new_groups("lina_dp", ps.layout.dp_groups)`, idem "lina_expert_dp",
+created on every rank in the same order), issued by one thread in the queue's
+submission order, which is the same on every rank. NCCL requires every rank to
+issue the operations of a communicator in the same order; sharing the dp group
+with GradSync or with the main thread would let timing interleave two issuers
+differently on different ranks (a hang), and one communicator per group keeps
+the micro-ops of dp and expert-dp from queuing behind each other.
+
 Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync
 bucket), '' (anything else). A thread sets them with `with tagged('lina', ...)`.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed import streams
 
 ACTIVE = False                      # a log or a listener is registered
 _LOGS: list["CommLog"] = []
@@ -127,9 +162,19 @@ class CommLog:
             self.events.clear()
 
     def snapshot(self) -> list[CommEvent]:
-        """A copy of the kept events (safe while another thread adds some)."""
+        """A copy of the kept events (safe while another thread adds some); CUDA-timed events whose
+        end event has completed get their GPU times first (`resolve`)."""
         with self._lock:
-            return list(self.events)
+            evs = list(self.events)
+        resolve(evs)
+        return evs
+
+    def finish_step(self) -> list[CommEvent]:
+        """End of a step: wait for the GPU (when CUDA is in use), then resolve every CUDA-timed
+        event; returns the snapshot."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return self.snapshot()
 
     @property
     def records(self) -> list[CommEvent]:
@@ -241,6 +286,109 @@ def overlapping(ops: list[CommEvent], a2a: CommEvent) -> list[CommEvent]:
     return [e for e in ops if e.launch <= hi_a and (e.finish is None or e.finish >= a2a.launch)]
 
 
+# ----------------------------------------------------------------------------- completion on CUDA
+
+@dataclass
+class CudaTiming:
+    """The CUDA events of one NCCL collective: `start` on the caller's stream before the launch,
+    `end` after its completion (None until recorded); `resolved` once launch/finish were set."""
+
+    start: streams.Marker
+    end: Optional[streams.Marker] = None
+    resolved: bool = False
+
+
+_ANCHOR: list = [None]              # (perf_counter seconds, Marker): one point on both clocks
+_NCCL: dict[int, bool] = {}         # id(group) -> runs on NCCL
+# with TORCH_NCCL_BLOCKING_WAIT, work.wait() blocks the host: no early wait on the observer stream
+_BLOCKING_WAIT = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true")
+
+
+def _on_nccl(group) -> bool:
+    """True when `group`'s collectives run on NCCL (complete on the GPU, after the call returns)."""
+    if isinstance(group, str) or not torch.cuda.is_available() or not dist.is_initialized():
+        return False
+    key = id(group)
+    if key not in _NCCL:
+        try:
+            _NCCL[key] = dist.get_backend(group) == "nccl"
+        except (RuntimeError, ValueError, TypeError, AttributeError):   # LOCAL_GROUP, a foreign object
+            _NCCL[key] = False
+    return _NCCL[key]
+
+
+def _anchor() -> tuple[float, streams.Marker]:
+    """The anchor of GPU times: an event recorded and waited for right after a synchronize, and the
+    host time then (taken once per process)."""
+    if _ANCHOR[0] is None:
+        torch.cuda.synchronize()
+        m = streams.record_event(torch.cuda.current_stream(), timing=True)
+        m.synchronize()
+        _ANCHOR[0] = (time.perf_counter(), m)
+    return _ANCHOR[0]
+
+
+def _cuda_start() -> CudaTiming:
+    _anchor()
+    return CudaTiming(streams.record_event(torch.cuda.current_stream(), timing=True))
+
+
+def _record_completion(token: Optional["_Token"], works: Optional[list]) -> None:
+    """CUDA: record the end event of `token`'s collective once: on the group's observer stream after
+    it waited on `works` (async), or on the caller's stream (`works` None: a synchronous call)."""
+    if token is None or token.event is None:
+        return
+    timing = token.event.info.get("cuda")
+    if not isinstance(timing, CudaTiming) or timing.end is not None:
+        return
+    if works is None:
+        timing.end = streams.record_event(torch.cuda.current_stream(), timing=True)
+        return
+    if _BLOCKING_WAIT:          # wait() would block the host here: the end is recorded at the caller's wait
+        return
+    side = streams.side_stream(torch.device("cuda", torch.cuda.current_device()), f"observer-{token.group}")
+    with streams.use(side):
+        for w in works:
+            w.wait()                 # NCCL: the side stream waits for the collective; the host does not
+        timing.end = streams.record_event(side, timing=True)
+
+
+def resolve_times(evs: Iterable[CommEvent], anchor_s: float,
+                  elapsed_ms: Callable[[streams.Marker], float]) -> int:
+    """Set launch / finish of every CUDA-timed event of `evs` whose end marker has completed, to
+    `anchor_s + elapsed_ms(marker) / 1e3`; returns how many were resolved."""
+    n = 0
+    for e in evs:
+        timing = e.info.get("cuda")
+        if not isinstance(timing, CudaTiming) or timing.resolved or timing.end is None or not timing.end.query():
+            continue
+        e.info.setdefault("enqueued", e.launch)
+        e.launch = anchor_s + elapsed_ms(timing.start) / 1e3
+        e.finish = anchor_s + elapsed_ms(timing.end) / 1e3
+        timing.resolved = True
+        n += 1
+    return n
+
+
+def resolve(evs: Iterable[CommEvent]) -> int:
+    """`resolve_times` against this process's anchor (no-op when no CUDA event was recorded)."""
+    if _ANCHOR[0] is None:
+        return 0
+    host, anchor = _ANCHOR[0]
+    return resolve_times(evs, host, lambda m: anchor.cuda.elapsed_time(m.cuda))
+
+
+def completed(ev: Optional[CommEvent]) -> bool:
+    """Has the collective of `ev` completed? CUDA-timed: its end event has (never blocks); else:
+    its finish was stamped."""
+    if ev is None:
+        return False
+    timing = ev.info.get("cuda")
+    if isinstance(timing, CudaTiming):
+        return timing.end is not None and timing.end.query()
+    return ev.finish is not None
+
+
 # ----------------------------------------------------------------------------- hooks for collectives
 
 def _refresh() -> None:
@@ -312,6 +460,8 @@ def begin(op: str, group, sent: int, recv: int = 0, remote_sent: int = 0) -> Opt
         queued = info.pop("queued", None)
         if op == "all_to_all":
             queued, _QUEUED[0] = _QUEUED[0], None
+        if _on_nccl(group):
+            info["cuda"] = _cuda_start()
         ev = CommEvent(next(_SEQ), op, name, int(sent), tag, "bwd" if _in_backward() else "fwd",
                        time.perf_counter(), queued=queued, info=info, recv=int(recv), remote_sent=int(remote_sent))
         for log in list(_LOGS):
@@ -327,8 +477,13 @@ def last_event() -> Optional[CommEvent]:
 
 
 def stamp_finish(ev: Optional[CommEvent]) -> None:
-    """Time-stamp the finish of an event (None is ignored)."""
-    if ev is not None and ev.finish is None:
+    """Time-stamp the finish of an event (None is ignored; a CUDA-timed one keeps the host time in
+    info["host_end"]: its finish is its end event's)."""
+    if ev is None:
+        return
+    if isinstance(ev.info.get("cuda"), CudaTiming):
+        ev.info.setdefault("host_end", time.perf_counter())
+    elif ev.finish is None:
         ev.finish = time.perf_counter()
 
 
@@ -337,6 +492,7 @@ def end(token: Optional[_Token]) -> None:
     if token is None or token.ended:
         return
     token.ended = True
+    _record_completion(token, None)       # CUDA, synchronous: the caller's stream waited on it
     stamp_finish(token.event)
     if token.op == "all_to_all":
         for listener in list(_A2A_LISTENERS):
@@ -350,6 +506,8 @@ def end_when_complete(token: Optional[_Token], work) -> None:
         return
     if work is None:
         end(token)
+    elif token.event is not None and isinstance(token.event.info.get("cuda"), CudaTiming):
+        _record_completion(token, [work])      # completion from CUDA events, not the future
     elif token.event is not None and not token.event.info.get("self_timed"):
         try:
             work.get_future().then(lambda _f: end(token))
@@ -364,6 +522,7 @@ class Work:
     def __init__(self, work, token: Optional[_Token]):
         self._works = work if isinstance(work, list) else [work]
         self._token = token
+        _record_completion(token, self._works)     # CUDA: the end event, recorded at launch time
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()

@@ -25,7 +25,14 @@ How the two operations run at once:
     has its own worker thread and its own connections.
   CUDA (NCCL): the all-to-all chunk is a batch of isend/irecv (NCCL runs it on
     its point-to-point stream), the all-gather is an asynchronous collective on
-    the MP group's stream; `work.wait()` orders each against the compute stream.
+    the MP group's stream. The whole chunk pipeline (piece copies, `work.wait()`
+    of each all-to-all, the local combine, the all-gathers, the assembly) is
+    issued on the side stream "saa" (`streams.on_side`), which first waits for
+    the caller's stream (the send buffer is produced there); the caller's stream
+    waits on the side stream once, at the end, instead of at every chunk, so no
+    chunk's wait stalls compute queued behind it. Tensors allocated inside live
+    and die on the side stream (stream-ordered reuse); `out` is allocated on the
+    caller's stream and read there only after that final wait.
 `p2p=True` forces the isend/irecv form on CPU too (tests use it to check it).
 """
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import observer
+from megatron_moe.distributed import observer, streams
 from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, group_size
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.profiling import annotate
@@ -124,15 +131,18 @@ def a2a_combine_gather(send_DLNM: torch.Tensor, a2a_group, mp_group, n_esp: int,
     bounds = _chunks(N, chunks) if overlap else [(0, N)]
     if N == 0:
         bounds = [(0, 0)]
-    pending = start_a2a(*bounds[0])
-    gathers = []
-    for i, (a, b) in enumerate(bounds):
-        recv, work = pending
-        _wait(work, "all_to_all", a2a_group)
-        if i + 1 < len(bounds):
-            pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...
-        gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers
-    for (parts, work), a, b in gathers:
-        _wait(work, "all_gather", mp_group)
-        out[:, :, a:b] = torch.stack(parts)
+    dev = send_DLNM.device
+    with streams.on_side(dev, "saa") as side:
+        pending = start_a2a(*bounds[0])
+        gathers = []
+        for i, (a, b) in enumerate(bounds):
+            recv, work = pending
+            _wait(work, "all_to_all", a2a_group)          # on CUDA: the side stream waits, not the host
+            if i + 1 < len(bounds):
+                pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...
+            gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers
+        for (parts, work), a, b in gathers:
+            _wait(work, "all_gather", mp_group)
+            out[:, :, a:b] = torch.stack(parts)
+    streams.wait_stream(streams.current_stream(dev), side)     # the caller reads `out` after the pipeline
     return out

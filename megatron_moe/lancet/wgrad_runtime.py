@@ -44,20 +44,34 @@ decided by the plan (the same on every rank) and the autograd graph.
 The all-to-alls come from the dispatchers (`moe/dispatcher.py`), which get the
 runtime with `set_dw_queue`: their asynchronous handles (`moe/a2a.py`) open the
 window when they launch the gradient's all-to-all and call `fill` before
-waiting; S2's synchronous all-to-alls start the runnable dW GEMMs on a helper
-thread before they communicate (gloo and NCCL calls release the GIL) and join
-it after (`start_window_async` / `finish_window_async`).
+waiting; S2's synchronous all-to-alls start the runnable dW GEMMs on a side
+lane before they communicate and join it after (`start_window_async` /
+`finish_window_async`).
+
+Streams (`distributed/streams.py`): a window opened by an asynchronous handle
+opens after its all-to-all was launched, so `fill` enqueues the dW GEMMs on the
+caller's stream behind the launch and they overlap it. S2's window opens
+*before* its all-to-all is launched: GEMMs enqueued there on the caller's stream
+would sit ahead of the all-to-all, and NCCL's stream waits for everything
+enqueued on the caller's stream at launch, so they would delay it instead of
+overlapping it. They go to the "lancet-dw" `Lane`: on CUDA a side stream
+(which waits for the caller's stream, where g and x were produced; the caller's
+stream waits on it in `finish_window_async`, and the dW results are
+record_stream-ed there; the closures keep their inputs alive until then), on
+the CPU one helper thread (gloo calls release the GIL). `window_ms` on CUDA is
+the host time to enqueue them, not GPU time.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from megatron_moe.distributed import streams
 
 
 @dataclass
@@ -179,7 +193,7 @@ class WgradRuntime:
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)   # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._callback_queued = False
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._lane: Optional[streams.Lane] = None     # where S2-window dW runs (side stream / helper thread)
 
     # ------------------------------------------------------------------ forward side
     def linear(self, name: str) -> Callable:
@@ -254,13 +268,13 @@ class WgradRuntime:
         return n
 
     def start_window_async(self, a2a: str):
-        """Start the runnable dW GEMMs (with `a2a`'s) on the helper thread; `finish_window_async` joins."""
+        """Start the runnable dW GEMMs (with `a2a`'s) on the dW lane; `finish_window_async` joins."""
         self.open_window(a2a)
         items, self._pool = self._pool, []
         if not items:
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lancet-dw")
+        if self._lane is None:
+            self._lane = streams.Lane(items[0].param.device, "lancet-dw")
 
         def compute_all():
             t0 = time.perf_counter()
@@ -269,14 +283,14 @@ class WgradRuntime:
             self.stats.helper_intervals.append((t0, t1))
             return out, 1e3 * (t1 - t0)
 
-        return items, self._executor.submit(compute_all)
+        return items, self._lane.submit(compute_all)
 
     def finish_window_async(self, handle) -> None:
-        """Join the helper thread's dW GEMMs and accumulate them (main thread)."""
+        """Join the dW lane's GEMMs (the caller's stream waits for them) and accumulate them (main thread)."""
         if handle is None:
             return
-        items, fut = handle
-        grads, ms = fut.result()
+        items, pending = handle
+        grads, ms = pending.wait()
         for item, d in zip(items, grads):
             self._accumulate(item, d)
         self.stats.in_window += len(items)
@@ -299,10 +313,10 @@ class WgradRuntime:
         return sum(len(v) for v in self._queue.values()) + len(self._pool)
 
     def close(self) -> None:
-        """Stop the helper thread (if one was started)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the dW lane's helper thread (if one was started)."""
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
 
     # ------------------------------------------------------------------ accumulation
     def _run(self, item: DeferredDW) -> None:

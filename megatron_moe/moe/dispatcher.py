@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_moe import kernels
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
@@ -76,11 +77,15 @@ def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base
 
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
     """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere (differentiable)."""
+    if kernels.use_triton(x_SM):       # CUDA + triton: the fused permute (kernels/permute.py)
+        return kernels.permute(x_SM, idx.token, idx.row, num_rows)
     return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy(0, idx.row, x_SM.index_select(0, idx.token))
 
 
 def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's kept rows of buf [R, M]."""
+    if kernels.use_triton(buf_RM):     # CUDA + triton: the fused unpermute (kernels/permute.py)
+        return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
     return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add(0, idx.token, rows)
 

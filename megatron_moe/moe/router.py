@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn as nn
 
+from megatron_moe import kernels
 from megatron_moe.distributed.collectives import copy_to_group
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
@@ -202,11 +203,15 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: in
     coefficient); `z_loss` is already multiplied by `z_loss_coeff`.
     """
     S, E = logits.shape
-    gates, expert = choose_experts(logits, k, policy, generator)
     cap = S if dropless else capacity(S, E, k, capacity_factor, min_capacity)
+    z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
+    if policy == "position" and kernels.use_triton(logits):     # CUDA + triton: fused gating (kernels/gating.py)
+        gates, expert, slot, weight = kernels.topk_gating(logits, k, cap)
+        aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
+        return RouteResult(expert, slot, weight, cap, aux, z, torch.bincount(expert[slot >= 0], minlength=E), gates)
+    gates, expert = choose_experts(logits, k, policy, generator)
     pos = slot_positions(expert, E, token_order(gates, expert, policy))
     aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
-    z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
     return finish_route(gates, expert, pos, cap, aux, z)
 
 

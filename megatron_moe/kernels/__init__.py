@@ -1,0 +1,35 @@
+"""Fused kernels of the MoE hot path (Triton), used on CUDA when `triton` is importable.
+
+  permute / unpermute   token dispatch into the expert-major buffer and the weighted
+                        combine back (`kernels/permute.py`)
+  topk_gating           softmax, top-k and capacity slots of the router (`kernels/gating.py`)
+
+`use_triton(t)` is the one switch the call sites (`moe/dispatcher.py`'s
+`dispatch` / `combine`, `moe/router.py`'s `route`) read: True when triton is
+importable, `t` is a CUDA tensor and MEGATRON_MOE_NO_TRITON is not set to 1.
+Otherwise the torch path runs. The kernels also run on CPU tensors under
+`TRITON_INTERPRET=1` (how the tests compare them with the torch path); never
+a hard requirement: `triton` is in requirements-gpu.txt only.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from megatron_moe.kernels.gating import topk_gating
+    from megatron_moe.kernels.permute import permute, unpermute
+    HAVE_TRITON = True
+    TRITON_ERROR = ""
+except ImportError as e:           # no triton on this machine: the torch path only
+    HAVE_TRITON = False
+    TRITON_ERROR = str(e)
+
+__all__ = ["HAVE_TRITON", "TRITON_ERROR", "permute", "topk_gating", "unpermute", "use_triton"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernels for tensor `t`: triton importable, `t` on CUDA, not disabled by
+    MEGATRON_MOE_NO_TRITON=1."""
+    return HAVE_TRITON and t.is_cuda and os.environ.get("MEGATRON_MOE_NO_TRITON", "0") != "1"

@@ -1,0 +1,71 @@
+"""Top-k softmax gating with capacity slots as Triton kernels (the router's `route`, policy
+"position"), with a torch backward.
+
+Legend: S tokens of one routing group, E experts, k choices (1 or 2), C capacity.
+
+  topk_gating(logits [S, E], k, C) -> gates [S, E] fp32, expert [S, k], slot [S, k] (-1: dropped),
+                                      weight [S, k] fp32
+
+Three kernels: softmax + top-k (parallel over token blocks), capacity slots (one
+program scans the tokens in order, a cumulative count per expert carried from
+block to block, so slots are positions in token order as `moe/router.py`
+defines them), combine weights (parallel). Backward recomputes
+softmax -> gather -> renormalize with torch autograd from the saved logits and
+the (non-differentiable) expert / slot choices.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_moe.kernels import _triton as tk
+
+BLOCK_S = 64
+
+
+def gating_weights(logits_SE: torch.Tensor, expert_Sk: torch.Tensor, slot_Sk: torch.Tensor):
+    """(gates [S, E] fp32, weight [S, k]) from logits and the choices, in torch (the backward's graph):
+    the same formulas as `moe/router.py`'s `choose_experts` / `finish_route`."""
+    gates = torch.softmax(logits_SE.float(), dim=-1)
+    g = gates.gather(1, expert_Sk) * (slot_Sk >= 0)
+    if expert_Sk.size(1) == 2:
+        g = g / g.sum(dim=1, keepdim=True).clamp(min=torch.finfo(g.dtype).eps)
+    return gates, g
+
+
+class _TopkGating(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_SE, k: int, cap: int):
+        logits_SE = logits_SE.contiguous()
+        S, E = logits_SE.shape
+        dev = logits_SE.device
+        gates = torch.empty((S, E), dtype=torch.float32, device=dev)
+        expert = torch.empty((S, k), dtype=torch.int64, device=dev)
+        slot = torch.empty((S, k), dtype=torch.int64, device=dev)
+        weight = torch.empty((S, k), dtype=torch.float32, device=dev)
+        if S:
+            kern, block_e, blocks = tk.jitted(), tk.next_power_of_2(E), (-(-S // BLOCK_S),)
+            kern.softmax_topk[blocks](logits_SE, gates, expert, S, E, K=k, BLOCK_S=BLOCK_S, BLOCK_E=block_e)
+            kern.capacity_slots[(1,)](expert, slot, S, cap, K=k, BLOCK_S=BLOCK_S, BLOCK_E=block_e)
+            kern.combine_weights[blocks](gates, expert, slot, weight, S, E, torch.finfo(torch.float32).eps,
+                                         K=k, BLOCK_S=BLOCK_S)
+        ctx.save_for_backward(logits_SE, expert, slot)
+        ctx.mark_non_differentiable(expert, slot)
+        return gates, expert, slot, weight
+
+    @staticmethod
+    def backward(ctx, g_gates, _g_expert, _g_slot, g_weight):
+        logits, expert, slot = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_(True)
+            gates, weight = gating_weights(leaf, expert, slot)
+            torch.autograd.backward([gates, weight], [g_gates, g_weight])
+        return leaf.grad, None, None
+
+
+def topk_gating(logits_SE: torch.Tensor, k: int, capacity: int):
+    """(gates [S, E] fp32, expert [S, k] int64, slot [S, k] int64 with -1 where dropped, weight [S, k]
+    fp32): the router's top-k gating with capacity `capacity`, policy "position" (differentiable in
+    the logits through gates and weight)."""
+    if k not in (1, 2):
+        raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
+    return _TopkGating.apply(logits_SE, k, int(capacity))
