@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.cost import atomic_write_json
-from megatron_moe.lancet.model_ir import token_group_kind
-from megatron_moe.lancet.partitioned_moe import PartitionedRange
+from megatron_moe.lancet.model_ir import range_axes, token_group_kind
+from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
 from megatron_moe.lancet.planner import LancetPlan, make_plan
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.model.gpt2 import GPT2MoE
@@ -66,6 +66,11 @@ def counts_group(ps: ParallelState):
     return ps.group("ep_counts")
 
 
+def _ranged_elsewhere(x: torch.Tensor):
+    """Runner of a block an earlier partitioned range already ran whole: passes its output on."""
+    return x, None
+
+
 class LancetController:
     """Owns what Lancet installed on a model; see the module docstring."""
 
@@ -73,6 +78,7 @@ class LancetController:
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
         self.timings: dict[int, deque] = {}          # MoE block -> forward ms of its partitioned range
+        self.range_runners: dict[int, PartitionedRange] = {}
         self._handles: list = []
         self._runners: list[int] = []                # blocks given a runner
         self._queued: list = []                      # modules given the dW queue
@@ -102,24 +108,38 @@ class LancetController:
 
     def _install_partitions(self, plan: LancetPlan) -> None:
         blocks = self.model.blocks
-        ranged = {r.layer: r for r in plan.ranges}
-        skip = {r.layer + 1 for r in plan.ranges if r.end == "next_attn"}
-        for r in plan.ranges:
-            if not blocks[r.layer].is_moe:
-                raise ValueError(f"Lancet range {r} does not start in an MoE block")
-            if r.end == "next_attn" and r.layer + 1 >= len(blocks):
-                raise ValueError(f"Lancet range {r} ends in block {r.layer + 1}, which does not exist")
+        is_moe = [b.is_moe for b in blocks]
+        if self.model.cfg.model.dropout and plan.ranges:
+            raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
+        owner: dict[int, str] = {}                   # block -> what runs it: "range" / "whole"
+        skip: set[int] = set()                       # blocks whose attention half a range ran
+        cover = {}
+        for r in sorted(plan.ranges, key=lambda r: r.layer):
+            tail, attn_next = covered_blocks(r, is_moe)
+            cover[r.layer] = (tail, attn_next)
             if r.start == "attn" and r.layer in skip:
                 raise ValueError(f"Lancet range {r} starts at an attention the previous range already runs")
-            if self.model.cfg.model.dropout:
-                raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
+            for l in [r.layer] + tail + ([attn_next] if attn_next is not None else []):
+                if l in owner:
+                    raise ValueError(f"Lancet range {r} runs block {l}, which another range already runs")
+            owner[r.layer] = "range"
+            owner.update({l: "whole" for l in tail})
+            if attn_next is not None:
+                skip.add(attn_next)
+        ranged = {r.layer: r for r in plan.ranges}
+        axes = {l: range_axes(self.model, r) for l, r in ranged.items()}   # all solved before anything is set
         for l, block in enumerate(blocks):
             if l in ranged:
                 r = ranged[l]
+                tail, attn_next = cover[l]
                 self.timings[l] = deque(maxlen=1000)
-                self.model.set_block_runner(l, PartitionedRange(
-                    block, blocks[l + 1] if r.end == "next_attn" else None, r, l in skip,
-                    self.part_dispatcher(block.moe), self.timings[l]))
+                self.range_runners[l] = runner = PartitionedRange(
+                    block, r, l in skip, self.part_dispatcher(block.moe), self.timings[l],
+                    [(j, blocks[j]) for j in tail], (attn_next, blocks[attn_next]) if attn_next is not None else None,
+                    axes[l])
+                self.model.set_block_runner(l, runner)
+            elif owner.get(l) == "whole":
+                self.model.set_block_runner(l, _ranged_elsewhere)
             elif l in skip:
                 self.model.set_block_runner(l, block.ffn_residual)
             else:
@@ -185,6 +205,11 @@ class LancetController:
         for r in d["ranges"]:
             t = self.timings.get(r["layer"], [])
             r["measured_forward_ms"] = statistics.median(t) if t else None
+            runner = self.range_runners.get(r["layer"])
+            if runner is not None and runner.axes is not None:   # CP-SAT's dim and the runtime's, per op
+                r["axes"] = {op: {"tensor": t_, "dims": list(dims), "solved": dim,
+                                  "runtime": runner.used_axes.get(op)}
+                             for op, (t_, dims, dim) in runner.axes.ops.items()}
         d["measured_iteration_ms"] = measured_iter_ms
         d["stats"] = self.stats()
         return d
