@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import deque
 from typing import Optional
 
@@ -44,7 +45,8 @@ from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
 from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
-from megatron_moe.lancet.planner import LancetPlan, make_plan
+from megatron_moe.lancet.planner import (LancetPlan, candidate_plans, fit_contention, fitted_ms, make_plan,
+                                         overlapped_ms, top_candidates)
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
@@ -225,17 +227,104 @@ class LancetController:
         return d
 
 
+def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int,
+                  grad_sync=None) -> dict:
+    """name -> ms of forward + backward of `model` with each plan installed (the slowest rank's median
+    of `iters` timed iterations after one untimed round; collective, the same on every rank).
+
+    The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
+    hits all alike. The model is left as it was: gradients None, the routers' call counters and
+    the RNG states restored, `grad_sync`'s hooks held back (`accumulating`) while measuring.
+    """
+    if iters < 1:
+        raise ValueError(f"--lancet-measure-iters must be >= 1 to measure, got {iters}")
+    dev = model.wte.weight.device
+    g = torch.Generator(device="cpu").manual_seed(4321)          # host draw: the same ids on every rank
+    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    calls = [layer.router.calls for layer in model.moe_layers()]
+    held = grad_sync.accumulating if grad_sync is not None else None
+    if grad_sync is not None:
+        grad_sync.accumulating = True
+    names = list(plans)
+    samples: dict = {n: [] for n in names}
+    try:
+        for it in range(iters + 1):
+            for j in range(len(names)):
+                name = names[(it + j) % len(names)]
+                plan = plans[name]
+                ctl = LancetController(model, ps, opts, plan if (plan.ranges or plan.wgrad) else None).install()
+                if dist.is_initialized():
+                    dist.barrier()
+                t0 = time.perf_counter()
+                lm, aux = model(ids[:, :-1], ids[:, 1:])
+                ctl.backward(lm + aux)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                ms = 1e3 * (time.perf_counter() - t0)
+                ctl.remove()
+                model.zero_grad(set_to_none=True)
+                if it > 0:
+                    samples[name].append(ms)
+    finally:
+        if grad_sync is not None:
+            grad_sync.accumulating = held
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dev)
+        for layer, c in zip(model.moe_layers(), calls):
+            layer.router.calls = c
+    med = torch.tensor([statistics.median(samples[n]) for n in names], dtype=torch.float64, device=dev)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return dict(zip(names, med.cpu().tolist()))
+
+
+def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, *, grad_sync=None,
+                measured: Optional[dict] = None) -> LancetPlan:
+    """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
+    return the fastest measured, its `selection` recording every candidate's predicted, measured
+    and contention-fitted ms. `measured` (name -> ms) replaces the measurement of the plans it
+    names (tests; it must be the same on every rank). Ties keep "none"."""
+    names = top_candidates(plans, opts.lancet_candidates)
+    table = {n: float(measured[n]) for n in names if measured is not None and n in measured}
+    todo = {n: plans[n] for n in names if n not in table}
+    if todo:
+        table.update(measure_plans(model, ps, opts, todo, B, T, max(1, opts.lancet_measure_iters),
+                                   grad_sync))
+    best = min(names, key=lambda n: (table[n], names.index(n)))
+    fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
+    chosen = plans[best]
+    chosen.selection = {
+        "chosen": best, "measure_iters": opts.lancet_measure_iters,
+        "candidates": {n: {"predicted_ms": plans[n].predicted["iteration_ms"], "measured_ms": table[n],
+                           "fitted_ms": fitted_ms(plans[n], fit), "overlapped_ms": overlapped_ms(plans[n]),
+                           "source": "given" if n not in todo else "measured"} for n in names},
+        "contention": fit,
+        "prediction_error": (chosen.predicted["iteration_ms"] - table[best]) / table[best],
+        "fitted_error": (fitted_ms(chosen, fit) - table[best]) / table[best]}
+    return chosen
+
+
 def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None,
-          micro_batch: Optional[int] = None,
-          seq_length: Optional[int] = None, **plan_kwargs) -> LancetController:
+          micro_batch: Optional[int] = None, seq_length: Optional[int] = None, grad_sync=None,
+          measured: Optional[dict] = None, **plan_kwargs) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 
+    With --lancet-measure-iters > 0 (and no --lancet-force-partitions) the plan is the fastest
+    *measured* of the top candidates and "none" (`choose_plan`; `measured` injects times, and
+    `grad_sync`'s hooks are held back while measuring); with 0 it is `make_plan`'s.
     micro_batch / seq_length default to the model config's --micro-batch-size / --seq-length.
-    Extra keyword arguments go to `planner.make_plan` (costs=, comm=, profiler=).
+    Extra keyword arguments go to the planner (costs=, comm=, profiler=).
     """
     if plan is None and (opts.lancet_wgrad or opts.lancet_partition):
         cfg = model.cfg
         B = micro_batch or cfg.train.micro_batch_size
         T = seq_length or cfg.model.seq_length
-        plan = make_plan(model, ps, opts, B, T, **plan_kwargs)
+        if (opts.lancet_measure_iters > 0 or measured) and opts.lancet_force_partitions <= 1:
+            plans = candidate_plans(model, ps, opts, B, T, **plan_kwargs)
+            plan = choose_plan(model, ps, opts, plans, B, T, grad_sync=grad_sync, measured=measured)
+        else:
+            plan = make_plan(model, ps, opts, B, T, **plan_kwargs)
     return LancetController(model, ps, opts, plan).install()
