@@ -29,6 +29,11 @@ def test_fit_contention_recovers_known_constants():
     assert fit["scale"] == pytest.approx(1.25, rel=1e-9) and fit["contention"] == pytest.approx(0.4, rel=1e-9)
     assert max(abs(e) for e in fit["error_after"]) < 1e-12
     assert fit["error_before"][0] == pytest.approx(100 / 125 - 1)
+    pts = [(p, o, p + 5.0 * o) for p, o in ((100.0, 0.0), (90.0, 20.0), (80.0, 35.0))]
+    noisy = fit_contention(pts)
+    assert noisy["contention"] == 1.0                      # bounded: unconstrained it would be 5
+    want = sum(p * (m - o) / m ** 2 for p, o, m in pts) / sum(p * p / m ** 2 for p, o, m in pts)
+    assert noisy["scale"] == pytest.approx(want, rel=1e-12)   # the least-squares scale given contention 1
     only_none = fit_contention([(100.0, 0.0, 120.0)])       # nothing overlapped: the scale alone
     assert only_none["scale"] == pytest.approx(1.2) and only_none["contention"] == 0.0
     with pytest.raises(ValueError, match="positive predicted and measured"):

@@ -27,7 +27,8 @@ communication-computation contention from those measurements:
 where overlapped_ms is the all-to-all time the plan predicts hidden under compute
 (a2a_ms - a2a_exposed_ms): on CPU ranks gloo's all-to-alls take cycles from the
 compute they overlap, and profiling ops one at a time misses it. Least squares on
-relative errors; with no overlap among the candidates only `scale` is fitted.
+relative errors, the contention bounded to [0, 1] (an overlapped ms costs at most the ms
+it hides); with no overlap among the candidates only `scale` is fitted.
 
 A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
 one by hand (tests, benchmarks of fixed configurations).
@@ -271,10 +272,11 @@ def fit_contention(rows) -> dict:
     spm = sum(wi * p * m for wi, (p, _, m) in zip(w, rows))
     som = sum(wi * o * m for wi, (_, o, m) in zip(w, rows))
     det = spp * soo - spo * spo
-    if soo > 0 and det > 1e-12 * spp * soo:
-        scale, c = (spm * soo - som * spo) / det, (spp * som - spo * spm) / det
-    else:                                     # no overlap to learn from (or collinear): scale only
-        scale, c = spm / spp, 0.0
+    c = (spp * som - spo * spm) / det if soo > 0 and det > 1e-12 * spp * soo else 0.0
+    # 0 <= contention <= 1: an overlapped ms costs at most the ms it was meant to hide (noise on a
+    # shared machine must not turn a few ms of overlap into a factor); the scale is refitted given c
+    c = min(1.0, max(0.0, c))
+    scale = (spm - c * spo) / spp                # the first normal equation, given c
     before = [(p - m) / m for p, _, m in rows]
     after = [(scale * p + c * o - m) / m for p, o, m in rows]
     return {"scale": scale, "contention": c, "error_before": before, "error_after": after}
