@@ -27,8 +27,14 @@ What `setup` installs (through the modules' own hooks; nothing is replaced):
                       layer's stages, with the layer's --moe-schedule inside the parts; a
                       block whose attention the previous range ran runs its FFN half only.
                       Needs routing_groups == 1 and dropout 0.
-The plan comes from `planner.make_plan` (profiled, broadcast from rank 0) or
-is passed in (`plan=LancetPlan.manual(...)`).
+                      A range may run whole dense blocks after its MoE block (a runner that
+                      passes their input on is set on them) and the next block's attention.
+                      Every op splits along the dims CP-SAT solved for the range
+                      (`model_ir.range_axes`); the report lists solved and used dims per op.
+The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
+--lancet-measure-iters > 0, from `choose_plan`: the planner's candidates ("none" among
+them) are timed on the real model and the fastest measured is kept (never slower than
+the plain run, up to noise); or it is passed in (`plan=LancetPlan.manual(...)`).
 """
 from __future__ import annotations
 
