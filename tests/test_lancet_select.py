@@ -7,7 +7,8 @@ import torch
 
 from megatron_moe.config import OptimizationsConfig
 from megatron_moe.lancet.controller import choose_plan, measure_plans, setup
-from megatron_moe.lancet.planner import candidate_plans, fit_contention, overlapped_ms, top_candidates
+from megatron_moe.lancet.planner import (candidate_plans, fit_contention, overlapped_ms, pick_fastest,
+                                         top_candidates)
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import local_state
 from test_lancet_runtime import config, synthetic_costs
@@ -73,6 +74,7 @@ def test_planner_keeps_none_when_the_predicted_best_measures_slow(tmp_path):
     assert {n: c["predicted_ms"] for n, c in got["candidates"].items()} == \
         {n: p.predicted["iteration_ms"] for n, p in plans.items()}
     assert got["prediction_error"] == pytest.approx((plans["none"].predicted["iteration_ms"] - 10.0) / 10.0)
+    assert {n: c["ratio_to_none"] for n, c in got["candidates"].items()} == {n: t / 10.0 for n, t in table.items()}
 
 
 def test_planner_keeps_a_measured_faster_plan_and_ties_keep_none():
@@ -84,6 +86,19 @@ def test_planner_keeps_a_measured_faster_plan_and_ties_keep_none():
     tie = choose_plan(model, local_state(), opts, plans, 3, 8,
                       measured={"none": 10.0, "dw": 10.0, "partition": 10.0, "both": 10.0})
     assert tie.name == "none"
+
+
+def test_rounds_are_compared_pairwise_so_drifting_load_cancels():
+    # load grows round by round; "both" is 10 % slower than "none" in two of three rounds, yet its
+    # median (19) is below none's (20): the paired ratio keeps "none"
+    rounds = {"none": [10.0, 20.0, 30.0], "both": [11.0, 19.0, 33.0], "dw": [10.5, 21.0, 31.0]}
+    best, table, ratio = pick_fastest(rounds)
+    assert table == {"none": 20.0, "both": 19.0, "dw": 21.0}
+    assert best == "none" and ratio["both"] == pytest.approx(1.1) and ratio["dw"] == pytest.approx(1.05)
+    best, _, _ = pick_fastest({"none": [10.0, 20.0, 30.0], "both": [9.0, 18.0, 33.0]})
+    assert best == "both"                                  # 0.9, 0.9, 1.1
+    with pytest.raises(ValueError, match="needs 'none'"):
+        pick_fastest({"both": [1.0]})
 
 
 def test_measuring_leaves_the_model_as_it_was():
@@ -98,7 +113,7 @@ def test_measuring_leaves_the_model_as_it_was():
             costs, comm = synthetic_costs()
             plans = candidate_plans(model, local_state(), opts, 3, 8, costs=costs, comm=comm, broadcast=False)
             times = measure_plans(model, local_state(), opts, plans, 3, 8, 1)
-            assert sorted(times) == sorted(plans) and all(t > 0 for t in times.values())
+            assert sorted(times) == sorted(plans) and all(len(t) == 1 and t[0] > 0 for t in times.values())
             assert all(p.grad is None for p in model.parameters())
         lm, aux = model(ids[:, :-1], ids[:, 1:])
         return (lm + aux).item(), torch.rand(1).item(), [b.moe.router.calls for b in model.blocks if b.is_moe]

@@ -52,7 +52,7 @@ from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
 from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
 from megatron_moe.lancet.planner import (LancetPlan, candidate_plans, fit_contention, fitted_ms, make_plan,
-                                         overlapped_ms, top_candidates)
+                                         overlapped_ms, pick_fastest, top_candidates)
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
@@ -235,8 +235,9 @@ class LancetController:
 
 def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int,
                   grad_sync=None) -> dict:
-    """name -> ms of forward + backward of `model` with each plan installed (the slowest rank's median
-    of `iters` timed iterations after one untimed round; collective, the same on every rank).
+    """name -> ms of forward + backward of `model` with each plan installed, one value per timed
+    round (`iters` rounds after one untimed round; each the slowest rank's; collective, the same
+    on every rank).
 
     The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
     hits all alike. The model is left as it was: gradients None, the routers' call counters and
@@ -281,31 +282,32 @@ def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, 
             torch.cuda.set_rng_state(cuda_rng, dev)
         for layer, c in zip(model.moe_layers(), calls):
             layer.router.calls = c
-    med = torch.tensor([statistics.median(samples[n]) for n in names], dtype=torch.float64, device=dev)
+    per_round = torch.tensor([samples[n] for n in names], dtype=torch.float64, device=dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return dict(zip(names, med.cpu().tolist()))
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)       # each round's slowest rank
+    return {n: row for n, row in zip(names, per_round.cpu().tolist())}
 
 
 def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, *, grad_sync=None,
                 measured: Optional[dict] = None) -> LancetPlan:
     """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
-    return the fastest measured, its `selection` recording every candidate's predicted, measured
-    and contention-fitted ms. `measured` (name -> ms) replaces the measurement of the plans it
-    names (tests; it must be the same on every rank). Ties keep "none"."""
+    return the fastest measured (smallest median ratio to "none" over the rounds), its `selection`
+    recording every candidate's predicted, measured (median) and contention-fitted ms.
+    `measured` (name -> ms) replaces the measurement of the plans it names (tests; it must be
+    the same on every rank). Ties keep "none"."""
     names = top_candidates(plans, opts.lancet_candidates)
-    table = {n: float(measured[n]) for n in names if measured is not None and n in measured}
-    todo = {n: plans[n] for n in names if n not in table}
+    rounds = {n: [float(measured[n])] for n in names if measured is not None and n in measured}
+    todo = {n: plans[n] for n in names if n not in rounds}
     if todo:
-        table.update(measure_plans(model, ps, opts, todo, B, T, max(1, opts.lancet_measure_iters),
-                                   grad_sync))
-    best = min(names, key=lambda n: (table[n], names.index(n)))
+        rounds.update(measure_plans(model, ps, opts, todo, B, T, max(1, opts.lancet_measure_iters), grad_sync))
+    best, table, ratio = pick_fastest({n: rounds[n] for n in names})
     fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
     chosen = plans[best]
     chosen.selection = {
         "chosen": best, "measure_iters": opts.lancet_measure_iters,
         "candidates": {n: {"predicted_ms": plans[n].predicted["iteration_ms"], "measured_ms": table[n],
                            "fitted_ms": fitted_ms(plans[n], fit), "overlapped_ms": overlapped_ms(plans[n]),
+                           "ratio_to_none": ratio[n],
                            "source": "given" if n not in todo else "measured"} for n in names},
         "contention": fit,
         "prediction_error": (chosen.predicted["iteration_ms"] - table[best]) / table[best],

@@ -35,6 +35,7 @@ one by hand (tests, benchmarks of fixed configurations).
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -285,3 +286,19 @@ def fit_contention(rows) -> dict:
 def fitted_ms(plan: LancetPlan, fit: dict) -> float:
     """The plan's predicted iteration time corrected by a `fit_contention` result."""
     return fit["scale"] * plan.predicted["iteration_ms"] + fit["contention"] * overlapped_ms(plan)
+
+
+def pick_fastest(rounds: dict) -> tuple:
+    """(fastest name, name -> median ms, name -> ratio to "none") from name -> ms per round, in
+    candidate order ("none" first). Decided on the median over rounds of each plan's time over
+    "none"'s in the same round: the plans of a round run back to back, so load that drifts
+    between rounds on a shared machine cancels. Plans timed a different number of rounds
+    (injected times) compare their medians. Ties keep the earlier name ("none")."""
+    names = list(rounds)
+    if "none" not in rounds or any(not v for v in rounds.values()):
+        raise ValueError(f"pick_fastest needs 'none' and at least one time per plan, got {rounds}")
+    table = {n: statistics.median(rounds[n]) for n in names}
+    paired = all(len(rounds[n]) == len(rounds["none"]) for n in names)
+    ratio = {n: (statistics.median([a / b for a, b in zip(rounds[n], rounds["none"])]) if paired
+                 else table[n] / table["none"]) for n in names}
+    return min(names, key=lambda n: (ratio[n], names.index(n))), table, ratio
