@@ -274,10 +274,16 @@ class OptimizationsConfig:
     lancet_report: Optional[str] = opt(None, "write Lancet's plan and timings to this JSON file")
     lancet_force_partitions: int = opt(0, "Lancet: run every MoE block's range in this many parts whatever "
                                           "the planner predicts (tests, fixed benchmarks; 0: the planner decides)")
+    lancet_measure_iters: int = opt(3, "Lancet: before committing to a plan, time the best predicted plans and "
+                                       "'none' for this many iterations on the real model and keep the fastest "
+                                       "(0: trust the cost model)")
+    lancet_candidates: int = opt(2, "Lancet: how many of the best predicted plans --lancet-measure-iters times "
+                                    "beside 'none'")
 
     def __post_init__(self) -> None:
         check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,
-                            "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE})
+                            "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE,
+                            "lancet_measure_iters": NON_NEGATIVE, "lancet_candidates": AT_LEAST_ONE})
 
 
 @dataclass

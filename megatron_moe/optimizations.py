@@ -87,8 +87,12 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
         out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
                            f"held back around the all-to-alls of {n} MoE layers")
     if opts.lancet_wgrad or opts.lancet_partition:
-        out.lancet = lancet_setup(model, ps, opts)
+        out.lancet = lancet_setup(model, ps, opts, grad_sync=grad_sync)
         plan = out.lancet.plan
+        if plan.selection:
+            c = plan.selection["candidates"]
+            times = ", ".join(f"{n} {v['measured_ms']:.1f} ms" for n, v in c.items())
+            out.changes.append(f"lancet: measured {times}; kept {plan.selection['chosen']}")
         if plan.wgrad:
             n = sum(len(ws) for ws in plan.assignment.values())
             out.changes.append(f"lancet: {n} weight-gradient GEMMs deferred under all-to-alls")

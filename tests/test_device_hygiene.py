@@ -166,7 +166,7 @@ SMALL = ["--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size
          "--expert-model-parallel-size", "2", "--iters", "2", "--warmup", "1"]
 BENCH = {   # tool -> (extra flags, key of a row, the rows it must write)
     "bench_moe_layer.py": (["--schedules", "baseline,s1,s2"], "schedule", ["baseline", "s1", "s2"]),
-    "bench_lancet.py": ([], "mode", ["none", "dw", "partition", "both"]),
+    "bench_lancet.py": ([], "mode", ["none", "dw", "partition", "both", "auto"]),
     "bench_lina.py": (["--rounds", "1", "--partitions", "1"], "mode", ["alone", "no_lina", "lina"]),
 }
 

@@ -53,10 +53,11 @@ def synthetic_costs() -> tuple[Costs, CommCostModel]:
 
 
 def ranges_for(k: int, policy: str) -> list[RangeSpec]:
-    """The widest ranges the gate allows: from the attention when the gate can run per part."""
+    """The widest ranges the gate allows: from the attention when the gate can run per part; block 1's
+    range spans everything up to block 3's gate (dense block 2 with its FFN, block 3's attention)."""
     if k == 2 or policy == "batch_prioritized":
-        return [RangeSpec(1, "gate", "next_attn", 2), RangeSpec(3, "gate", "block", 3)]
-    return [RangeSpec(1, "attn", "next_attn", 2), RangeSpec(3, "ln2", "block", 3)]
+        return [RangeSpec(1, "gate", "dense_next_attn", 2), RangeSpec(3, "gate", "block", 3)]
+    return [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "block", 3)]
 
 
 def one_run(cfg: Config, ps, plan) -> dict:
@@ -173,7 +174,9 @@ def expected_runs(name: str, per_part_gate: bool) -> int:
         return 2
     if layer == 1 and ".attn." in name:
         return 2 if per_part_gate else 1
-    if layer == 2 and ".attn." in name:
+    if layer == 2:                      # dense block 2 (attention and FFN) inside block 1's range
+        return 2
+    if layer == 3 and ".attn." in name:  # block 3's attention closes block 1's range
         return 2
     if layer == 3 and ".moe." in name:
         return 3

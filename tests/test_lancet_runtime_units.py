@@ -172,11 +172,12 @@ def test_bad_ranges_and_knobs_are_clear_errors():
         RangeSpec(1, "gate", "block", 0)
     cfg = config(2, "position")
     model = GPT2MoE(cfg, local_state())
-    ctl = setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "attn", "block", 2)]))
-    ids = torch.randint(0, 100, (3, 8))
-    with pytest.raises(ValueError, match="must start at the gate"):
-        model(ids, ids)
-    ctl.remove()
+    with pytest.raises(ValueError, match=r"RangeSpec\(layer=1, start='attn', end='block', k=2\): CP-SAT finds no "
+                                         r"partition axes \(an op in it cannot be split\)"):
+        setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "attn", "block", 2)]))
+    assert model.runners == {}                       # nothing installed
+    with pytest.raises(ValueError, match="no dense block follows MoE block 3"):
+        setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(3, "gate", "dense", 2)]))
     cfg.model.dropout = 0.1
     with pytest.raises(ValueError, match="--hidden-dropout"):
         setup(GPT2MoE(cfg, local_state()), local_state(), cfg.opts,

@@ -24,6 +24,7 @@ iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -37,14 +38,15 @@ from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union
-from megatron_moe.lancet.controller import setup
+from megatron_moe.lancet.controller import choose_plan, setup
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
-from megatron_moe.lancet.planner import make_plan
+from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
-MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
+MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True),
+         "auto": (True, True)}
 
 
 def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
@@ -74,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_flags(p, ("model", "moe", "parallel", "train", "opts"), bench_defaults())
     a = p.add_argument
-    a("--modes", default="none,dw,partition,both")
+    a("--modes", default="none,dw,partition,both,auto")
     a("--warmup", type=int, default=3)
     a("--iters", type=int, default=10)
     a("--json", default=None, help="write the rows as JSON to this path")
@@ -100,9 +102,16 @@ def build_config(args, world: int) -> Config:
 
 
 def prepare(mode: str, cfg: Config, ps, costs, comm, B: int, T: int):
-    """Model (same seed in every mode), plan and installed controller of one mode."""
+    """Model (same seed in every mode), plan and installed controller of one mode. "auto" is what
+    the trainer does: the fastest *measured* of the top predicted plans and "none"
+    (`controller.choose_plan`, --lancet-measure-iters iterations each)."""
     wgrad, partition = MODES[mode]
     model = GPT2MoE(cfg, ps)
+    if mode == "auto":
+        opts = dataclasses.replace(cfg.opts, lancet_wgrad=True, lancet_partition=True)
+        plans = candidate_plans(model, ps, opts, B, T, costs=costs, comm=comm)
+        plan = choose_plan(model, ps, opts, plans, B, T)
+        return model, plan, setup(model, ps, cfg.opts, plan=plan if (plan.ranges or plan.wgrad) else None)
     plan = make_plan(model, ps, cfg.opts, B, T, wgrad=wgrad, partition=partition, costs=costs, comm=comm)
     return model, plan, setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
 
@@ -151,7 +160,11 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
                      "predicted_ms": round(plan.predicted["iteration_ms"], 3),
                      "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
                      "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
-                     "dw_assigned": sum(len(v) for v in plan.assignment.values())})
+                     "dw_assigned": sum(len(v) for v in plan.assignment.values()),
+                     "chosen": plan.selection.get("chosen"), "selection": plan.selection or None})
+    fit = next((r["selection"]["contention"] for r in rows if r["selection"]), None)
+    for r, m in zip(rows, modes):                 # the planner's contention fit applied to every mode's plan
+        r["fitted_ms"] = round(fitted_ms(setups[m][1], fit), 3) if fit is not None else None
     return rows
 
 
@@ -160,13 +173,22 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
     print(f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
-          f"{'pred err':>9} {'speedup':>8}  ranges")
+          f"{'pred err':>9} {'fitted err':>10} {'speedup':>8}  ranges")
     for r in rows:
         err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
+        ferr = f"{(r['fitted_ms'] - r['iter_ms_median']) / r['iter_ms_median']:>+10.0%}" if r["fitted_ms"] else \
+            f"{'-':>10}"
+        chosen = f" (kept {r['chosen']})" if r["chosen"] else ""
         print(f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['iter_ms_min']:>8.1f} {r['a2a_ms']:>9.1f} "
               f"{r['a2a_exposed_ms']:>15.1f} "
-              f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
-              f"{', '.join(r['ranges']) or '-'}")
+              f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
+              f"{', '.join(r['ranges']) or '-'}{chosen}")
+    sel = next((r["selection"] for r in rows if r["selection"]), None)
+    if sel:
+        fit = sel["contention"]
+        times = ", ".join(f"{n} {c['measured_ms']:.1f}" for n, c in sel["candidates"].items())
+        print(f"auto: measured {times} ms; kept {sel['chosen']}; contention fit scale {fit['scale']:.3f}, {fit['contention']:.3f} ms per "
+              f"overlapped ms")
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,8 @@ Runtime (uses process groups; works through the model's own stages and hooks):
   partitioned_moe `PartitionedRange`: the k-part pipelined block from the block's
                   halves, the layer's router and a dispatcher's async handles
   model_ir        profiled costs, the model's forward op list and CP-SAT IR
-  planner         `make_plan`: DP + CP-SAT + Algorithm 1 + predictions -> LancetPlan
-  controller      `setup(model, ps, opts) -> LancetController` (what `optimizations.apply` calls)
+  planner         `make_plan`: DP + CP-SAT + Algorithm 1 + predictions -> LancetPlan;
+                  `candidate_plans`, `fit_contention` (never slower)
+  controller      `setup(model, ps, opts) -> LancetController` (what `optimizations.apply` calls);
+                  `choose_plan` measures the candidates on the real model and keeps the fastest
 """

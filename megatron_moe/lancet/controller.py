@@ -27,13 +27,20 @@ What `setup` installs (through the modules' own hooks; nothing is replaced):
                       layer's stages, with the layer's --moe-schedule inside the parts; a
                       block whose attention the previous range ran runs its FFN half only.
                       Needs routing_groups == 1 and dropout 0.
-The plan comes from `planner.make_plan` (profiled, broadcast from rank 0) or
-is passed in (`plan=LancetPlan.manual(...)`).
+                      A range may run whole dense blocks after its MoE block (a runner that
+                      passes their input on is set on them) and the next block's attention.
+                      Every op splits along the dims CP-SAT solved for the range
+                      (`model_ir.range_axes`); the report lists solved and used dims per op.
+The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
+--lancet-measure-iters > 0, from `choose_plan`: the planner's candidates ("none" among
+them) are timed on the real model and the fastest measured is kept (never slower than
+the plain run, up to noise); or it is passed in (`plan=LancetPlan.manual(...)`).
 """
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import deque
 from typing import Optional
 
@@ -42,9 +49,10 @@ import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.cost import atomic_write_json
-from megatron_moe.lancet.model_ir import token_group_kind
-from megatron_moe.lancet.partitioned_moe import PartitionedRange
-from megatron_moe.lancet.planner import LancetPlan, make_plan
+from megatron_moe.lancet.model_ir import range_axes, token_group_kind
+from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
+from megatron_moe.lancet.planner import (LancetPlan, candidate_plans, fit_contention, fitted_ms, make_plan,
+                                         overlapped_ms, pick_fastest, top_candidates)
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
@@ -66,6 +74,11 @@ def counts_group(ps: ParallelState):
     return ps.group("ep_counts")
 
 
+def _ranged_elsewhere(x: torch.Tensor):
+    """Runner of a block an earlier partitioned range already ran whole: passes its output on."""
+    return x, None
+
+
 class LancetController:
     """Owns what Lancet installed on a model; see the module docstring."""
 
@@ -73,6 +86,7 @@ class LancetController:
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
         self.timings: dict[int, deque] = {}          # MoE block -> forward ms of its partitioned range
+        self.range_runners: dict[int, PartitionedRange] = {}
         self._handles: list = []
         self._runners: list[int] = []                # blocks given a runner
         self._queued: list = []                      # modules given the dW queue
@@ -102,24 +116,38 @@ class LancetController:
 
     def _install_partitions(self, plan: LancetPlan) -> None:
         blocks = self.model.blocks
-        ranged = {r.layer: r for r in plan.ranges}
-        skip = {r.layer + 1 for r in plan.ranges if r.end == "next_attn"}
-        for r in plan.ranges:
-            if not blocks[r.layer].is_moe:
-                raise ValueError(f"Lancet range {r} does not start in an MoE block")
-            if r.end == "next_attn" and r.layer + 1 >= len(blocks):
-                raise ValueError(f"Lancet range {r} ends in block {r.layer + 1}, which does not exist")
+        is_moe = [b.is_moe for b in blocks]
+        if self.model.cfg.model.dropout and plan.ranges:
+            raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
+        owner: dict[int, str] = {}                   # block -> what runs it: "range" / "whole"
+        skip: set[int] = set()                       # blocks whose attention half a range ran
+        cover = {}
+        for r in sorted(plan.ranges, key=lambda r: r.layer):
+            tail, attn_next = covered_blocks(r, is_moe)
+            cover[r.layer] = (tail, attn_next)
             if r.start == "attn" and r.layer in skip:
                 raise ValueError(f"Lancet range {r} starts at an attention the previous range already runs")
-            if self.model.cfg.model.dropout:
-                raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
+            for l in [r.layer] + tail + ([attn_next] if attn_next is not None else []):
+                if l in owner:
+                    raise ValueError(f"Lancet range {r} runs block {l}, which another range already runs")
+            owner[r.layer] = "range"
+            owner.update({l: "whole" for l in tail})
+            if attn_next is not None:
+                skip.add(attn_next)
+        ranged = {r.layer: r for r in plan.ranges}
+        axes = {l: range_axes(self.model, r) for l, r in ranged.items()}   # all solved before anything is set
         for l, block in enumerate(blocks):
             if l in ranged:
                 r = ranged[l]
+                tail, attn_next = cover[l]
                 self.timings[l] = deque(maxlen=1000)
-                self.model.set_block_runner(l, PartitionedRange(
-                    block, blocks[l + 1] if r.end == "next_attn" else None, r, l in skip,
-                    self.part_dispatcher(block.moe), self.timings[l]))
+                self.range_runners[l] = runner = PartitionedRange(
+                    block, r, l in skip, self.part_dispatcher(block.moe), self.timings[l],
+                    [(j, blocks[j]) for j in tail], (attn_next, blocks[attn_next]) if attn_next is not None else None,
+                    axes[l])
+                self.model.set_block_runner(l, runner)
+            elif owner.get(l) == "whole":
+                self.model.set_block_runner(l, _ranged_elsewhere)
             elif l in skip:
                 self.model.set_block_runner(l, block.ffn_residual)
             else:
@@ -185,6 +213,11 @@ class LancetController:
         for r in d["ranges"]:
             t = self.timings.get(r["layer"], [])
             r["measured_forward_ms"] = statistics.median(t) if t else None
+            runner = self.range_runners.get(r["layer"])
+            if runner is not None and runner.axes is not None:   # CP-SAT's dim and the runtime's, per op
+                r["axes"] = {op: {"tensor": t_, "dims": list(dims), "solved": dim,
+                                  "runtime": runner.used_axes.get(op)}
+                             for op, (t_, dims, dim) in runner.axes.ops.items()}
         d["measured_iteration_ms"] = measured_iter_ms
         d["stats"] = self.stats()
         return d
@@ -200,17 +233,106 @@ class LancetController:
         return d
 
 
+def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int,
+                  grad_sync=None) -> dict:
+    """name -> ms of forward + backward of `model` with each plan installed, one value per timed
+    round (`iters` rounds after one untimed round; each the slowest rank's; collective, the same
+    on every rank).
+
+    The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
+    hits all alike. The model is left as it was: gradients None, the routers' call counters and
+    the RNG states restored, `grad_sync`'s hooks held back (`accumulating`) while measuring.
+    """
+    if iters < 1:
+        raise ValueError(f"--lancet-measure-iters must be >= 1 to measure, got {iters}")
+    dev = model.wte.weight.device
+    g = torch.Generator(device="cpu").manual_seed(4321)          # host draw: the same ids on every rank
+    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    calls = [layer.router.calls for layer in model.moe_layers()]
+    held = grad_sync.accumulating if grad_sync is not None else None
+    if grad_sync is not None:
+        grad_sync.accumulating = True
+    names = list(plans)
+    samples: dict = {n: [] for n in names}
+    try:
+        for it in range(iters + 1):
+            for j in range(len(names)):
+                name = names[(it + j) % len(names)]
+                plan = plans[name]
+                ctl = LancetController(model, ps, opts, plan if (plan.ranges or plan.wgrad) else None).install()
+                if dist.is_initialized():
+                    dist.barrier()
+                t0 = time.perf_counter()
+                lm, aux = model(ids[:, :-1], ids[:, 1:])
+                ctl.backward(lm + aux)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                ms = 1e3 * (time.perf_counter() - t0)
+                ctl.remove()
+                model.zero_grad(set_to_none=True)
+                if it > 0:
+                    samples[name].append(ms)
+    finally:
+        if grad_sync is not None:
+            grad_sync.accumulating = held
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dev)
+        for layer, c in zip(model.moe_layers(), calls):
+            layer.router.calls = c
+    per_round = torch.tensor([samples[n] for n in names], dtype=torch.float64, device=dev)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)       # each round's slowest rank
+    return {n: row for n, row in zip(names, per_round.cpu().tolist())}
+
+
+def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, *, grad_sync=None,
+                measured: Optional[dict] = None) -> LancetPlan:
+    """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
+    return the fastest measured (smallest median ratio to "none" over the rounds), its `selection`
+    recording every candidate's predicted, measured (median) and contention-fitted ms.
+    `measured` (name -> ms) replaces the measurement of the plans it names (tests; it must be
+    the same on every rank). Ties keep "none"."""
+    names = top_candidates(plans, opts.lancet_candidates)
+    rounds = {n: [float(measured[n])] for n in names if measured is not None and n in measured}
+    todo = {n: plans[n] for n in names if n not in rounds}
+    if todo:
+        rounds.update(measure_plans(model, ps, opts, todo, B, T, max(1, opts.lancet_measure_iters), grad_sync))
+    best, table, ratio = pick_fastest({n: rounds[n] for n in names})
+    fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
+    chosen = plans[best]
+    chosen.selection = {
+        "chosen": best, "measure_iters": opts.lancet_measure_iters,
+        "candidates": {n: {"predicted_ms": plans[n].predicted["iteration_ms"], "measured_ms": table[n],
+                           "fitted_ms": fitted_ms(plans[n], fit), "overlapped_ms": overlapped_ms(plans[n]),
+                           "ratio_to_none": ratio[n],
+                           "source": "given" if n not in todo else "measured"} for n in names},
+        "contention": fit,
+        "prediction_error": (chosen.predicted["iteration_ms"] - table[best]) / table[best],
+        "fitted_error": (fitted_ms(chosen, fit) - table[best]) / table[best]}
+    return chosen
+
+
 def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None,
-          micro_batch: Optional[int] = None,
-          seq_length: Optional[int] = None, **plan_kwargs) -> LancetController:
+          micro_batch: Optional[int] = None, seq_length: Optional[int] = None, grad_sync=None,
+          measured: Optional[dict] = None, **plan_kwargs) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 
+    With --lancet-measure-iters > 0 (and no --lancet-force-partitions) the plan is the fastest
+    *measured* of the top candidates and "none" (`choose_plan`; `measured` injects times, and
+    `grad_sync`'s hooks are held back while measuring); with 0 it is `make_plan`'s.
     micro_batch / seq_length default to the model config's --micro-batch-size / --seq-length.
-    Extra keyword arguments go to `planner.make_plan` (costs=, comm=, profiler=).
+    Extra keyword arguments go to the planner (costs=, comm=, profiler=).
     """
     if plan is None and (opts.lancet_wgrad or opts.lancet_partition):
         cfg = model.cfg
         B = micro_batch or cfg.train.micro_batch_size
         T = seq_length or cfg.model.seq_length
-        plan = make_plan(model, ps, opts, B, T, **plan_kwargs)
+        if (opts.lancet_measure_iters > 0 or measured) and opts.lancet_force_partitions <= 1:
+            plans = candidate_plans(model, ps, opts, B, T, **plan_kwargs)
+            plan = choose_plan(model, ps, opts, plans, B, T, grad_sync=grad_sync, measured=measured)
+        else:
+            plan = make_plan(model, ps, opts, B, T, **plan_kwargs)
     return LancetController(model, ps, opts, plan).install()

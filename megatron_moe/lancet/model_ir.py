@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
-from megatron_moe.lancet.partitioned_moe import needs_whole_batch_gate
+from megatron_moe.lancet.partitioned_moe import RangeAxes, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.comm_profile import comm_model_for
@@ -273,14 +273,26 @@ def _block_axis_ops(p: str, x: str, out: str, moe: bool, whole_gate: bool, t: di
     return ops
 
 
-def build_model_ops(model, costs: Costs, sh: Shapes) -> ModelOps:
-    """The forward op list with costs, its AxisRange, and the supported range boundaries."""
+def _last_moe_before(model, l: int) -> Optional[int]:
+    """Index of the last MoE block before block l, None if there is none."""
+    return next((j for j in range(l - 1, -1, -1) if model.blocks[j].is_moe), None)
+
+
+def zero_costs(model) -> Costs:
+    """Costs of 0 ms for every op (for the op list's structure and axes alone)."""
+    zero = {"dense": {op: 0.0 for op in DENSE_OPS}, "moe": {op: 0.0 for op in MOE_OPS}}
+    return Costs(zero, {}, 0.0, 0.0, 0.0)
+
+
+def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
+    """The forward op list with costs, its AxisRange, and the supported range boundaries
+    (sh None: all-to-alls carry no byte count)."""
     tensors: dict = {"ids": ("B", "T"), "x0": ("B", "T", "M")}
     sim: list[SimOp] = [SimOp("embed", "compute", costs.embed_ms)]
     axis_ops = [AxisOp("embed", "elementwise", ("ids",), ("x0",))]
     spans = [(0, 1)]
     mo = ModelOps(sim, None, spans)
-    nbytes = sh.a2a_bytes()
+    nbytes = sh.a2a_bytes() if sh is not None else None
     for l, block in enumerate(model.blocks):
         j0, moe = len(sim), block.is_moe
         whole = moe and needs_whole_batch_gate(block.moe)
@@ -301,6 +313,14 @@ def build_model_ops(model, costs: Costs, sh: Shapes) -> ModelOps:
             mo.ends.setdefault(l, {})[len(sim)] = "block"
         if l > 0 and model.blocks[l - 1].is_moe:     # after this block's attn.proj: end of l-1's range
             mo.ends.setdefault(l - 1, {})[j0 + 4] = "next_attn"
+        prev = _last_moe_before(model, l)
+        if prev is not None and prev < l - 1:        # dense blocks prev+1..l-1 lie between two MoE blocks
+            if moe:
+                mo.ends.setdefault(prev, {})[j0] = "dense"
+                mo.ends[prev][j0 + 4] = "dense_next_attn"
+    prev = _last_moe_before(model, len(model.blocks))
+    if prev is not None and prev < len(model.blocks) - 1:   # dense blocks after the last MoE block
+        mo.ends.setdefault(prev, {})[len(sim)] = "dense"
     L = len(model.blocks)
     tensors["logits"] = ("B", "T", "V")
     sim.append(SimOp("head", "compute", costs.head_ms))
@@ -308,6 +328,36 @@ def build_model_ops(model, costs: Costs, sh: Shapes) -> ModelOps:
     axis_ops.append(AxisOp("head", "linear", (f"x{L}",), ("logits",), {"contract": "M", "out_dim": "V"}))
     mo.axis = AxisRange(tensors, axis_ops)
     return mo
+
+
+def op_span(mo: ModelOps, spec) -> tuple[int, int]:
+    """Op indices [lo, hi) of the RangeSpec `spec` (ValueError if the model has no such range)."""
+    lo = next((j for j, n in mo.starts.get(spec.layer, {}).items() if n == spec.start), None)
+    hi = next((j for j, n in mo.ends.get(spec.layer, {}).items() if n == spec.end), None)
+    if lo is None or hi is None:
+        raise ValueError(f"Lancet range {spec}: the model has no such range (starts {mo.starts.get(spec.layer)}, "
+                         f"ends {mo.ends.get(spec.layer)})")
+    return lo, hi
+
+
+def range_axes(model, spec, time_limit_s: float = 10.0) -> RangeAxes:
+    """CP-SAT's partition dims for the ops of `spec` in `model` (ValueError when it has none:
+    the range cannot be partitioned)."""
+    mo = build_model_ops(model, zero_costs(model), None)
+    lo, hi = op_span(mo, spec)
+    a, b = mo.axis_span[lo][0], mo.axis_span[hi - 1][1]
+    sol = solve_axes(mo.axis, a, b, time_limit_s)
+    if sol is None:
+        raise ValueError(f"Lancet range {spec}: CP-SAT finds no partition axes (an op in it cannot be split)")
+    dims = mo.axis.tensors
+    ops = {}
+    for j in range(lo, hi):
+        first = mo.axis.ops[mo.axis_span[j][0]]
+        t = first.inputs[0]
+        ops[mo.sim[j].name] = (t, dims[t], sol[t])
+    # the residual stream the runtime splits first: the block input (attn start) or its attention output
+    x = f"x{spec.layer}" if spec.start == "attn" else f"L{spec.layer}.h"
+    return RangeAxes((x, dims[x], sol[x]), ops)
 
 
 def runtime_range(mo: ModelOps, lo: int, hi: int) -> Optional[tuple[int, str, str]]:

@@ -9,8 +9,11 @@ the batch:
   start "attn"  block l's attention half, ln2, the gate, ... (per-part gate)
         "ln2"   ln2, the gate, ...                         (per-part gate)
         "gate"  the gate on the whole batch, then dispatch, ...
-  end   "block"     after the MoE output's residual add (block l's output)
-        "next_attn" also block l+1's attention half
+  end   "block"           after the MoE output's residual add (block l's output)
+        "next_attn"       also block l+1's attention half
+        "dense"           also every dense block up to the next MoE block (dense FFNs included)
+        "dense_next_attn" also those dense blocks and the next MoE block's attention half:
+                          everything between two MoE layers (Lancet's iota = the whole span)
 `PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a
 dispatcher and `Experts`: stage by stage, parts in index order within a stage
 (pre-ops and routing, then each part's dispatch is launched; experts of each part
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
     from megatron_moe.model.gpt2 import Block
 
 STARTS = ("attn", "ln2", "gate")
-ENDS = ("block", "next_attn")
+ENDS = ("block", "next_attn", "dense", "dense_next_attn")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,57 @@ class RangeSpec:
                              f"end {self.end!r} one of {ENDS}")
         if self.k < 1:
             raise ValueError(f"range of layer {self.layer}: k must be >= 1 (--lancet-max-partitions), got {self.k}")
+
+
+def covered_blocks(spec: RangeSpec, is_moe: list[bool]) -> tuple[list[int], Optional[int]]:
+    """(blocks after spec.layer the range runs whole, block whose attention half it runs or None),
+    for a model whose block l is an MoE block when is_moe[l]; a range the model cannot hold is a
+    ValueError naming it."""
+    L, l = len(is_moe), spec.layer
+    if not 0 <= l < L or not is_moe[l]:
+        raise ValueError(f"Lancet range {spec} does not start in an MoE block")
+    if spec.end == "block":
+        return [], None
+    if spec.end == "next_attn":
+        if l + 1 >= L:
+            raise ValueError(f"Lancet range {spec} ends in block {l + 1}, which does not exist")
+        return [], l + 1
+    dense = []
+    n = l + 1
+    while n < L and not is_moe[n]:
+        dense.append(n)
+        n += 1
+    if not dense:
+        raise ValueError(f"Lancet range {spec}: no dense block follows MoE block {l}")
+    if spec.end == "dense":
+        return dense, None
+    if n >= L:
+        raise ValueError(f"Lancet range {spec}: no MoE block follows the dense blocks {dense}")
+    return dense, n
+
+
+@dataclass(frozen=True)
+class RangeAxes:
+    """The CP-SAT solution of a range as the runtime reads it.
+
+    ops: sim op name (e.g. "L1.attn.qkv") -> (its first input tensor, that tensor's dims,
+    the dim CP-SAT partitions it along), in forward order; `x`: the same for the
+    range's input [B, T, M] (the tensor the runtime splits first).
+    """
+
+    x: tuple[str, tuple[str, ...], str]
+    ops: dict
+
+    def split_dim(self) -> int:
+        """Index of the range input's solved dim (where the runtime splits it and joins the parts)."""
+        _, dims, d = self.x
+        return dims.index(d)
+
+    def axis(self, op: str) -> str:
+        """The solved partition dim of `op`'s first input (ValueError if `op` is not in the range)."""
+        if op not in self.ops:
+            raise ValueError(f"op {op!r} is not in the partitioned range ({sorted(self.ops)})")
+        return self.ops[op][2]
 
 
 def needs_whole_batch_gate(layer) -> bool:
@@ -107,17 +161,38 @@ class _CapacityPassing:
 
 
 class PartitionedRange:
-    """Block `block` (and, for end 'next_attn', `nxt`'s attention half) as spec.k batch parts.
+    """MoE block `block` from spec.start, then `tail` (whole dense blocks) and `attn_next`'s
+    attention half, as spec.k parts split along the dims of the CP-SAT solution `axes`.
 
     Call it with x [B, T, M] -> (out [B, T, M], aux). `skip_attn`: the block's attention
     already ran (the previous range ended with it). `dispatcher`: the parts' dispatcher (an
-    UnevenDispatcher with handles; the layer's own for S2). Appends the wall time in ms to `timings`.
+    UnevenDispatcher with handles; the layer's own for S2). `tail` / `attn_next`: (block index,
+    Block) pairs. Appends the wall time in ms to `timings`. After a call, `used_axes` maps every
+    op of the range (model IR names, "L1.attn.qkv", ...) to the dim the runtime split its first
+    input along ("B", "S", "C", ...), for the report.
     """
 
-    def __init__(self, block: "Block", nxt: Optional["Block"], spec: RangeSpec, skip_attn: bool,
-                 dispatcher: TokenDispatcher, timings: Optional[list] = None):
-        self.block, self.nxt, self.spec, self.skip_attn = block, nxt, spec, skip_attn
+    def __init__(self, block: "Block", spec: RangeSpec, skip_attn: bool, dispatcher: TokenDispatcher,
+                 timings: Optional[list] = None, tail: tuple = (), attn_next: Optional[tuple] = None,
+                 axes: Optional[RangeAxes] = None):
+        self.block, self.spec, self.skip_attn = block, spec, skip_attn
         self.dispatcher, self.timings = dispatcher, timings
+        self.tail, self.attn_next, self.axes = list(tail), attn_next, axes
+        self.used_axes: dict[str, str] = {}
+
+    def _stream_dim(self) -> tuple[int, str]:
+        """(index, name) of the dim the residual stream [B, T, M] is split along: the solution's."""
+        if self.axes is None:
+            return 0, "B"
+        _, dims, d = self.axes.x
+        return dims.index(d), d
+
+    def _check(self, op: str, runtime: str) -> None:
+        """Record that the runtime split `op`'s input along `runtime`; it must be the solved dim."""
+        if self.axes is not None and op in self.axes.ops and self.axes.axis(op) != runtime:
+            raise ValueError(f"Lancet range {self.spec}: CP-SAT partitions {op} along {self.axes.axis(op)!r}, "
+                             f"the runtime can only split it along {runtime!r}")
+        self.used_axes[op] = runtime
 
     def __call__(self, x: torch.Tensor):
         t0 = time.perf_counter()
@@ -125,29 +200,38 @@ class PartitionedRange:
         if layer.routing_groups != 1:
             raise ValueError("Lancet partitioning needs one routing group per rank (routing_groups == 1)")
         B, T, M = x.shape
-        k = min(spec.k, B)
+        p = f"L{spec.layer}."
+        d, dname = self._stream_dim()
+        if dname != "B":      # the MoE layer's tokens are the batch's rows: only a batch split keeps S contiguous
+            raise ValueError(f"Lancet range {spec}: CP-SAT split the residual stream along {dname!r}; "
+                             "a range with an MoE layer must split it along the batch 'B'")
+        k = min(spec.k, x.size(d))
+        self.used_axes = {}
         x = layer.dispatcher.track_input(x)            # Lina: the layer's backward ends here
         if spec.start != "attn":                       # ops before the start run on the whole batch
             x = x if self.skip_attn else block.attn_residual(x)
-        res = list(torch.tensor_split(x, k, dim=0))
+        res = list(torch.tensor_split(x, k, dim=d))
         per_part = layer.schedule == "baseline" and spec.start != "gate"
         if per_part and needs_whole_batch_gate(layer):
             raise ValueError(f"layer {layer.layer_idx}: top-{layer.router.k} {layer.router.policy} routing needs "
                              "the whole batch's gate; a partitioned range must start at the gate")
+        attn_ops = [p + o for o in ("ln1", "attn.qkv", "attn.core", "attn.proj")]
+        for op in (attn_ops if spec.start == "attn" else []) + ([p + "ln2"] if spec.start != "gate" else []):
+            self._check(op, dname)
         split, started = False, []
         if per_part:                                   # stage A part by part: pre-ops, gate, launch
             cp = _CapacityPassing(layer.router, B * T)
             for i in range(k):
                 with annotate("lancet/part"):
                     res[i] = block.attn_residual(res[i]) if spec.start == "attn" else res[i]
-                    hi = block.ln2(res[i]).reshape(-1, M)
+                    hi = block.ln2(res[i]).reshape(-1, M)          # part i's rows of S (B split, d == 0)
                 started.append(self._start(hi, cp.part(hi)))
-            layer.router.record([p[1] for p in started])
+            layer.router.record([p_[1] for p_ in started])
             aux = cp.aux()
         else:                                          # the layer's router stage on the whole group
             with annotate("lancet/part"):
                 res = [block.attn_residual(xi) for xi in res] if spec.start == "attn" else res
-                h = torch.cat([block.ln2(xi) for xi in res]).view(1, B * T, M)
+                h = torch.cat([block.ln2(xi) for xi in res], dim=d).view(1, B * T, M)
             split = layer.splits_tokens(B * T)
             if layer.schedule == "s1" and not split:
                 raise ValueError(f"--lancet-partition: layer {layer.layer_idx} cannot split {B * T} tokens over "
@@ -156,18 +240,30 @@ class PartitionedRange:
             sizes = [t.size(0) for t in torch.tensor_split(flat, k)] if split else [xi.numel() // M for xi in res]
             bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()     # host-side row bounds
             started = [self._start(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])]
+        for op in ("moe.gate", "moe.dispatch"):        # tokens: each part a run of rows of [S, M]
+            self._check(p + op, "S")
+        for op in ("moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine"):
+            self._check(p + op, "C")                   # each part's own slots of the [E, C, M] buffers
+        for l, _ in self.tail:
+            for op in ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2"):
+                self._check(f"L{l}.{op}", dname)
+        if self.attn_next is not None:
+            for op in ("ln1", "attn.qkv", "attn.core", "attn.proj"):
+                self._check(f"L{self.attn_next[0]}.{op}", dname)
         ys = self._finish(started, M)
         if split:                                      # S1: this rank's slice -> every token
-            ys = list(torch.tensor_split(gather_from_group(torch.cat(ys)[None], layer.ps.group("mp"), dim=1)[0]
-                                         .view(B, T, M), k, dim=0))
+            ys = iter(torch.tensor_split(gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"),
+                                                           dim=1)[0].view(B, T, M), k, dim=d))
         outs = []
-        with annotate("lancet/part"):
-            for xi, yi in zip(res, ys):
+        for xi, yi in zip(res, ys):                    # part i's post-ops run while part i+1's return flies
+            with annotate("lancet/part"):
                 out = xi + block.drop(yi.view(xi.shape))
-                outs.append(self.nxt.attn_residual(out) if spec.end == "next_attn" else out)
+                for _, b in self.tail:                 # dense blocks, FFN included: (x, None)
+                    out = b(out)[0]
+                outs.append(self.attn_next[1].attn_residual(out) if self.attn_next is not None else out)
         if self.timings is not None:
             self.timings.append(1e3 * (time.perf_counter() - t0))
-        return layer.dispatcher.track_output(torch.cat(outs, dim=0)), aux
+        return layer.dispatcher.track_output(torch.cat(outs, dim=d)), aux
 
     def _start(self, tok_sM: torch.Tensor, route: RouteResult):
         """Plan a part and launch its dispatch (S2's padded dispatcher runs the whole part now)."""
@@ -180,12 +276,16 @@ class PartitionedRange:
             x_in = d.dispatch(tok_sM, plan)
         return plan, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), plan)
 
-    def _finish(self, started: list, M: int) -> list:
-        """Experts of each part as its tokens arrive (launching the returns), then combine each."""
+    def _finish(self, started: list, M: int):
+        """Experts of each part as its tokens arrive (launching the returns), then each part's
+        combine, yielded in part order (the caller's post-ops of part i overlap later returns)."""
         d, experts = self.dispatcher, self.block.moe.experts
         if not isinstance(d, UnevenDispatcher):
-            return [y for _, _, y in started]
+            yield from (y for _, _, y in started)
+            return
         for plan, _, _ in started:                     # Experts.forward is the "moe/experts" range
             d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale), plan)
-        with annotate("moe/combine"):
-            return [d.combine_finish(plan) for plan, _, _ in started]
+        for plan, _, _ in started:
+            with annotate("moe/combine"):
+                y = d.combine_finish(plan)
+            yield y

@@ -16,11 +16,26 @@ Profiles differ from rank to rank, and a plan must be the same on every rank
 (the all-to-all message sizes and the order of gradient hand-overs depend on
 it), so `make_plan` broadcasts rank 0's plan.
 
+Never slower: `candidate_plans` plans every mode the switches allow ("none", "dw",
+"partition", "both") from one profile; the controller times the `top_candidates`
+(the best predicted, always with "none") on the real model and keeps the fastest
+measured (`controller.choose_plan`). `fit_contention` fits the cost model's
+communication-computation contention from those measurements:
+
+    measured ~= scale * predicted + contention * overlapped_ms
+
+where overlapped_ms is the all-to-all time the plan predicts hidden under compute
+(a2a_ms - a2a_exposed_ms): on CPU ranks gloo's all-to-alls take cycles from the
+compute they overlap, and profiling ops one at a time misses it. Least squares on
+relative errors, the contention bounded to [0, 1] (an overlapped ms costs at most the ms
+it hides); with no overlap among the candidates only `scale` is fitted.
+
 A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
 one by hand (tests, benchmarks of fixed configurations).
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -57,6 +72,8 @@ class LancetPlan:
     predicted: dict = field(default_factory=dict)
     knobs: dict = field(default_factory=dict)
     wgrad: bool = False
+    name: str = "manual"
+    selection: dict = field(default_factory=dict)
 
     @classmethod
     def manual(cls, ranges=(), assignment: Optional[dict] = None) -> "LancetPlan":
@@ -198,3 +215,90 @@ def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Option
         dist.broadcast_object_list(box, src=0)
         plan = box[0]
     return plan
+
+
+MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
+
+
+def candidate_plans(model, ps: "ParallelState", opts, B: int, T: int, *, costs: Optional[Costs] = None,
+                    comm: Optional[CommCostModel] = None, profiler: Optional[OpProfiler] = None,
+                    broadcast: bool = True) -> dict:
+    """name -> LancetPlan for "none" and every mode the switches allow (--lancet-wgrad for "dw",
+    --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan)."""
+    sh = model_shapes(model, ps, B, T)
+    costs = costs or profile_costs(model, ps, B, T, profiler)
+    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()), model.cfg.moe.comm_profile)
+    out = {}
+    for name, (w, p) in MODES.items():
+        if (w and not opts.lancet_wgrad) or (p and not opts.lancet_partition):
+            continue
+        plan = make_plan(model, ps, opts, B, T, wgrad=w, partition=p, costs=costs, comm=comm, broadcast=broadcast)
+        plan.name = name
+        out[name] = plan
+    return out
+
+
+def top_candidates(plans: dict, n: int) -> list:
+    """"none" and the n plans other than "none" with the smallest predicted iteration time
+    (ties in MODES order); plans with nothing to install ("partition" without ranges) are dropped."""
+    if n < 1:
+        raise ValueError(f"--lancet-candidates must be >= 1, got {n}")
+    if "none" not in plans:
+        raise ValueError("the candidate plans must include 'none'")
+    rest = [m for m in MODES if m in plans and m != "none" and (plans[m].ranges or plans[m].wgrad)]
+    rest.sort(key=lambda m: (plans[m].predicted["iteration_ms"], list(MODES).index(m)))
+    return ["none"] + rest[:n]
+
+
+def overlapped_ms(plan: LancetPlan) -> float:
+    """All-to-all time the plan predicts hidden under compute (0 for "none")."""
+    p = plan.predicted
+    a2a = p.get("a2a_ms", 0.0)
+    v = a2a - p.get("a2a_exposed_ms", 0.0)
+    return v if v > 1e-9 * max(1.0, a2a) else 0.0       # round-off of a sum of exposures is not overlap
+
+
+def fit_contention(rows) -> dict:
+    """Fit measured ~= scale * predicted + contention * overlapped (module docstring) to rows of
+    (predicted_ms, overlapped_ms, measured_ms), least squares on relative error. Returns scale,
+    contention (ms of slowdown per ms of overlapped communication), and each row's relative
+    prediction error before and after the fit."""
+    rows = [(float(p), float(o), float(m)) for p, o, m in rows]
+    if not rows or any(m <= 0 or p <= 0 for p, _, m in rows):
+        raise ValueError(f"fit_contention needs rows with positive predicted and measured ms, got {rows}")
+    w = [1.0 / (m * m) for _, _, m in rows]
+    spp = sum(wi * p * p for wi, (p, _, _) in zip(w, rows))
+    spo = sum(wi * p * o for wi, (p, o, _) in zip(w, rows))
+    soo = sum(wi * o * o for wi, (_, o, _) in zip(w, rows))
+    spm = sum(wi * p * m for wi, (p, _, m) in zip(w, rows))
+    som = sum(wi * o * m for wi, (_, o, m) in zip(w, rows))
+    det = spp * soo - spo * spo
+    c = (spp * som - spo * spm) / det if soo > 0 and det > 1e-12 * spp * soo else 0.0
+    # 0 <= contention <= 1: an overlapped ms costs at most the ms it was meant to hide (noise on a
+    # shared machine must not turn a few ms of overlap into a factor); the scale is refitted given c
+    c = min(1.0, max(0.0, c))
+    scale = (spm - c * spo) / spp                # the first normal equation, given c
+    before = [(p - m) / m for p, _, m in rows]
+    after = [(scale * p + c * o - m) / m for p, o, m in rows]
+    return {"scale": scale, "contention": c, "error_before": before, "error_after": after}
+
+
+def fitted_ms(plan: LancetPlan, fit: dict) -> float:
+    """The plan's predicted iteration time corrected by a `fit_contention` result."""
+    return fit["scale"] * plan.predicted["iteration_ms"] + fit["contention"] * overlapped_ms(plan)
+
+
+def pick_fastest(rounds: dict) -> tuple:
+    """(fastest name, name -> median ms, name -> ratio to "none") from name -> ms per round, in
+    candidate order ("none" first). Decided on the median over rounds of each plan's time over
+    "none"'s in the same round: the plans of a round run back to back, so load that drifts
+    between rounds on a shared machine cancels. Plans timed a different number of rounds
+    (injected times) compare their medians. Ties keep the earlier name ("none")."""
+    names = list(rounds)
+    if "none" not in rounds or any(not v for v in rounds.values()):
+        raise ValueError(f"pick_fastest needs 'none' and at least one time per plan, got {rounds}")
+    table = {n: statistics.median(rounds[n]) for n in names}
+    paired = all(len(rounds[n]) == len(rounds["none"]) for n in names)
+    ratio = {n: (statistics.median([a / b for a, b in zip(rounds[n], rounds["none"])]) if paired
+                 else table[n] / table["none"]) for n in names}
+    return min(names, key=lambda n: (ratio[n], names.index(n))), table, ratio
