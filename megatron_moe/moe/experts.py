@@ -13,6 +13,9 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
 grouped by local expert, `counts` [E_l] rows each; each expert computes its own
 row range (no padding rows, no FLOPs on them).
+A capacity-padded input [E_l, N, M] with `kept` rows (`moe.kept.KeptRows`: the rows that
+hold a kept token) is packed to those rows, computed as a ragged input and scattered back
+(zeros elsewhere): the GEMMs never multiply padding.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from megatron_moe.distributed.collectives import scale_grad
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
+from megatron_moe.moe.kept import KeptRows
 from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
@@ -61,11 +65,15 @@ class Experts(nn.Module):
 
     @annotate("moe/experts")
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0,
-                counts: Optional[list[int]] = None) -> torch.Tensor:
+                counts: Optional[list[int]] = None, kept: Optional[KeptRows] = None) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
-        With `counts` the input is ragged: x [R, M] -> partial y [R, M] (module docstring)."""
+        With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `kept` only the
+        kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
+        the padded batched GEMMs."""
         if counts is not None:
             return self.forward_ragged(x_ENM, counts, grad_scale)
+        if kept is not None and self.deferred_bmm is None:
+            return self.forward_kept(x_ENM, kept, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         if self.deferred_bmm is not None and torch.is_grad_enabled() and x_ENM.requires_grad:
             fc, proj = self.deferred_bmm
@@ -99,6 +107,14 @@ class Experts(nn.Module):
             outs.append(torch.addmm(bias[e].to(h.dtype), h, proj_w[e].t().to(h.dtype)))
             start += n
         return torch.cat(outs)
+
+    def forward_kept(self, x_ENM: torch.Tensor, kept: KeptRows, grad_scale: float = 1.0) -> torch.Tensor:
+        """Padded x [E_l, N, M] -> partial y [E_l, N, M] computed on the `kept` rows only (zeros elsewhere)."""
+        E_l, N, M = x_ENM.shape
+        if E_l != self.num_local or (kept.rows.numel() and int(kept.rows[-1]) >= E_l * N):
+            raise ValueError(f"kept rows do not fit the expert input of shape {tuple(x_ENM.shape)}")
+        y_KM = self.forward_ragged(x_ENM.reshape(E_l * N, M).index_select(0, kept.rows), kept.counts, grad_scale)
+        return y_KM.new_zeros(E_l * N, M).index_copy(0, kept.rows, y_KM).view(E_l, N, M)
 
 
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:
