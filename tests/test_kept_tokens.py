@@ -37,11 +37,18 @@ class MatmulShapes(TorchDispatchMode):
 
 
 def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
-    """Rows of every expert fc GEMM of a forward. The expert GEMMs alternate fc (activation [n, M] times
-    [M, H_l]) and proj ([n, H_l] times [H_l, M]; padded: bmm [E_l, N, .]); take the fc ones."""
-    gemms = [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls
-             if (a[-1], b[-2:]) in ((M, (M, H_l)), (H_l, (H_l, M)))]
-    return gemms[0::2]
+    """Rows of every expert fc GEMM of a forward: activation [n, M] (padded: bmm [E_l, N, M]) times
+    weight [M, H_l] (the configs keep H_l != M, so the proj GEMMs [n, H_l] x [H_l, M] never match)."""
+    assert H_l != M
+    return [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls
+            if a[-1] == M and b[-2:] == (M, H_l)]
+
+
+def config(schedule: str = "baseline"):
+    """The tiny model's MoE layer (M=32) with H=128, top-2, capacity factor 1."""
+    cfg = tiny_config(k=2, schedule=schedule, cf=1.0)
+    cfg.model.ffn_hidden_size = 128
+    return cfg
 
 
 def layer_input(dp_rank: int, M: int, T: int) -> torch.Tensor:
@@ -79,10 +86,10 @@ def test_padded_kept_rows_are_each_blocks_leading_rows():
 
 
 def test_one_process_expert_gemms_see_exactly_the_kept_rows_and_match_the_padded_compute():
-    cfg = tiny_config(k=2, cf=1.0)
+    cfg = config()
     M, H = cfg.model.hidden_size, cfg.model.ffn_hidden_size
     got = _run(cfg, 1, 1, 1, kept_only=True, record=True)
-    ref = _run(tiny_config(k=2, cf=1.0), 1, 1, 1, kept_only=False, record=True)
+    ref = _run(config(), 1, 1, 1, kept_only=False, record=True)
     counts = got["counts"].tolist()
     fc_rows = expert_fc_rows(got["calls"], M, H)
     assert fc_rows[:len(counts)] == counts                     # forward: one fc GEMM per expert, kept rows only
@@ -103,9 +110,9 @@ def _ranks(rank, world):
     import torch.distributed as dist
     out = []
     for sched, mp, ep, esp in LAYOUTS:
-        cfg = tiny_config(k=2, schedule=sched, cf=1.0)
+        cfg = config(sched)
         got = _run(cfg, mp, ep, esp, kept_only=True, record=True)
-        ref = _run(tiny_config(k=2, schedule=sched, cf=1.0), mp, ep, esp, kept_only=False, record=False)
+        ref = _run(config(sched), mp, ep, esp, kept_only=False, record=False)
         every = [None] * world
         dist.all_gather_object(every, {"counts": got["counts"].tolist(), "ep": got["ep"], "mp": got["mp"]})
         got["sources"] = every
@@ -117,7 +124,7 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
     results = spawn(_ranks, 2)
     for i, (sched, mp, ep, esp) in enumerate(LAYOUTS):
         tag = f"{sched} MP{mp} EP{ep} ESP{esp}"
-        cfg = tiny_config(k=2, schedule=sched, cf=1.0)
+        cfg = config(sched)
         M, H, E = cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.moe.num_experts
         E_l = E // ep
         S = B * cfg.model.seq_length
