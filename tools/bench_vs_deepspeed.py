@@ -12,7 +12,7 @@ slowest rank's):
   ours         our MoE layer, experts on kept rows only (--moe-kept-only, the default)
   ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
   deepspeed    deepspeed.moe.layer.MoE with the same E, k, capacity factor, min capacity and
-               EP size (its expert: Linear -> GELU -> Linear); skipped with a message when
+               EP size (its expert: Linear -> tanh-GELU -> Linear, our experts' function); skipped with a message when
                DeepSpeed is not installed (a benchmark peer, never a dependency of the library)
   floor        forward + backward of the expert GEMMs alone on the rows our layer keeps
                (this rank's local experts and their kept counts; no routing, no communication)
@@ -95,7 +95,7 @@ def deepspeed_layer(cfg: Config, ep: int):
         return None
     deepspeed.init_distributed("gloo")        # wraps the process group torchrun already made
     m, moe = cfg.model, cfg.moe
-    expert = nn.Sequential(nn.Linear(m.hidden_size, m.ffn_hidden_size), nn.GELU(),
+    expert = nn.Sequential(nn.Linear(m.hidden_size, m.ffn_hidden_size), nn.GELU(approximate="tanh"),
                            nn.Linear(m.ffn_hidden_size, m.hidden_size))
     layer = MoE(m.hidden_size, expert, num_experts=moe.num_experts, ep_size=ep, k=moe.moe_router_topk,
                 capacity_factor=moe.moe_expert_capacity_factor, eval_capacity_factor=moe.moe_expert_capacity_factor,
