@@ -101,6 +101,8 @@ class MoEConfig:
     moe_s1_local_capacity: bool = opt(False, "S1 with Parm's original per-slice capacity (NOT equivalent)")
     moe_saa: bool = opt(True, "S2: overlap return all-to-all with MP all-gather (SAA); "
                         "--no-moe-saa runs them one after the other (AAS)")
+    moe_kept_only: bool = opt(True, "experts compute only the rows of the capacity-padded buffer that hold a "
+                              "kept token; --no-moe-kept-only multiplies the padding too (same values)")
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
 
     def __post_init__(self) -> None:

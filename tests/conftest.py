@@ -48,6 +48,7 @@ MARKS: dict[str, dict[str, object]] = {
         "test_composition.py": {"test_every_combination_keeps_the_curve_or_is_refused_naming_both_flags"},
         "test_comm_timeout.py": {"test_ep2_stalled_peer_ends_the_other_rank_with_the_timeout_error",
                                  "test_dp2_trainer_stalled_peer_prints_one_error_and_exits_1"},
+        "test_kept_tokens.py": {"test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source"},
         "test_lina_gate.py": ALL,
         "test_mutation_targets.py": {"test_two_process_layout_matches_one_process",
                                      "test_global_grad_norm_counts_every_element_once",

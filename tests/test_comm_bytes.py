@@ -32,9 +32,12 @@ def test_baseline_bytes_match_formula():
         assert sent("all_to_all", "ep") == [esp * buf] * (4 * moe_layers)
         # ESP all-reduce of the partial outputs, forward and backward
         assert sent("all_reduce", "esp") == [esp * buf] * (2 * moe_layers)
+        # the kept-row counts of the buffer: one int32 per expert (one routing group), all-gathered
+        assert sent("all_gather", "ep_esp") == [E * 4] * moe_layers
         # and nothing else moves (MP1: no tensor-parallel collectives)
         assert {(o, g) for o, g, _, _ in recs} == {("all_gather", "esp"), ("reduce_scatter", "esp"),
-                                                   ("all_to_all", "ep"), ("all_reduce", "esp")}
+                                                   ("all_to_all", "ep"), ("all_reduce", "esp"),
+                                                   ("all_gather", "ep_esp")}
 
 
 def _collective_grads(rank, world):

@@ -215,3 +215,48 @@ def test_profile_saa_fits_the_same_numbers_on_every_rank():
     models = [r[2] for r in results]
     assert set(models[0].costs) == {"all_gather@mp", OVERLAP_KEY} and models[0].costs["all_gather@mp"] == AG
     assert all(m.costs == models[0].costs for m in models)
+
+
+# ----------------------------------------------------------------------------- auto on the measured overlap and compute
+
+
+def test_auto_follows_the_measured_overlap_of_eq14():
+    """The same collectives, two measured SAA steps: an overlap that hides the return all-to-all makes
+    S2 the pick; one that costs more than running the two one after the other makes it S1 (eq. (14)
+    is priced with the fitted (alpha_o, beta_o), not an ideal pipeline)."""
+    B, L, M, E, k, f, n_mp, n_esp = 4, 1024, 1024, 8, 2, 1.25, 2, 2
+    sh = MoEShape(B, L, M, E, k, f, n_mp=n_mp, n_ep=E, n_esp=n_esp)
+    V = s2_a2a_elements(sh)
+    sizes = [V // 16, V // 4, V, 4 * V]
+    for beta_o, expected in ((0.0, "s2"), (4e-9, "s1")):
+        times = [1e-4 + beta_o * v + AGMP.alpha + AGMP.beta * (n_mp / n_esp) * v for v in sizes]
+        fit = fit_overlap(sizes, times, AGMP, gather_ratio=n_mp / n_esp)
+        assert fit.alpha == pytest.approx(1e-4, rel=1e-6) and fit.beta == pytest.approx(beta_o, abs=1e-15)
+        model = _model(AlphaBeta(1e-2, 1e-7))                   # a slow baseline: Algorithm 1's pick stands
+        model.costs[OVERLAP_KEY] = fit
+        c = choose_schedule(model, sh, s1="padded")
+        d2 = _hand_d2(A2A, AGMP, fit, E, sh.C, M, n_mp, n_esp)
+        assert c.times["s2"] == pytest.approx(d2, rel=1e-9)
+        assert c.schedule == expected, (beta_o, c.times)
+
+
+def test_auto_adds_expert_compute_at_the_measured_throughput():
+    """On a slow processor the baseline's duplicate expert work (every MP rank computes every token)
+    outweighs its cheaper communication; communication alone picks the baseline."""
+    sh = MoEShape(B=1, L=512, M=256, E=4, k=2, f=1.25, n_mp=2, n_ep=2, n_esp=1, H=1024)   # C = 320
+    model = uniform_model(AlphaBeta(1e-5, 1e-10))
+    slow = AlphaBeta(1e-3, 1e-9)
+    model.costs.update({"all_to_all@ep_esp": slow, "all_gather@mp": slow, "all_reduce@mp": slow, OVERLAP_KEY: slow})
+    comm = choose_schedule(model, sh)
+    assert comm.schedule == "baseline" and comm.priced == "communication"
+    rate = 5e10                                                  # 50 GFLOP/s
+    c = choose_schedule(model, sh, flops_per_s=rate)
+    kept_rows = 2 * 512                                          # k S choices, fewer than the E C = 1280 slots
+    for name in ("baseline", "s1", "s2"):
+        assert c.times[name] == pytest.approx(comm.times[name] + expert_flops(sh, name, "kept", kept=True) / rate)
+    assert expert_flops(sh, "baseline", kept=True) == 3 * 2 * 2 * kept_rows * 256 * 1024
+    assert expert_flops(sh, "s2", kept=True) == expert_flops(sh, "baseline", kept=True) / 2
+    assert c.schedule in ("s1", "s2") and c.priced == "communication + expert compute"
+    padded = choose_schedule(model, sh, flops_per_s=rate, kept_compute=False)
+    assert padded.times["baseline"] - comm.times["baseline"] == pytest.approx(
+        3 * 2 * 2 * (4 * 320) * 256 * 1024 / rate)                 # E C = 1280 padded rows

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from megatron_moe.moe.comm_profile import _read_cache, profile_sizes, write_cache
-from megatron_moe.moe.cost_model import (PAPER_ALLGATHER, AlphaBeta, CommModel, MoEShape, best_saa_chunks,
+from megatron_moe.moe.cost_model import (OVERLAP_KEY, PAPER_ALLGATHER, AlphaBeta, CommModel, MoEShape, best_saa_chunks,
                                          choose_schedule, fit_alpha_beta, simulate_grid, uniform_model)
 
 
@@ -97,10 +97,13 @@ def test_saa_chunks_grow_with_the_message():
 def test_profile_cache_is_reused_only_for_the_same_layout(tmp_path):
     path = str(tmp_path / "comm.json")
     key = {"world_size": 4, "mp": 2, "ep": 2, "esp": 1, "backend": "gloo", "device": "cpu", "procs_per_node": "4"}
-    write_cache(path, key, 4096, MODEL, {})
+    write_cache(path, key, 4096, MODEL, {})                              # no SAA overlap: MP2 x EP2 needs one
+    assert _read_cache(path, key, 4096) is None
+    with_overlap = CommModel({**MODEL.costs, OVERLAP_KEY: AlphaBeta(-1e-5, 2e-10)})
+    write_cache(path, key, 4096, with_overlap, {})
     assert not list(tmp_path.glob("*.tmp*")), "the temporary file must be renamed"
     back = _read_cache(path, key, 4096)
-    assert back.costs == MODEL.costs and back.source == "cache"
+    assert back.costs == with_overlap.costs and back.source == "cache"
     assert _read_cache(path, {**key, "mp": 1}, 4096) is None             # another layout
     assert _read_cache(path, key, 1 << 20) is None                       # profiled sizes too small
     assert _read_cache(str(tmp_path / "missing.json"), key, 4096) is None

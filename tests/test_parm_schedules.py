@@ -132,11 +132,13 @@ def expected_bytes(cfg, sched, layout, rank, world):
         add("reduce_scatter", "esp", esp * buf, esp)
         add("all_to_all", "ep", 4 * esp * buf, ep)
         add("all_reduce", "esp", 2 * esp * buf, esp)
+        add("all_gather", "ep_esp", E * 4, ep * esp)                      # kept-row counts (int32 per expert)
     elif sched == "s2":
         # Parm's S2: all-to-all of N_ESP * E * C/N_MP * M each way, both directions;
         # MP all-gather of E * C/N_MP * M forward (SAA) and backward (dispatch gradient)
         add("all_to_all", "ep_esp", 4 * esp * E * C_mp * M * 4, ep * esp)
         add("all_gather", "mp", 2 * E * C_mp * M * 4, mp)
+        add("all_gather", "ep_esp", E * 4, ep * esp)                      # kept-row counts (int32 per expert)
     else:
         # S1 sends only kept tokens: N_ESP copies of this slice's kept choices out, and
         # back the rows its experts received; the same again in backward

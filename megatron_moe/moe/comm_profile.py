@@ -6,14 +6,18 @@
      backend, device, processes per node) and covers `max_elements`;
   2. otherwise every rank times each collective of PROFILED on its own group of
      that kind (all groups of a kind run at once, as in training) for sizes from
-     1 KB up to `max_elements` fp32 elements (x4 steps); the per-size medians are
-     all-reduced with MAX over the world, the fit runs on those, and rank 0
-     writes the cache (temporary name, then rename);
+     1 KB up to `max_elements` fp32 elements (x4 steps); with MP and an EP x ESP
+     group it also times S2's overlapped return all-to-all + MP all-gather (SAA)
+     and fits eq. (14)'s (alpha_o, beta_o) (`profile_saa`, under OVERLAP_KEY);
+     the per-size medians are all-reduced with MAX over the world, the fit runs
+     on those, and rank 0 writes the cache (temporary name, then rename);
   3. rank 0 broadcasts the fitted numbers, so every rank holds bit-identical
      values and Algorithm 1 makes the same choice everywhere (a different choice
      on two ranks would hang the run).
 `choose_for_layer(cfg, ps, layer_idx)` applies Algorithm 1 to one MoE layer of
-the model config and logs the choice and predicted times on rank 0.
+the model config, with each schedule's expert compute at the throughput measured
+on this machine (`expert_throughput`, MIN over the world), and logs the choice and
+predicted times on rank 0.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ PROFILED = (("all_to_all", "ep_esp"), ("all_gather", "mp"), ("all_reduce", "mp")
             ("all_gather", "esp"), ("all_reduce", "esp"), ("reduce_scatter", "esp"))
 MIN_ELEMENTS = 256                 # 1 KB of fp32
 MAX_PROFILE_ELEMENTS = 1 << 24     # 64 MB: larger messages are extrapolated from the fit
-CACHE_VERSION = 2                  # 2: all-gathers sized by their gathered output (Parm's convention)
+CACHE_VERSION = 3                  # 2: all-gathers sized by their gathered output (Parm's convention);
+                                   # 3: the measured SAA overlap of eq. (14) is part of the profile
 
 _MEMO: dict = {}
 
@@ -108,6 +113,16 @@ def _kinds(ps: "ParallelState") -> list[tuple[str, str]]:
     return [(op, kind) for op, kind in PROFILED if ps.size(kind) > 1]
 
 
+def _has_saa(ps: "ParallelState") -> bool:
+    """S2 has an SAA step to profile: MP and an EP x ESP group."""
+    return ps.size("mp") > 1 and ps.size("ep_esp") > 1
+
+
+def _names(ps: "ParallelState") -> list[str]:
+    """The entries of this layout's profile: every collective of `_kinds`, and the SAA overlap."""
+    return [f"{op}@{kind}" for op, kind in _kinds(ps)] + ([OVERLAP_KEY] if _has_saa(ps) else [])
+
+
 def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int = 1) -> tuple[CommModel, dict]:
     """Time every collective of PROFILED on this rank's groups; returns (fitted model, raw table)."""
     device = ps.device
@@ -122,6 +137,9 @@ def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int =
         priced = fit_sizes(op, ps.size(kind), sizes)
         costs[f"{op}@{kind}"] = fit_alpha_beta(priced, times[i].tolist())
         raw[f"{op}@{kind}"] = {"sizes": priced, "times": times[i].tolist()}
+    if _has_saa(ps):                                   # eq. (14)'s overlap, measured (not modelled)
+        costs[OVERLAP_KEY], raw[OVERLAP_KEY] = profile_saa(ps, sizes, costs.get("all_gather@mp"), reps=reps,
+                                                           warmup=warmup)
     return CommModel(costs, "profile"), raw
 
 
@@ -135,6 +153,8 @@ def _read_cache(path: str, key: dict, max_elements: int):
         return None
     if data.get("max_elements", 0) < min(max_elements, MAX_PROFILE_ELEMENTS):
         return None
+    if key["mp"] > 1 and key["ep"] * key["esp"] > 1 and OVERLAP_KEY not in data["costs"]:
+        return None                                   # a profile without the SAA overlap this layout needs
     return CommModel({k: AlphaBeta(v["alpha"], v["beta"]) for k, v in data["costs"].items()}, "cache")
 
 
@@ -152,7 +172,7 @@ def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: 
 
 
 def _broadcast(ps: "ParallelState", model: CommModel, source: str) -> CommModel:
-    names = [f"{op}@{kind}" for op, kind in _kinds(ps)]
+    names = _names(ps)
     rows = [[model.costs[n].alpha, model.costs[n].beta] if n in model.costs else [0.0, 0.0] for n in names]
     vals = torch.tensor(rows, device=ps.device, dtype=torch.float64).reshape(len(names), 2)
     dist.broadcast(vals, src=0)
@@ -253,7 +273,7 @@ def with_saa_overlap(ps, model: CommModel, max_elements: int, chunks: int = 4, r
     the layout has no MP or no EP x ESP group (S2 has no SAA step there). Every rank gets the
     same fit (the timings are MAX-reduced before fitting).
     """
-    if ps.size("mp") == 1 or ps.size("ep_esp") == 1 or not dist.is_initialized():
+    if not _has_saa(ps) or not dist.is_initialized():
         return model
     fit, _ = profile_saa(ps, profile_sizes(max_elements), model.costs.get("all_gather@mp"), chunks, reps)
     return CommModel({**model.costs, OVERLAP_KEY: fit}, model.source)
@@ -264,7 +284,44 @@ def shape_of(cfg: "Config", ps: "ParallelState") -> MoEShape:
     m, moe = cfg.model, cfg.moe
     return MoEShape(B=cfg.train.micro_batch_size, L=m.seq_length, M=m.hidden_size, E=moe.num_experts,
                     k=moe.moe_router_topk, f=moe.moe_expert_capacity_factor, n_mp=ps.size("mp"),
-                    n_ep=ps.size("ep"), n_esp=ps.size("esp"), min_capacity=moe.moe_min_capacity)
+                    n_ep=ps.size("ep"), n_esp=ps.size("esp"), min_capacity=moe.moe_min_capacity,
+                    H=m.ffn_hidden_size or 4 * m.hidden_size)
+
+
+def time_expert_gemms(rows: int, M: int, H: int, reps: int = 3, device: torch.device = torch.device("cpu")) -> float:
+    """Median seconds of one expert MLP's GEMMs forward + backward on `rows` rows ([rows, M] x [M, H],
+    [rows, H] x [H, M], and the four backward GEMMs); no activation, no communication."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, M, generator=g, device="cpu").to(device)
+    w1 = torch.randn(M, H, generator=g, device="cpu").to(device)
+    w2 = torch.randn(H, M, generator=g, device="cpu").to(device)
+    samples = []
+    for i in range(reps + 1):
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        h = x @ w1
+        y = h @ w2
+        dh = y @ w2.t()                         # dY W2^T, then the weight gradients and dX
+        _ = h.t() @ y, x.t() @ dh, dh @ w1.t()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return float(sorted(samples)[len(samples) // 2])
+
+
+def expert_throughput(ps: "ParallelState", sh: MoEShape, reps: int = 3) -> float:
+    """FLOP/s of this layer's expert GEMMs on this machine (collective: the MIN over the world, so every rank
+    gets the same number and the slowest rank sets the pace). Timed on at most 1024 rows."""
+    H_l = (sh.H or sh.M) // sh.n_esp
+    rows = max(1, min(1024, sh.n_esp * sh.E * sh.C // sh.n_ep))
+    flops = 3 * 2 * 2 * rows * sh.M * H_l
+    rate = torch.tensor([flops / max(time_expert_gemms(rows, sh.M, H_l, reps, ps.device), 1e-9)],
+                        dtype=torch.float64, device=ps.device)
+    if dist.is_initialized():
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate.cpu()[0])
 
 
 def comm_model_for(ps: "ParallelState", max_elements: int, path: str | None = None) -> CommModel:
@@ -280,9 +337,14 @@ def choose_for_layer(cfg: "Config", ps: "ParallelState", layer_idx: int) -> Choi
     """Algorithm 1 for one MoE layer (--moe-schedule auto); identical on every rank; logged on rank 0."""
     sh = shape_of(cfg, ps)
     model = comm_model_for(ps, sh.largest_message(), cfg.moe.comm_profile)
-    choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa)
+    key = ("throughput", sh.M, sh.H, sh.n_esp, sh.E * sh.C // sh.n_ep)
+    if key not in _MEMO:
+        _MEMO[key] = expert_throughput(ps, sh)
+    flops_per_s = _MEMO[key]
+    choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s,
+                             kept_compute=cfg.moe.moe_kept_only)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("parm: layer %d B=%d L=%d M=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s [model: %s]",
-                 layer_idx, sh.B, sh.L, sh.M, sh.E, sh.k, sh.f, sh.n_mp, sh.n_ep, sh.n_esp,
-                 choice.describe(), model.source)
+        log.info("parm: layer %d B=%d L=%d M=%d H=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s "
+                 "[model: %s; expert GEMMs %.1f GFLOP/s]", layer_idx, sh.B, sh.L, sh.M, sh.H, sh.E, sh.k, sh.f,
+                 sh.n_mp, sh.n_ep, sh.n_esp, choice.describe(), model.source, flops_per_s / 1e9)
     return choice

@@ -38,8 +38,10 @@ Algorithm 1 (`choose_schedule`): the paper compares only t_D1 and t_D2 and takes
 S1 on a tie; `auto` also prices the baseline and takes it when it is strictly
 cheaper than both (small layers, where S1/S2's extra collectives' latencies
 dominate). S1 is impossible when N_MP does not divide S.
-`expert_flops` is the compute term of the simulator: the baseline runs every
-token's expert FFN on each of the N_MP ranks, S1 and S2 once.
+`expert_flops` is the compute term (simulator, and `auto` at a measured throughput): the
+baseline runs every token's expert FFN on each of the N_MP ranks, S1 and S2 once; with
+kept=True (the runtime's kept-row experts) only kept rows count, N_ESP min(k S, E C) per
+expert group (balanced routing assumed), instead of the N_ESP E C padded rows.
 """
 from __future__ import annotations
 
@@ -259,44 +261,53 @@ class Choice:
     schedule: str
     times: dict
     saa_chunks: int
+    priced: str = "communication"     # what `times` add up: "communication" or "communication + expert compute"
 
     def describe(self) -> str:
         ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.times.items())
-        return f"{self.schedule} (predicted fwd+bwd communication: {ms}; SAA chunks {self.saa_chunks})"
+        return f"{self.schedule} (predicted fwd+bwd {self.priced}: {ms}; SAA chunks {self.saa_chunks})"
 
 
 def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True, s1: str = "kept",
-                    with_baseline: bool = True) -> Choice:
+                    with_baseline: bool = True, flops_per_s: float | None = None,
+                    kept_compute: bool = True) -> Choice:
     """`auto` for a layer of shape `sh` from the fitted model: Parm's Algorithm 1 (S1 if
     t_D1 <= t_D2, else S2), then the baseline if it is strictly cheaper than that pick.
 
     s1: how S1 is priced ("kept": this project's runtime; "padded": the paper's);
-    with_baseline=False is the paper's Algorithm 1 alone.
+    with_baseline=False is the paper's Algorithm 1 alone; flops_per_s: add each schedule's
+    expert compute (`expert_flops`, kept rows when kept_compute) at this throughput (None:
+    communication only, the paper's comparison).
     """
     chunks = best_saa_chunks(model, sh) if saa else 1
     times = {"baseline": time_baseline(model, sh), "s1": time_s1(model, sh, s1), "s2": time_s2(model, sh, saa, chunks)}
+    if flops_per_s:
+        for name in times:
+            times[name] += expert_flops(sh, name, s1, kept=kept_compute) / flops_per_s
     if sh.S % sh.n_mp:
         pick = "s2"                                  # S1 cannot split the tokens evenly over MP
     else:
         pick = "s1" if times["s1"] <= times["s2"] else "s2"
     if with_baseline and times["baseline"] < times[pick]:
         pick = "baseline"
-    return Choice(pick, times, chunks)
+    return Choice(pick, times, chunks, "communication + expert compute" if flops_per_s else "communication")
 
 
-def expert_flops(sh: MoEShape, schedule: str, s1: str = "padded") -> float:
+def expert_flops(sh: MoEShape, schedule: str, s1: str = "padded", kept: bool = False) -> float:
     """Forward + backward expert FLOPs one rank runs (two GEMMs M x H/N_ESP per row, backward 2x forward).
 
     Rows per rank: the baseline computes the N_ESP E C rows of its all-to-all
     buffer (every MP rank repeats them); S2 and padded S1 1/N_MP of them; kept
-    S1 only kept rows, N_ESP min(k S, E C) / N_MP.
+    S1 only kept rows, N_ESP min(k S, E C) / N_MP. kept=True: the experts skip the
+    padding of the baseline's and S2's buffers too (N_ESP min(k S, E C), / N_MP in S2).
     """
     H = sh.H or sh.M
     per_row = 3 * 2 * 2 * sh.M * H / sh.n_esp
+    kept_rows = sh.n_esp * min(sh.k * sh.S, sh.E * sh.C)
     if schedule == "baseline":
-        rows = sh.n_esp * sh.E * sh.C
+        rows = kept_rows if kept else sh.n_esp * sh.E * sh.C
     elif schedule == "s2":
-        rows = sh.n_esp * sh.E * sh.C_mp
+        rows = kept_rows / sh.n_mp if kept else sh.n_esp * sh.E * sh.C_mp
     elif schedule == "s1":
         rows = s1_a2a_elements(sh, s1) / sh.M
     else:

@@ -31,6 +31,9 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   `ragged=True` (dropless MoE): no padding at all; the expert input is [R, M], the
   R received rows grouped by local expert (`UnevenPlan.expert_rows` rows each), and
   the experts compute exactly those rows.
+Kept rows (`moe.kept`): both padded layouts carry `plan.kept`, the rows of the expert
+input that hold a kept token (the padded buffer's: every source's per-expert counts, one
+small all-gather in `plan`), so the experts compute only those (`Experts.forward_kept`).
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
@@ -50,6 +53,7 @@ from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
+from megatron_moe.moe.kept import KeptRows, exchange_sent_rows, padded_kept_rows, sent_rows, uneven_kept_rows
 from megatron_moe.moe.router import RouteResult
 
 if TYPE_CHECKING:
@@ -169,23 +173,25 @@ class TokenDispatcher:
 
 @dataclass
 class PaddedPlan:
-    """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2)."""
+    """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2);
+    kept: the rows of the expert input that hold a token (None: not exchanged)."""
 
     idx: DispatchIndex
     groups: int
     slots: int
     tokens: int
+    kept: Optional[KeptRows] = None
 
 
 class PaddedDispatcher(TokenDispatcher):
     """Capacity-padded dispatch: "baseline" or "s2" (module docstring)."""
 
     def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, mode: str = "baseline",
-                 saa: bool = True, saa_chunks: int = SAA_CHUNKS):
+                 saa: bool = True, saa_chunks: int = SAA_CHUNKS, kept_only: bool = True):
         if mode not in ("baseline", "s2"):
             raise ValueError(f"unknown padded dispatch mode {mode!r}")
         super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)
-        self.mode, self.saa, self.saa_chunks = mode, saa, saa_chunks
+        self.mode, self.saa, self.saa_chunks, self.kept_only = mode, saa, saa_chunks, kept_only
 
     def slots_per_group(self, capacity: int) -> int:
         """Buffer slots of one group: C, or C rounded up to a multiple of N_MP (S2)."""
@@ -198,7 +204,15 @@ class PaddedDispatcher(TokenDispatcher):
         idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
         idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
                             torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
-        return PaddedPlan(idx, G, Cs, G * S)
+        return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs) if self.kept_only else None)
+
+    def kept_rows(self, routes: list[RouteResult], Cs: int) -> KeptRows:
+        """Rows of this rank's expert input that hold a kept token (`moe.kept`; S2 blocks: C_mp slots
+        from r*C_mp of each source's MP rank r)."""
+        width = Cs // self.n_mp if self.mode == "s2" else Cs
+        lo = self.ps.rank("mp") * width if self.mode == "s2" else 0
+        rows = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))
+        return padded_kept_rows(rows, self.ps.rank("ep"), self.num_local, width, routes[0].slot.device)
 
     def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
         E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
@@ -301,6 +315,7 @@ class UnevenPlan:
     back: a2a.A2AHandle
     in_flight: Optional[torch.Tensor] = field(default=None, repr=False)
     expert_rows: Optional[list[int]] = None
+    kept: Optional[KeptRows] = None
 
 
 class UnevenDispatcher(TokenDispatcher):
@@ -346,7 +361,8 @@ class UnevenDispatcher(TokenDispatcher):
         dev = expert.device
         return UnevenPlan(token[order], weight, dump.to(dev), row.to(dev), N, G * s, out,
                           out.reverse(self.a2a_name("combine")),
-                          expert_rows=per_expert.tolist() if self.ragged else None)
+                          expert_rows=per_expert.tolist() if self.ragged else None,
+                          kept=None if self.ragged else uneven_kept_rows(row.to(dev), per_expert.tolist()))
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
         """Local dump of the kept tokens and launch of the all-to-all."""

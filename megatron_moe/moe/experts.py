@@ -13,6 +13,9 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
 grouped by local expert, `counts` [E_l] rows each; each expert computes its own
 row range (no padding rows, no FLOPs on them).
+A capacity-padded input [E_l, N, M] with `kept` rows (`moe.kept.KeptRows`: the rows that
+hold a kept token) is packed to those rows, computed as a ragged input and scattered back
+(zeros elsewhere): the GEMMs never multiply padding.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from megatron_moe.distributed.collectives import scale_grad
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
+from megatron_moe.moe.kept import KeptRows
 from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
@@ -61,11 +65,15 @@ class Experts(nn.Module):
 
     @annotate("moe/experts")
     def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0,
-                counts: Optional[list[int]] = None) -> torch.Tensor:
+                counts: Optional[list[int]] = None, kept: Optional[KeptRows] = None) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
-        With `counts` the input is ragged: x [R, M] -> partial y [R, M] (module docstring)."""
+        With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `kept` only the
+        kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
+        the padded batched GEMMs."""
         if counts is not None:
             return self.forward_ragged(x_ENM, counts, grad_scale)
+        if kept is not None and self.deferred_bmm is None:
+            return self.forward_kept(x_ENM, kept, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         if self.deferred_bmm is not None and torch.is_grad_enabled() and x_ENM.requires_grad:
             fc, proj = self.deferred_bmm
@@ -90,15 +98,62 @@ class Experts(nn.Module):
             raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
         fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
-        M = x_RM.size(1)
+        M, dt = x_RM.size(1), x_RM.dtype
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
-        outs, start = [], 0
-        for e, n in enumerate(counts):           # n = 0: empty GEMMs (zero weight gradients, no FLOPs)
-            x = x_RM[start:start + n]
-            h = gelu_tanh(torch.addmm(fc_b[e].to(x.dtype), x, fc_w[e].t().to(x.dtype)))
-            outs.append(torch.addmm(bias[e].to(h.dtype), h, proj_w[e].t().to(h.dtype)))
-            start += n
-        return torch.cat(outs)
+        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts))
+
+    def forward_kept(self, x_ENM: torch.Tensor, kept: KeptRows, grad_scale: float = 1.0) -> torch.Tensor:
+        """Padded x [E_l, N, M] -> partial y [E_l, N, M] computed on the `kept` rows only (zeros elsewhere)."""
+        E_l, N, M = x_ENM.shape
+        if E_l != self.num_local or (kept.rows.numel() and int(kept.rows[-1]) >= E_l * N):
+            raise ValueError(f"kept rows do not fit the expert input of shape {tuple(x_ENM.shape)}")
+        y_KM = self.forward_ragged(x_ENM.reshape(E_l * N, M).index_select(0, kept.rows), kept.counts, grad_scale)
+        return y_KM.new_zeros(E_l * N, M).index_copy(0, kept.rows, y_KM).view(E_l, N, M)
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """The experts' MLPs on a ragged input: x [R, M] (rows grouped by expert, `counts` [E_l]) ->
+    y [R, M] = gelu(x W1_e^T + b1_e) W2_e^T + b2_e per row range, with fc_w [E_l, H, M], fc_b [E_l, H],
+    proj_w [E_l, M, H], bias [E_l, M].
+
+    One GEMM per expert and step, each writing into its rows of one preallocated output (forward)
+    or its slice of one [E_l, ...] gradient (backward): no per-expert gradient buffers to fill and
+    add, no concatenation; the activation runs once over all R rows."""
+
+    @staticmethod
+    def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts):
+        R, M, H = x_RM.size(0), x_RM.size(1), fc_w.size(1)
+        spans = [(sum(counts[:e]), sum(counts[:e + 1])) for e in range(len(counts))]
+        a_RH = x_RM.new_empty(R, H)
+        for e, (lo, hi) in enumerate(spans):
+            torch.addmm(fc_b[e], x_RM[lo:hi], fc_w[e].t(), out=a_RH[lo:hi])
+        h_RH = gelu_tanh(a_RH)
+        y_RM = x_RM.new_empty(R, M)
+        for e, (lo, hi) in enumerate(spans):
+            torch.addmm(bias[e], h_RH[lo:hi], proj_w[e].t(), out=y_RM[lo:hi])
+        ctx.spans = spans
+        ctx.save_for_backward(x_RM, a_RH, h_RH, fc_w, proj_w)
+        return y_RM
+
+    @staticmethod
+    def backward(ctx, gy_RM):
+        x_RM, a_RH, h_RH, fc_w, proj_w = ctx.saved_tensors
+        gy_RM = gy_RM.contiguous()
+        d_proj_w, d_bias = torch.empty_like(proj_w), gy_RM.new_empty(proj_w.shape[:2])
+        dh_RH = torch.empty_like(h_RH)
+        for e, (lo, hi) in enumerate(ctx.spans):
+            torch.mm(gy_RM[lo:hi].t(), h_RH[lo:hi], out=d_proj_w[e])
+            torch.sum(gy_RM[lo:hi], dim=0, out=d_bias[e])
+            torch.mm(gy_RM[lo:hi], proj_w[e], out=dh_RH[lo:hi])
+        da_RH = torch.ops.aten.gelu_backward(dh_RH, a_RH, approximate="tanh")
+        d_fc_w, d_fc_b = torch.empty_like(fc_w), da_RH.new_empty(fc_w.shape[:2])
+        dx_RM = torch.empty_like(x_RM) if ctx.needs_input_grad[0] else None
+        for e, (lo, hi) in enumerate(ctx.spans):
+            torch.mm(da_RH[lo:hi].t(), x_RM[lo:hi], out=d_fc_w[e])
+            torch.sum(da_RH[lo:hi], dim=0, out=d_fc_b[e])
+            if dx_RM is not None:
+                torch.mm(da_RH[lo:hi], fc_w[e], out=dx_RM[lo:hi])
+        return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None
 
 
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:

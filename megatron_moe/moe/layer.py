@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.experts",
                                m.init_method_std, proj_std, device=device)
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
-        self.requested, self.dropless = moe.moe_schedule, moe.moe_dropless
+        self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -83,7 +83,7 @@ class MoELayer(nn.Module):
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, schedule, self.saa,
-                                               saa_chunks)
+                                               saa_chunks, self.kept_only)
         if old is not None:                # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
             self.dispatcher.listeners = old.listeners
@@ -128,14 +128,15 @@ class MoELayer(nn.Module):
         split = self.splits_tokens(x_GSM.size(1))
         if self.schedule == "s1" and not split:
             d = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa,
-                                 self.schedule_choice.saa_chunks)
+                                 self.schedule_choice.saa_chunks, self.kept_only)
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
         with annotate("moe/dispatch"):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
         ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None        # dropless: rows per expert
-        y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged)   # the "moe/experts" range
+        kept = plan.kept if self.kept_only else None                              # rows holding a kept token
+        y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if split:

@@ -1,0 +1,79 @@
+"""Kept rows: which rows of a padded expert input [E_l, N, M] hold a kept token.
+
+Legend: G routing groups, E experts (E_l local ones), D = N_EP * N_ESP ranks of the
+EP x ESP group (sources, in that group's rank order), Cs slots one source sends per
+(group, expert) block (C in the baseline, C_mp in S2), N = D * G * Cs rows per local expert.
+
+The capacity-padded dispatchers lay the expert input out as blocks of Cs rows, one block
+per (source, group) and local expert, in that order. The router gives the kept choices
+of an expert slots 0, 1, ... (a prefix of its capacity), so a source knows how many
+leading rows of each block it sends may hold a token: `sent_rows` (the highest kept slot
++ 1, so the index stays exact even if a router left holes). The sources exchange these
+[G, E] counts (`exchange_sent_rows`, one small all-gather over the EP x ESP group), and
+`padded_kept_rows` turns them into the kept rows of this rank's expert input, grouped by
+local expert. The experts then compute only those rows (`Experts.forward_kept`): rows
+that hold no token never reach a GEMM; their outputs are zero and never read (the
+combine reads kept rows only), and their gradients are zero either way.
+
+The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_moe.distributed.collectives import all_gather_raw, group_size
+from megatron_moe.moe.router import RouteResult
+
+
+@dataclass
+class KeptRows:
+    """rows [K] flat indices into the expert input viewed as [E_l * N, M], ascending, so grouped
+    by local expert; counts [E_l] rows of each local expert (sum K)."""
+
+    rows: torch.Tensor
+    counts: list[int]
+
+
+def sent_rows(routes: list[RouteResult], lo: int = 0, width: int | None = None) -> torch.Tensor:
+    """Rows of each (group, expert) block that a source sends which may hold a kept token, [G, E] int64.
+
+    The block holds slots [lo, lo + width) of each expert (S2: an MP rank's share; default
+    the whole capacity): highest kept slot + 1, minus lo, clipped to [0, width]."""
+    width = routes[0].capacity if width is None else width
+    out = []
+    for r in routes:
+        E = r.counts.numel()
+        top = torch.full((E,), -1, dtype=torch.int64, device=r.slot.device)
+        kept = r.slot >= 0
+        top = top.scatter_reduce(0, r.expert[kept], r.slot[kept], reduce="amax")
+        out.append((top + 1 - lo).clamp(min=0, max=width))
+    return torch.stack(out)
+
+
+def exchange_sent_rows(rows_GE: torch.Tensor, group) -> torch.Tensor:
+    """Every source's `sent_rows` of the EP x ESP group, [D, G, E] (group rank order), on CPU."""
+    if group_size(group) == 1:
+        return rows_GE.cpu()[None]
+    return all_gather_raw(rows_GE.to(torch.int32)[None], group, dim=0).to(torch.int64).cpu()
+
+
+def padded_kept_rows(rows_DGE: torch.Tensor, ep_rank: int, num_local: int, block: int,
+                     device: torch.device) -> KeptRows:
+    """The kept rows of this rank's expert input [E_l, D*G*block, M] from every source's
+    `sent_rows` (experts ep_rank*E_l ... of each source's blocks)."""
+    D, G, _ = rows_DGE.shape
+    n_LB = rows_DGE[:, :, ep_rank * num_local:(ep_rank + 1) * num_local].permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
+    host = n_LB.device
+    starts = torch.arange(n_LB.numel(), dtype=torch.int64, device=host) * block  # block b of expert e: (e*D*G+b)*block
+    total = int(n_LB.sum())
+    within = torch.arange(total, dtype=torch.int64, device=host) - torch.repeat_interleave(n_LB.cumsum(0) - n_LB, n_LB)
+    rows = torch.repeat_interleave(starts, n_LB) + within
+    counts = n_LB.view(num_local, D * G).sum(dim=1).tolist()
+    return KeptRows(rows.to(device), counts)
+
+
+def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:
+    """The received rows of a zero-padded uneven expert input (their rows, sorted: grouped by expert)."""
+    return KeptRows(torch.sort(recv_row).values, list(per_expert))

@@ -1,0 +1,262 @@
+"""One MoE layer (forward + backward) side by side with DeepSpeed-MoE's `MoE` layer.
+
+Run under torchrun (gloo, CPU):
+
+  OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/bench_vs_deepspeed.py \\
+      --expert-model-parallel-size 2 --moe-expert-capacity-factor 1.0 --iters 20 --json out.json
+
+Defaults: E=4, top-2, 512 tokens per rank (--micro-batch-size 2 x --seq-length 256), M=256,
+H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Variants, timed
+round robin so a slow spell of a shared machine hits them alike (an iteration's time is the
+slowest rank's):
+  ours         our MoE layer, experts on kept rows only (--moe-kept-only, the default)
+  ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
+  deepspeed    deepspeed.moe.layer.MoE with the same E, k, capacity factor, min capacity and
+               EP size (its expert: Linear -> tanh-GELU -> Linear, our experts' function); skipped with a message when
+               DeepSpeed is not installed (a benchmark peer, never a dependency of the library)
+  floor        forward + backward of the expert GEMMs alone on the rows our layer keeps
+               (this rank's local experts and their kept counts; no routing, no communication)
+--profile N: afterwards, rank 0 profiles N iterations of each variant with torch.profiler
+and prints the ops by self CPU time. Prints a table on rank 0; --json writes
+{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor}], kept_rows, padded_rows}.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megatron_moe.arguments import add_config_flags, config_from_args
+from megatron_moe.config import Config
+from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.moe.experts import Experts
+from megatron_moe.moe.layer import MoELayer
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown
+
+VARIANTS = ("ours", "ours-padded", "deepspeed", "floor")
+
+
+def bench_defaults() -> Config:
+    """The issue's layer: E=4, top-2, cf 1.0, 2 x 256 tokens per rank, M=256, H=1024, EP2."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.hidden_size, m.num_attention_heads, m.seq_length = 256, 1, 256
+    moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity = 4, 2, 1.0, 4
+    cfg.train.micro_batch_size, cfg.train.seed = 2, 1234
+    cfg.parallel.expert_model_parallel_size = 2
+    return cfg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The trainer's model / MoE / parallelism / training flags plus --variants, --iters, --warmup,
+    --profile, --json."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults())
+    a = p.add_argument
+    a("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
+    a("--iters", type=int, default=20)
+    a("--warmup", type=int, default=3)
+    a("--profile", type=int, default=0, help="profile this many iterations of each variant on rank 0")
+    a("--json", default=None, help="write the results here (rank 0)")
+    args = p.parse_args(argv)
+    try:
+        args.cfg = config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    args.variant_list = [s.strip() for s in args.variants.split(",") if s.strip()]
+    bad = [s for s in args.variant_list if s not in VARIANTS]
+    if bad or not args.variant_list:
+        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+    if args.iters < 1 or args.warmup < 0 or args.profile < 0:
+        p.error("--iters must be >= 1, --warmup and --profile >= 0")
+    par = args.cfg.parallel
+    if par.tensor_model_parallel_size * par.expert_sharding_parallel_size != 1:
+        p.error("--tensor-model-parallel-size and --expert-sharding-parallel-size must be 1 "
+                "(DeepSpeed's MoE layer has expert parallelism only)")
+    if args.cfg.moe.moe_dropless:
+        p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; compare capacity-padded layers")
+    return args
+
+
+def deepspeed_layer(cfg: Config, ep: int):
+    """DeepSpeed-MoE's layer of the same shape, or None (with the reason printed) when not installed."""
+    try:
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+    except ImportError as e:                   # a benchmark peer only
+        if dist.get_rank() == 0:
+            print(f"deepspeed: skipped (not importable: {e})")
+        return None
+    deepspeed.init_distributed("gloo")        # wraps the process group torchrun already made
+    m, moe = cfg.model, cfg.moe
+    expert = nn.Sequential(nn.Linear(m.hidden_size, m.ffn_hidden_size), nn.GELU(approximate="tanh"),
+                           nn.Linear(m.ffn_hidden_size, m.hidden_size))
+    layer = MoE(m.hidden_size, expert, num_experts=moe.num_experts, ep_size=ep, k=moe.moe_router_topk,
+                capacity_factor=moe.moe_expert_capacity_factor, eval_capacity_factor=moe.moe_expert_capacity_factor,
+                min_capacity=moe.moe_min_capacity, drop_tokens=True, use_rts=False)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+class Floor:
+    """Forward + backward of this rank's experts on the kept rows of our layer (ragged GEMMs only)."""
+
+    def __init__(self, layer: MoELayer, cfg: Config, x: torch.Tensor, ps, device: torch.device):
+        x_GSM = x.detach().reshape(1, -1, x.size(-1))
+        routes, _, _ = layer.route(x_GSM, split=False)
+        plan = layer.dispatcher.plan(routes)              # collective: every rank takes part
+        self.counts = plan.kept.counts
+        self.padded = layer.dispatcher.num_local * layer.dispatcher.n_ep * plan.groups * plan.slots
+        m = cfg.model
+        self.experts = Experts(cfg.moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, cfg.train.seed,
+                               "bench.floor", device=device)
+        g = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1)
+        rows = sum(self.counts)
+        self.x = torch.randn(rows, m.hidden_size, generator=g, device="cpu").to(device).requires_grad_()
+        self.gy = torch.randn(rows, m.hidden_size, generator=g, device="cpu").to(device)
+
+    def step(self) -> None:
+        (self.experts.forward_ragged(self.x, self.counts) * self.gy).sum().backward()
+        self.experts.zero_grad(set_to_none=True)
+        self.x.grad = None
+
+
+def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
+    """One callable per variant (a forward + backward), and what the floor keeps."""
+    steps, info = {}, {}
+    for name, kept in (("ours", True), ("ours-padded", False)):
+        if name not in args.variant_list and not (name == "ours" and "floor" in args.variant_list):
+            continue
+        cfg = copy.deepcopy(args.cfg)
+        cfg.moe.moe_schedule, cfg.moe.moe_kept_only = "baseline", kept
+        layer = MoELayer(cfg, ps, cfg.train.seed, "bench.moe", 1, device=device)
+
+        def ours(layer=layer):
+            y, aux = layer(x)
+            ((y * gy).sum() + aux).backward()
+            layer.zero_grad(set_to_none=True)
+        if name in args.variant_list:
+            steps[name] = ours
+        if name == "ours" and "floor" in args.variant_list:
+            floor = Floor(layer, args.cfg, x, ps, device)
+            steps["floor"] = floor.step
+            info = {"kept_rows": floor.counts, "padded_rows": floor.padded}
+    if "deepspeed" in args.variant_list:
+        ds = deepspeed_layer(args.cfg, ps.size("ep"))
+        if ds is not None:
+            xs = x.detach().reshape(-1, x.size(-1)).requires_grad_()
+
+            def deepspeed_step():
+                y, aux, _ = ds(xs)
+                ((y * gy.reshape(y.shape)).sum() + aux).backward()
+                ds.zero_grad(set_to_none=True)
+            steps["deepspeed"] = deepspeed_step
+    return {v: steps[v] for v in VARIANTS if v in steps}, info
+
+
+def timed(step) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    """Parse, benchmark, then the shared teardown."""
+    args = parse_args(argv)
+    with exit_on_comm_error():
+        run(args)
+        shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Time every variant round robin; table and --json on rank 0; optional profile."""
+    cfg, par = args.cfg, args.cfg.parallel
+    if "RANK" not in os.environ:
+        from megatron_moe.testing import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
+    ps = initialize_model_parallel(1, par.expert_model_parallel_size, 1, "gloo", device=device)
+    m, t = cfg.model, cfg.train
+    g = torch.Generator(device="cpu").manual_seed(t.seed + dist.get_rank())
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g, device="cpu").to(device)
+    x.requires_grad_()
+    gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
+    steps, info = make_steps(args, ps, x, gy, device)
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times = {v: [] for v in steps}
+    for _ in range(args.iters):
+        for v, step in steps.items():
+            times[v].append(timed(step))
+    rows = []
+    for v in steps:
+        ts = torch.tensor(times[v], dtype=torch.float64, device=device)
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX)                 # the slowest rank's time
+        ms = torch.sort(ts).values * 1e3
+        rows.append({"variant": v, "ms_median": float(ms.median()),
+                     "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)])})
+    ref = {r["variant"]: r["ms_median"] for r in rows}
+    for r in rows:
+        r["ratio_vs_deepspeed"] = r["ms_median"] / ref["deepspeed"] if "deepspeed" in ref else None
+        r["ratio_vs_floor"] = r["ms_median"] / ref["floor"] if "floor" in ref else None
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, info)
+    if dist.get_rank() == 0:
+        print_table(args, rows, every)
+        if args.json:
+            out = {"config": describe(args), "rows": rows, "kept_rows": [i.get("kept_rows") for i in every],
+                   "padded_rows": [i.get("padded_rows") for i in every]}
+            tmp = f"{args.json}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1)
+            os.replace(tmp, args.json)
+    if args.profile:
+        profile(args, steps)
+
+
+def describe(args) -> str:
+    m, moe, t = args.cfg.model, args.cfg.moe, args.cfg.train
+    return (f"EP{args.cfg.parallel.expert_model_parallel_size} on {dist.get_world_size()} gloo processes, "
+            f"E={moe.num_experts} top-{moe.moe_router_topk} cf={moe.moe_expert_capacity_factor} "
+            f"{t.micro_batch_size * m.seq_length} tokens/rank M={m.hidden_size} H={m.ffn_hidden_size}; "
+            f"{args.iters} iters after {args.warmup} warmup")
+
+
+def print_table(args, rows: list, info: list) -> None:
+    print(f"MoE layer fwd+bwd: {describe(args)}")
+    kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
+    if kept:
+        print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")
+    print(f"{'variant':<13}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
+    for r in rows:
+        ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
+        fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
+        print(f"{r['variant']:<13}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
+
+
+def profile(args, steps: dict) -> None:
+    """torch.profiler over --profile iterations of each variant; rank 0 prints the top ops (others
+    run the same steps so the collectives match)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for v, step in steps.items():
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.profile):
+                step()
+        if dist.get_rank() == 0:
+            print(f"\n== profile: {v}, {args.profile} iterations, rank 0 ==")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
