@@ -55,9 +55,10 @@ class PerfConstants:
     """Machine constants of the model [seconds].
 
     a2a_alpha, a2a_beta: one all-to-all; beta per element a rank receives from the others.
-    bcast_alpha, bcast_beta: one expert's Trans (or Agg); beta per element when it reaches all D
-      ranks (scaled by reached / D otherwise). Measured as half an all-reduce on the EP group
-      (all-reduce = reduce + broadcast).
+    bcast_alpha, bcast_beta: one expert's Trans (or Agg); beta per element of the expert when it
+      reaches all D ranks (scaled by reached / D otherwise). Measured as an all-gather on the EP
+      group whose per-rank input is the expert: every rank sends and receives (D - 1) copies, what
+      an owner sending its expert to the D - 1 others (Trans) or receiving their gradients (Agg) moves.
     expert_alpha, expert_beta: forward expert compute; alpha per expert GEMM pair launched on a
       device, beta per token (the paper's 1 / t).
     """
@@ -194,19 +195,16 @@ def loads(counts_DE: np.ndarray, replicas: Replicas) -> tuple[np.ndarray, np.nda
     """
     d, e = counts_DE.shape
     per = e // d
-    h = np.zeros(d, dtype=np.int64)
-    r = np.zeros(d, dtype=np.int64)
-    g = np.full(d, per, dtype=np.int64)
-    for x in range(e):
-        own = x // per
-        local = np.zeros(d, dtype=bool)
-        local[list(replicas[x])] = True
-        g[local] += 1
-        h[local] += counts_DE[local, x]                 # replicas compute their own tokens
-        to_owner = counts_DE[~local, x]
-        h[own] += int(to_owner.sum())
-        r[own] += int(to_owner.sum()) - int(counts_DE[own, x])   # the owner is never in `local`
-    return h, r, g
+    local_DE = np.zeros((d, e), dtype=bool)
+    for x, ranks in enumerate(replicas):
+        local_DE[list(ranks), x] = True
+    owner_E = np.arange(e) // per
+    to_owner_E = np.where(local_DE, 0, counts_DE).sum(axis=0)           # tokens computed by each owner
+    own_E = counts_DE[owner_E, np.arange(e)]                            # the owner's own tokens (never local)
+    h = np.where(local_DE, counts_DE, 0).sum(axis=1) + to_owner_E.reshape(d, per).sum(axis=1)
+    r = (to_owner_E - own_E).reshape(d, per).sum(axis=1)
+    g = per + local_DE.sum(axis=1)
+    return h.astype(np.int64), r.astype(np.int64), g.astype(np.int64)
 
 
 # -- fitting -------------------------------------------------------------------------------
@@ -253,25 +251,27 @@ def expert_token_sizes(max_tokens: int) -> list[int]:
 
 
 def measure_constants(ps: "ParallelState", token_elements: int, param_elements: int, ffn_hidden: int,
-                      max_tokens: int, group_kind: str = "ep", reps: int = 3) -> PerfConstants:
+                      max_tokens: int, group_kind: str = "ep", reps: int = 3,
+                      max_timed_tokens: int = 2048) -> PerfConstants:
     """Measured constants on the run's real `group_kind` group (collective over the world).
 
-    All-to-all: `comm_profile.time_collective` at sizes up to max_tokens * token_elements, priced
-    by the elements a rank receives from the others. Trans/Agg: half the all-reduce of the same
-    group (all-reduce = reduce + broadcast) at sizes up to param_elements. Expert: the FFN
-    forward [T, token_elements] x [token_elements, ffn_hidden] timed on `ps.device` at
-    `expert_token_sizes(max_tokens)`. Timings are MAX-reduced over the world before fitting, so
-    every rank holds the same constants (and Algorithm 1 makes the same plan everywhere).
+    All-to-all: `comm_profile.time_collective` at `profile_sizes(max_tokens * token_elements)`,
+    priced by the elements a rank receives from the others. Trans/Agg: `time_collective` of an
+    all-gather whose per-rank input runs up to `param_elements` (see `PerfConstants`). Expert:
+    `time_expert_ffn` [T, token_elements] x [token_elements, ffn_hidden] on `ps.device` at
+    `expert_token_sizes(min(max_tokens, max_timed_tokens))` (the fit is linear in T). Timings
+    are MAX-reduced over the world before fitting, so every rank holds the same constants (and
+    Algorithm 1 makes the same plan everywhere).
     """
     d = ps.size(group_kind)
     if d < 2:
         raise ValueError(f"pro-prophet needs an expert-parallel group of 2 or more ranks ({group_kind} has {d})")
     group, device = ps.group(group_kind), ps.device
     a2a_sizes = profile_sizes(max_tokens * token_elements)
-    ar_sizes = profile_sizes(param_elements)
-    tok_sizes = expert_token_sizes(max_tokens)
+    ag_sizes = profile_sizes(param_elements)
+    tok_sizes = expert_token_sizes(min(max_tokens, max_timed_tokens))
     rows = [[time_collective("all_to_all", group, n, reps, 1, device) for n in a2a_sizes],
-            [time_collective("all_reduce", group, n, reps, 1, device) for n in ar_sizes],
+            [time_collective("all_gather", group, n, reps, 1, device) for n in ag_sizes],
             [time_expert_ffn(t, token_elements, ffn_hidden, device, reps) for t in tok_sizes]]
     width = max(len(x) for x in rows)
     times = torch.tensor([x + [0.0] * (width - len(x)) for x in rows], dtype=torch.float64,
@@ -280,9 +280,8 @@ def measure_constants(ps: "ParallelState", token_elements: int, param_elements: 
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     t = times.cpu().tolist()
     received = [n * (d - 1) / d for n in fit_sizes("all_to_all", d, a2a_sizes)]
-    reduced = fit_sizes("all_reduce", d, ar_sizes)
-    return fit_constants((received, t[0][:len(a2a_sizes)]),
-                         (reduced, [x / 2 for x in t[1][:len(ar_sizes)]]),
+    per_rank = [n // d for n in fit_sizes("all_gather", d, ag_sizes)]     # the input time_collective used
+    return fit_constants((received, t[0][:len(a2a_sizes)]), (per_rank, t[1][:len(ag_sizes)]),
                          (tok_sizes, t[2][:len(tok_sizes)]))
 
 
