@@ -180,6 +180,11 @@ def test_n_out_of_range_names_the_flag():
     with pytest.raises(ValueError, match=r"--pro-prophet-n must be an integer in \[0, 2\] for 4 expert-parallel "
                                          r"ranks, got 3"):
         plan(np.ones((4, 4), dtype=np.int64), unit_model(1), alpha=0.5, n=3)
+    with pytest.raises(ValueError, match=r"--pro-prophet-n must be an integer in \[0, 0\] for 1 expert-parallel "
+                                         r"ranks, got 1"):
+        plan(np.ones((1, 4), dtype=np.int64), unit_model(1), alpha=0.5, n=1)
+    one = plan([[5, 1, 1, 1]], unit_model(1), alpha=0.0)                # one rank: nothing to move
+    assert (one.replicas, one.load_after) == (((),) * 4, (8,))
 
 
 def test_ranks_without_tokens_for_the_expert_get_no_replica():

@@ -88,7 +88,7 @@ def is_balanced(computed: Sequence[int], alpha: float, total_tokens: int, num_ex
 def _check_knobs(alpha: float, n: int, num_devices: int) -> None:
     if not np.isfinite(alpha) or alpha < 0:
         raise ValueError(f"--pro-prophet-alpha must be a finite number >= 0, got {alpha!r}")
-    if isinstance(n, bool) or int(n) != n or n < 0 or (num_devices > 1 and n > num_devices - 2):
+    if isinstance(n, bool) or int(n) != n or n < 0 or n > max(num_devices - 2, 0):
         raise ValueError(f"--pro-prophet-n must be an integer in [0, {max(num_devices - 2, 0)}] "
                          f"for {num_devices} expert-parallel ranks, got {n!r}")
 
