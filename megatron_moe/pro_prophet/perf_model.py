@@ -260,8 +260,8 @@ def measure_constants(ps: "ParallelState", token_elements: int, param_elements: 
     all-gather whose per-rank input runs up to `param_elements` (see `PerfConstants`). Expert:
     `time_expert_ffn` [T, token_elements] x [token_elements, ffn_hidden] on `ps.device` at
     `expert_token_sizes(min(max_tokens, max_timed_tokens))` (the fit is linear in T). Timings
-    are MAX-reduced over the world before fitting, so every rank holds the same constants (and
-    Algorithm 1 makes the same plan everywhere).
+    are MAX-reduced over the world before fitting and rank 0's fit is broadcast, so every rank
+    holds bit-identical constants (and Algorithm 1 makes the same plan everywhere).
     """
     d = ps.size(group_kind)
     if d < 2:
@@ -281,8 +281,16 @@ def measure_constants(ps: "ParallelState", token_elements: int, param_elements: 
     t = times.cpu().tolist()
     received = [n * (d - 1) / d for n in fit_sizes("all_to_all", d, a2a_sizes)]
     per_rank = [n // d for n in fit_sizes("all_gather", d, ag_sizes)]     # the input time_collective used
-    return fit_constants((received, t[0][:len(a2a_sizes)]), (per_rank, t[1][:len(ag_sizes)]),
-                         (tok_sizes, t[2][:len(tok_sizes)]))
+    fit = fit_constants((received, t[0][:len(a2a_sizes)]), (per_rank, t[1][:len(ag_sizes)]),
+                        (tok_sizes, t[2][:len(tok_sizes)]))
+    if not dist.is_initialized():
+        return fit
+    # rank 0's fit everywhere: a least-squares solve on another machine's BLAS could differ in the
+    # last bit, and one differing plan would hang the run
+    vals = torch.tensor([fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha,
+                         fit.expert_beta], dtype=torch.float64, device=device)
+    dist.broadcast(vals, src=0)
+    return PerfConstants(*(float(v) for v in vals.cpu().tolist()))
 
 
 def alpha_beta(constants: PerfConstants, kind: str) -> AlphaBeta:
