@@ -86,17 +86,29 @@ class Experts(nn.Module):
         One GEMM pair per local expert over its own rows (an expert with no rows: empty GEMMs)."""
         if len(counts) != self.num_local or sum(counts) != x_RM.size(0):
             raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
-        if self.deferred_bmm is not None:
-            raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
+        return self.forward_weights(x_RM, counts, self.expert_weights(grad_scale))
+
+    def expert_weights(self, grad_scale: float = 1.0) -> list[tuple[torch.Tensor, ...]]:
+        """(fc_w [H_l, M], fc_b [H_l], proj_w [M, H_l], proj_b [M_l]) of each local expert, their
+        gradients scaled by `grad_scale`."""
         fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        return [(fc_w[e], fc_b[e], proj_w[e], proj_b[e]) for e in range(self.num_local)]
+
+    def forward_weights(self, x_RM: torch.Tensor, counts: list[int], weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """x [R, M] grouped by expert (`counts[i]` rows for `weights[i]`, an `expert_weights` tuple of
+        a local expert or of a Pro-Prophet replica) -> partial y [R, M]."""
+        if len(counts) != len(weights) or sum(counts) != x_RM.size(0):
+            raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
+        if self.deferred_bmm is not None:
+            raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
         M = x_RM.size(1)
-        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
         outs, start = [], 0
-        for e, n in enumerate(counts):           # n = 0: empty GEMMs (zero weight gradients, no FLOPs)
+        for (fc_w, fc_b, proj_w, proj_b), n in zip(weights, counts):   # n = 0: empty GEMMs (zero grads, no FLOPs)
             x = x_RM[start:start + n]
-            h = gelu_tanh(torch.addmm(fc_b[e].to(x.dtype), x, fc_w[e].t().to(x.dtype)))
-            outs.append(torch.addmm(bias[e].to(h.dtype), h, proj_w[e].t().to(h.dtype)))
+            bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(0)))   # [M], zeros off our columns
+            h = gelu_tanh(torch.addmm(fc_b.to(x.dtype), x, fc_w.t().to(x.dtype)))
+            outs.append(torch.addmm(bias.to(h.dtype), h, proj_w.t().to(h.dtype)))
             start += n
         return torch.cat(outs)
 
