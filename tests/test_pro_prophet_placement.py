@@ -14,8 +14,9 @@ from megatron_moe.distributed.grad_sync import sync_gradients
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.layers.sharding import local_pieces
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.placement import Placement, ProProphet, parse_plan
+from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, parse_plan, routed_counts
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_moe.pro_prophet.planner import heaviest_to_all
 from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
@@ -62,31 +63,41 @@ def test_forced_plan_errors_name_the_flag():
 # ----------------------------------------------------------------------------- equivalence (spawned)
 
 def _steps(k: int, ep: int, esp: int, E: int, plan: dict, schedule) -> dict:
-    """STEPS iterations (SGD between them) on this rank; schedule None: no placement."""
+    """STEPS iterations (SGD between them) on this rank; schedule None: no placement, True / False:
+    the forced plan scheduled / blocking, "planned": the plan of step 2 made from step 1's counts
+    (the paper's "heaviest expert to all" as the planner, scheduled)."""
     ps = initialize_model_parallel(1, ep, esp)
     try:
         model = GPT2MoE(placed_config(k, E), ps)
+        layers = model.moe_layers()
         runtime = None
-        if schedule is not None:
-            runtime = ProProphet(model.moe_layers(), ps, schedule=schedule)
-            runtime.set_plans({layer.layer_idx: Placement.of(E, ep, plan) for layer in model.moe_layers()})
+        if schedule == "planned":
+            runtime = ProProphet(layers, ps, planner=lambda counts: heaviest_to_all(counts, 1).replicas)
+        elif schedule is not None:
+            runtime = ProProphet(layers, ps, schedule=schedule)
+            runtime.set_plans({layer.layer_idx: Placement.of(E, ep, plan) for layer in layers})
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         r = ps.rank("dp")
         sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
-        losses = []
+        losses, used, counts = [], [], []
         with CommLog() as log:
             for step in range(STEPS):
                 if step:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 ids, labels = global_batch(ps.size("dp"), seed=step)
+                used.append(runtime.placement_of(layers[0].layer_idx).replicas if runtime else None)
                 lm, aux = model(ids[sl], labels[sl])
                 (lm + aux).backward()
                 sync_gradients(model, ps)
                 losses.append((lm + aux).item())
+                if schedule == "planned":
+                    counts.append(gather_counts(ps, torch.stack([routed_counts(la) for la in layers])))
+                    runtime.end_iteration(step + 1, counts[-1])
         opt.step()
         return {"losses": losses, "grads": local_pieces(model, ps, "grad"),
-                "params": local_pieces(model, ps, "param"), "ep": ps.rank("ep"),
+                "params": local_pieces(model, ps, "param"), "ep": ps.rank("ep"), "used": used,
+                "counts": [c.tolist() for c in counts],
                 "bytes": {op: [(e.sent, e.recv) for e in log.of(op)] for op in ("trans", "agg")},
                 "a2a_remote": sum(e.remote_sent for e in log.of("all_to_all", phase="bwd")),   # tokens only
                 "opt_state": sorted(id(p) for p in opt.state)}
@@ -99,7 +110,7 @@ def _run_cases(rank, world):
     for ep, esp, E, plan in CASES[world]:
         for k in (1, 2):
             base = _steps(k, ep, esp, E, plan, None)
-            for schedule in (True, False):
+            for schedule in (True, False, "planned"):
                 out.append(((ep, esp, k, schedule), base, _steps(k, ep, esp, E, plan, schedule)))
     return out
 
@@ -111,15 +122,18 @@ def _expert_bytes(cfg, esp: int) -> int:
 
 
 def _check(per_rank: list, world: int) -> None:
-    cases = {}
-    for ep, esp, E, plan in CASES[world]:
-        cases[(ep, esp)] = (E, plan)
+    cases = {(ep, esp): E for ep, esp, E, _ in CASES[world]}
     for i in range(len(per_rank[0])):
         (ep, esp, k, schedule), _, _ = per_rank[0][i]
-        tag = f"EP{ep} ESP{esp} DP{world // (ep * esp)} top-{k} {'scheduled' if schedule else 'blocking'}"
-        E, plan = cases[(ep, esp)]
-        p = Placement.of(E, ep, plan)
+        tag = f"EP{ep} ESP{esp} DP{world // (ep * esp)} top-{k} {schedule}"
+        E = cases[(ep, esp)]
         one = _expert_bytes(placed_config(k, E), esp)
+        if schedule == "planned":           # locality: step 2 uses the plan of step 1's counts, on every rank
+            counts = per_rank[0][i][2]["counts"][0][0]
+            assert all(per_rank[r][i][2]["counts"][0][0] == counts for r in range(world)), f"{tag}: counts differ"
+            expect_plan = heaviest_to_all(counts, 1).replicas
+            for r in range(world):
+                assert per_rank[r][i][2]["used"] == [tuple(() for _ in range(E)), expect_plan], tag
         for rank in range(world):
             _, base, placed = per_rank[rank][i]
             for s, (a, b) in enumerate(zip(base["losses"], placed["losses"])):
@@ -129,16 +143,18 @@ def _check(per_rank: list, world: int) -> None:
                     err = (placed[what][name][1] - t).abs().max().item()
                     assert err < 1e-5, f"{tag} rank {rank}: {what[:-1]} of {name} differs by {err:.3g}"
             assert len(placed["opt_state"]) == len(base["opt_state"]), f"{tag}: the optimizer saw replicas"
-            # Trans: the owner sends each moved expert to each replica rank; Agg the reverse (per step)
-            me = placed["ep"]
-            sent = sum(len(p.replicas[e]) for e in p.moved if p.owner(e) == me) * one
-            got = len(p.held(me)) * one
-            expect = [(sent, got)] * STEPS if sent or got else []
-            trans = [(sum(s for s, _ in pair), sum(r for _, r in pair))
-                     for pair in zip(placed["bytes"]["trans"][0::2], placed["bytes"]["trans"][1::2])]
-            assert trans == expect, f"{tag} rank {rank}: Trans bytes {placed['bytes']['trans']} != {expect}"
-            agg = placed["bytes"]["agg"]
-            assert agg == [(got, sent)] * STEPS if sent or got else agg == [], f"{tag} rank {rank}: Agg {agg}"
+            # Trans: the owner sends each moved expert to each replica rank in two parts; Agg the reverse
+            me, trans, agg = placed["ep"], [], []
+            for reps in placed["used"]:
+                p = Placement(E, ep, reps)
+                sent = sum(len(p.replicas[e]) for e in p.moved if p.owner(e) == me) * one
+                got = len(p.held(me)) * one
+                trans += [(sent, got)] if sent or got else []
+                agg += [(got, sent)] if sent or got else []
+            pairs = zip(placed["bytes"]["trans"][0::2], placed["bytes"]["trans"][1::2])
+            seen = [(a[0] + b[0], a[1] + b[1]) for a, b in pairs]
+            assert seen == trans, f"{tag} rank {rank}: Trans bytes {placed['bytes']['trans']} != {trans}"
+            assert placed["bytes"]["agg"] == agg, f"{tag} rank {rank}: Agg bytes {placed['bytes']['agg']} != {agg}"
         # the replicas' own tokens left the all-to-all: fewer token bytes crossed ranks
         remote = [sum(per_rank[r][i][j]["a2a_remote"] for r in range(world)) for j in (1, 2)]
         assert remote[1] < remote[0], f"{tag}: token all-to-all bytes {remote[1]} not below {remote[0]}"
