@@ -13,6 +13,7 @@ import typing
 from typing import Optional, Sequence
 
 from megatron_moe.config import Config
+from megatron_moe.moe.placement import parse_plan
 from megatron_moe.parallel_state import validate_degrees
 
 GROUPS = {"model": "model", "moe": "MoE", "parallel": "parallelism", "optim": "optimizer",
@@ -137,3 +138,22 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError("--train-iters must be positive")
     if cfg.optim.lr_decay_iters is None:
         cfg.optim.lr_decay_iters = t.train_iters
+    validate_pro_prophet(cfg)
+
+
+def validate_pro_prophet(cfg: Config) -> None:
+    """--pro-prophet needs dropless MoE and an EP group of 2+; a forced plan must fit the layout."""
+    o, moe, ep = cfg.opts, cfg.moe, cfg.parallel.expert_model_parallel_size
+    if not o.pro_prophet:
+        return
+    if not moe.moe_dropless:
+        raise ValueError("--pro-prophet needs --moe-dropless (with capacity padding every expert computes "
+                         "C slots and there is no load to balance)")
+    if not moe.num_experts or ep < 2:
+        raise ValueError(f"--pro-prophet needs --expert-model-parallel-size >= 2 and --num-experts > 0, got "
+                         f"{ep} and {moe.num_experts}")
+    if o.pro_prophet_n > ep - 2:
+        raise ValueError(f"--pro-prophet-n must be in [0, {ep - 2}] for --expert-model-parallel-size {ep}, "
+                         f"got {o.pro_prophet_n}")
+    if o.pro_prophet_force_plan is not None:
+        parse_plan(o.pro_prophet_force_plan, moe.num_experts, ep)        # an error naming the flag

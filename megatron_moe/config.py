@@ -281,11 +281,28 @@ class OptimizationsConfig:
                                        "(0: trust the cost model)")
     lancet_candidates: int = opt(2, "Lancet: how many of the best predicted plans --lancet-measure-iters times "
                                     "beside 'none'")
+    pro_prophet: bool = opt(False, "Pro-Prophet (needs --moe-dropless): replicate heavy experts on other EP ranks "
+                            "for one iteration, planned from the last iteration's token counts; Trans/Agg of "
+                            "their weights/gradients overlapped with compute")
+    pro_prophet_alpha: float = opt(0.25, "Pro-Prophet: balanced when max - min computed tokens per EP rank < "
+                                   "alpha x tokens / experts (eq. (7))")
+    pro_prophet_n: int = opt(0, "Pro-Prophet: EP ranks (those with the fewest tokens for it) a moved expert is "
+                             "not sent to")
+    pro_prophet_interval: int = opt(1, "Pro-Prophet: plan every this many iterations (the plan is kept in between)")
+    pro_prophet_no_schedule: bool = opt(False, "Pro-Prophet ablation: Trans/Agg blocking at the point of use "
+                                        "instead of overlapped (Algorithm 2)")
+    pro_prophet_force_plan: Optional[str] = opt(None, "Pro-Prophet: use this placement in every MoE layer and "
+                                                "iteration instead of planning, 'E:R[,R];E:R' = expert E "
+                                                "replicated on EP ranks R (tests, fixed benchmarks)")
 
     def __post_init__(self) -> None:
         check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,
                             "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE,
-                            "lancet_measure_iters": NON_NEGATIVE, "lancet_candidates": AT_LEAST_ONE})
+                            "lancet_measure_iters": NON_NEGATIVE, "lancet_candidates": AT_LEAST_ONE,
+                            "pro_prophet_alpha": NON_NEGATIVE, "pro_prophet_n": NON_NEGATIVE,
+                            "pro_prophet_interval": AT_LEAST_ONE})
+        if self.pro_prophet_force_plan is not None and not self.pro_prophet:
+            raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
 
 
 @dataclass

@@ -12,6 +12,12 @@
 3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
    through the modules' own hooks (`lancet.controller.setup`); partitioned
    layers keep the schedule step 1 left them (S1 / S2 inside the parts).
+4. Pro-Prophet (--pro-prophet, dropless only): the replica runtime
+   (`moe.placement.ProProphet`) on the MoE layers, with a forced plan
+   (--pro-prophet-force-plan) or Algorithm 1 (`pro_prophet.planner.plan`) on a
+   performance model whose constants are measured on the real EP group
+   (`pro_prophet.perf_model.measure_constants`); the trainer hands it each
+   iteration's counts and it plans the next iteration.
 
 Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
 the trainer logs the lines. A combination the code cannot run stops here with
@@ -31,8 +37,12 @@ from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
 from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.arguments import validate_pro_prophet
 from megatron_moe.moe.comm_profile import choose_for_layer
+from megatron_moe.moe.placement import ProProphet, parse_plan
 from megatron_moe.parallel_state import ParallelState
+from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
+from megatron_moe.pro_prophet.planner import plan as plan_placement
 
 # (flag, value, flag, value) pairs that cannot run together; value None: the switch is on
 UNSUPPORTED: tuple = (("--moe-dropless", None, "--lancet-partition", None),
@@ -47,6 +57,7 @@ class Applied:
     changes: list[str] = field(default_factory=list)
     lina: Optional[LinaScheduler] = None
     lancet: Optional[LancetController] = None
+    pro_prophet: Optional[ProProphet] = None
 
 
 def _flag_value(cfg: Config, flag: str):
@@ -101,4 +112,33 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
                                f"{model.blocks[r.layer].moe.schedule} inside")
         if opts.lancet_partition and not plan.ranges:
             out.changes.append("lancet: the planner partitioned no range (not predicted faster)")
+    if opts.pro_prophet:
+        out.pro_prophet = pro_prophet_setup(model, ps, cfg, out.changes)
     return out
+
+
+def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: list[str]) -> ProProphet:
+    """The replica runtime with a forced plan, or with Algorithm 1 on measured constants (collective)."""
+    opts, m, moe = cfg.opts, cfg.model, cfg.moe
+    validate_pro_prophet(cfg)
+    layers = model.moe_layers()
+    mode = "blocking Trans/Agg" if opts.pro_prophet_no_schedule else "Trans/Agg overlapped (Algorithm 2)"
+    if opts.pro_prophet_force_plan is not None:
+        runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule)
+        forced = parse_plan(opts.pro_prophet_force_plan, moe.num_experts, ps.size("ep"))
+        runtime.set_plans({layer.layer_idx: forced for layer in layers})
+        changes.append(f"pro-prophet: forced plan in every MoE layer: {forced.describe()}; {mode}")
+        return runtime
+    M, H = m.hidden_size, m.ffn_hidden_size
+    esp = ps.size("esp")
+    expert = H // esp * M * 2 + H // esp + M // esp          # one expert's elements on one ESP shard
+    tokens = cfg.train.micro_batch_size * m.seq_length * moe.moe_router_topk
+    constants = measure_constants(ps, M, expert, H // esp, max(tokens, 32))
+    perf = PerfModel(constants, M, expert, expert, overlap=not opts.pro_prophet_no_schedule)
+    alpha, n = opts.pro_prophet_alpha, opts.pro_prophet_n
+    runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule,
+                         planner=lambda counts: plan_placement(counts, perf, alpha, n).replicas,
+                         interval=opts.pro_prophet_interval)
+    changes.append(f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
+                   f"iteration's counts (alpha {alpha:g}, n {n}); {mode}")
+    return runtime

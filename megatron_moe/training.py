@@ -45,6 +45,7 @@ from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.placement import Placement, gather_counts, routed_counts
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
 from megatron_moe.profiling import StepProfiler, annotate
@@ -312,6 +313,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum, aux_sum, dropped, choices, loads = 0.0, 0.0, 0, 0, []
         per_layer: dict[int, torch.Tensor] = {}   # block index -> kept tokens per expert, this rank
+        routed: dict[int, torch.Tensor] = {}      # dropless: block index -> choices this rank sent per expert
         for i, batch in enumerate(batches):
             ids, labels = self.micro_batch(batch)
             self.grad_sync.accumulating = i < len(batches) - 1
@@ -329,7 +331,10 @@ class Trainer:
                 dropped, choices = dropped + st["dropped"], choices + st["choices"]
                 loads.append(st["counts"].float())
                 per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + st["counts"].long()
+                if layer.dropless:
+                    routed[layer.layer_idx] = routed.get(layer.layer_idx, 0) + routed_counts(layer)
         self.grad_sync.finish()
+        balance = self.token_balance(routed) if routed else {}
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
         sums = [lm_sum / len(batches), aux_sum / len(batches), dropped, choices]
         stats = torch.tensor(sums, device=self.device, dtype=torch.float64)
@@ -342,7 +347,30 @@ class Trainer:
         return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
                 "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
                 "load_imbalance": imbalance, "expert_load": load.tolist(),
-                "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())}}
+                "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())}, **balance}
+
+    def token_balance(self, routed: dict) -> dict:
+        """Dropless: tokens per expert and computed per EP rank (all MoE layers, this rank's EP x ESP
+        group) and their imbalance max / mean; with Pro-Prophet also the per-rank imbalance without
+        its placement, and the plan of the next iteration from these counts (collective: one
+        all-gather of L x E integers over EP x ESP)."""
+        idx = sorted(routed)
+        counts = gather_counts(self.ps, torch.stack([routed[i] for i in idx]))       # [L, N_EP, E]
+        prophet = self.applied.pro_prophet
+        E, n_ep = counts.shape[2], counts.shape[1]
+        plain = Placement.of(E, n_ep, {})
+        used = [prophet.placement_of(i) if prophet is not None else plain for i in idx]
+        per_rank = [sum(col) for col in zip(*(p.computed_tokens(c.tolist()) for p, c in zip(used, counts)))]
+        per_expert = counts.sum(dim=(0, 1)).tolist()
+        out = {"expert_tokens": per_expert, "expert_imbalance": imbalance(per_expert),
+               "rank_tokens": per_rank, "rank_imbalance": imbalance(per_rank)}
+        if prophet is not None:
+            before = [sum(col) for col in zip(*(plain.computed_tokens(c.tolist()) for c in counts))]
+            out["rank_imbalance_no_placement"] = imbalance(before)
+            out["pro_prophet_replicas"] = sum(len(r) for p in used for r in p.replicas)
+            out["pro_prophet_plan"] = {str(i): p.as_dict() for i, p in zip(idx, used)}
+            prophet.end_iteration(self.iteration + 1, counts)
+        return out
 
     def check_finite(self, loss: float, grad_norm: float) -> None:
         """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf.
@@ -448,8 +476,10 @@ class Trainer:
             f" | lr {rec['lr']:.3e} | lm loss {rec['loss']:.4f} | aux loss {rec['aux_loss']:.4f}"
             f" | grad norm {rec['grad_norm']:.3f} | ms/iter {rec['ms_per_iter']:.1f}"
             f" | tokens/s {rec['tokens_per_s']:.0f} | TFLOP/s/rank {rec['tflops']:.4f}"
-            f" | dropped {100 * rec['dropped_frac']:.2f}% | load imbalance {rec['load_imbalance']:.2f}")
-        self.logger.record(rec, rec["iteration"], histograms={"expert_load": load})
+            f" | dropped {100 * rec['dropped_frac']:.2f}% | load imbalance {rec['load_imbalance']:.2f}"
+            + balance_text(rec))
+        hists = {"expert_load": load, **{k: rec[k] for k in ("expert_tokens", "rank_tokens") if k in rec}}
+        self.logger.record(rec, rec["iteration"], histograms=hists)
 
     def finish(self, history: Optional[list] = None) -> None:
         if self.lancet is not None and self.cfg.opts.lancet_report:
@@ -457,6 +487,24 @@ class Trainer:
             self.lancet.write_report(measured_iter_ms=times[len(times) // 2])
         self.grad_sync.remove()
         self.logger.close()
+
+
+def imbalance(values: list) -> float:
+    """max / mean (1.0 when everything is zero)."""
+    mean = sum(values) / max(len(values), 1)
+    return float(max(values) / mean) if mean > 0 else 1.0
+
+
+def balance_text(rec: dict) -> str:
+    """The dropless part of the log line: tokens per expert and per EP rank with their imbalance."""
+    if "rank_tokens" not in rec:
+        return ""
+    text = (f" | tokens/expert {','.join(map(str, rec['expert_tokens']))} (imbalance {rec['expert_imbalance']:.2f})"
+            f" | tokens/EP rank {','.join(map(str, rec['rank_tokens']))} (imbalance {rec['rank_imbalance']:.2f})")
+    if "rank_imbalance_no_placement" in rec:
+        text += (f" | pro-prophet {rec['pro_prophet_replicas']} replicas (rank imbalance without "
+                 f"{rec['rank_imbalance_no_placement']:.2f})")
+    return text
 
 
 def pretrain(cfg: Config) -> list[dict]:

@@ -1,4 +1,5 @@
 """Cost-model simulators. `parm`: predicted speedups of S1, S2 and Parm over the baseline.
+`pro-prophet`: Pro-Prophet's performance model on Zipf-skewed loads (see the end of this docstring).
 
   python tools/simulate.py parm                                  # the paper's MP all-gather fit for every collective
   python tools/simulate.py parm --a2a-alpha 1e-3 --a2a-beta 2e-9 # inter-node all-to-alls slower than the rest
@@ -19,6 +20,17 @@ speedups over the baseline averaged per (N_MP, N_ESP) like the paper's Table IV.
 `--table-iv` runs testbed A (P = 8, the paper's A fit, --tflops-a) and testbed
 B (P = 8, 16, 32, the B fit, --tflops-b) and prints, for the cells of Table IV,
 the simulated speedups beside the published ones.
+
+`pro-prophet`: D ranks, E experts, --tokens routed choices per rank whose expert popularity
+follows a Zipf law with exponent --skew (expert e gets a share proportional to 1 / (e + 1)^skew,
+the same on every rank; counts rounded by largest remainder). For each skew it prints the
+modelled MoE-layer time (eqs. (1)-(8) of `megatron_moe.pro_prophet.perf_model`) and the load
+std of computed tokens per rank for: none, heaviest_to_all (the 2 heaviest experts to every
+rank, eq. (6)), pro_prophet_plan_only (Algorithm 1 with eq. (6)) and pro_prophet (Algorithm 1
+with the scheduler's eq. (8)). Constants from --bandwidth-gbps / --latency-us (all-to-all and
+Trans/Agg) and --tflops (expert FFN: 4 M F flops per token forward).
+
+  python tools/simulate.py pro-prophet --devices 4 --experts 4 --skew 0 0.6 1.2
 """
 from __future__ import annotations
 
@@ -29,6 +41,8 @@ import sys
 
 from megatron_moe.moe.cost_model import (OVERLAP_KEY, PAPER_GRID, TABLE_IV, TABLE_IV_COLUMNS, TESTBEDS, AlphaBeta,
                                          CommModel, simulate_grid, uniform_model)
+from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
+from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
 # nominal fp32 peak throughput of the testbeds' GPUs [TFLOP/s]: RTX 4090 (A), RTX 2080 Ti (B)
 TESTBED_TFLOPS = {"A": 82.6, "B": 13.4}
@@ -120,6 +134,64 @@ def run_table_iv(args) -> list:
     return out
 
 
+def zipf_counts(devices: int, experts: int, tokens: int, skew: float) -> list[list[int]]:
+    """[D, E] counts: each rank routes `tokens` choices, expert e's share proportional to 1 / (e + 1)^skew
+    (largest-remainder rounding, ties to the lower expert)."""
+    w = [1.0 / (e + 1) ** skew for e in range(experts)]
+    exact = [tokens * x / sum(w) for x in w]
+    row = [int(x) for x in exact]
+    for e in sorted(range(experts), key=lambda j: (-(exact[j] - row[j]), j))[:tokens - sum(row)]:
+        row[e] += 1
+    return [list(row) for _ in range(devices)]
+
+
+def pro_prophet_model(args, overlap: bool) -> PerfModel:
+    """The performance model of the `pro-prophet` subcommand's flags (fp32 elements)."""
+    for name in ("bandwidth_gbps", "tflops"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.latency_us < 0:
+        raise ValueError(f"--latency-us must be >= 0, got {args.latency_us}")
+    beta = 4 * 8 / (args.bandwidth_gbps * 1e9)          # seconds per fp32 element
+    alpha = args.latency_us * 1e-6
+    c = PerfConstants(a2a_alpha=alpha, a2a_beta=beta, bcast_alpha=alpha, bcast_beta=beta, expert_alpha=0.0,
+                      expert_beta=4 * args.hidden * args.ffn_hidden / (args.tflops * 1e12))
+    params = 2 * args.hidden * args.ffn_hidden
+    return PerfModel(c, token_elements=args.hidden, param_elements=params, grad_elements=params,
+                     fnec_s=args.fnec_ms * 1e-3, bnec_s=args.bnec_ms * 1e-3, overlap=overlap)
+
+
+def run_pro_prophet(args) -> list:
+    """The `pro-prophet` table: one row per skew and mode; returns the rows."""
+    if args.devices < 1 or args.experts % args.devices:
+        raise ValueError(f"--experts ({args.experts}) must be a multiple of --devices ({args.devices})")
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    blocking, scheduled = pro_prophet_model(args, False), pro_prophet_model(args, True)
+    print(f"Pro-Prophet model: D={args.devices} E={args.experts} tokens/rank={args.tokens} M={args.hidden} "
+          f"F={args.ffn_hidden} alpha={args.alpha} n={args.n}; {blocking.constants}")
+    print(f"{'skew':>5} {'mode':>22}{'predicted_ms':>14}{'speedup':>9}{'std_before':>12}{'std_after':>11}"
+          f"{'moved':>7}{'copies':>8}")
+    rows = []
+    for skew in args.skew:
+        counts = zipf_counts(args.devices, args.experts, args.tokens, skew)
+        plans = {"none": (heaviest_to_all(counts, k=0, model=blocking), blocking),
+                 "heaviest_to_all": (heaviest_to_all(counts, k=min(2, args.experts), model=blocking), blocking),
+                 "pro_prophet_plan_only": (plan(counts, blocking, alpha=args.alpha, n=args.n), blocking),
+                 "pro_prophet": (plan(counts, scheduled, alpha=args.alpha, n=args.n), scheduled)}
+        base = plans["none"][0].predicted_s
+        for mode, (p, model) in plans.items():
+            row = {"mode": mode, "skew": skew, "predicted_ms": p.predicted_s * 1e3, "speedup": base / p.predicted_s,
+                   "load_std_before": p.load_std_before, "load_std_after": p.load_std_after,
+                   "moved": len(p.order), "copies": p.num_transfers,
+                   "trans_bytes": 4 * p.num_transfers * model.param_elements,
+                   "agg_bytes": 4 * p.num_transfers * model.grad_elements}
+            rows.append(row)
+            print(f"{skew:>5g} {mode:>22}{row['predicted_ms']:>14.3f}{row['speedup']:>9.2f}"
+                  f"{row['load_std_before']:>12.1f}{row['load_std_after']:>11.1f}{row['moved']:>7}{row['copies']:>8}")
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -152,8 +224,27 @@ def main(argv=None) -> None:
     pp.add_argument("--tflops-b", type=float, default=TESTBED_TFLOPS["B"],
                     help="--table-iv: testbed B's throughput [TFLOP/s] (default RTX 2080 Ti fp32 peak)")
     pp.add_argument("--json", default=None, help="write the table as JSON here")
+    pq = sub.add_parser("pro-prophet", help="Pro-Prophet: modelled MoE-layer time and load std under Zipf skew")
+    pq.add_argument("--devices", type=int, default=4, help="expert-parallel ranks D")
+    pq.add_argument("--experts", type=int, default=4, help="experts E (a multiple of --devices)")
+    pq.add_argument("--tokens", type=int, default=8192, help="routed choices per rank and iteration")
+    pq.add_argument("--hidden", type=int, default=1024, help="hidden size M (elements per token)")
+    pq.add_argument("--ffn-hidden", type=int, default=2048, help="expert FFN hidden size F")
+    pq.add_argument("--skew", type=float, nargs="+", default=[0.0, 0.6, 1.2], help="Zipf exponents")
+    pq.add_argument("--alpha", type=float, default=0.25, help="balance threshold of eq. (7) (--pro-prophet-alpha)")
+    pq.add_argument("--n", type=int, default=0, help="ranks a moved expert is not sent to (--pro-prophet-n)")
+    pq.add_argument("--bandwidth-gbps", type=float, default=100.0, help="link bandwidth [Gbit/s] (paper: 100)")
+    pq.add_argument("--latency-us", type=float, default=20.0, help="latency per collective [us]")
+    pq.add_argument("--tflops", type=float, default=35.0, help="expert compute throughput [TFLOP/s] (RTX 3090 fp32)")
+    pq.add_argument("--fnec-ms", type=float, default=0.0, help="non-expert forward compute of a block [ms] (eq. (8))")
+    pq.add_argument("--bnec-ms", type=float, default=0.0, help="non-expert backward compute of a block [ms] (eq. (8))")
+    pq.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     try:
+        if args.what == "pro-prophet":
+            out = run_pro_prophet(args)
+            if args.json:
+                _write_json(args.json, out)
         if args.what == "parm":
             out = run_table_iv(args) if args.table_iv else run_parm(args)
             if args.json:

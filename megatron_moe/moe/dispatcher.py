@@ -30,7 +30,10 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   and take handles, so a pipeline starts part i+1 while part i is in flight.
   `ragged=True` (dropless MoE): no padding at all; the expert input is [R, M], the
   R received rows grouped by local expert (`UnevenPlan.expert_rows` rows each), and
-  the experts compute exactly those rows.
+  the experts compute exactly those rows. A Pro-Prophet placement (`set_placement`,
+  `moe.placement`) changes where a token goes: to a replica on this rank's EP rank
+  instead of the expert's owner; the receiver's rows are then grouped by the experts it
+  computes (owned and replicas, `UnevenPlan.expert_rows` rows each).
 Kept rows (`moe.kept`): both padded layouts carry `plan.kept`, the rows of the expert
 input that hold a kept token (the padded buffer's: every source's per-expert counts, one
 small all-gather in `plan`), so the experts compute only those (`Experts.forward_kept`).
@@ -128,6 +131,7 @@ class TokenDispatcher:
         self.num_local = num_experts // self.n_ep
         self.dw = None
         self.listeners: list = []
+        self.placement = None              # Pro-Prophet replicas of this iteration (`set_placement`)
 
     @property
     def crosses_ranks(self) -> bool:
@@ -137,6 +141,11 @@ class TokenDispatcher:
     def set_dw_queue(self, dw) -> None:
         """Run the deferred dW of a weight-gradient queue under this dispatcher's backward all-to-alls."""
         self.dw = dw
+
+    def set_placement(self, placement) -> None:
+        """Replicas for the next forwards (a `moe.placement.PlacedLayer`; None: every expert at its
+        owner). Only the ragged (dropless) UnevenDispatcher uses it."""
+        self.placement = placement
 
     def a2a_name(self, step: str) -> str:
         return f"L{self.layer_idx}.moe.a2a_{step}"
@@ -337,20 +346,24 @@ class UnevenDispatcher(TokenDispatcher):
         kept = [r.slot >= 0 for r in routes]
         token = torch.cat([torch.arange(s, device=r.slot.device)[:, None].expand(s, k)[m] + g * s
                            for g, (r, m) in enumerate(zip(routes, kept))])
-        key = torch.cat([r.expert[m] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))])
+        # column of each expert: destination EP rank * X + its place among the destination's experts
+        # (no placement: the owner, X = E_l, column = expert); a placement may send to a replica
+        col, X = ((torch.arange(E, device=routes[0].expert.device), E_l) if self.placement is None or not self.ragged
+                  else self.placement.columns(self.ps.rank("ep"), routes[0].expert.device))
+        key = torch.cat([col[r.expert[m]] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))])
         order = torch.argsort(key)
-        expert = torch.cat([r.expert[m] for r, m in zip(routes, kept)])[order]
+        column = torch.cat([col[r.expert[m]] for r, m in zip(routes, kept)])[order]
         weight = torch.cat([r.weight[m] for r, m in zip(routes, kept)])[order]
-        per_ep_E = torch.bincount(expert, minlength=E).view(self.n_ep, E_l)
+        per_ep_E = torch.bincount(column, minlength=self.n_ep * X).view(self.n_ep, X)
         K_ep = per_ep_E.sum(dim=1).tolist()
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
-        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep], device=expert.device) for ep in range(self.n_ep)
+        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep], device=column.device) for ep in range(self.n_ep)
                           for _ in range(n_esp)])
-        recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, E_l]
-        per_expert = recv_counts.sum(dim=0)                                       # [E_l] rows received
+        recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, X]
+        per_expert = recv_counts.sum(dim=0)                                       # [X] rows received
         N = max(1, int(per_expert.max()))
         # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
-        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(E_l, device=per_expert.device) * N
+        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=per_expert.device) * N
         flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
         block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
         within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
@@ -358,10 +371,11 @@ class UnevenDispatcher(TokenDispatcher):
                + torch.repeat_interleave(block_pos, flat) + within)
         out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
                             recv_counts.sum(dim=1).tolist(), self.a2a_name("dispatch"), self.dw)
-        dev = expert.device
+        dev = column.device
         return UnevenPlan(token[order], weight, dump.to(dev), row.to(dev), N, G * s, out,
                           out.reverse(self.a2a_name("combine")),
-                          expert_rows=per_expert.tolist() if self.ragged else None,
+                          expert_rows=(per_expert.tolist() if self.placement is None else
+                                       self.placement.expert_rows(per_expert)) if self.ragged else None,
                           kept=None if self.ragged else uneven_kept_rows(row.to(dev), per_expert.tolist()))
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:

@@ -86,6 +86,7 @@ class MoELayer(nn.Module):
                                                saa_chunks, self.kept_only)
         if old is not None:                # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
+            self.dispatcher.set_placement(old.placement if self.dropless else None)
             self.dispatcher.listeners = old.listeners
 
     @property
@@ -124,6 +125,9 @@ class MoELayer(nn.Module):
         if B % G:
             raise ValueError(f"batch {B} is not divisible into {G} routing groups")
         d = self.dispatcher
+        placed = d.placement                 # Pro-Prophet replicas (moe.placement.PlacedLayer) or None
+        if placed is not None:
+            x_BTM = placed.layer_input(x_BTM)  # launches Trans; backward: Agg is waited here
         x_GSM = d.track_input(x_BTM).reshape(G, (B // G) * T, M)
         split = self.splits_tokens(x_GSM.size(1))
         if self.schedule == "s1" and not split:
@@ -136,7 +140,10 @@ class MoELayer(nn.Module):
             x_in = d.dispatch(tokens, plan)
         ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None        # dropless: rows per expert
         kept = plan.kept if self.kept_only else None                              # rows holding a kept token
-        y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
+        if placed is not None:                                                   # owned experts + replicas
+            y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
+        else:
+            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if split:

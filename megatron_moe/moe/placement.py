@@ -1,0 +1,419 @@
+"""Pro-Prophet's lightweight expert placement at run time: replicas, Trans and Agg.
+
+Legend: E experts, N_EP EP ranks, E_l = E / N_EP experts owned per EP rank (expert e is
+owned by EP rank e // E_l), H_l = H / N_ESP, M model dim, M_l = M / N_ESP, R replicas
+held by this rank's EP rank, X experts computed by one EP rank at most (owned + replicas).
+
+A `Placement` maps every expert to the EP ranks holding a replica of it for one iteration
+(the owner is never listed). In the dropless UnevenDispatcher (`dispatcher.set_placement`):
+  - a rank whose EP rank holds a replica of e sends its own tokens for e to its own EP rank
+    (with N_ESP = 1 they stay on this rank: the all-to-all chunk that never leaves it; with
+    N_ESP > 1 to its ESP peers, which hold the other H slices of the replica); every other
+    rank keeps sending its e-tokens to the owner;
+  - an EP rank computes its "compute experts", the owned ones and its replicas, in expert
+    order; the expert input groups the received rows by compute expert.
+Trans (forward): the owner's fc_w, fc_b, proj_w, proj_b slices of expert e go to each replica
+rank, point to point on the EP group (ESP shard j to ESP shard j), in two parts: (fc_w, fc_b)
+and (proj_w, proj_b). Agg (backward): each replica's gradients go back to the owner and are
+summed into the owner's parameter gradients through autograd, so grad-ready hooks and gradient
+sync see the sum. Replicas are plain tensors: the optimizer and checkpoints never see them.
+The collective observer records Trans as op "trans" and Agg as op "agg" on group "ep" (bytes
+this rank sends and receives).
+
+Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
+  scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
+             expert compute (fc before it, proj after it: the second part overlaps the
+             non-expert compute up to the next MoE layer); the first MoE layer launches its own
+             at its start. A layer waits for its Trans just before its experts run. Agg is
+             launched when the experts' backward is done and waited when the gradient of the
+             layer's input is due (it overlaps the dispatch all-to-all's and the router's backward).
+  blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
+             of use, Agg launched and waited inside the experts' backward.
+Either way both finish within the iteration, before the optimizer step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed import comm_errors, observer
+from megatron_moe.distributed.collectives import all_gather_raw, scale_grad
+from megatron_moe.moe.experts import Experts
+from megatron_moe.profiling import annotate
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
+
+PARAMS = ("fc_w", "fc_b", "proj_w", "proj_b")
+PARTS = (("fc_w", "fc_b"), ("proj_w", "proj_b"))       # Trans in two parts (Algorithm 2)
+FORCE_FLAG = "--pro-prophet-force-plan"
+
+
+# ----------------------------------------------------------------------------- the placement
+
+@dataclass(frozen=True)
+class Placement:
+    """replicas[e]: sorted EP ranks (never e's owner) holding a replica of expert e this iteration."""
+
+    num_experts: int
+    n_ep: int
+    replicas: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        E, n = self.num_experts, self.n_ep
+        if n < 1 or E % n:
+            raise ValueError(f"a placement needs experts ({E}) divisible by the EP size ({n})")
+        if len(self.replicas) != E:
+            raise ValueError(f"a placement lists {len(self.replicas)} experts, the layer has {E}")
+        for e, ranks in enumerate(self.replicas):
+            if list(ranks) != sorted(set(ranks)) or any(not 0 <= q < n for q in ranks):
+                raise ValueError(f"expert {e}: replica ranks {ranks} must be distinct sorted EP ranks in [0, {n})")
+            if self.owner(e) in ranks:
+                raise ValueError(f"expert {e}: EP rank {self.owner(e)} owns it and cannot hold a replica")
+
+    @classmethod
+    def of(cls, num_experts: int, n_ep: int, mapping: Mapping[int, Iterable[int]]) -> "Placement":
+        """From {expert: EP ranks} (experts not named: no replica)."""
+        reps = [()] * num_experts
+        for e, ranks in mapping.items():
+            if not 0 <= int(e) < num_experts:
+                raise ValueError(f"expert {e} out of range [0, {num_experts})")
+            reps[int(e)] = tuple(sorted({int(q) for q in ranks}))
+        return cls(num_experts, n_ep, tuple(reps))
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.n_ep
+
+    def owner(self, e: int) -> int:
+        return e // self.num_local
+
+    @property
+    def moved(self) -> list[int]:
+        """Experts with at least one replica, in expert order."""
+        return [e for e, r in enumerate(self.replicas) if r]
+
+    def held(self, ep: int) -> list[int]:
+        """Experts EP rank `ep` holds a replica of, in expert order."""
+        return [e for e, r in enumerate(self.replicas) if ep in r]
+
+    def compute_experts(self, ep: int) -> list[int]:
+        """Experts EP rank `ep` computes: its own and its replicas, in expert order."""
+        own = range(ep * self.num_local, (ep + 1) * self.num_local)
+        return sorted([*own, *self.held(ep)])
+
+    def destination(self, e: int, ep: int) -> int:
+        """EP rank the tokens of EP rank `ep` for expert e go to."""
+        return ep if ep in self.replicas[e] else self.owner(e)
+
+    def columns(self, ep: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """For the dispatcher of a rank at EP rank `ep`: col [E] = destination * X + the expert's
+        place among the destination's compute experts, and X (the widest compute list)."""
+        X = max(len(self.compute_experts(q)) for q in range(self.n_ep))
+        col = []
+        for e in range(self.num_experts):
+            q = self.destination(e, ep)
+            col.append(q * X + self.compute_experts(q).index(e))
+        return torch.tensor(col, dtype=torch.int64, device=device), X
+
+    def computed_tokens(self, counts_DE: Sequence[Sequence[int]]) -> list[int]:
+        """Tokens each EP rank computes when EP rank d routes counts_DE[d][e] tokens to expert e."""
+        out = [0] * self.n_ep
+        for d, row in enumerate(counts_DE):
+            for e, c in enumerate(row):
+                out[self.destination(e, d)] += int(c)
+        return out
+
+    def as_dict(self) -> dict[str, list[int]]:
+        """{expert: replica EP ranks} of the moved experts (JSON-ready: string keys)."""
+        return {str(e): list(self.replicas[e]) for e in self.moved}
+
+    def describe(self) -> str:
+        moved = self.moved
+        if not moved:
+            return "no replicas"
+        return ", ".join(f"expert {e} -> EP {','.join(map(str, self.replicas[e]))}" for e in moved)
+
+
+def parse_plan(text: str, num_experts: int, n_ep: int) -> Placement:
+    """--pro-prophet-force-plan "E:R[,R...];E:R..." (expert: EP ranks holding a replica) -> Placement,
+    or a ValueError naming the flag."""
+    mapping: dict[int, list[int]] = {}
+    try:
+        for item in filter(None, (p.strip() for p in text.split(";"))):
+            e, ranks = item.split(":")
+            mapping[int(e)] = [int(q) for q in ranks.split(",") if q.strip()]
+    except ValueError:
+        raise ValueError(f"{FORCE_FLAG} must look like '0:1;3:0,2' (expert:EP ranks;...), got {text!r}") from None
+    try:
+        return Placement.of(num_experts, n_ep, mapping)
+    except ValueError as e:
+        raise ValueError(f"{FORCE_FLAG} {text!r}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- Trans and Agg
+
+class ReplicaExchange:
+    """Trans and Agg of one MoE layer for one forward / backward, point to point on the EP group."""
+
+    def __init__(self, placement: Placement, experts: Experts, ps: "ParallelState", layer_idx: int,
+                 blocking: bool):
+        self.p, self.experts, self.layer_idx, self.blocking = placement, experts, layer_idx, blocking
+        self.group, self.ranks, self.me = ps.group("ep"), ps.ranks("ep"), ps.rank("ep")
+        self.held = placement.held(self.me)
+        self.trans: list = [None, None]          # per part: (work, {name: [R, ...] buffer})
+        self.agg = None                          # (work, [(name, local index, buffer)])
+
+    def _tag(self, e: int, name: str, kind: int) -> int:
+        return ((self.layer_idx * self.p.num_experts + e) * len(PARAMS) + PARAMS.index(name)) * 2 + kind
+
+    def _local(self, e: int) -> int:
+        return e - self.me * self.p.num_local
+
+    def _run(self, op: str, sends: list, recvs: list):
+        """Post every isend / irecv ((tensor, peer EP rank, tag) each); one observed Work."""
+        sent = sum(t.numel() * t.element_size() for t, _, _ in sends)
+        got = sum(t.numel() * t.element_size() for t, _, _ in recvs)
+        token = observer.begin(op, self.group, sent, got) if sends or recvs else None
+        with comm_errors.guard(op, self.group):
+            works = [dist.isend(t, self.ranks[q], group=self.group, tag=tag) for t, q, tag in sends]
+            works += [dist.irecv(t, self.ranks[q], group=self.group, tag=tag) for t, q, tag in recvs]
+        return observer.Work(works, token)
+
+    def launch_trans(self, part: int) -> None:
+        """Start Trans part `part` (0: fc_w, fc_b; 1: proj_w, proj_b); a no-op once started."""
+        if self.trans[part] is not None:
+            return
+        sends, recvs, bufs = [], [], {}
+        for name in PARTS[part]:
+            param = getattr(self.experts, name).detach()
+            bufs[name] = param.new_empty((len(self.held), *param.shape[1:]))
+            for e in self.p.moved:
+                if self.p.owner(e) == self.me:
+                    sends += [(param[self._local(e)], q, self._tag(e, name, 0)) for q in self.p.replicas[e]]
+                if self.me in self.p.replicas[e]:
+                    recvs.append((bufs[name][self.held.index(e)], self.p.owner(e), self._tag(e, name, 0)))
+        self.trans[part] = (self._run("trans", sends, recvs), bufs, sends)   # sends: alive until waited
+
+    def replicas(self) -> tuple[torch.Tensor, ...]:
+        """Wait for Trans (launching what is not started): fc_w [R, H_l, M], fc_b [R, H_l],
+        proj_w [R, M, H_l], proj_b [R, M_l] of the held replicas, in expert order."""
+        out: dict = {}
+        for part in range(len(PARTS)):
+            self.launch_trans(part)
+            work, bufs, _ = self.trans[part]
+            comm_errors.wait(work, "trans", self.group)
+            out.update(bufs)
+        return tuple(out[name] for name in PARAMS)
+
+    def launch_agg(self, grads: Sequence[torch.Tensor]) -> None:
+        """Start Agg: the replicas' gradients (as `replicas()` returns them) to their owners, and the
+        owned experts' replica gradients from every replica rank."""
+        sends, recvs, bufs = [], [], []
+        for name, g in zip(PARAMS, grads):
+            param = getattr(self.experts, name)
+            for e in self.p.moved:
+                if self.me in self.p.replicas[e]:
+                    sends.append((g[self.held.index(e)].contiguous(), self.p.owner(e), self._tag(e, name, 1)))
+                if self.p.owner(e) == self.me:
+                    for q in self.p.replicas[e]:
+                        buf = param.new_empty(param.shape[1:])
+                        recvs.append((buf, q, self._tag(e, name, 1)))
+                        bufs.append((name, self._local(e), buf))
+        self.agg = (self._run("agg", sends, recvs), bufs, sends)
+
+    def wait_agg(self) -> tuple[Optional[torch.Tensor], ...]:
+        """Wait for Agg; the gradients it adds to fc_w, fc_b, proj_w, proj_b (None where nothing)."""
+        if self.agg is None:
+            return (None,) * len(PARAMS)
+        work, bufs, _ = self.agg
+        comm_errors.wait(work, "agg", self.group)
+        self.agg = None
+        out: dict[str, torch.Tensor] = {}
+        for name, i, buf in bufs:
+            if name not in out:
+                out[name] = torch.zeros_like(getattr(self.experts, name))
+            out[name][i] += buf
+        return tuple(out.get(name) for name in PARAMS)
+
+
+class _UseReplicas(torch.autograd.Function):
+    """fwd: (x, replica tensors) once Trans is done; bwd: Agg of the replicas' gradients (blocking:
+    waited here and returned as the owner's parameter gradients; scheduled: `_AggWait` hands them)."""
+
+    @staticmethod
+    def forward(ctx, x, ex: ReplicaExchange, fc_w, fc_b, proj_w, proj_b):
+        ctx.ex = ex
+        return (x.view_as(x), *ex.replicas())
+
+    @staticmethod
+    def backward(ctx, g_x, *g_reps):
+        ctx.ex.launch_agg(g_reps)
+        if ctx.ex.blocking:
+            return (g_x, None, *ctx.ex.wait_agg())
+        return (g_x, None, None, None, None, None)
+
+
+class _AggWait(torch.autograd.Function):
+    """Identity on the MoE layer's input; backward (the layer's backward is over): wait for Agg and
+    hand its sums to the owner's parameters."""
+
+    @staticmethod
+    def forward(ctx, x, ex: ReplicaExchange, fc_w, fc_b, proj_w, proj_b):
+        ctx.ex = ex
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, None, *ctx.ex.wait_agg())
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+class PlacedLayer:
+    """What one MoE layer's dispatcher holds while a placement with replicas is active."""
+
+    def __init__(self, runtime: "ProProphet", layer_idx: int, placement: Placement, experts: Experts):
+        self.runtime, self.layer_idx, self.placement, self.experts = runtime, layer_idx, placement, experts
+        self.exchange: Optional[ReplicaExchange] = None
+
+    def columns(self, ep: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        return self.placement.columns(ep, device)
+
+    def expert_rows(self, rows_X: torch.Tensor) -> list[int]:
+        """Rows per compute expert of this rank, from the rows received per column [X]."""
+        n = len(self.placement.compute_experts(self.runtime.ps.rank("ep")))
+        if int(rows_X[n:].sum()):
+            raise RuntimeError(f"layer {self.layer_idx}: tokens arrived for experts this rank does not compute "
+                               f"(the ranks disagree on the Pro-Prophet placement)")
+        return rows_X[:n].tolist()
+
+    def new_exchange(self) -> ReplicaExchange:
+        return ReplicaExchange(self.placement, self.experts, self.runtime.ps, self.layer_idx,
+                               blocking=not self.runtime.schedule)
+
+    def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
+        """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
+        (scheduled) and put the Agg wait on the layer's input."""
+        ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
+        self.exchange = ex
+        if ex.blocking:
+            return x_BTM
+        ex.launch_trans(0)
+        ex.launch_trans(1)
+        if not (torch.is_grad_enabled() and x_BTM.requires_grad):
+            ex.blocking = True        # nothing to hang the wait on: Agg (if any) waits where it starts
+            return x_BTM
+        e = self.experts
+        return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
+
+    def run_experts(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float) -> torch.Tensor:
+        """The experts on the ragged input x [R, M] (rows per compute expert), replicas included;
+        prefetches the next MoE layer's Trans around the compute (scheduled)."""
+        ex = self.exchange if self.exchange is not None else self.new_exchange()
+        self.exchange = None
+        nxt = self.runtime.next_placed(self.layer_idx) if self.runtime.schedule else None
+        e = self.experts
+        x_RM, *reps = _UseReplicas.apply(x_RM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
+        if nxt is not None:
+            self.runtime.prefetch(nxt, 0)
+        own = iter(e.expert_weights(grad_scale))
+        from_reps = iter(zip(*(scale_rows(t, grad_scale) for t in reps)))
+        me = self.runtime.ps.rank("ep")
+        weights = [next(own) if self.placement.owner(x) == me else next(from_reps)
+                   for x in self.placement.compute_experts(me)]
+        with annotate("moe/experts"):
+            y = e.forward_weights(x_RM, counts, weights)
+        if nxt is not None:
+            self.runtime.prefetch(nxt, 1)
+        return y
+
+
+def scale_rows(t: torch.Tensor, grad_scale: float) -> list[torch.Tensor]:
+    """The rows of a replica tensor [R, ...] with their gradients scaled by `grad_scale`."""
+    return list(scale_grad(t, grad_scale).unbind(0))
+
+
+def routed_counts(layer) -> torch.Tensor:
+    """[E] int64: the routed choices this rank sent to each expert in `layer`'s last forward (CPU)."""
+    routes = layer.router.last_routes
+    E = layer.num_experts
+    total = torch.zeros(E, dtype=torch.int64, device=routes[0].expert.device)
+    for r in routes:
+        total += torch.bincount(r.expert[r.slot >= 0], minlength=E)
+    return total.cpu()
+
+
+def gather_counts(ps: "ParallelState", counts_LE: torch.Tensor) -> torch.Tensor:
+    """Every layer's counts [L, E] of every rank of the EP x ESP group -> [L, N_EP, E], the tokens the
+    ranks of each EP rank routed to each expert (the ESP ranks of an EP rank summed). One all-gather
+    of L * E integers; every rank of the group gets the same matrix (CPU)."""
+    L, E = counts_LE.shape
+    n_ep, n_esp = ps.size("ep"), ps.size("esp")
+    mine = counts_LE.to(device=ps.device, dtype=torch.int64).reshape(1, L, E)
+    every = all_gather_raw(mine, ps.group("ep_esp"), dim=0)                    # [D, L, E], D = EP-major
+    return every.reshape(n_ep, n_esp, L, E).sum(dim=1).permute(1, 0, 2).cpu()
+
+
+# planner(counts [N_EP, E] as lists) -> replicas[e] (EP ranks) for one layer
+Planner = Callable[[list[list[int]]], Sequence[Sequence[int]]]
+
+
+class ProProphet:
+    """Per model: the placements of the MoE layers, Trans prefetch across layers, and the plan for
+    the next iteration from this one's counts (`end_iteration`, locality).
+
+    `planner` (None: the placements stay as set, e.g. a forced plan) runs every `interval`
+    iterations on each layer's [N_EP, E] counts; it must be deterministic, so that every rank of
+    the EP x ESP group, holding the same gathered counts, makes the same plan."""
+
+    def __init__(self, layers: list, ps: "ParallelState", schedule: bool = True,
+                 planner: Optional[Planner] = None, interval: int = 1):
+        self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
+        self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
+        self.pending: dict[int, ReplicaExchange] = {}
+        self.plans: dict[int, Placement] = {}
+
+    def end_iteration(self, iteration: int, counts_LDE: torch.Tensor) -> bool:
+        """After iteration `iteration` (1-based) with the gathered counts [L, N_EP, E] (`gather_counts`,
+        layers in order): plan the next iteration every `interval` iterations. True when it planned."""
+        if self.planner is None or iteration % self.interval:
+            return False
+        E, n_ep = self.layers[0].num_experts, self.ps.size("ep")
+        self.set_plans({layer.layer_idx: Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in
+                                                                   self.planner(counts_LDE[i].tolist())))
+                        for i, layer in enumerate(self.layers)})
+        return True
+
+    def placement_of(self, layer_idx: int) -> Placement:
+        """The placement layer `layer_idx` uses now (no replicas when none was set)."""
+        p = self.plans.get(layer_idx)
+        return p if p is not None else Placement.of(self.layers[0].num_experts, self.ps.size("ep"), {})
+
+    def set_plans(self, plans: Mapping[int, Placement]) -> None:
+        """Use `plans` ({layer index: Placement}; layers not named: no replicas) from the next forward."""
+        self.pending.clear()
+        self.plans = dict(plans)
+        for layer in self.layers:
+            p = self.plans.get(layer.layer_idx)
+            layer.dispatcher.set_placement(PlacedLayer(self, layer.layer_idx, p, layer.experts)
+                                           if p is not None and p.moved else None)
+
+    def next_placed(self, layer_idx: int) -> Optional[int]:
+        """The next MoE layer after `layer_idx` with replicas, or None."""
+        for layer in self.layers:
+            if layer.layer_idx > layer_idx:
+                return layer.layer_idx if layer.dispatcher.placement is not None else None
+        return None
+
+    def prefetch(self, layer_idx: int, part: int) -> None:
+        """Launch Trans part `part` of layer `layer_idx` ahead of its forward."""
+        layer = next(la for la in self.layers if la.layer_idx == layer_idx)
+        placed = layer.dispatcher.placement
+        ex = self.pending.get(layer_idx)
+        if ex is None:
+            ex = self.pending[layer_idx] = placed.new_exchange()
+        ex.launch_trans(part)

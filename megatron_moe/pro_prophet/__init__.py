@@ -1,0 +1,18 @@
+"""Pro-Prophet (Wang et al.): the planner half, pure functions without process groups
+(except `perf_model.measure_constants`, which times the real groups).
+
+  perf_model  the performance model of one MoE layer under a lightweight expert placement
+              (eqs. (1)-(8)): `PerfConstants`, `PerfModel`, `loads`, `fit_constants`,
+              `measure_constants`
+  planner     Algorithm 1 (`plan`), the "k heaviest experts to every device" comparison
+              (`heaviest_to_all`), Algorithm 2's block-wise Trans/Agg schedule (`block_schedule`)
+
+The runtime (replicas in the dispatcher, Trans/Agg) lives in `megatron_moe.moe`.
+"""
+from megatron_moe.pro_prophet.perf_model import (PerfConstants, PerfModel, fit_constants, loads,
+                                                 measure_constants)
+from megatron_moe.pro_prophet.planner import (BlockSchedule, CommLaunch, PlacementPlan, block_schedule,
+                                              heaviest_to_all, is_balanced, plan)
+
+__all__ = ["PerfConstants", "PerfModel", "fit_constants", "loads", "measure_constants", "BlockSchedule",
+           "CommLaunch", "PlacementPlan", "block_schedule", "heaviest_to_all", "is_balanced", "plan"]

@@ -1,0 +1,300 @@
+"""Pro-Prophet's performance model of one MoE layer under a lightweight expert placement.
+
+Legend: D devices (ranks of the EP group, 0..D-1), E experts, expert e owned by rank
+e // (E / D). `counts_DE[d, e]` = tokens (routed choices) device d sends to expert e in one
+iteration. A placement gives each expert a (possibly empty) set of replica ranks; a rank
+holding a replica of e computes its own tokens for e locally, every other rank still sends
+its e-tokens to the owner (the runtime's semantics).
+
+Per device i (`loads`):
+  H_i  tokens computed on i    = sum over e owned by i of the tokens of ranks not replicating e
+                                 + sum over e replicated on i of counts[i, e]
+  R_i  tokens i receives from other devices (all-to-all) = the part of H_i for owned experts
+                                 that comes from ranks other than i
+  G_i  expert weight sets i computes with (owned experts + replicas)
+
+Equations (the paper's (1)-(8), with an alpha term added where a measurement has a latency;
+alpha = 0 gives the paper's form exactly):
+  (1) T_A2A   = a2a_alpha + a2a_beta * token_elements * max_i R_i
+  (2) T_FEC   = max_i (expert_alpha * G_i + expert_beta * H_i)        expert_beta = 1 / t
+  (3) T_BEC   = 2 * T_FEC
+  (4) T_Trans = sum over moved experts e of bcast_alpha + bcast_beta * param_elements * (|rep_e| + 1) / D
+  (5) T_Agg   = the same with grad_elements
+      ((|rep_e| + 1) = D - n when e is sent to every device but n: the paper's s (D - n) / D)
+  (6) T'      = 4 T_A2A + 3 T_FEC + T_Trans + T_Agg
+  (8) T'      = 4 T_A2A + 3 T_FEC + max(0, T_Trans - T_FEC - fnec_s) + max(0, T_Agg - T_BEC - bnec_s)
+                (with the scheduler: Trans hides behind the previous block's forward compute,
+                Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
+
+Constants come from `fit_constants` (least squares on (size, time) samples) or
+`measure_constants` (the project's collective profiler on the real EP group, plus a timed
+expert FFN on the model's device; collective over the world, identical numbers on every rank).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_moe.moe.comm_profile import fit_sizes, profile_sizes, time_collective
+from megatron_moe.moe.cost_model import AlphaBeta, fit_alpha_beta
+
+if TYPE_CHECKING:
+    from megatron_moe.parallel_state import ParallelState
+
+# A placement: replicas[e] = ranks (other than the owner) holding a replica of expert e.
+Replicas = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class PerfConstants:
+    """Machine constants of the model [seconds].
+
+    a2a_alpha, a2a_beta: one all-to-all; beta per element a rank receives from the others.
+    bcast_alpha, bcast_beta: one expert's Trans (or Agg); beta per element of the expert when it
+      reaches all D ranks (scaled by reached / D otherwise). Measured as an all-gather on the EP
+      group whose per-rank input is the expert: every rank sends and receives (D - 1) copies, what
+      an owner sending its expert to the D - 1 others (Trans) or receiving their gradients (Agg) moves.
+    expert_alpha, expert_beta: forward expert compute; alpha per expert GEMM pair launched on a
+      device, beta per token (the paper's 1 / t).
+    """
+
+    a2a_alpha: float
+    a2a_beta: float
+    bcast_alpha: float
+    bcast_beta: float
+    expert_alpha: float
+    expert_beta: float
+
+    def __post_init__(self) -> None:
+        for name in ("a2a_alpha", "a2a_beta", "bcast_alpha", "bcast_beta", "expert_alpha", "expert_beta"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v < 0:
+                raise ValueError(f"PerfConstants.{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """The constants plus the layer's sizes: what eqs. (1)-(8) need besides the counts.
+
+    token_elements: elements per token in the all-to-all (hidden size M).
+    param_elements / grad_elements: elements of one expert's parameters / gradients.
+    fnec_s / bnec_s: forward / backward non-expert compute of one block [s] (eq. (8) only).
+    overlap: plan with eq. (8) (the scheduler on) instead of eq. (6).
+    """
+
+    constants: PerfConstants
+    token_elements: int
+    param_elements: int
+    grad_elements: int
+    fnec_s: float = 0.0
+    bnec_s: float = 0.0
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("token_elements", "param_elements", "grad_elements"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"PerfModel.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.fnec_s < 0 or self.bnec_s < 0:
+            raise ValueError(f"PerfModel.fnec_s / bnec_s must be >= 0, got {self.fnec_s!r} / {self.bnec_s!r}")
+
+    # -- terms -----------------------------------------------------------------------------
+    def a2a_time(self, max_received: float) -> float:
+        """Eq. (1): one all-to-all whose busiest receiver gets `max_received` tokens from others."""
+        c = self.constants
+        return c.a2a_alpha + c.a2a_beta * self.token_elements * float(max_received)
+
+    def fec_time(self, computed: Sequence[float], gemms: Sequence[float]) -> float:
+        """Eq. (2): forward expert compute, the slowest device (tokens `computed`, expert sets `gemms`)."""
+        c = self.constants
+        return max(c.expert_alpha * float(g) + c.expert_beta * float(h) for h, g in zip(computed, gemms))
+
+    def trans_time(self, reached: Sequence[int], num_devices: int) -> float:
+        """Eq. (4): Trans of the moved experts; `reached[j]` = ranks expert j spans (owner + replicas)."""
+        c = self.constants
+        return sum(c.bcast_alpha + c.bcast_beta * self.param_elements * r / num_devices for r in reached)
+
+    def agg_time(self, reached: Sequence[int], num_devices: int) -> float:
+        """Eq. (5): Agg of the moved experts' gradients back to their owners."""
+        c = self.constants
+        return sum(c.bcast_alpha + c.bcast_beta * self.grad_elements * r / num_devices for r in reached)
+
+    def combine(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float) -> float:
+        """Eq. (6), or eq. (8) when `overlap`: the layer's time from its terms."""
+        if not self.overlap:
+            return 4 * t_a2a + 3 * t_fec + t_trans + t_agg
+        t_bec = 2 * t_fec
+        return (4 * t_a2a + 3 * t_fec + max(0.0, t_trans - t_fec - self.fnec_s)
+                + max(0.0, t_agg - t_bec - self.bnec_s))
+
+    # -- whole layer -----------------------------------------------------------------------
+    def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
+        """T' of one MoE layer for the counts [D, E] under `replicas` (None: no placement)."""
+        return self.breakdown(counts_DE, replicas)["total"]
+
+    def breakdown(self, counts_DE, replicas: Replicas | None = None) -> dict:
+        """Every term of the model for one layer: a2a, fec, bec, trans, agg, total [s]."""
+        counts = check_counts(counts_DE)
+        d, e = counts.shape
+        reps = normalize_replicas(replicas, d, e)
+        h, r, g = loads(counts, reps)
+        reached = [len(rs) + 1 for rs in reps if rs]
+        t_a2a = self.a2a_time(int(r.max()))
+        t_fec = self.fec_time(h.tolist(), g.tolist())
+        t_trans, t_agg = self.trans_time(reached, d), self.agg_time(reached, d)
+        return {"a2a": t_a2a, "fec": t_fec, "bec": 2 * t_fec, "trans": t_trans, "agg": t_agg,
+                "total": self.combine(t_a2a, t_fec, t_trans, t_agg)}
+
+
+# -- loads ---------------------------------------------------------------------------------
+def check_counts(counts_DE) -> np.ndarray:
+    """The counts as an int64 [D, E] array; a clear error for a bad shape or values."""
+    a = np.asarray(counts_DE.detach().cpu() if isinstance(counts_DE, torch.Tensor) else counts_DE)
+    if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 1:
+        raise ValueError(f"pro-prophet counts must be a [devices, experts] matrix, got shape {a.shape}")
+    if a.dtype.kind not in "iu" and not (a.dtype.kind == "f" and np.all(a == np.round(a))):
+        raise ValueError("pro-prophet counts must be integers (tokens per device and expert)")
+    if np.any(a < 0):
+        raise ValueError("pro-prophet counts must be >= 0")
+    d, e = a.shape
+    if e % d:
+        raise ValueError(f"pro-prophet: {e} experts do not divide over {d} devices")
+    return a.astype(np.int64)
+
+
+def owner_of(expert: int, num_devices: int, num_experts: int) -> int:
+    """The EP rank owning `expert` (experts are laid out contiguously: E / D per rank)."""
+    return expert // (num_experts // num_devices)
+
+
+def normalize_replicas(replicas: Replicas | None, num_devices: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """`replicas` as E sorted tuples of ranks; an error for a wrong length, a bad rank or the owner."""
+    if replicas is None:
+        return tuple(() for _ in range(num_experts))
+    if len(replicas) != num_experts:
+        raise ValueError(f"pro-prophet placement: {len(replicas)} entries for {num_experts} experts")
+    out = []
+    for e, rs in enumerate(replicas):
+        ranks = tuple(sorted(int(r) for r in rs))
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < num_devices for r in ranks):
+            raise ValueError(f"pro-prophet placement: expert {e} has bad replica ranks {ranks}")
+        if owner_of(e, num_devices, num_experts) in ranks:
+            raise ValueError(f"pro-prophet placement: expert {e} lists its owner as a replica")
+        out.append(ranks)
+    return tuple(out)
+
+
+def loads(counts_DE: np.ndarray, replicas: Replicas) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(H computed tokens [D], R tokens received from others [D], G expert sets used [D]).
+
+    `counts_DE` int [D, E]; `replicas` E sequences of non-owner ranks (see module docstring).
+    """
+    d, e = counts_DE.shape
+    per = e // d
+    local_DE = np.zeros((d, e), dtype=bool)
+    for x, ranks in enumerate(replicas):
+        local_DE[list(ranks), x] = True
+    owner_E = np.arange(e) // per
+    to_owner_E = np.where(local_DE, 0, counts_DE).sum(axis=0)           # tokens computed by each owner
+    own_E = counts_DE[owner_E, np.arange(e)]                            # the owner's own tokens (never local)
+    h = np.where(local_DE, counts_DE, 0).sum(axis=1) + to_owner_E.reshape(d, per).sum(axis=1)
+    r = (to_owner_E - own_E).reshape(d, per).sum(axis=1)
+    g = per + local_DE.sum(axis=1)
+    return h.astype(np.int64), r.astype(np.int64), g.astype(np.int64)
+
+
+# -- fitting -------------------------------------------------------------------------------
+def fit_constants(a2a: tuple[Sequence[float], Sequence[float]], bcast: tuple[Sequence[float], Sequence[float]],
+                  expert: tuple[Sequence[float], Sequence[float]]) -> PerfConstants:
+    """Least-squares constants from (sizes, times [s]) samples of the three kinds.
+
+    a2a: (elements a rank receives from the others, all-to-all time); bcast: (expert elements
+    reaching all D ranks, Trans time); expert: (tokens, forward expert time of one expert GEMM
+    pair). Each pair is fitted by `cost_model.fit_alpha_beta` (exact on noiseless lines).
+    """
+    fits = [fit_alpha_beta(list(s), list(t)) for s, t in (a2a, bcast, expert)]
+    return PerfConstants(fits[0].alpha, fits[0].beta, fits[1].alpha, fits[1].beta, fits[2].alpha, fits[2].beta)
+
+
+def time_expert_ffn(tokens: int, hidden: int, ffn_hidden: int, device: torch.device, reps: int = 3,
+                    warmup: int = 1, dtype: torch.dtype = torch.float32) -> float:
+    """Median wall time [s] of one expert FFN forward (x[T, M] @ W1[M, F], GeLU, @ W2[F, M]) on `device`."""
+    x = torch.full((tokens, hidden), 0.01, device=device, dtype=dtype)
+    w1 = torch.full((hidden, ffn_hidden), 0.01, device=device, dtype=dtype)
+    w2 = torch.full((ffn_hidden, hidden), 0.01, device=device, dtype=dtype)
+    samples = []
+    with torch.no_grad():
+        for i in range(warmup + reps):
+            if x.is_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch.nn.functional.gelu(x @ w1) @ w2
+            if x.is_cuda:
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+    return float(sorted(samples)[len(samples) // 2])
+
+
+def expert_token_sizes(max_tokens: int) -> list[int]:
+    """Token counts the expert compute is timed at: 16, 64, ... up to max_tokens (at least two)."""
+    sizes, n = [], 16
+    top = max(int(max_tokens), 32)
+    while n < top:
+        sizes.append(n)
+        n *= 4
+    return sizes + [top]
+
+
+def measure_constants(ps: "ParallelState", token_elements: int, param_elements: int, ffn_hidden: int,
+                      max_tokens: int, group_kind: str = "ep", reps: int = 3,
+                      max_timed_tokens: int = 2048) -> PerfConstants:
+    """Measured constants on the run's real `group_kind` group (collective over the world).
+
+    All-to-all: `comm_profile.time_collective` at `profile_sizes(max_tokens * token_elements)`,
+    priced by the elements a rank receives from the others. Trans/Agg: `time_collective` of an
+    all-gather whose per-rank input runs up to `param_elements` (see `PerfConstants`). Expert:
+    `time_expert_ffn` [T, token_elements] x [token_elements, ffn_hidden] on `ps.device` at
+    `expert_token_sizes(min(max_tokens, max_timed_tokens))` (the fit is linear in T). Timings
+    are MAX-reduced over the world before fitting and rank 0's fit is broadcast, so every rank
+    holds bit-identical constants (and Algorithm 1 makes the same plan everywhere).
+    """
+    d = ps.size(group_kind)
+    if d < 2:
+        raise ValueError(f"pro-prophet needs an expert-parallel group of 2 or more ranks ({group_kind} has {d})")
+    group, device = ps.group(group_kind), ps.device
+    a2a_sizes = profile_sizes(max_tokens * token_elements)
+    ag_sizes = profile_sizes(param_elements)
+    tok_sizes = expert_token_sizes(min(max_tokens, max_timed_tokens))
+    rows = [[time_collective("all_to_all", group, n, reps, 1, device) for n in a2a_sizes],
+            [time_collective("all_gather", group, n, reps, 1, device) for n in ag_sizes],
+            [time_expert_ffn(t, token_elements, ffn_hidden, device, reps) for t in tok_sizes]]
+    width = max(len(x) for x in rows)
+    times = torch.tensor([x + [0.0] * (width - len(x)) for x in rows], dtype=torch.float64,
+                         device=device).reshape(3, width)
+    if dist.is_initialized():
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    t = times.cpu().tolist()
+    received = [n * (d - 1) / d for n in fit_sizes("all_to_all", d, a2a_sizes)]
+    per_rank = [n // d for n in fit_sizes("all_gather", d, ag_sizes)]     # the input time_collective used
+    fit = fit_constants((received, t[0][:len(a2a_sizes)]), (per_rank, t[1][:len(ag_sizes)]),
+                        (tok_sizes, t[2][:len(tok_sizes)]))
+    if not dist.is_initialized():
+        return fit
+    # rank 0's fit everywhere: a least-squares solve on another machine's BLAS could differ in the
+    # last bit, and one differing plan would hang the run
+    vals = torch.tensor([fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha,
+                         fit.expert_beta], dtype=torch.float64, device=device)
+    dist.broadcast(vals, src=0)
+    return PerfConstants(*(float(v) for v in vals.cpu().tolist()))
+
+
+def alpha_beta(constants: PerfConstants, kind: str) -> AlphaBeta:
+    """One (alpha, beta) pair of the constants: kind in {"a2a", "bcast", "expert"}."""
+    if kind not in ("a2a", "bcast", "expert"):
+        raise ValueError(f"unknown constant kind {kind!r} (a2a, bcast, expert)")
+    return AlphaBeta(getattr(constants, f"{kind}_alpha"), getattr(constants, f"{kind}_beta"))
