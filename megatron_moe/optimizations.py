@@ -87,6 +87,14 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
         n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
         out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
                            f"held back around the all-to-alls of {n} MoE layers")
+    if opts.lina_pipeline_chunks > 1:
+        for flag, on in (("--lancet-wgrad", opts.lancet_wgrad), ("--lancet-partition", opts.lancet_partition)):
+            if on:
+                raise ValueError(f"--lina-pipeline-chunks cannot be combined with {flag}")
+        for layer in model.moe_layers():
+            layer.set_pipeline_chunks(opts.lina_pipeline_chunks)
+        out.changes.append(f"lina: all-to-alls of every MoE layer in {opts.lina_pipeline_chunks} token-chunk "
+                           f"micro-ops pipelined with the experts")
     if opts.lancet_wgrad or opts.lancet_partition:
         out.lancet = lancet_setup(model, ps, opts)
         plan = out.lancet.plan
