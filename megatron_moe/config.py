@@ -267,6 +267,8 @@ class OptimizationsConfig:
     lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
     lina_max_in_flight: int = opt(4, "Lina: gradient micro-ops in flight at once at most (1: the original Lina)")
+    lina_coalesce: bool = opt(True, "Lina: micro-ops are equal slices of the concatenated gradients of a group "
+                                    "(small tensors share one micro-op); --no-lina-coalesce: one tensor per micro-op")
     lina_drain_ms: float = opt(0.0, "Lina launch budget: micro-ops in flight when an all-to-all starts drain "
                                     "within this many ms at the measured link rate (0: a tenth of the "
                                     "measured backward all-to-all time)")

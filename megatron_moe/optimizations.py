@@ -82,7 +82,8 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
     opts = cfg.opts
     if opts.lina:
         out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout,
-                                 max_in_flight=opts.lina_max_in_flight, drain_ms=opts.lina_drain_ms)
+                                 max_in_flight=opts.lina_max_in_flight, drain_ms=opts.lina_drain_ms,
+                                 coalesce=opts.lina_coalesce)
         grad_sync.set_scheduler(out.lina, model)
         n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
         out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "

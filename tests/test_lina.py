@@ -92,6 +92,30 @@ def expected_micro_ops(model, ps, partition_mb: float) -> list[tuple[str, int, i
     return out
 
 
+def expected_coalesced(model, ps, partition_mb: float) -> list[tuple[str, int]]:
+    """(group, bytes) of every coalesced micro-op of one iteration: equal slices of the gradients
+    in reverse registration order, a new run whenever the group changes."""
+    per = int(partition_mb * 2 ** 20) // 4
+    out, kind_open, fill = [], None, 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        kind = grad_group_kind(p)
+        if ps.size(kind) == 1:
+            continue
+        if kind != kind_open and fill:
+            out.append((kind_open, 4 * fill))
+            fill = 0
+        kind_open, n = kind, p.numel()
+        while n:
+            take = min(per - fill, n)
+            fill, n = fill + take, n - take
+            if fill == per:
+                out.append((kind, 4 * per))
+                fill = 0
+    if fill:
+        out.append((kind_open, 4 * fill))
+    return out
+
+
 def slow_all_to_all(delay: float):
     """Make every all-to-all of this process take `delay` seconds longer (returns an undo)."""
     real = dist.all_to_all_single
@@ -173,6 +197,12 @@ def _four_ranks(rank, world):
         out["micro_ops"] = [[(e.group, e.nbytes, e.info["part"], e.info["parts"])
                              for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"] for it_evs in evs]
         out["expected_micro_ops"] = expected_micro_ops(model, ps, SMALL_MB)
+        lina = LinaScheduler(SMALL_MB, 60.0, coalesce=True)
+        losses, grads, params, evs, model = train(cfg, ps, lina, ITERS, log=lina.log)
+        out["coalesced"] = (losses, grads, params)
+        out["coalesced_ops"] = [[(e.group, e.nbytes) for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"]
+                                for it_evs in evs]
+        out["expected_coalesced"] = expected_coalesced(model, ps, SMALL_MB)
         undo = slow_all_to_all(A2A_DELAY_S)
         try:
             heavy = heavy_config()
@@ -327,3 +357,23 @@ def test_several_micro_ops_in_flight_when_no_all_to_all_is_coming(ranks):
         assert order == list(range(16)), f"rank {rank}: launch order {order}"
         assert 1 < most <= MAX_IN_FLIGHT, f"rank {rank}: {most} micro-ops in flight at most"
         assert torch.equal(t, torch.full_like(t, 1.0 + 2 + 3 + 4))
+
+
+def test_coalesced_micro_ops_keep_the_curve_and_are_equal_slices_in_the_same_order(ranks):
+    expected = ranks[0]["expected_coalesced"]
+    per = int(SMALL_MB * 2 ** 20)
+    assert len(expected) < len(ranks[0]["expected_micro_ops"]), "coalescing must merge some tensors"
+    # every micro-op is full but the last of each run of one group
+    for i, (g, b) in enumerate(expected):
+        assert b == per or i == len(expected) - 1 or expected[i + 1][0] != g, expected
+    for rank, r in enumerate(ranks):
+        pl, gl, wl = r["plain"]
+        cl, cg, cw = r["coalesced"]
+        for i, (a, b) in enumerate(zip(pl, cl)):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"rank {rank} iteration {i}: loss {a} vs coalesced {b}"
+        for name in gl:
+            torch.testing.assert_close(cg[name], gl[name], rtol=1e-5, atol=1e-7, msg=f"grad {name}")
+            torch.testing.assert_close(cw[name], wl[name], rtol=1e-5, atol=1e-6, msg=f"param {name}")
+        assert r["expected_coalesced"] == expected
+        for it, ops in enumerate(r["coalesced_ops"]):
+            assert ops == expected, f"rank {rank} iteration {it}: coalesced micro-ops differ"

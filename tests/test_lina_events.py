@@ -106,11 +106,11 @@ def test_next_all_to_all_offset_is_the_earliest_seen_and_none_past_the_last():
 
 
 def test_budget_admits_a_second_micro_op_only_when_it_drains_in_time():
-    from megatron_moe.distributed.lina import MicroOp, GradHandle
+    from megatron_moe.distributed.lina import MicroOp
     s = LinaScheduler(1.0, 10.0, max_in_flight=3, drain_ms=10.0)
     try:
         def op(nbytes):
-            return MicroOp(0, "dp", torch.zeros(nbytes // 4), None, 0, 1, 0.0, GradHandle(s, 1))
+            return MicroOp(0, "dp", torch.zeros(nbytes // 4), None, 0, 1, 0.0)
         s._inflight.append(op(4000))
         s._inflight_bytes = 4000
         assert not s._may_launch(op(4000))             # no rate measured: one micro-op at a time

@@ -8,9 +8,12 @@ launched only when no all-to-all is queued or in flight.
 
 Here:
   * `submit(kind, flat, group)` splits one gradient tensor (GradSync hands
-    over one parameter's gradient at a time, so a chunk never mixes two
-    tensors) into chunks of `partition_mb` MB (the last one shorter) and
-    appends them to a FIFO queue;
+    over one parameter's gradient at a time) into chunks of `partition_mb` MB
+    (the last one shorter) and appends them to a FIFO queue; with `coalesce`
+    (--lina-coalesce, the trainer's default) micro-ops are equal slices of the
+    concatenated gradients of one group, as in the paper (a slice may span
+    small tensors: they are copied into one buffer and back), so a model of
+    many small tensors does not pay one round trip per tensor;
   * a launcher thread launches the queue head (async all-reduce) whenever
     the gate is open and the launch budget allows it; a reaper thread waits
     for the launched micro-ops in launch order. Several micro-ops may be in
@@ -95,16 +98,18 @@ def next_a2a_offset(history: list[list[float]], seen: int) -> Optional[float]:
 
 @dataclass
 class MicroOp:
-    """Chunk `part` of `parts` of one gradient tensor, all-reduced in place over `group`."""
+    """`chunk` all-reduced over `group`: one slice of one gradient tensor (a view, reduced in
+    place), or with coalescing several consecutive slices copied into one buffer (`pieces`:
+    (view, handle) of each, copied back when the op finished)."""
 
     index: int                 # position in this iteration's queue (= launch order)
     kind: str                  # 'dp' or 'expert_dp'
-    chunk: torch.Tensor        # a contiguous 1-D view into the gradient
+    chunk: torch.Tensor        # a contiguous 1-D view into the gradient, or the coalesced buffer
     group: object
-    part: int                  # chunk number within its tensor
-    parts: int                 # chunks of its tensor
+    part: int                  # chunk number of its first piece within that piece's tensor
+    parts: int                 # chunks of that tensor
     queued: float              # perf_counter when submitted
-    handle: "GradHandle"
+    pieces: list = field(default_factory=list)
     work: object = None
     event: Optional[observer.CommEvent] = None
     launched: float = 0.0
@@ -145,7 +150,8 @@ class LinaScheduler:
     """
 
     def __init__(self, partition_mb: float = 30.0, timeout_s: float = 600.0, *, prioritize: bool = True,
-                 log_events: Optional[observer.CommLog] = None, max_in_flight: int = 4, drain_ms: float = 0.0):
+                 log_events: Optional[observer.CommLog] = None, max_in_flight: int = 4, drain_ms: float = 0.0,
+                 coalesce: bool = False):
         if not partition_mb > 0:
             raise ValueError(f"--lina-partition-mb must be positive, got {partition_mb}")
         if not timeout_s > 0:
@@ -155,10 +161,12 @@ class LinaScheduler:
         if not drain_ms >= 0:
             raise ValueError(f"--lina-drain-ms must be >= 0 (0: auto), got {drain_ms}")
         self.partition_mb, self.timeout_s, self.prioritize = float(partition_mb), float(timeout_s), prioritize
-        self.max_in_flight, self.drain_ms = int(max_in_flight), float(drain_ms)
+        self.max_in_flight, self.drain_ms, self.coalesce = int(max_in_flight), float(drain_ms), coalesce
         self.partition_bytes = max(1, int(partition_mb * MB))
         self._cv = threading.Condition()
         self._queue: deque[MicroOp] = deque()
+        self._open_kind: tuple = ("", None)
+        self._open: list = []          # coalescing: (view, handle, part, parts) of the micro-op being filled
         self._inflight: deque[MicroOp] = deque()
         self._inflight_bytes = 0
         self._a2a_in_flight = 0
@@ -261,14 +269,17 @@ class LinaScheduler:
     # ------------------------------------------------------------------ queue
     def submit(self, kind: str, flat: torch.Tensor, group) -> GradHandle:
         """Queue `flat` (a contiguous 1-D gradient, reduced in place) as micro-ops of
-        `partition_mb` MB over `group`; returns a handle that completes with its last chunk."""
+        `partition_mb` MB over `group`; returns a handle that completes with its last chunk.
+        With `coalesce`, micro-ops are equal slices of the concatenation of the gradients
+        submitted in a row for one group (a slice may span tensors); the last one of a run
+        is queued when a gradient of another group comes, or at `drain()`."""
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("LinaScheduler.submit needs a contiguous 1-D tensor")
         self._raise_if_failed()
         per = max(1, self.partition_bytes // flat.element_size())
         n = flat.numel()
         parts = -(-n // per) if group_size(group) > 1 else 0
-        handle = GradHandle(self, parts)
+        handle = GradHandle(self, 0)
         if parts == 0:                          # nothing to reduce (group of one, empty tensor)
             handle.done_event.set()
             return handle
@@ -276,11 +287,20 @@ class LinaScheduler:
         with self._cv:
             if self._anchor is None:
                 self._anchor, self._offsets = now, []
-            for j in range(parts):
-                self._queue.append(MicroOp(self._count, kind, flat[j * per:min(n, (j + 1) * per)], group,
-                                           j, parts, now, handle))
-                self._count += 1
-            self._pending += parts
+            if self._open and (self._open[0][0].dtype != flat.dtype or self._open_kind != (kind, group)):
+                self._close_open(now)
+            self._open_kind = (kind, group)
+            off, j = 0, 0
+            while off < n:
+                room = per - sum(v.numel() for v, *_ in self._open)
+                take = min(room, n - off)
+                self._open.append((flat[off:off + take], handle, j, parts))
+                handle.remaining += 1
+                off, j = off + take, j + 1
+                if take == room:
+                    self._close_open(now)
+            if not self.coalesce:
+                self._close_open(now)
             if not self._threads:
                 self._threads = [threading.Thread(target=self._run, name="lina-launcher", daemon=True),
                                  threading.Thread(target=self._reap, name="lina-reaper", daemon=True)]
@@ -288,6 +308,20 @@ class LinaScheduler:
                     t.start()
             self._cv.notify_all()
         return handle
+
+    def _close_open(self, now: float) -> None:
+        """Queue the micro-op being filled (under the lock)."""
+        if not self._open:
+            return
+        views = [v for v, *_ in self._open]
+        chunk = views[0] if len(views) == 1 else torch.cat(views)
+        _, _, part, parts = self._open[0]
+        kind, group = self._open_kind
+        self._queue.append(MicroOp(self._count, kind, chunk, group, part, parts, now,
+                                   [(v, h) for v, h, *_ in self._open]))
+        self._count += 1
+        self._pending += 1
+        self._open = []
 
     def _fail(self, err: BaseException) -> None:
         with self._cv:
@@ -307,7 +341,7 @@ class LinaScheduler:
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
                     with annotate("lina/micro_op"), observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
-                                       self_timed=True):
+                                       pieces=len(op.pieces), self_timed=True):
                         op.launched = time.perf_counter()
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = observer.last_event()
@@ -356,9 +390,14 @@ class LinaScheduler:
                     self.rate_bps = sample if self.rate_bps is None else \
                         (1 - RATE_ALPHA) * self.rate_bps + RATE_ALPHA * sample
                 self._pending -= 1
-                op.handle.remaining -= 1
-                if op.handle.remaining == 0:
-                    op.handle.done_event.set()
+                off = 0
+                for view, handle in op.pieces:
+                    if len(op.pieces) > 1:           # a coalesced buffer: back into the gradients
+                        view.copy_(op.chunk[off:off + view.numel()])
+                        off += view.numel()
+                    handle.remaining -= 1
+                    if handle.remaining == 0:
+                        handle.done_event.set()
                 self._cv.notify_all()
 
     def _raise_if_failed(self) -> None:
@@ -369,6 +408,7 @@ class LinaScheduler:
         """Open the gate and wait until every queued micro-op has finished (call before the
         optimizer step). Raises CommTimeoutError when one did not finish in time."""
         with self._cv:
+            self._close_open(time.perf_counter())
             self._draining = True
             self._cv.notify_all()
             try:
