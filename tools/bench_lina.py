@@ -216,7 +216,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))   # host draws: same ids on every device
     log = CommLog().start()
     clock = ExpertClock(model)
-    steps, a2a_calls, a2a_all, overlap, eff = [], [], [], [], []
+    steps, a2a_calls, a2a_all, overlap, eff, syncs = [], [], [], [], [], []
     for it in range(a.warmup + a.iters):
         ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen,
                             device="cpu").to(ps.device)
@@ -227,22 +227,29 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         opt.zero_grad(set_to_none=True)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
         (lm + aux).backward()
+        t1 = time.perf_counter()
         if sync is None:
             sync_gradients(model, ps)
         else:
             sync.finish()
+        t2 = time.perf_counter()
         opt.step()
         step = time.perf_counter() - t0
         if it >= a.warmup:
             steps.append(1e3 * step)
+            syncs.append(1e3 * (t2 - t1))
             a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
             a2a_all.append([1e3 * e.duration for e in log.of("all_to_all")])
             overlap.append(log.summary()["overlap_ms"])
             eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
     log.stop()
     clock.remove()
+    stats = {} if sched is None else {"max_in_flight_seen": sched.max_concurrent, "link_mb_s": sched.rate_bps or 0.0}
     if sync is not None:
         sync.remove()
+    if stats and ps.rank("dp") == 0 and dist.get_rank() == 0:
+        print(f"    {mode}: at most {stats['max_in_flight_seen']} micro-ops in flight, link "
+              f"{stats['link_mb_s'] / 2 ** 20:.1f} MB/s measured", flush=True)
     world = dist.get_world_size()
     step_max = torch.tensor(steps, dtype=torch.float64, device=ps.device)
     dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
@@ -252,13 +259,13 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     dist.all_reduce(calls_sum)
     every = torch.tensor(a2a_all, dtype=torch.float64, device=ps.device)        # [iters, all a2a calls]
     dist.all_reduce(every, op=dist.ReduceOp.MIN)
-    ov = torch.tensor([overlap, eff], dtype=torch.float64, device=ps.device)
+    ov = torch.tensor([overlap, eff, syncs], dtype=torch.float64, device=ps.device)
     dist.all_reduce(ov)
     step_max, calls_min, calls_sum, every, ov = (t.cpu() for t in (step_max, calls_min, calls_sum, every, ov))
     return {"step_ms": step_max.tolist(), "a2a_bwd_ms": calls_min.sum(1).tolist(),
             "a2a_total_ms": every.sum(1).tolist(),
             "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov[0] / world).tolist(),
-            "pipelining_efficiency": (ov[1] / world).tolist()}
+            "pipelining_efficiency": (ov[1] / world).tolist(), "sync_after_backward_ms": (ov[2] / world).tolist()}
 
 
 def write_json(path: str, rows: list[dict]) -> None:
