@@ -111,3 +111,25 @@ def test_refused_combinations_name_the_flags():
         pipelined_moe(layer.dispatcher, layer.experts, torch.zeros(4, 32), [], 2)
     with pytest.raises(ValueError, match="--lina-pipeline-chunks must be >= 1"):
         parse_args(["--lina-pipeline-chunks", "0"])
+
+
+def test_apply_sets_the_chunks_of_every_moe_layer_and_refuses_lancet():
+    from megatron_moe.distributed.grad_sync import GradSync
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.optimizations import apply
+    cfg = tiny_config()
+    cfg.model.num_layers = 4                       # MoE blocks 1 and 3
+    cfg.opts.lina_pipeline_chunks = 3
+    ps = local_state()
+    model = GPT2MoE(cfg, ps)
+    applied = apply(model, ps, cfg, GradSync(model, ps))
+    assert [layer.pipeline_chunks for layer in model.moe_layers()] == [3, 3]
+    assert any("3 token-chunk micro-ops" in c for c in applied.changes), applied.changes
+    for flag in ("lancet_wgrad", "lancet_partition"):
+        cfg2 = tiny_config()
+        cfg2.opts.lina_pipeline_chunks = 2
+        setattr(cfg2.opts, flag, True)
+        model = GPT2MoE(cfg2, ps)
+        with pytest.raises(ValueError, match="--lina-pipeline-chunks cannot be combined with --"
+                                             + flag.replace("_", "-")):
+            apply(model, ps, cfg2, GradSync(model, ps))

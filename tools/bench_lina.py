@@ -20,11 +20,14 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
 The modes take turns, --rounds times; each turn builds the model, runs
 --warmup iterations, then --iters measured ones; an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
-ranks (a barrier). Step time: max over ranks; backward all-to-all time: per
-call the minimum over ranks (a gloo call also waits for late peers; the last
-rank to arrive does not), summed over the backward calls (concurrent chunk
-all-to-alls of the pipelined modes are each counted whole); a2a_share: the
-same sum over every all-to-all of the step (forward too) / step time;
+ranks (a barrier). Step time: max over ranks; backward all-to-all time
+(a2a_bwd_ms): how long a backward all-to-all was in flight (the union of
+their intervals, launch to transfer completion), minimum over ranks (a gloo
+call also waits for late peers; the last rank to arrive does not);
+a2a_bwd_calls_ms: per call the minimum over ranks, summed (the earlier
+metric; concurrent chunk all-to-alls of the pipelined modes each count
+whole); a2a_share: that per-call sum over every all-to-all of the step
+(forward too) / step time, meaningful for `alone`;
 overlap (time a gradient all-reduce ran during an all-to-all) and
 pipelining_efficiency (fraction of the time an all-to-all was in flight
 during which an expert forward or backward ran, from the experts' module
@@ -216,7 +219,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))   # host draws: same ids on every device
     log = CommLog().start()
     clock = ExpertClock(model)
-    steps, a2a_calls, a2a_all, overlap, eff, syncs = [], [], [], [], [], []
+    steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
     for it in range(a.warmup + a.iters):
         ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen,
                             device="cpu").to(ps.device)
@@ -239,6 +242,8 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             steps.append(1e3 * step)
             syncs.append(1e3 * (t2 - t1))
             a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
+            bwd_union.append(1e3 * observer.total_length(observer.union(
+                [(e.launch, e.finish) for e in log.of("all_to_all", phase="bwd") if e.finish is not None])))
             a2a_all.append([1e3 * e.duration for e in log.of("all_to_all")])
             overlap.append(log.summary()["overlap_ms"])
             eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
@@ -259,10 +264,13 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     dist.all_reduce(calls_sum)
     every = torch.tensor(a2a_all, dtype=torch.float64, device=ps.device)        # [iters, all a2a calls]
     dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    in_flight = torch.tensor(bwd_union, dtype=torch.float64, device=ps.device)  # [iters]
+    dist.all_reduce(in_flight, op=dist.ReduceOp.MIN)
     ov = torch.tensor([overlap, eff, syncs], dtype=torch.float64, device=ps.device)
     dist.all_reduce(ov)
-    step_max, calls_min, calls_sum, every, ov = (t.cpu() for t in (step_max, calls_min, calls_sum, every, ov))
-    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": calls_min.sum(1).tolist(),
+    step_max, calls_min, calls_sum, every, ov, in_flight = (t.cpu() for t in (step_max, calls_min, calls_sum, every, ov,
+                                                                               in_flight))
+    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": in_flight.tolist(), "a2a_bwd_calls_ms": calls_min.sum(1).tolist(),
             "a2a_total_ms": every.sum(1).tolist(),
             "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov[0] / world).tolist(),
             "pipelining_efficiency": (ov[1] / world).tolist(), "sync_after_backward_ms": (ov[2] / world).tolist()}

@@ -74,7 +74,7 @@ from megatron_moe.profiling import annotate
 log = logging.getLogger("megatron_moe.lina")
 MB = 2 ** 20
 HISTORY = 3               # iterations whose all-to-all offsets predict the next one's
-RATE_ALPHA = 0.3          # weight of a new sample in the link-rate EWMA
+RATE_ALPHA = 0.3          # decay of the link-rate and all-to-all-time averages per new sample
 AUTO_DRAIN_FRACTION = 0.1  # drain_ms = 0: this fraction of the measured backward all-to-all time
 
 
@@ -181,6 +181,7 @@ class LinaScheduler:
         # the measured link and this rank's schedule (module docstring: the launch budget)
         self.rate_bps: Optional[float] = None
         self._last_finish = 0.0
+        self._rate_bytes = self._rate_time = 0.0
         self._a2a_busy_since: Optional[float] = None
         self.a2a_ms: Optional[float] = None          # EWMA of backward all-to-all busy periods
         self._anchor: Optional[float] = None         # first submit of this iteration
@@ -383,12 +384,14 @@ class LinaScheduler:
                 self._inflight.popleft()
                 self._inflight_bytes -= op.nbytes
                 # service time: from when the link could start on this op to its finish
-                busy = now - max(op.launched, self._last_finish)
+                # (ops that finish together get a tiny service time each: the rate is the ratio of
+                # decayed sums of bytes and busy time, not an average of per-op rates)
+                busy = max(0.0, now - max(op.launched, self._last_finish))
                 self._last_finish = now
-                if busy > 0:
-                    sample = op.nbytes / busy
-                    self.rate_bps = sample if self.rate_bps is None else \
-                        (1 - RATE_ALPHA) * self.rate_bps + RATE_ALPHA * sample
+                self._rate_bytes = (1 - RATE_ALPHA) * self._rate_bytes + op.nbytes
+                self._rate_time = (1 - RATE_ALPHA) * self._rate_time + busy
+                if self._rate_time > 0:
+                    self.rate_bps = self._rate_bytes / self._rate_time
                 self._pending -= 1
                 off = 0
                 for view, handle in op.pieces:
