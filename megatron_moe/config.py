@@ -268,6 +268,14 @@ class OptimizationsConfig:
 
     lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
+    lina_max_in_flight: int = opt(4, "Lina: gradient micro-ops in flight at once at most (1: the original Lina)")
+    lina_coalesce: bool = opt(True, "Lina: micro-ops are equal slices of the concatenated gradients of a group "
+                                    "(small tensors share one micro-op); --no-lina-coalesce: one tensor per micro-op")
+    lina_drain_ms: float = opt(0.0, "Lina launch budget: micro-ops in flight when an all-to-all starts drain "
+                                    "within this many ms at the measured link rate (0: a tenth of the "
+                                    "measured backward all-to-all time)")
+    lina_pipeline_chunks: int = opt(1, "Lina: split each MoE layer's all-to-alls into this many token-chunk "
+                                       "micro-ops pipelined with the expert FFN (1: no pipelining)")
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
     lancet_max_partitions: int = opt(8, "Lancet rho: max partitions")
@@ -296,7 +304,9 @@ class OptimizationsConfig:
                                                 "replicated on EP ranks R (tests, fixed benchmarks)")
 
     def __post_init__(self) -> None:
-        check_fields(self, {"lina_partition_mb": POSITIVE, "lancet_max_partitions": AT_LEAST_ONE,
+        check_fields(self, {"lina_partition_mb": POSITIVE, "lina_max_in_flight": AT_LEAST_ONE,
+                            "lina_drain_ms": NON_NEGATIVE, "lina_pipeline_chunks": AT_LEAST_ONE,
+                            "lancet_max_partitions": AT_LEAST_ONE,
                             "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE,
                             "lancet_measure_iters": NON_NEGATIVE, "lancet_candidates": AT_LEAST_ONE,
                             "pro_prophet_alpha": NON_NEGATIVE, "pro_prophet_n": NON_NEGATIVE,

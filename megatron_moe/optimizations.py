@@ -92,11 +92,21 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
                                + (" (dropless)" if layer.dropless else ""))
     opts = cfg.opts
     if opts.lina:
-        out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout)
+        out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout,
+                                 max_in_flight=opts.lina_max_in_flight, drain_ms=opts.lina_drain_ms,
+                                 coalesce=opts.lina_coalesce)
         grad_sync.set_scheduler(out.lina, model)
         n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
         out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
                            f"held back around the all-to-alls of {n} MoE layers")
+    if opts.lina_pipeline_chunks > 1:
+        for flag, on in (("--lancet-wgrad", opts.lancet_wgrad), ("--lancet-partition", opts.lancet_partition)):
+            if on:
+                raise ValueError(f"--lina-pipeline-chunks cannot be combined with {flag}")
+        for layer in model.moe_layers():
+            layer.set_pipeline_chunks(opts.lina_pipeline_chunks)
+        out.changes.append(f"lina: all-to-alls of every MoE layer in {opts.lina_pipeline_chunks} token-chunk "
+                           f"micro-ops pipelined with the experts")
     if opts.lancet_wgrad or opts.lancet_partition:
         out.lancet = lancet_setup(model, ps, opts, grad_sync=grad_sync)
         plan = out.lancet.plan

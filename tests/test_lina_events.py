@@ -1,5 +1,7 @@
 """Lina's pieces that need no process group: interval arithmetic of the event log, the
 scheduler's flag checks and gate, and the notification points in an MoE layer's backward."""
+import time
+
 import pytest
 import torch
 
@@ -82,4 +84,50 @@ def test_attach_skips_layers_without_all_to_all():
         s.attach(model)
         assert s._hooks == []
     finally:
+        s.close()
+
+
+def test_launch_budget_is_what_drains_before_the_next_all_to_all_plus_the_bound():
+    from megatron_moe.distributed.lina import launch_budget
+    assert launch_budget(None, 1.0, 0.1) == 0.0                       # nothing measured yet
+    assert launch_budget(1e6, 0.5, 0.01) == pytest.approx(1e6 * 0.51)
+    assert launch_budget(1e6, -0.2, 0.01) == pytest.approx(1e4)        # overdue: only the bound
+    assert launch_budget(1e6, float("inf"), 0.01) == float("inf")     # no all-to-all coming
+
+
+def test_next_all_to_all_offset_is_the_earliest_seen_and_none_past_the_last():
+    from megatron_moe.distributed.lina import next_a2a_offset
+    hist = [[0.10, 0.30], [0.08, 0.35, 0.50]]
+    assert next_a2a_offset(hist, 0) == 0.08
+    assert next_a2a_offset(hist, 1) == 0.30
+    assert next_a2a_offset(hist, 2) == 0.50
+    assert next_a2a_offset(hist, 3) is None
+    assert next_a2a_offset([], 0) is None
+
+
+def test_budget_admits_a_second_micro_op_only_when_it_drains_in_time():
+    from megatron_moe.distributed.lina import MicroOp
+    s = LinaScheduler(1.0, 10.0, max_in_flight=3, drain_ms=10.0)
+    try:
+        def op(nbytes):
+            return MicroOp(0, "dp", torch.zeros(nbytes // 4), None, 0, 1, 0.0)
+        s._inflight.append(op(4000))
+        s._inflight_bytes = 4000
+        assert not s._may_launch(op(4000))             # no rate measured: one micro-op at a time
+        s.rate_bps = 1e6                                # 1 MB/s: 10 ms drain bound = 10 kB
+        assert s._may_launch(op(4000))                  # first iteration: only the bound
+        assert not s._may_launch(op(8000))
+        s._history.append([0.5])                        # the all-to-all came 0.5 s after the first submit
+        s._anchor = time.perf_counter()
+        assert s._may_launch(op(400_000))               # ~0.5 s away: ~510 kB may be in flight
+        s._offsets.append(0.5)                          # it came; no other one this iteration
+        assert s._may_launch(op(4_000_000))
+        s._inflight.extend([op(4), op(4)])              # max_in_flight reached
+        assert not s._may_launch(op(4))
+        s._inflight.clear()
+        s._inflight_bytes = 0
+        s.a2a_imminent()
+        assert not s._may_launch(op(4))                 # the gate beats any budget
+    finally:
+        s._inflight.clear()
         s.close()

@@ -1,33 +1,50 @@
-"""Benchmark Lina: backward all-to-all time, its slowdown and the step time, with and without --lina.
+"""Benchmark Lina: step time, backward all-to-all time and its slowdown, per mode of the paper's ablation.
 
 Run under torchrun (every rank runs every mode):
 
-  torchrun --nproc-per-node 2 tools/bench_lina.py --json lina_local.json
+  torchrun --nproc-per-node 2 tools/bench_lina.py --modes all --json lina_local.json
   scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 200mbit -- \\
-      tools/bench_lina.py --json lina_cluster.json
+      tools/bench_lina.py --modes all --json lina_cluster.json
 
-Modes (the same model, batches and weights in each):
-  alone    gradients all-reduced after backward (blocking), so the backward
-           all-to-alls run alone: the reference all-to-all time;
-  no_lina  GradSync: --bucket-mb buckets all-reduced asynchronously from
-           grad-ready hooks during backward (the usual overlap);
-  lina     LinaScheduler, once per --partitions size (MB).
+Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
+  alone           gradients all-reduced after backward (blocking), so the all-to-alls
+                  run alone: the reference all-to-all time and the all-to-all share;
+  no_lina         GradSync: --bucket-mb buckets all-reduced asynchronously from
+                  grad-ready hooks during backward (the usual overlap);
+  lina_priority   LinaScheduler with whole tensors as ops, one in flight: the priority
+                  gate only;
+  lina_partition  + micro-ops of each --partitions size, up to --max-in-flight in
+                  flight under the link-rate launch budget;
+  lina_pipeline   + all-to-alls in --pipeline-chunks micro-ops pipelined with the experts;
+  lina            everything implemented (expert packing is not: as lina_pipeline).
 The modes take turns, --rounds times; each turn builds the model, runs
 --warmup iterations, then --iters measured ones; an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
-ranks (a barrier). Step time: max over ranks; backward all-to-all time: per
-call the minimum over ranks (a gloo call also waits for late peers; the last
-rank to arrive does not), summed over the backward calls; overlap (time a
-gradient all-reduce ran during an all-to-all): mean over ranks; all from the
-event log, medians over iterations. The default model makes the dense
-all-reduce heavy (4 blocks, every 2nd MoE, M=512, H=2048: ~34 MB of dense
-gradients; 2 experts per rank with EP = world size, so the all-to-alls cross
-nodes and share the link with the all-reduce; 512 tokens per rank, ~1 MB
-all-to-all buffers).
+ranks (a barrier). Step time: max over ranks; backward all-to-all time
+(a2a_bwd_ms): how long a backward all-to-all was in flight (the union of
+their intervals, launch to transfer completion), minimum over ranks (a gloo
+call also waits for late peers; the last rank to arrive does not);
+a2a_bwd_calls_ms: per call the minimum over ranks, summed (the earlier
+metric; concurrent chunk all-to-alls of the pipelined modes each count
+whole); a2a_share: that per-call sum over every all-to-all of the step
+(forward too) / step time, meaningful for `alone`;
+overlap (time a gradient all-reduce ran during an all-to-all) and
+pipelining_efficiency (fraction of the time an all-to-all was in flight
+during which an expert forward or backward ran, from the experts' module
+hooks): mean over ranks; medians over iterations.
+
+--model representative (default): 4 blocks, MoE at 2 and 4, M=256, H=1024, top-2,
+2048 tokens per rank: all-to-all buffers of 4 MB, ~9 MB of dense gradients, so the
+all-to-all is a large share of the step on a shaped link and the all-reduce can hide
+under backward. --model heavy_allreduce: the earlier default, M=512, H=2048, top-1,
+512 tokens per rank: ~34 MB of dense gradients, 1 MB all-to-all buffers. Both: 2
+experts per rank with EP = world size, so the all-to-alls cross nodes.
 
 Prints a table and, with --json PATH, writes a list of objects with keys mode,
-partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median (plus
-a2a_slowdown, a2a_bwd_raw_ms_median, overlap_ms_median, world_size, load_avg_1min).
+partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median, a2a_slowdown,
+a2a_share, speedup_vs_no_lina, pipelining_efficiency_median, experts_per_rank (plus
+a2a_total_ms_median, a2a_bwd_raw_ms_median, overlap_ms_median, model, world_size,
+load_avg_1min).
 """
 from __future__ import annotations
 
@@ -38,7 +55,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,37 +65,60 @@ from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
 from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
-def bench_defaults() -> Config:
-    """The benchmark model: GPT-2 MoE with MoE blocks 2, 4, ..., top-1, capacity factor 1."""
+MODELS = ("representative", "heavy_allreduce")
+ALL_MODES = ("alone", "no_lina", "lina_priority", "lina_partition", "lina_pipeline", "lina")
+WHOLE_TENSORS_MB = 1024.0      # lina_priority: a micro-op is one whole gradient tensor (no partitioning)
+
+
+def bench_defaults(model: str = "representative") -> Config:
+    """The benchmark model (module docstring): GPT-2 MoE with MoE blocks 2, 4, ..., capacity factor 1.
+
+    representative: M=256, H=1024, top-2, micro-batch 16 (2048 tokens per rank): ~9 MB of dense
+        gradients, all-to-all buffers of 4 MB;
+    heavy_allreduce: the earlier default, M=512, H=2048, top-1, micro-batch 4: ~34 MB of dense
+        gradients, all-to-all buffers of 1 MB."""
     cfg = Config()
     m, moe = cfg.model, cfg.moe
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 512, 8, 128, 1024
-    moe.moe_router_topk, moe.moe_expert_capacity_factor, moe.moe_min_capacity = 1, 1.0, 4
-    moe.moe_schedule = "baseline"
-    cfg.train.micro_batch_size = 4
+    m.num_layers, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 8, 128, 1024
+    moe.moe_expert_capacity_factor, moe.moe_min_capacity, moe.moe_schedule = 1.0, 4, "baseline"
+    if model == "heavy_allreduce":
+        m.hidden_size, moe.moe_router_topk, cfg.train.micro_batch_size = 512, 1, 4
+    else:
+        m.hidden_size, m.ffn_hidden_size, moe.moe_router_topk, cfg.train.micro_batch_size = 256, 1024, 2, 16
     return cfg
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The trainer's model / MoE / parallelism / training flags (`arguments.add_config_flags`;
-    --num-experts 0 means 2 x EP, --expert-model-parallel-size defaults to the world size) plus
-    the benchmark's own: --iters, --warmup, --rounds, --partitions, --bucket-mb, --modes, --json."""
+    --num-experts 0 means 2 x EP, --expert-model-parallel-size defaults to the world size) with
+    the defaults of --model, plus the benchmark's own: --model, --iters, --warmup, --rounds,
+    --partitions, --bucket-mb, --max-in-flight, --pipeline-chunks, --modes, --json."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="representative")
+    model = pre.parse_known_args(argv)[0].model
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults())
+    p.add_argument("--model", default="representative", choices=MODELS,
+                   help="the default model / MoE flags (module docstring); explicit flags override them")
+    add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults(model if model in MODELS else MODELS[0]))
     p.add_argument("--iters", type=int, default=4, help="measured iterations per mode and round")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="times every mode runs, in turn")
-    p.add_argument("--partitions", default="1,4,30,100", help="Lina micro-op sizes in MB, comma-separated")
+    p.add_argument("--partitions", default="1",
+                   help="micro-op sizes in MB of the partitioned Lina modes, comma-separated (each runs once per size)")
     p.add_argument("--bucket-mb", type=float, default=4.0,
                    help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)")
-    p.add_argument("--modes", default="alone,no_lina,lina", help="modes to run, comma-separated")
+    p.add_argument("--max-in-flight", type=int, default=4, help="--lina-max-in-flight of the partitioned Lina modes")
+    p.add_argument("--pipeline-chunks", type=int, default=4, help="--lina-pipeline-chunks of lina_pipeline and lina")
+    p.add_argument("--modes", default="alone,no_lina,lina",
+                   help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
-    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
     try:
         a.cfg = config_from_args(a)
@@ -92,12 +132,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--partitions must be comma-separated numbers, got {a.partitions!r}")
     if not a.partitions or any(x <= 0 for x in a.partitions):
         p.error("--partitions sizes must be positive")
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in a.modes if m not in ("alone", "no_lina", "lina")]
+    a.modes = list(ALL_MODES) if a.modes.strip() == "all" else [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in a.modes if m not in ALL_MODES]
     if bad:
-        p.error(f"--modes: unknown mode(s) {bad}; choose from alone, no_lina, lina")
+        p.error(f"--modes: unknown mode(s) {bad}; choose from {', '.join(ALL_MODES)} or all")
     if a.iters < 1 or a.warmup < 0 or a.rounds < 1:
         p.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    if a.max_in_flight < 1 or a.pipeline_chunks < 1:
+        p.error("--max-in-flight and --pipeline-chunks must be >= 1")
     return a
 
 
@@ -111,44 +153,108 @@ def build_config(a: argparse.Namespace, world: int) -> Config:
     return cfg
 
 
+def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optional[LinaScheduler], int]:
+    """(the Lina scheduler of `mode` or None, pipeline chunks) -- the paper's Figure 14 ablation:
+    lina_priority: whole tensors, one in flight, only the priority gate; lina_partition: + micro-ops
+    of `partition_mb` (coalesced) under the launch budget; lina_pipeline: + all-to-all micro-ops pipelined with
+    the experts; lina: everything implemented (expert packing is not: the same as lina_pipeline)."""
+    if mode in ("alone", "no_lina"):
+        return None, 1
+    if mode == "lina_priority":
+        return LinaScheduler(WHOLE_TENSORS_MB, a.comm_timeout, max_in_flight=1), 1
+    sched = LinaScheduler(partition_mb, a.comm_timeout, max_in_flight=a.max_in_flight, coalesce=True)
+    return sched, (1 if mode == "lina_partition" else a.pipeline_chunks)
+
+
+class ExpertClock:
+    """Intervals [start, end] (perf_counter s) of every expert forward and backward of a model,
+    from the modules' own forward / full-backward hooks."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.intervals: list[tuple[float, float]] = []
+        self._t: dict = {}
+        self._hooks = []
+        for layer in model.moe_layers():
+            e = layer.experts
+            self._hooks += [e.register_forward_pre_hook(lambda m, i: self._begin(("f", id(m)))),
+                            e.register_forward_hook(lambda m, i, o: self._end(("f", id(m)))),
+                            e.register_full_backward_pre_hook(lambda m, g: self._begin(("b", id(m)))),
+                            e.register_full_backward_hook(lambda m, gi, go: self._end(("b", id(m))))]
+
+    def _begin(self, key) -> None:
+        self._t[key] = time.perf_counter()
+
+    def _end(self, key) -> None:
+        if key in self._t:
+            self.intervals.append((self._t.pop(key), time.perf_counter()))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def pipelining_efficiency(a2a: list, expert: list[tuple[float, float]]) -> float:
+    """Fraction of the time an all-to-all was in flight during which expert compute ran (0: none)."""
+    busy = observer.union([(e.launch, e.finish) for e in a2a if e.finish is not None])
+    total = observer.total_length(busy)
+    return observer.intersection_length(busy, observer.union(expert)) / total if total > 0 else 0.0
+
+
 def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) -> dict:
-    """Warm up, measure, and return per-iteration lists (ms) of step time, backward a2a time,
-    the same with waits, and overlap.
+    """Warm up, measure, and return per-iteration lists (ms) of step time, backward and total
+    all-to-all time, the backward time with waits, overlap, and the pipelining efficiency.
 
     A gloo all-to-all call also lasts while it waits for the last peer to arrive,
     so per call the *minimum* over ranks (the last rank's wait is nil) is its
     transfer time; a2a_bwd_ms sums that over the backward all-to-alls of the
-    iteration. a2a_bwd_raw_ms is the mean over ranks of the plain sum, waits included.
+    iteration (a2a_total_ms over all of them). a2a_bwd_raw_ms is the mean over
+    ranks of the plain sum, waits included.
     """
     model = GPT2MoE(cfg, ps)
-    sched = LinaScheduler(partition_mb, a.comm_timeout) if mode == "lina" else None
+    sched, chunks = mode_settings(a, mode, partition_mb)
+    for layer in model.moe_layers():
+        layer.set_pipeline_chunks(chunks)
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))   # host draws: same ids on every device
     log = CommLog().start()
-    steps, a2a_calls, overlap = [], [], []
+    clock = ExpertClock(model)
+    steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
     for it in range(a.warmup + a.iters):
         ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen,
                             device="cpu").to(ps.device)
         dist.barrier()
         log.clear()
+        clock.intervals.clear()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
         (lm + aux).backward()
+        t1 = time.perf_counter()
         if sync is None:
             sync_gradients(model, ps)
         else:
             sync.finish()
+        t2 = time.perf_counter()
         opt.step()
         step = time.perf_counter() - t0
         if it >= a.warmup:
             steps.append(1e3 * step)
+            syncs.append(1e3 * (t2 - t1))
             a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
+            bwd_union.append(1e3 * observer.total_length(observer.union(
+                [(e.launch, e.finish) for e in log.of("all_to_all", phase="bwd") if e.finish is not None])))
+            a2a_all.append([1e3 * e.duration for e in log.of("all_to_all")])
             overlap.append(log.summary()["overlap_ms"])
+            eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
     log.stop()
+    clock.remove()
+    stats = {} if sched is None else {"max_in_flight_seen": sched.max_concurrent, "link_mb_s": sched.rate_bps or 0.0}
     if sync is not None:
         sync.remove()
+    if stats and ps.rank("dp") == 0 and dist.get_rank() == 0:
+        print(f"    {mode}: at most {stats['max_in_flight_seen']} micro-ops in flight, link "
+              f"{stats['link_mb_s'] / 2 ** 20:.1f} MB/s measured", flush=True)
     world = dist.get_world_size()
     step_max = torch.tensor(steps, dtype=torch.float64, device=ps.device)
     dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
@@ -156,11 +262,18 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     calls_min, calls_sum = calls.clone(), calls.clone()
     dist.all_reduce(calls_min, op=dist.ReduceOp.MIN)
     dist.all_reduce(calls_sum)
-    ov = torch.tensor(overlap, dtype=torch.float64, device=ps.device)
+    every = torch.tensor(a2a_all, dtype=torch.float64, device=ps.device)        # [iters, all a2a calls]
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    in_flight = torch.tensor(bwd_union, dtype=torch.float64, device=ps.device)  # [iters]
+    dist.all_reduce(in_flight, op=dist.ReduceOp.MIN)
+    ov = torch.tensor([overlap, eff, syncs], dtype=torch.float64, device=ps.device)
     dist.all_reduce(ov)
-    step_max, calls_min, calls_sum, ov = (t.cpu() for t in (step_max, calls_min, calls_sum, ov))
-    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": calls_min.sum(1).tolist(),
-            "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov / world).tolist()}
+    step_max, calls_min, calls_sum, every, ov, in_flight = (t.cpu() for t in (step_max, calls_min, calls_sum, every, ov,
+                                                                               in_flight))
+    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": in_flight.tolist(), "a2a_bwd_calls_ms": calls_min.sum(1).tolist(),
+            "a2a_total_ms": every.sum(1).tolist(),
+            "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov[0] / world).tolist(),
+            "pipelining_efficiency": (ov[1] / world).tolist(), "sync_after_backward_ms": (ov[2] / world).tolist()}
 
 
 def write_json(path: str, rows: list[dict]) -> None:
@@ -174,14 +287,14 @@ def write_json(path: str, rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'mode':8s} {'part MB':>8s} {'step ms':>9s} {'bwd a2a ms':>11s} {'alone ms':>9s} " \
-           f"{'slowdown':>9s} {'a2a+wait ms':>12s} {'overlap ms':>11s}"
+    head = f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} " \
+           f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         part = "-" if r["partition_mb"] is None else f"{r['partition_mb']:g}"
-        lines.append(f"{r['mode']:8s} {part:>8s} {r['step_ms_median']:9.1f} {r['a2a_bwd_ms_median']:11.2f} "
-                     f"{r['a2a_alone_ms_median']:9.2f} {r['a2a_slowdown']:9.2f} {r['a2a_bwd_raw_ms_median']:12.2f} "
-                     f"{r['overlap_ms_median']:11.2f}")
+        lines.append(f"{r['mode']:14s} {part:>8s} {r['step_ms_median']:9.1f} {r['speedup_vs_no_lina']:9.2f}x "
+                     f"{r['a2a_bwd_ms_median']:11.2f} {r['a2a_slowdown']:8.2f}x {r['a2a_share']:9.2f} "
+                     f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f}")
     return "\n".join(lines)
 
 
@@ -214,10 +327,10 @@ def run(a: argparse.Namespace) -> None:
     del probe
     if rank == 0:
         print(f"bench_lina: world {world}, EP {ps.size('ep')}, expert-DP {ps.size('expert_dp')}, "
-              f"dense gradients {dense_mb:.1f} MB, expert gradients {expert_mb:.1f} MB per rank", flush=True)
-    plan = [(m, None) for m in ("alone", "no_lina") if m in a.modes]
-    if "lina" in a.modes:
-        plan += [("lina", p) for p in a.partitions]
+              f"model {a.model}, dense gradients {dense_mb:.1f} MB, expert gradients {expert_mb:.1f} MB per rank",
+              flush=True)
+    plan = [(m, None) for m in ("alone", "no_lina", "lina_priority") if m in a.modes]
+    plan += [(m, p) for m in ("lina_partition", "lina_pipeline", "lina") if m in a.modes for p in a.partitions]
     pooled = {key: {} for key in plan}
     for rnd in range(a.rounds):        # modes take turns, so a change in machine load hits all of them
         for mode, part in plan:
@@ -231,10 +344,16 @@ def run(a: argparse.Namespace) -> None:
     results = [{"mode": mode, "partition_mb": part,
                 **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items()}}
                for mode, part in plan]
-    alone = next((r["a2a_bwd_ms_median"] for r in results if r["mode"] == "alone"), float("nan"))
+    alone = next((r for r in results if r["mode"] == "alone"), None)
+    base = next((r["step_ms_median"] for r in results if r["mode"] == "no_lina"), float("nan"))
     for r in results:
-        r["a2a_alone_ms_median"] = alone
-        r["a2a_slowdown"] = r["a2a_bwd_ms_median"] / alone if alone == alone and alone > 0 else float("nan")
+        r["a2a_alone_ms_median"] = alone["a2a_bwd_ms_median"] if alone else float("nan")
+        r["a2a_slowdown"] = r["a2a_bwd_ms_median"] / r["a2a_alone_ms_median"] if alone and alone["a2a_bwd_ms_median"] > 0 \
+            else float("nan")
+        r["a2a_share"] = r["a2a_total_ms_median"] / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
+        r["speedup_vs_no_lina"] = base / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
+        r["experts_per_rank"] = cfg.moe.num_experts // ps.size("ep")
+        r["model"] = a.model
         r["world_size"] = world
         r["load_avg_1min"] = os.getloadavg()[0]       # other work on the machine makes timings noisy
     if rank == 0:

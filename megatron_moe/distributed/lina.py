@@ -4,30 +4,42 @@ Lina (Li et al., USENIX ATC 2023) observed that backward all-to-alls slow down
 badly when they share the network with the data-parallel all-reduce, and
 fixed it by (1) splitting the all-reduce into small equal micro-ops and
 (2) a priority queue in which all-to-all always goes first: a micro-op is
-launched only when no all-to-all is queued or in flight, so an all-to-all
-waits at most for the one micro-op already on the wire.
+launched only when no all-to-all is queued or in flight.
 
 Here:
   * `submit(kind, flat, group)` splits one gradient tensor (GradSync hands
-    over one parameter's gradient at a time, so a chunk never mixes two
-    tensors) into chunks of `partition_mb` MB (the last one shorter) and
-    appends them to a FIFO queue;
-  * one launcher thread pops the queue, launches one async all-reduce at a
-    time (like a single NCCL stream) and waits for it; it launches only while
-    the gate is open: no all-to-all in flight (the `a2a_start`/`a2a_end`
-    notifications the collective observer sends) and none imminent
-    (`a2a_imminent()`, which every MoE layer's dispatcher calls once `attach(model)`
-    registered the scheduler, when backward reaches the combine step: in a Lancet
-    partitioned layer too, which tracks the output of all its parts);
-  * the gate check and the launch happen under the same lock that
-    `a2a_start` takes, so no micro-op is ever launched between an
-    all-to-all's start and its end on this rank;
+    over one parameter's gradient at a time) into chunks of `partition_mb` MB
+    (the last one shorter) and appends them to a FIFO queue; with `coalesce`
+    (--lina-coalesce, the trainer's default) micro-ops are equal slices of the
+    concatenated gradients of one group, as in the paper (a slice may span
+    small tensors: they are copied into one buffer and back), so a model of
+    many small tensors does not pay one round trip per tensor;
+  * a launcher thread launches the queue head (async all-reduce) whenever
+    the gate is open and the launch budget allows it; a reaper thread waits
+    for the launched micro-ops in launch order. Several micro-ops may be in
+    flight (up to `max_in_flight`), so a micro-op no longer costs a round
+    trip of idle link;
+  * the gate (the priority rule): closed while an all-to-all of this rank is
+    in flight (the `a2a_start`/`a2a_end` notifications of the collective
+    observer) or imminent (`a2a_imminent()`, which every MoE layer's
+    dispatcher calls once `attach(model)` registered the scheduler, when
+    backward reaches the combine step); the gate check and the launch happen
+    under the lock `a2a_start` takes, so no micro-op is ever launched between
+    an all-to-all's start and its end on this rank;
+  * the launch budget (`launch_budget`): bytes in flight must drain, at the
+    measured link rate (EWMA of micro-op service times), within the time to
+    this rank's next all-to-all plus a drain bound `drain_ms` (0: a tenth of
+    the measured backward all-to-all time). The time to the next all-to-all
+    comes from this rank's own schedule: the all-to-alls of the last
+    iterations started at fixed offsets after the first gradient was handed
+    over (the earliest seen is used); past the last one (the first MoE layer's
+    backward is over) nothing more is coming and the budget is `max_in_flight`
+    micro-ops. One micro-op may always be in flight while the gate is open
+    (what the original Lina allows); before anything is measured only one;
   * the queue order is the submission order, and GradSync submits in a fixed
-    parameter order on every rank, so every rank of a group issues its
-    micro-ops in the same order whatever the timing (gloo requires it);
-    ops of the dp and expert-dp groups share the one queue, so the order
-    across groups is the same on every rank too, which a launcher that waits
-    for each op needs to never wait on a peer that waits on it;
+    parameter order on every rank, so every rank issues its micro-ops in the
+    same order whatever the timing (gloo requires it): the gate and the budget
+    only delay the head of the queue, never reorder it;
   * `drain()` (GradSync.finish, before the optimizer step) opens the gate and
     waits until every micro-op has finished;
   * a watchdog: each micro-op is waited for with `timeout_s`
@@ -43,6 +55,7 @@ summed over the same ranks as in a bucketed all-reduce.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -60,22 +73,46 @@ from megatron_moe.profiling import annotate
 
 log = logging.getLogger("megatron_moe.lina")
 MB = 2 ** 20
+HISTORY = 3               # iterations whose all-to-all offsets predict the next one's
+RATE_ALPHA = 0.3          # decay of the link-rate and all-to-all-time averages per new sample
+AUTO_DRAIN_FRACTION = 0.1  # drain_ms = 0: this fraction of the measured backward all-to-all time
+
+
+def launch_budget(rate_bps: Optional[float], horizon_s: float, drain_s: float) -> float:
+    """Bytes that may be in flight: what drains at `rate_bps` (bytes/s) within `horizon_s` (time to
+    the next all-to-all, inf: none coming) plus `drain_s`; 0 before the rate is measured."""
+    if rate_bps is None or rate_bps <= 0:
+        return 0.0
+    if math.isinf(horizon_s):
+        return math.inf
+    return rate_bps * (max(0.0, horizon_s) + max(0.0, drain_s))
+
+
+def next_a2a_offset(history: list[list[float]], seen: int) -> Optional[float]:
+    """Predicted offset (s after the iteration's first submit) of this iteration's all-to-all
+    number `seen` (0-based): the earliest over the iterations in `history` that had one;
+    None when no earlier iteration had that many (nothing more is coming)."""
+    offs = [h[seen] for h in history if len(h) > seen]
+    return min(offs) if offs else None
 
 
 @dataclass
 class MicroOp:
-    """Chunk `part` of `parts` of one gradient tensor, all-reduced in place over `group`."""
+    """`chunk` all-reduced over `group`: one slice of one gradient tensor (a view, reduced in
+    place), or with coalescing several consecutive slices copied into one buffer (`pieces`:
+    (view, handle) of each, copied back when the op finished)."""
 
     index: int                 # position in this iteration's queue (= launch order)
     kind: str                  # 'dp' or 'expert_dp'
-    chunk: torch.Tensor        # a contiguous 1-D view into the gradient
+    chunk: torch.Tensor        # a contiguous 1-D view into the gradient, or the coalesced buffer
     group: object
-    part: int                  # chunk number within its tensor
-    parts: int                 # chunks of its tensor
+    part: int                  # chunk number of its first piece within that piece's tensor
+    parts: int                 # chunks of that tensor
     queued: float              # perf_counter when submitted
-    handle: "GradHandle"
+    pieces: list = field(default_factory=list)
     work: object = None
     event: Optional[observer.CommEvent] = None
+    launched: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -101,24 +138,37 @@ class LinaScheduler:
 
     `partition_mb`: micro-op size in MB (2**20 bytes; --lina-partition-mb).
     `timeout_s`: seconds a micro-op may take before `drain()` raises
-    CommTimeoutError (--comm-timeout). `prioritize=False` launches micro-ops
-    as soon as they are queued, ignoring all-to-alls (an ablation for tests
-    and benchmarks, not Lina). The scheduler keeps a CommLog running from
-    construction to `close()` (the last `max_events` events, for tests and
-    benchmarks) and folds each iteration's events into running totals at
-    `drain()`; `summary()` returns those totals, `close()` logs them.
+    CommTimeoutError (--comm-timeout). `max_in_flight`: micro-ops launched and
+    not finished at most (--lina-max-in-flight; 1 is the original Lina).
+    `drain_ms`: the drain bound of the launch budget (--lina-drain-ms; 0: auto).
+    `prioritize=False` launches micro-ops as soon as they are queued, ignoring
+    all-to-alls (an ablation for tests and benchmarks, not Lina). The scheduler
+    keeps a CommLog running from construction to `close()` (the last
+    `max_events` events, for tests and benchmarks) and folds each iteration's
+    events into running totals at `drain()`; `summary()` returns those totals,
+    `close()` logs them.
     """
 
     def __init__(self, partition_mb: float = 30.0, timeout_s: float = 600.0, *, prioritize: bool = True,
-                 log_events: Optional[observer.CommLog] = None):
+                 log_events: Optional[observer.CommLog] = None, max_in_flight: int = 4, drain_ms: float = 0.0,
+                 coalesce: bool = False):
         if not partition_mb > 0:
             raise ValueError(f"--lina-partition-mb must be positive, got {partition_mb}")
         if not timeout_s > 0:
             raise ValueError(f"--comm-timeout must be positive, got {timeout_s}")
+        if int(max_in_flight) < 1:
+            raise ValueError(f"--lina-max-in-flight must be at least 1, got {max_in_flight}")
+        if not drain_ms >= 0:
+            raise ValueError(f"--lina-drain-ms must be >= 0 (0: auto), got {drain_ms}")
         self.partition_mb, self.timeout_s, self.prioritize = float(partition_mb), float(timeout_s), prioritize
+        self.max_in_flight, self.drain_ms, self.coalesce = int(max_in_flight), float(drain_ms), coalesce
         self.partition_bytes = max(1, int(partition_mb * MB))
         self._cv = threading.Condition()
         self._queue: deque[MicroOp] = deque()
+        self._open_kind: tuple = ("", None)
+        self._open: list = []          # coalescing: (view, handle, part, parts) of the micro-op being filled
+        self._inflight: deque[MicroOp] = deque()
+        self._inflight_bytes = 0
         self._a2a_in_flight = 0
         self._imminent = False
         self._draining = False
@@ -126,8 +176,18 @@ class LinaScheduler:
         self._count = 0                # micro-ops submitted this iteration
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._thread: Optional[threading.Thread] = None
+        self._threads: list[threading.Thread] = []
         self._hooks: list = []
+        # the measured link and this rank's schedule (module docstring: the launch budget)
+        self.rate_bps: Optional[float] = None
+        self._last_finish = 0.0
+        self._rate_bytes = self._rate_time = 0.0
+        self._a2a_busy_since: Optional[float] = None
+        self.a2a_ms: Optional[float] = None          # EWMA of backward all-to-all busy periods
+        self._anchor: Optional[float] = None         # first submit of this iteration
+        self._offsets: list[float] = []              # all-to-all starts after the anchor, this iteration
+        self._history: deque[list[float]] = deque(maxlen=HISTORY)
+        self.max_concurrent = 0                      # most micro-ops in flight at once (reporting)
         self.log = (log_events or observer.CommLog(max_events=20_000)).start()
         self._totals: dict = {}
         self._folded_seq = -1          # events up to this seq are in _totals
@@ -160,89 +220,187 @@ class LinaScheduler:
         """Listener hook (collectives): an all-to-all starts now. Holds the lock the launcher
         launches under, so a launch is either before this or after the matching a2a_end."""
         with self._cv:
+            now = time.perf_counter()
+            if self._a2a_in_flight == 0:
+                self._a2a_busy_since = now
             self._a2a_in_flight += 1
             self._imminent = False
+            if self._anchor is not None:
+                self._offsets.append(now - self._anchor)
 
     def a2a_end(self, group: str) -> None:
         """Listener hook (collectives): the all-to-all finished; micro-ops may go again."""
         with self._cv:
             self._a2a_in_flight = max(0, self._a2a_in_flight - 1)
+            if self._a2a_in_flight == 0 and self._a2a_busy_since is not None and self._anchor is not None:
+                ms = 1e3 * (time.perf_counter() - self._a2a_busy_since)
+                self.a2a_ms = ms if self.a2a_ms is None else (1 - RATE_ALPHA) * self.a2a_ms + RATE_ALPHA * ms
             self._cv.notify_all()
 
     def _gate_open(self) -> bool:
         return self._draining or not self.prioritize or (self._a2a_in_flight == 0 and not self._imminent)
 
+    def drain_s(self) -> float:
+        """The drain bound in seconds: --lina-drain-ms, or a tenth of the measured all-to-all time."""
+        if self.drain_ms > 0:
+            return self.drain_ms / 1e3
+        return 0.0 if self.a2a_ms is None else AUTO_DRAIN_FRACTION * self.a2a_ms / 1e3
+
+    def horizon_s(self, now: float) -> float:
+        """Seconds until this rank's next all-to-all, from its own schedule (inf: none coming;
+        0: unknown or overdue)."""
+        if self._anchor is None or not self._history:
+            return 0.0
+        off = next_a2a_offset(list(self._history), len(self._offsets))
+        return math.inf if off is None else max(0.0, self._anchor + off - now)
+
+    def _may_launch(self, op: MicroOp) -> bool:
+        """Gate open and the head fits the budget (called under the lock)."""
+        if not self._gate_open():
+            return False
+        if not self._inflight:
+            return True                            # one micro-op may always be on the wire
+        if len(self._inflight) >= self.max_in_flight:
+            return False
+        if self._draining or not self.prioritize:
+            return True                            # no all-to-all is coming / the ablation
+        budget = launch_budget(self.rate_bps, self.horizon_s(time.perf_counter()), self.drain_s())
+        return self._inflight_bytes + op.nbytes <= budget
+
     # ------------------------------------------------------------------ queue
     def submit(self, kind: str, flat: torch.Tensor, group) -> GradHandle:
         """Queue `flat` (a contiguous 1-D gradient, reduced in place) as micro-ops of
-        `partition_mb` MB over `group`; returns a handle that completes with its last chunk."""
+        `partition_mb` MB over `group`; returns a handle that completes with its last chunk.
+        With `coalesce`, micro-ops are equal slices of the concatenation of the gradients
+        submitted in a row for one group (a slice may span tensors); the last one of a run
+        is queued when a gradient of another group comes, or at `drain()`."""
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("LinaScheduler.submit needs a contiguous 1-D tensor")
         self._raise_if_failed()
         per = max(1, self.partition_bytes // flat.element_size())
         n = flat.numel()
         parts = -(-n // per) if group_size(group) > 1 else 0
-        handle = GradHandle(self, parts)
+        handle = GradHandle(self, 0)
         if parts == 0:                          # nothing to reduce (group of one, empty tensor)
             handle.done_event.set()
             return handle
         now = time.perf_counter()
         with self._cv:
-            for j in range(parts):
-                self._queue.append(MicroOp(self._count, kind, flat[j * per:min(n, (j + 1) * per)], group,
-                                           j, parts, now, handle))
-                self._count += 1
-            self._pending += parts
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lina-launcher", daemon=True)
-                self._thread.start()
+            if self._anchor is None:
+                self._anchor, self._offsets = now, []
+            if self._open and (self._open[0][0].dtype != flat.dtype or self._open_kind != (kind, group)):
+                self._close_open(now)
+            self._open_kind = (kind, group)
+            off, j = 0, 0
+            while off < n:
+                room = per - sum(v.numel() for v, *_ in self._open)
+                take = min(room, n - off)
+                self._open.append((flat[off:off + take], handle, j, parts))
+                handle.remaining += 1
+                off, j = off + take, j + 1
+                if take == room:
+                    self._close_open(now)
+            if not self.coalesce:
+                self._close_open(now)
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._run, name="lina-launcher", daemon=True),
+                                 threading.Thread(target=self._reap, name="lina-reaper", daemon=True)]
+                for t in self._threads:
+                    t.start()
             self._cv.notify_all()
         return handle
 
+    def _close_open(self, now: float) -> None:
+        """Queue the micro-op being filled (under the lock)."""
+        if not self._open:
+            return
+        views = [v for v, *_ in self._open]
+        chunk = views[0] if len(views) == 1 else torch.cat(views)
+        _, _, part, parts = self._open[0]
+        kind, group = self._open_kind
+        self._queue.append(MicroOp(self._count, kind, chunk, group, part, parts, now,
+                                   [(v, h) for v, h, *_ in self._open]))
+        self._count += 1
+        self._pending += 1
+        self._open = []
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = err
+            self._cv.notify_all()
+
     def _run(self) -> None:
-        """Launcher thread: launch the queue head when the gate is open, wait for it, repeat."""
+        """Launcher thread: launch the queue head whenever the gate and the budget allow it."""
         while True:
             with self._cv:
-                while not self._closed and not (self._queue and self._gate_open()):
+                while not self._closed and self._error is None and not (self._queue and self._may_launch(self._queue[0])):
                     self._cv.wait()
-                if self._closed:
+                if self._closed or self._error is not None:
                     return
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
                     with annotate("lina/micro_op"), observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
-                                       self_timed=True):
+                                       pieces=len(op.pieces), self_timed=True):
+                        op.launched = time.perf_counter()
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = observer.last_event()
                 except Exception as e:            # noqa: BLE001  (reported by drain on the main thread)
                     self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
                     self._cv.notify_all()
                     return
+                self._inflight.append(op)
+                self._inflight_bytes += op.nbytes
+                self.max_concurrent = max(self.max_concurrent, len(self._inflight))
+                self._cv.notify_all()
+
+    def _reap(self) -> None:
+        """Reaper thread: wait for the launched micro-ops in launch order; measure the link rate."""
+        while True:
+            with self._cv:
+                while not self._closed and self._error is None and not self._inflight:
+                    self._cv.wait()
+                if self._closed or self._error is not None:
+                    return
+                op = self._inflight[0]
             try:
                 op.work.wait(timeout=timedelta(seconds=self.timeout_s))
             except Exception as e:                # noqa: BLE001  (gloo raises RuntimeError on timeout)
                 what = (f"Lina: gradient all_reduce micro-op #{op.index} on {describe_group(op.group)} "
                         f"({op.nbytes} bytes, chunk {op.part + 1}/{op.parts} of its tensor)")
                 lost = translate(e, "all_reduce", op.group)
-                err: BaseException
                 if isinstance(lost, CommPeerLostError):
-                    err = CommPeerLostError(f"{what}: {lost}", "all_reduce", group_name(op.group))
+                    self._fail(CommPeerLostError(f"{what}: {lost}", "all_reduce", group_name(op.group)))
                 else:                             # the wait above has the scheduler's own limit
-                    err = CommTimeoutError(
+                    self._fail(CommTimeoutError(
                         f"{what} did not finish within --comm-timeout {self.timeout_s:g} s: a peer rank is "
                         f"stalled or dead, or the ranks issued collectives in different orders ({e})",
-                        "all_reduce", group_name(op.group))
-                with self._cv:
-                    self._error = err
-                    self._cv.notify_all()
+                        "all_reduce", group_name(op.group)))
                 return
-            # finish time stamped here, before the next launch (the future callback may run later)
             observer.stamp_finish(op.event)
+            now = time.perf_counter()
             with self._cv:
+                self._inflight.popleft()
+                self._inflight_bytes -= op.nbytes
+                # service time: from when the link could start on this op to its finish
+                # (ops that finish together get a tiny service time each: the rate is the ratio of
+                # decayed sums of bytes and busy time, not an average of per-op rates)
+                busy = max(0.0, now - max(op.launched, self._last_finish))
+                self._last_finish = now
+                self._rate_bytes = (1 - RATE_ALPHA) * self._rate_bytes + op.nbytes
+                self._rate_time = (1 - RATE_ALPHA) * self._rate_time + busy
+                if self._rate_time > 0:
+                    self.rate_bps = self._rate_bytes / self._rate_time
                 self._pending -= 1
-                op.handle.remaining -= 1
-                if op.handle.remaining == 0:
-                    op.handle.done_event.set()
+                off = 0
+                for view, handle in op.pieces:
+                    if len(op.pieces) > 1:           # a coalesced buffer: back into the gradients
+                        view.copy_(op.chunk[off:off + view.numel()])
+                        off += view.numel()
+                    handle.remaining -= 1
+                    if handle.remaining == 0:
+                        handle.done_event.set()
                 self._cv.notify_all()
 
     def _raise_if_failed(self) -> None:
@@ -253,11 +411,12 @@ class LinaScheduler:
         """Open the gate and wait until every queued micro-op has finished (call before the
         optimizer step). Raises CommTimeoutError when one did not finish in time."""
         with self._cv:
+            self._close_open(time.perf_counter())
             self._draining = True
             self._cv.notify_all()
             try:
                 while self._pending and self._error is None:
-                    # the launcher's own wait times out first; this bounds a wedged launcher
+                    # the reaper's own wait times out first; this bounds a wedged launcher
                     before = self._pending
                     if not self._cv.wait(timeout=self.timeout_s + 5.0) and self._pending == before \
                             and self._error is None:
@@ -271,6 +430,9 @@ class LinaScheduler:
                 self._draining = False
                 self._imminent = False
                 self._count = 0
+                if self._anchor is not None:          # this iteration's schedule predicts the next ones
+                    self._history.append(list(self._offsets))
+                self._anchor, self._offsets = None, []
         self._raise_if_failed()
         self._fold()
 
@@ -286,26 +448,30 @@ class LinaScheduler:
     # ------------------------------------------------------------------ reporting, teardown
     def summary(self) -> dict:
         """`observer.summarize` totals (ms) over every drained iteration, plus the partition
-        size and the number of iterations."""
+        size, the number of iterations, the most micro-ops in flight at once and the measured
+        link rate (MB/s, None before a micro-op finished)."""
         base = observer.summarize([])
         return {"partition_mb": self.partition_mb, "iterations": self.iterations,
+                "max_in_flight_seen": self.max_concurrent,
+                "link_mb_s": None if self.rate_bps is None else self.rate_bps / MB,
                 **{k: self._totals.get(k, v) for k, v in base.items()}}
 
     def close(self) -> dict:
-        """Stop the launcher, remove hooks and listeners, log and return the summary."""
+        """Stop the threads, remove hooks and listeners, log and return the summary."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:       # idle, it exits at once; in a wait, within the timeout
-            self._thread.join(timeout=self.timeout_s + 5.0)
-            if self._thread.is_alive():
-                log.warning(f"lina: the launcher thread did not stop within --comm-timeout {self.timeout_s:g} s")
-            self._thread = None
+        for t in self._threads:          # idle, they exit at once; in a wait, within the timeout
+            t.join(timeout=self.timeout_s + 5.0)
+            if t.is_alive():
+                log.warning(f"lina: the {t.name} thread did not stop within --comm-timeout {self.timeout_s:g} s")
+        self._threads = []
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         observer.remove_a2a_listener(self)
         self.log.stop()
         s = self.summary()
-        log.info(f"lina (micro-ops of {self.partition_mb:g} MB): {observer.format_summary(s)}")
+        log.info(f"lina (micro-ops of {self.partition_mb:g} MB, up to {self.max_in_flight} in flight): "
+                 f"{observer.format_summary(s)}")
         return s

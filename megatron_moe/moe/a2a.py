@@ -39,6 +39,8 @@ def _launch(send: torch.Tensor, out: torch.Tensor, group, send_splits: Optional[
                            out.numel() * out.element_size(), (send.size(0) - mine) * row)
     work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                   group=group, async_op=True)
+    if token is not None and token.event is not None:   # the logged finish is the transfer's, not the wait's
+        work.get_future().then(lambda _f: observer.stamp_finish(token.event))
     return observer.Work(work, token)
 
 

@@ -34,6 +34,7 @@ from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.parm import route_s1
+from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
 from megatron_moe.moe.router import Router
 from megatron_moe.profiling import annotate
 
@@ -65,6 +66,7 @@ class MoELayer(nn.Module):
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto
+        self.pipeline_chunks = 1                           # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
     def use_schedule(self, schedule: str, saa_chunks: int = SAA_CHUNKS, choice: Optional["Choice"] = None) -> None:
@@ -88,6 +90,15 @@ class MoELayer(nn.Module):
             self.dispatcher.set_dw_queue(old.dw)
             self.dispatcher.set_placement(old.placement if self.dropless else None)
             self.dispatcher.listeners = old.listeners
+
+    def set_pipeline_chunks(self, chunks: int) -> None:
+        """Split the all-to-alls into `chunks` token-chunk micro-ops pipelined with the experts
+        (Lina, `moe.pipelined`; 1: off)."""
+        if chunks < 1:
+            raise ValueError(f"--lina-pipeline-chunks must be >= 1, got {chunks}")
+        if chunks > 1 and self.dropless:
+            raise ValueError(DROPLESS_ERROR)
+        self.pipeline_chunks = chunks
 
     @property
     def last_stats(self) -> dict:
@@ -135,6 +146,11 @@ class MoELayer(nn.Module):
                                  self.schedule_choice.saa_chunks, self.kept_only)
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
+        if self.pipeline_chunks > 1:       # Lina: all-to-all micro-ops pipelined with the experts
+            y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
+            if split:
+                y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
+            return self.dispatcher.track_output(y.reshape(B, T, M)), aux
         with annotate("moe/dispatch"):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
