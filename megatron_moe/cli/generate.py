@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import (carried_tokenizer, check_sampling, generate, load_model,
                                      tokenizer_path)
-from megatron_moe.inference.engine import check_prompts, load_engine
+from megatron_moe.inference.engine import load_engine, serve
 from megatron_moe.inference.scheduled import use_lina
 from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
 
@@ -78,14 +78,13 @@ def _prompts(args, tok) -> list[tuple[str, list[int]]]:
             texts += [ln.rstrip("\n") for ln in f if ln.strip()]
         if not texts:
             raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
-    if not texts and args.prompt is None and not args.prompts_file:
+    if args.prompt is None and not args.prompts_file:
         texts = [""]
     return [(t, tok.encode(t) if t else [tok.eod]) for t in texts]
 
 
-def _one_process_capacity(args, temperature: float, tok, requests, eod) -> list[list[int]]:
+def _one_process_capacity(model, args, temperature: float, requests, eod) -> list[list[int]]:
     """The training router with --moe-expert-capacity-factor, one process, full recomputation."""
-    model, _ = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
     return [generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
             for ids, seed in requests]
 
@@ -107,35 +106,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             dist.init_process_group("gloo")
         ps = (initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
                                         args.expert_sharding_parallel_size) if world > 1 else local_state())
-        from_ckpt = None
+        engine, cap_model = None, None
         if args.moe_expert_capacity_factor is None:
-            from_ckpt = load_engine(args.load, ps, args.iteration)
-            cfg = from_ckpt.cfg
+            engine = load_engine(args.load, ps, args.iteration)
+            cfg = engine.cfg
         else:
-            _, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
+            cap_model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
         from megatron_moe.data.tokenizer import load_tokenizer
         tok = load_tokenizer(tokenizer_path(cfg, args.tokenizer_name_or_path,
                                             carried_tokenizer(args.load, args.iteration)))
         prompts = _prompts(args, tok)
         requests = [(ids, args.seed + s) for _, ids in prompts for s in range(args.num_samples)]
         eod = None if args.no_stop_at_eod else tok.eod
-        if from_ckpt is None:
-            new = _one_process_capacity(args, temperature, tok, requests, eod)
+        if engine is None:
+            new = _one_process_capacity(cap_model, args, temperature, requests, eod)
         else:
-            check_prompts([ids for ids, _ in requests], cfg.model.vocab_size, cfg.model.max_position_embeddings)
             if args.lina_inference:
-                use_lina(from_ckpt, args.lina_inference, args.max_experts_per_rank)
-            dp, r = ps.size("dp"), ps.rank("dp")
-            mine = list(range(r, len(requests), dp))
-            out = from_ckpt.generate([requests[i][0] for i in mine], args.max_new_tokens, temperature, args.top_k,
-                                     args.top_p, [requests[i][1] for i in mine], eod)
-            pairs = [(i, o.tokens) for i, o in zip(mine, out)]
-            if world > 1:
-                gathered: list = [None] * world
-                dist.all_gather_object(gathered, pairs)
-                pairs = [p for part in gathered for p in part]
-            by_index = dict(pairs)
-            new = [by_index[i] for i in range(len(requests))]
+                use_lina(engine, args.lina_inference, args.max_experts_per_rank)
+            new = serve(engine, [ids for ids, _ in requests], args.max_new_tokens, temperature, args.top_k,
+                        args.top_p, [seed for _, seed in requests], eod)
         if rank == 0:
             for i, ((text, _), s) in enumerate((p, s) for p in prompts for s in range(args.num_samples)):
                 if args.num_samples > 1:
