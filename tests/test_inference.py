@@ -287,15 +287,15 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
         assert tokens == expect[rank::4]
         for mode, (t, lg, estimated, actual, fired) in runs.items():
             assert t == tokens
-            for a, b in zip(lg, logits):
-                assert torch.equal(a, b), f"{mode}: logits differ by {float((a - b).abs().max())}"
+            for a, b in zip(lg, logits):      # replicas run GEMMs of other row counts: fp32 round-off only
+                assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{mode}: logits differ by {float((a - b).abs().max())}"
             for est, act, f in zip(estimated, actual, fired):
                 differs = est is not None and top_experts(est, 4) != top_experts(act, 4)
                 assert f == (differs and mode == "phase1_2")
                 triggered += f
                 untriggered += (not f) and est is not None and mode == "phase1_2"
-        for a, b in zip(none, logits):
-            assert torch.equal(a, b)
+        for a, b in zip(none, logits):        # the trained placement: the same GEMMs, the same bits
+            assert torch.equal(a, b), f"none: logits differ by {float((a - b).abs().max())}"
         # every rank saw the same global counts, estimates and decisions
         assert runs["phase1_2"][2:] == four[0]["lina"][2]["phase1_2"][2:]
     assert triggered > 0 and untriggered > 0, (triggered, untriggered)
