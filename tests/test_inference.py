@@ -299,3 +299,38 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
         # every rank saw the same global counts, estimates and decisions
         assert runs["phase1_2"][2:] == four[0]["lina"][2]["phase1_2"][2:]
     assert triggered > 0 and untriggered > 0, (triggered, untriggered)
+
+
+def _tool(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_profile_tool_then_generate_with_lina_gives_the_same_text(saved, capsys, tmp_path):
+    root, tok, cfg = saved
+    prof = str(tmp_path / "paths.json")
+    calib = os.path.join(ROOT, "data", "wikitext-sample", "wiki.valid.tokens")
+    base = ["--load", str(root / "ckpt"), "--input", calib, "--batch-size", "4", "--max-batches", "2"]
+    assert _tool("profile_expert_paths").main(base + ["--output", prof, "--path-length", "5"]) == 0
+    assert "profiled 192 tokens, 4 MoE layers" in capsys.readouterr().out
+    back = load_profile(prof)
+    doc = json.loads(open(prof).read())
+    assert [layer["path_length"] for layer in doc["layers"]] == [0, 1, 2, 3]      # 4 MoE layers: at most 3
+    assert [sum(back.tokens[m].values()) for m in range(4)] == [192] * 4
+    assert [sum(sum(c) for c in back.counts[m].values()) for m in range(4)] == [2 * 192] * 4   # top-2
+    argv = ["--load", str(root / "ckpt"), "--greedy", "--max-new-tokens", "5", "--prompt", "The tests"]
+    assert _cli(argv) == 0
+    plain = capsys.readouterr().out
+    assert _cli(argv + ["--lina-inference", prof]) == 0
+    assert capsys.readouterr().out == plain
+    assert _tool("profile_expert_paths").main(base + ["--output", prof, "--path-length", "-1"]) == 2
+    assert capsys.readouterr().err == "profile_expert_paths.py: error: --path-length must be >= 0, got -1\n"
+    other = hand_profile()
+    save_profile(other, str(tmp_path / "other.json"))
+    assert _cli(argv + ["--lina-inference", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"generate.py: error: --lina-inference {tmp_path / 'other.json'} was profiled on another "
+                          f"model (differs in ['gates_sha256', 'hidden_size'"), err

@@ -285,3 +285,16 @@ def collect_profile(model, batches, path_length: int, fingerprint: dict) -> Path
         experts = [torch.cat([r.expert for r in layer.router.last_routes]) for layer in moe]
         prof.add([e[:, 0] for e in experts], experts)
     return prof
+
+
+def calibration_batches(ids: list[int], seq_length: int, batch_size: int, max_batches: int,
+                        device: torch.device) -> list[torch.Tensor]:
+    """Consecutive windows of `seq_length` ids, `batch_size` per batch, at most `max_batches` batches
+    (the last partial batch is kept; a tail shorter than one window is dropped)."""
+    if seq_length < 1 or batch_size < 1 or max_batches < 1:
+        raise ValueError("--seq-length, --batch-size and --max-batches must be >= 1")
+    n = min(len(ids) // seq_length, batch_size * max_batches)
+    if n == 0:
+        raise ValueError(f"the calibration text holds {len(ids)} tokens, fewer than one --seq-length {seq_length} window")
+    rows = torch.tensor(ids[:n * seq_length], dtype=torch.long, device=device).view(n, seq_length)
+    return list(rows.split(batch_size))
