@@ -22,7 +22,8 @@ any expert. Per MoE layer m:
     weighted combine. Every choice meets the same expert weights as in the trained layout, so the
     output equals the plain layer's.
 
-`gate_bias` [E] (benchmarks only: a skewed popularity) is added to the router logits.
+`gate_bias` (per MoE layer [E]; benchmarks only: a skewed popularity) is added to the router
+logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class ScheduledMoE:
     """An `InferenceEngine.ffn_runner` running MoE blocks under a placement (module docstring)."""
 
     def __init__(self, engine: InferenceEngine, profile: Optional[PathProfile], mode: str = "phase1_2",
-                 max_per_rank: int = 4, gate_bias: Optional[list[torch.Tensor]] = None):
+                 max_per_rank: int = 4, gate_bias: Optional[list[torch.Tensor]] = None,
+                 record_into: Optional[PathProfile] = None):
         if mode not in MODES:
             raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
         if mode != "none" and profile is None:
@@ -62,21 +64,28 @@ class ScheduledMoE:
         self.E = engine.cfg.moe.num_experts
         self.k = engine.cfg.moe.moe_router_topk
         self.gate_bias = gate_bias
+        self.record_into = record_into               # count this rank's paths into a profile (benchmarks)
+        self._choices: list[torch.Tensor] = []
         with torch.no_grad():                       # read-only copies of every expert (Trans, once)
             self.weights = []
             for b in self.blocks:
                 ex = engine.model.blocks[b].moe.experts
                 self.weights.append(tuple(all_gather_raw(t.detach(), self.group, dim=0).clone()
                                           for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)))
+        self.reset_stats()
         self.history: list[torch.Tensor] = []        # first choices of this forward's earlier MoE layers
         self.next_estimate: Optional[list[float]] = None
+        self._guess: Optional[torch.Tensor] = None   # estimated top expert of each token at the next layer
+
+    def reset_stats(self) -> None:
+        """Forget the per-call records (benchmarks: after the warm-up)."""
         # per MoE layer call, for tests and benchmarks
         self.phase2_triggered: list[bool] = []
         self.estimated: list[Optional[list[float]]] = []
         self.actual: list[list[float]] = []
         self.plan_s: list[float] = []                # time spent planning (phase overhead)
+        self.call_s: list[float] = []                # wall time of each MoE layer call
         self.hits = self.predicted = 0               # tokens whose estimated top expert was right
-        self._guess: Optional[torch.Tensor] = None   # estimated top expert of each token at the next layer
 
     # ------------------------------------------------------------------ estimation
     def _estimate_next(self, m: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +113,10 @@ class ScheduledMoE:
 
     # ------------------------------------------------------------------ one MoE block
     def __call__(self, block_idx: int, block: Block, x_1RM: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         m = self.layer_of[block_idx]
         if m == 0:
-            self.history, self._guess = [], None
+            self.history, self._guess, self._choices = [], None, []
         x = x_1RM[0]
         R, M = x.shape
         layer = block.moe
@@ -125,6 +135,9 @@ class ScheduledMoE:
             self.hits += int((self._guess == first.cpu()).sum())
             self.predicted += R
         self.history.append(first)
+        self._choices.append(expert)
+        if self.record_into is not None and m + 1 == len(self.blocks):
+            self.record_into.add(self.history, self._choices)
         pop_next, self._guess = self._estimate_next(m, first)
         counts = torch.bincount(expert.reshape(-1), minlength=self.E).to(torch.float64).cpu()
         msg = torch.cat([counts, pop_next, torch.tensor([float(R)], dtype=torch.float64, device="cpu")])
@@ -137,7 +150,9 @@ class ScheduledMoE:
                               if self.mode != "none" and m + 1 < len(self.blocks) else None)
         self.plan_s.append(time.perf_counter() - t0)
         y = self._dispatch_compute_combine(m, x, h, expert, weight, counts_DE, placement)
-        return (x + block.drop(y))[None]
+        out = (x + block.drop(y))[None]
+        self.call_s.append(time.perf_counter() - start)
+        return out
 
     def _placement(self, m: int, estimate: Optional[list[float]], counts_DE: torch.Tensor) -> Placement:
         """The placement of layer m for this mode (phase 2 re-plans from the actual counts)."""
