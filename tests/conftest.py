@@ -77,6 +77,7 @@ MARKS: dict[str, dict[str, object]] = {
                              "test_every_optimization_switch_keeps_the_training_curve"},
     },
     "slow": {
+        "test_inference.py": {"test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_logits"},
         "test_device_hygiene.py": {"test_trainer_under_meta_default_device_matches_the_plain_run",
                                    "test_bench_tool_under_meta_default_device"},
         "test_dropless.py": {"test_every_layout_matches_one_process_dropless_reference"},
