@@ -14,7 +14,8 @@ from megatron_moe import convert as cv
 from megatron_moe.config import Config
 from megatron_moe.generation import generate
 from megatron_moe.inference.engine import InferenceEngine, inference_config, load_engine, load_weights, serve
-from megatron_moe.inference.popularity import (PathProfile, check_profile, collect_profile, devices_per_expert,
+from megatron_moe.inference.popularity import (PathProfile, check_profile, collect_profile, device_rows,
+                                               devices_per_expert,
                                                first_fit_decreasing, load_profile, plan_placement, save_profile,
                                                top_experts)
 from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint, use_lina
@@ -183,6 +184,8 @@ def test_eq1_and_first_fit_decreasing_on_a_hand_made_profile():
     # replica; expert 3 (no estimate) joins the device holding the fewest experts (device 0)
     assert plan_placement([1.6, .3, .1, 0.0], 2, 4).hosts == [[0], [1], [1], [0]]
     assert top_experts([1.0, 3.0, 2.0, 3.0], 2) == {1, 3}
+    # expert 0's 5 choices split 2 + 3 over its replicas on devices 0, 1; device 3 runs experts 1 and 2
+    assert device_rows(plan_placement(n_e, 4, 4), [5, 2, 1, 4], 4) == [2, 3, 4, 3]
 
 
 def test_profile_round_trip_and_refusal(tmp_path):

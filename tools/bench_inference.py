@@ -25,11 +25,13 @@ A batch's latency is the slowest rank's; a MoE layer call's time is the slowest 
 call (prefill and decode calls alike). Estimation accuracy: share of tokens whose estimated top
 expert (their path's most likely) was their actual first choice (layers after the first).
 popularity_skew: top expert / least popular expert of the actual choice counts (mean over
-layers, in mode none); phase_ms: median planning time per layer call (the phase overhead).
+layers, in mode none); phase_ms: median planning time per layer call (the phase overhead);
+rows_max_over_mean: the busiest rank's expert rows over the mean, averaged over layer calls (what
+the placement does to the load, free of timing noise).
 
 Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_median,
 layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, popularity_skew,
-phase_ms_median, phase2_rate, world_size).
+phase_ms_median, phase2_rate, world_size, rows_max_over_mean).
 """
 from __future__ import annotations
 
@@ -197,6 +199,8 @@ def main() -> int:
             for m in range(n_moe):
                 tot = [sum(a[e] for a in r.actual[m::n_moe]) for e in range(E)]
                 ratios.append(max(tot) / max(min(tot), 1.0))
+            busy = [r_ for r_ in r.rows if sum(r_)]
+            imbalance = statistics.fmean(max(r_) * len(r_) / sum(r_) for r_ in busy) if busy else 1.0
             fired = [f for f, est in zip(r.phase2_triggered, r.estimated) if est is not None]
             rows.append({"mode": mode, "layer_ms_median": statistics.median(calls.tolist()) * 1e3,
                          "layer_ms_p95": pct(calls.tolist(), 0.95) * 1e3,
@@ -204,17 +208,18 @@ def main() -> int:
                          "estimation_accuracy": float(hits[0] / hits[1]) if hits[1] else None,
                          "skew": args.skew, "popularity_skew": statistics.fmean(ratios),
                          "phase_ms_median": statistics.median(r.plan_s) * 1e3,
-                         "phase2_rate": sum(fired) / len(fired) if fired else 0.0, "world_size": world})
+                         "phase2_rate": sum(fired) / len(fired) if fired else 0.0, "world_size": world,
+                         "rows_max_over_mean": imbalance})
         if rank == 0:
             print(f"world {world}, skew {args.skew}, {args.batches} batches x {args.batch_size} requests per rank, "
                   f"prompt {args.prompt_len} + {args.new_tokens} new tokens")
             print(f"{'mode':<9} {'layer ms med':>12} {'p95':>7} {'batch ms med':>12} {'p95':>8} {'est acc':>7} "
-                  f"{'pop skew':>8} {'phase ms':>8} {'phase2':>6}")
+                  f"{'pop skew':>8} {'phase ms':>8} {'phase2':>6} {'rows max/mean':>13}")
             for x in rows:
                 acc = "-" if x["estimation_accuracy"] is None else f"{x['estimation_accuracy']:.2f}"
                 print(f"{x['mode']:<9} {x['layer_ms_median']:12.2f} {x['layer_ms_p95']:7.2f} "
                       f"{x['batch_ms_median']:12.1f} {x['batch_ms_p95']:8.1f} {acc:>7} {x['popularity_skew']:8.2f} "
-                      f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f}")
+                      f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f} {x['rows_max_over_mean']:13.2f}")
             if args.json:
                 tmp = args.json + ".tmp"
                 with open(tmp, "w") as f:

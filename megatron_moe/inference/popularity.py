@@ -152,6 +152,16 @@ class Placement:
         return [e for e, h in enumerate(self.hosts) if device in h]
 
 
+def device_rows(placement: Placement, counts: list[int], num_devices: int) -> list[int]:
+    """Expert rows each device computes when expert e's `counts[e]` choices split evenly over its replicas."""
+    rows = [0] * num_devices
+    for e, hosts in enumerate(placement.hosts):
+        c, r = int(counts[e]), len(hosts)
+        for j, d in enumerate(hosts):
+            rows[d] += (j + 1) * c // r - j * c // r
+    return rows
+
+
 def static_placement(num_experts: int, num_devices: int) -> Placement:
     """The trained layout: expert e on device e // (E / N)."""
     per = num_experts // num_devices

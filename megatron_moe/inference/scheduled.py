@@ -37,7 +37,7 @@ from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.model.gpt2 import Block
 from megatron_moe.moe.router import route
 from megatron_moe.inference.engine import InferenceEngine
-from megatron_moe.inference.popularity import (Placement, PathProfile, check_profile, devices_per_expert,
+from megatron_moe.inference.popularity import (Placement, PathProfile, check_profile, device_rows, devices_per_expert,
                                                load_profile, model_fingerprint, plan_placement, static_placement,
                                                top_experts)
 
@@ -85,6 +85,7 @@ class ScheduledMoE:
         self.actual: list[list[float]] = []
         self.plan_s: list[float] = []                # time spent planning (phase overhead)
         self.call_s: list[float] = []                # wall time of each MoE layer call
+        self.rows: list[list[int]] = []              # expert rows each rank computed, per call
         self.hits = self.predicted = 0               # tokens whose estimated top expert was right
 
     # ------------------------------------------------------------------ estimation
@@ -149,6 +150,7 @@ class ScheduledMoE:
         self.next_estimate = (devices_per_expert(table[:, self.E:2 * self.E].sum(dim=0), int(total_tokens), self.D)
                               if self.mode != "none" and m + 1 < len(self.blocks) else None)
         self.plan_s.append(time.perf_counter() - t0)
+        self.rows.append(device_rows(placement, counts_DE.sum(dim=0).tolist(), self.D))
         y = self._dispatch_compute_combine(m, x, h, expert, weight, counts_DE, placement)
         out = (x + block.drop(y))[None]
         self.call_s.append(time.perf_counter() - start)
