@@ -13,6 +13,10 @@ next token from the last position's logits [V]:
 
 Padded vocabulary ids (>= vocab size) are never produced: only the first V logit
 columns are considered. The context is cropped to the last max-positions tokens.
+
+This is the one-process reference (full recomputation). Batched generation with a KV cache under
+any parallel layout, which tools/generate.py uses, is `megatron_moe.inference` (its greedy output
+equals `generate` on the dropless model token for token).
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ MARKS: dict[str, dict[str, object]] = {
         "test_lina_gate.py": ALL,
         "test_lina_pipeline.py": {"test_pipelined_layer_equals_unsplit_outputs_gradients_and_drops",
                                   "test_pipelined_all_to_all_moves_the_same_bytes"},
+        "test_inference.py": {"test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_logits"},
         "test_mutation_targets.py": {"test_two_process_layout_matches_one_process",
                                      "test_global_grad_norm_counts_every_element_once",
                                      "test_saa_sends_the_next_chunk_before_gathering_the_previous_one",
@@ -87,6 +88,7 @@ MARKS: dict[str, dict[str, object]] = {
                              "test_every_optimization_switch_keeps_the_training_curve"},
     },
     "slow": {
+        "test_inference.py": {"test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_logits"},
         "test_device_hygiene.py": {"test_trainer_under_meta_default_device_matches_the_plain_run",
                                    "test_bench_tool_under_meta_default_device"},
         "test_dropless.py": {"test_every_layout_matches_one_process_dropless_reference"},

@@ -6,10 +6,20 @@ repository root:
     python tools/generate.py --load checkpoints/gpt2-moe --prompt "The history of" --greedy
     python tools/generate.py --load model.safetensors --prompt "In 1996" --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --max-new-tokens 64 --seed 7 --num-samples 3
+    torchrun --nproc-per-node 4 tools/generate.py --load checkpoints/gpt2-moe --greedy \\
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --prompts-file prompts.txt
+
+Generation runs on the inference engine (megatron_moe/inference/): batched, KV cache, dropless
+MoE routing (no token is dropped). Under torchrun the ranks form the layout given by the
+parallel-size flags (data parallelism is what is left: DP ranks serve different requests) and
+load their slices of the checkpoint, whatever layout it was saved in. Request i (prompt j,
+sample s; seed --seed + s) goes to data-parallel rank i % DP; rank 0 prints every result in
+request order. `--lina-inference PROFILE` schedules experts by Lina's popularity estimation
+(tools/profile_expert_paths.py makes the profile; same output). `--moe-expert-capacity-factor`
+keeps the old one-process path with the training router's capacity (tokens may be dropped).
 
 The tokenizer is --tokenizer-name-or-path, else the one the checkpoint carries (ITER_DIR/tokenizer,
 copied at save), else the one recorded in its config, else the one beside its training data.
-See megatron_moe/generation.py.
 """
 from __future__ import annotations
 
@@ -18,9 +28,14 @@ import os
 import sys
 from typing import Optional
 
+import torch.distributed as dist
+
 from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import (carried_tokenizer, check_sampling, generate, load_model,
                                      tokenizer_path)
+from megatron_moe.inference.engine import load_engine, serve
+from megatron_moe.inference.scheduled import use_lina
+from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or FILE.safetensors")
     p.add_argument("--iteration", type=int, help="use this iteration instead of the latest")
-    p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch; empty: start a new "
+                                                      "document)")
+    p.add_argument("--prompts-file", help="a file of prompts, one per line (added after the --prompt ones)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0: greedy)")
@@ -38,34 +55,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds seed, seed+1, ...)")
     p.add_argument("--tokenizer-name-or-path", help="tokenizer directory or hub name (default: from the checkpoint)")
     p.add_argument("--moe-expert-capacity-factor", type=float,
-                   help="override the MoE capacity factor of the checkpoint (e.g. 4 for no dropped tokens)")
+                   help="one-process generation with the training router's capacity (tokens may be dropped) "
+                        "instead of the dropless engine")
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after an end-of-document token")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="MP degree (under torchrun)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP degree (under torchrun)")
+    p.add_argument("--expert-sharding-parallel-size", type=int, default=1, help="ESP degree (under torchrun)")
+    p.add_argument("--lina-inference", metavar="PROFILE",
+                   help="Lina's two-phase expert scheduling from this profile (tools/profile_expert_paths.py)")
+    p.add_argument("--max-experts-per-rank", type=int, default=4,
+                   help="with --lina-inference: unpopular experts packed onto one rank at most")
     return p
+
+
+def _prompts(args, tok) -> list[tuple[str, list[int]]]:
+    """(text, ids) of every prompt; an empty text starts from the end-of-document token."""
+    texts = list(args.prompt or [])
+    if args.prompts_file:
+        if not os.path.isfile(args.prompts_file):
+            raise FileNotFoundError(f"--prompts-file {args.prompts_file} does not exist")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            texts += [ln.rstrip("\n") for ln in f if ln.strip()]
+        if not texts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+    if args.prompt is None and not args.prompts_file:
+        texts = [""]
+    return [(t, tok.encode(t) if t else [tok.eod]) for t in texts]
+
+
+def _one_process_capacity(model, args, temperature: float, requests, eod) -> list[list[int]]:
+    """The training router with --moe-expert-capacity-factor, one process, full recomputation."""
+    return [generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
+            for ids, seed in requests]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the prompt and each sample's continuation; errors go to stderr with status 2."""
     args = build_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     try:
         temperature = 0.0 if args.greedy else args.temperature
         check_sampling(temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 0 or args.num_samples < 1:
             raise ValueError("--max-new-tokens must be >= 0 and --num-samples >= 1")
+        if args.moe_expert_capacity_factor is not None and (world > 1 or args.lina_inference):
+            raise ValueError("--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
+                             "and not with --lina-inference")
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo")
+        ps = (initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                                        args.expert_sharding_parallel_size) if world > 1 else local_state())
+        engine, cap_model = None, None
+        if args.moe_expert_capacity_factor is None:
+            engine = load_engine(args.load, ps, args.iteration)
+            cfg = engine.cfg
+        else:
+            cap_model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
         from megatron_moe.data.tokenizer import load_tokenizer
-        model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
         tok = load_tokenizer(tokenizer_path(cfg, args.tokenizer_name_or_path,
                                             carried_tokenizer(args.load, args.iteration)))
-        prompt = tok.encode(args.prompt) if args.prompt else [tok.eod]
+        prompts = _prompts(args, tok)
+        requests = [(ids, args.seed + s) for _, ids in prompts for s in range(args.num_samples)]
         eod = None if args.no_stop_at_eod else tok.eod
-        for i in range(args.num_samples):
-            new = generate(model, prompt, args.max_new_tokens, temperature, args.top_k, args.top_p,
-                           args.seed + i, eod)
-            if args.num_samples > 1:
-                print(f"--- sample {i + 1} (seed {args.seed + i})")
-            print(args.prompt + tok.decode(new), flush=True)
+        if engine is None:
+            new = _one_process_capacity(cap_model, args, temperature, requests, eod)
+        else:
+            if args.lina_inference:
+                use_lina(engine, args.lina_inference, args.max_experts_per_rank)
+            new = serve(engine, [ids for ids, _ in requests], args.max_new_tokens, temperature, args.top_k,
+                        args.top_p, [seed for _, seed in requests], eod)
+        if rank == 0:
+            for i, ((text, _), s) in enumerate((p, s) for p in prompts for s in range(args.num_samples)):
+                if args.num_samples > 1:
+                    print(f"--- sample {s + 1} (seed {args.seed + s})")
+                print(text + tok.decode(new[i]), flush=True)
     except (ValueError, FileNotFoundError) as e:
-        print(f"generate.py: error: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if world > 1 and dist.is_initialized():
+            shutdown()
     return 0
 
 

@@ -12,7 +12,7 @@ from the same weights.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,12 @@ from megatron_moe.moe.layer import MoELayer
 if TYPE_CHECKING:
     from megatron_moe.config import Config
     from megatron_moe.parallel_state import ParallelState
+
+
+class AttentionCache(Protocol):
+    """A KV cache (megatron_moe.inference): stores k, v [B, h, T, d] and returns the attention output."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -48,13 +54,14 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std,
                                       device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional["AttentionCache"] = None) -> torch.Tensor:
+        """`cache` (inference): appends this call's keys/values and attends over the cached ones."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
         q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # no dropout on the attention probabilities: --hidden-dropout acts on the replicated
         # [B, T, M] activations only (Block), so every MP rank and a one-process run draw the same masks
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True) if cache is None else cache.attend(q, k, v)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 
@@ -91,9 +98,9 @@ class Block(nn.Module):
             self.mlp = MLP(cfg, ps, seed, f"{name}.mlp", device)
         self.drop = nn.Dropout(m.dropout)
 
-    def attn_residual(self, x: torch.Tensor) -> torch.Tensor:
-        """The attention half: x + drop(attn(ln1(x)))."""
-        return x + self.drop(self.attn(self.ln1(x)))
+    def attn_residual(self, x: torch.Tensor, cache: Optional["AttentionCache"] = None) -> torch.Tensor:
+        """The attention half: x + drop(attn(ln1(x))) (`cache`: a KV cache, inference)."""
+        return x + self.drop(self.attn(self.ln1(x), cache))
 
     def ffn_residual(self, x: torch.Tensor):
         """The FFN half: (x + drop(ffn(ln2(x))), aux or None)."""

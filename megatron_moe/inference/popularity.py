@@ -1,0 +1,310 @@
+"""Lina's expert-popularity estimation (paper section 5.2): path profile, eq. (1), placement.
+
+Legend: E experts per MoE layer, k experts per token (top-k), l path length, N devices (ranks of
+the expert all-to-all group), N_t tokens of a batch.
+
+Profile. A token's *path* before MoE layer m (0-based among the MoE layers) is its first-choice
+expert at each of the previous p = min(l, m) MoE layers (layer 0: the empty path). Over a
+calibration split the profile counts, per layer m and path, the tokens on that path and how
+often each expert is among their top-k choices at layer m; P_path(e) = count(e) / (k * tokens),
+so sum_e P_path(e) = 1. A path never seen falls back to the layer's overall distribution.
+Stored as JSON (`save_profile`: written under a temporary name, then renamed) with a fingerprint
+of the model (shape of the config and a SHA-256 of every gate weight), so a profile of another
+model is refused (`check_profile`).
+
+Estimation (eq. 1). Each token looks up its path and keeps the probabilities of that path's
+top-k experts; n_e = N * sum_t P_j(t)(e) / N_t devices for expert e.
+
+Placement (`plan_placement`): experts with n_e >= 1 are popular and get round(n_e) replicas on
+devices of their own; the others (0 < n_e < 1) are packed first-fit-decreasing into devices of
+capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout holds). When that needs more than N devices, the
+replica whose removal leaves the least load per remaining replica goes first; if every popular
+expert is down to one replica, everything is repacked first-fit-decreasing with a capacity grown
+by 25 % until it fits. Experts with no estimate are spread over the free devices (else they go
+to the device holding the fewest experts); free devices left over take extra replicas of the
+expert with the highest load per replica. A replica set splits its expert's tokens evenly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_moe.config import Config
+
+PROFILE_FORMAT = "megatron_moe.expert_paths"
+PROFILE_VERSION = 1
+
+
+def model_fingerprint(cfg: Config, gate_weights: list[torch.Tensor]) -> dict:
+    """What a profile must match: the model's shape and the SHA-256 of its gate weights [E, M] (fp32)."""
+    h = hashlib.sha256()
+    for w in gate_weights:
+        h.update(w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
+    m, moe = cfg.model, cfg.moe
+    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
+            "num_experts": moe.num_experts, "moe_router_topk": moe.moe_router_topk,
+            "moe_layer_freq": moe.moe_layer_freq, "gates_sha256": h.hexdigest()}
+
+
+def unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct rows [U, p], index of each row's distinct row [N]); p = 0: one empty row."""
+    if rows.size(1) == 0:
+        return (torch.zeros((1, 0), dtype=torch.long, device=rows.device),
+                torch.zeros(rows.size(0), dtype=torch.long, device=rows.device))
+    return torch.unique(rows, dim=0, return_inverse=True)
+
+
+def path_key(path: tuple[int, ...]) -> str:
+    """JSON key of a path of experts ('' for the empty path)."""
+    return "-".join(str(e) for e in path)
+
+
+@dataclass
+class PathProfile:
+    """Per MoE layer m: path -> (tokens, counts [E] of top-k choices at layer m)."""
+
+    fingerprint: dict
+    path_length: int
+    num_experts: int
+    top_k: int
+    tokens: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    counts: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.counts)
+
+    def path_len(self, m: int) -> int:
+        """Experts in the path before MoE layer m: min(l, m)."""
+        return min(self.path_length, m)
+
+    def distribution(self, m: int, path: tuple[int, ...]) -> list[float]:
+        """P_path(e) at MoE layer m (the layer's overall distribution for a path never seen)."""
+        E = self.num_experts
+        c = self.counts[m].get(tuple(path))
+        if c is None:
+            c = [sum(v[e] for v in self.counts[m].values()) for e in range(E)]
+        total = sum(c)
+        return [x / total for x in c] if total else [0.0] * E
+
+    # ------------------------------------------------------------------ collection
+    def add(self, first_choices: list[torch.Tensor], experts: list[torch.Tensor]) -> None:
+        """Count a batch: per MoE layer, every token's first choice [N] and its top-k experts [N, k]
+        (the same N tokens at every layer)."""
+        if not self.counts:
+            self.tokens = [{} for _ in experts]
+            self.counts = [{} for _ in experts]
+        E = self.num_experts
+        for m, exp in enumerate(experts):
+            p = self.path_len(m)
+            hist = (torch.stack([first_choices[j].cpu() for j in range(m - p, m)], dim=1) if p
+                    else torch.zeros((exp.size(0), 0), dtype=torch.long, device="cpu"))
+            keys, inverse = unique_rows(hist)
+            exp_cpu = exp.cpu()
+            for u in range(keys.size(0)):
+                rows = inverse == u
+                path = tuple(int(x) for x in keys[u])
+                add = torch.bincount(exp_cpu[rows].reshape(-1), minlength=E).tolist()
+                old = self.counts[m].get(path, [0] * E)
+                self.counts[m][path] = [a + b for a, b in zip(old, add)]
+                self.tokens[m][path] = self.tokens[m].get(path, 0) + int(rows.sum())
+
+    # ------------------------------------------------------------------ estimation
+    def token_popularity(self, m: int, paths: torch.Tensor) -> torch.Tensor:
+        """[N_t, E] P_path(e) of each token's path (rows of `paths` [N_t, p]), kept only for the
+        top-k experts of that path (others 0)."""
+        E, k = self.num_experts, self.top_k
+        out = torch.zeros((paths.size(0), E), dtype=torch.float64, device="cpu")
+        if paths.size(0) == 0:
+            return out
+        keys, inverse = unique_rows(paths.cpu())
+        for u in range(keys.size(0)):
+            dist = torch.tensor(self.distribution(m, tuple(int(x) for x in keys[u])), dtype=torch.float64,
+                                device="cpu")
+            top = torch.topk(dist, k).indices
+            row = torch.zeros(E, dtype=torch.float64, device="cpu")
+            row[top] = dist[top]
+            out[inverse == u] = row
+        return out
+
+
+def devices_per_expert(popularity_sum: torch.Tensor, num_tokens: int, num_devices: int) -> list[float]:
+    """Eq. (1): n_e = N * sum_t P(e) / N_t from the summed token popularities [E]."""
+    if num_tokens == 0:
+        return [0.0] * popularity_sum.numel()
+    return [num_devices * float(x) / num_tokens for x in popularity_sum]
+
+
+# ----------------------------------------------------------------------------- placement
+@dataclass
+class Placement:
+    """hosts[e]: the devices running expert e, in replica order (its tokens split evenly among them)."""
+
+    hosts: list[list[int]]
+
+    def experts_of(self, device: int) -> list[int]:
+        return [e for e, h in enumerate(self.hosts) if device in h]
+
+
+def device_rows(placement: Placement, counts: list[int], num_devices: int) -> list[int]:
+    """Expert rows each device computes when expert e's `counts[e]` choices split evenly over its replicas."""
+    rows = [0] * num_devices
+    for e, hosts in enumerate(placement.hosts):
+        c, r = int(counts[e]), len(hosts)
+        for j, d in enumerate(hosts):
+            rows[d] += (j + 1) * c // r - j * c // r
+    return rows
+
+
+def static_placement(num_experts: int, num_devices: int) -> Placement:
+    """The trained layout: expert e on device e // (E / N)."""
+    per = num_experts // num_devices
+    return Placement([[e // per] for e in range(num_experts)])
+
+
+def first_fit_decreasing(items: list[tuple[int, float]], capacity: float, max_items: int) -> list[list[int]]:
+    """Pack (expert, size) items: largest first (ties: lower expert id), each into the first bin
+    with room (load + size <= capacity, fewer than max_items); returns the bins' experts."""
+    bins: list[list[int]] = []
+    loads: list[float] = []
+    for e, size in sorted(items, key=lambda it: (-it[1], it[0])):
+        for b in range(len(bins)):
+            if loads[b] + size <= capacity + 1e-12 and len(bins[b]) < max_items:
+                bins[b].append(e)
+                loads[b] += size
+                break
+        else:
+            bins.append([e])
+            loads.append(size)
+    return bins
+
+
+def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Placement:
+    """Replicate popular experts, pack unpopular ones (module docstring)."""
+    E, N = len(n_e), num_devices
+    if max_per_rank < 1:
+        raise ValueError(f"--max-experts-per-rank must be >= 1, got {max_per_rank}")
+    max_per_rank = max(max_per_rank, -(-E // N))      # never fewer than the trained layout holds
+    replicas = {e: max(1, int(math.floor(n + 0.5))) for e, n in enumerate(n_e) if n >= 1.0}
+    small = [(e, n) for e, n in enumerate(n_e) if 0.0 < n < 1.0]
+    bins = first_fit_decreasing(small, 1.0, max_per_rank)
+    while sum(replicas.values()) + len(bins) > N and any(r > 1 for r in replicas.values()):
+        e = min((e for e, r in replicas.items() if r > 1), key=lambda e: (n_e[e] / (replicas[e] - 1), e))
+        replicas[e] -= 1
+    devices: list[list[int]] = []
+    if sum(replicas.values()) + len(bins) > N:          # one replica each and still too many: repack all
+        cap = 1.0
+        items = [(e, n) for e, n in enumerate(n_e) if n > 0.0]
+        while len(first_fit_decreasing(items, cap, max_per_rank)) > N:
+            cap *= 1.25
+        devices = first_fit_decreasing(items, cap, max_per_rank)
+        replicas = {}
+    else:
+        for e in sorted(replicas, key=lambda e: (-n_e[e], e)):
+            devices += [[e] for _ in range(replicas[e])]
+        devices += bins
+    used = len(devices)
+    devices += [[] for _ in range(N - used)]
+    zero = [e for e, n in enumerate(n_e) if n <= 0.0]
+    free = list(range(used, N))
+    for i, e in enumerate(zero):
+        spots = [d for d in free if len(devices[d]) < max_per_rank] if free else []
+        if spots:
+            target = min(spots, key=lambda d: (len(devices[d]), d))
+        else:
+            target = min((d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (len(devices[d]), d))
+        devices[target].append(e)
+    count = {e: sum(e in d for d in devices) for e in range(E)}
+    for d in range(N):                                  # still empty: one more replica of the busiest
+        if not devices[d]:
+            e = max((e for e in range(E) if n_e[e] > 0), key=lambda e: (n_e[e] / count[e], -e), default=None)
+            if e is None:
+                break
+            devices[d].append(e)
+            count[e] += 1
+    return Placement([[d for d in range(N) if e in devices[d]] for e in range(E)])
+
+
+def top_experts(load: list[float], n: int) -> set[int]:
+    """The n experts with the highest load (ties: lower expert id)."""
+    return set(sorted(range(len(load)), key=lambda e: (-load[e], e))[:n])
+
+
+# ----------------------------------------------------------------------------- files
+def save_profile(profile: PathProfile, path: str) -> None:
+    """Write the profile as JSON (temporary name, then rename)."""
+    doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": profile.fingerprint,
+           "path_length": profile.path_length, "num_experts": profile.num_experts, "top_k": profile.top_k,
+           "layers": [{"path_length": profile.path_len(m),
+                       "paths": {path_key(p): {"tokens": profile.tokens[m][p], "counts": c}
+                                 for p, c in sorted(profile.counts[m].items())}}
+                      for m in range(profile.num_layers)]}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_profile(path: str) -> PathProfile:
+    """Read a profile written by `save_profile` (JSON; nothing is executed)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--lina-inference {path} does not exist")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--lina-inference {path} is not a JSON expert-path profile ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT or doc.get("version") != PROFILE_VERSION:
+        raise ValueError(f"--lina-inference {path} is not a {PROFILE_FORMAT} v{PROFILE_VERSION} file "
+                         f"(make one with tools/profile_expert_paths.py)")
+    prof = PathProfile(doc["model"], int(doc["path_length"]), int(doc["num_experts"]), int(doc["top_k"]))
+    for layer in doc["layers"]:
+        parse = lambda s: tuple(int(x) for x in s.split("-")) if s else ()  # noqa: E731
+        prof.tokens.append({parse(k): int(v["tokens"]) for k, v in layer["paths"].items()})
+        prof.counts.append({parse(k): [int(x) for x in v["counts"]] for k, v in layer["paths"].items()})
+    return prof
+
+
+def check_profile(profile: PathProfile, fingerprint: dict, path: str, num_moe_layers: Optional[int] = None) -> None:
+    """ValueError naming the file when `profile` was made for another model."""
+    diff = sorted(k for k in set(fingerprint) | set(profile.fingerprint)
+                  if fingerprint.get(k) != profile.fingerprint.get(k))
+    if diff or (num_moe_layers is not None and profile.num_layers != num_moe_layers):
+        raise ValueError(f"--lina-inference {path} was profiled on another model (differs in {diff or 'MoE layers'}); "
+                         f"profile this checkpoint with tools/profile_expert_paths.py")
+
+
+@torch.no_grad()
+def collect_profile(model, batches, path_length: int, fingerprint: dict) -> PathProfile:
+    """Run `model` (a one-process GPT2MoE, dropless) over `batches` of ids [B, T] and count, per
+    MoE layer, the top-k experts of every token by its path (module docstring)."""
+    if path_length < 0:
+        raise ValueError(f"--path-length must be >= 0, got {path_length}")
+    moe = model.moe_layers()
+    if not moe:
+        raise ValueError("the model has no MoE layer: there is no expert popularity to profile")
+    prof = PathProfile(fingerprint, path_length, moe[0].num_experts, moe[0].router.k)
+    for ids in batches:
+        model(ids)
+        experts = [torch.cat([r.expert for r in layer.router.last_routes]) for layer in moe]
+        prof.add([e[:, 0] for e in experts], experts)
+    return prof
+
+
+def calibration_batches(ids: list[int], seq_length: int, batch_size: int, max_batches: int,
+                        device: torch.device) -> list[torch.Tensor]:
+    """Consecutive windows of `seq_length` ids, `batch_size` per batch, at most `max_batches` batches
+    (the last partial batch is kept; a tail shorter than one window is dropped)."""
+    if seq_length < 1 or batch_size < 1 or max_batches < 1:
+        raise ValueError("--seq-length, --batch-size and --max-batches must be >= 1")
+    n = min(len(ids) // seq_length, batch_size * max_batches)
+    if n == 0:
+        raise ValueError(f"the calibration text holds {len(ids)} tokens, fewer than one --seq-length {seq_length} window")
+    rows = torch.tensor(ids[:n * seq_length], dtype=torch.long, device=device).view(n, seq_length)
+    return list(rows.split(batch_size))

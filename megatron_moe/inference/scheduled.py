@@ -1,0 +1,261 @@
+"""The MoE layer at inference under an expert placement: Lina's two-phase scheduling.
+
+Legend: R tokens of this rank, E experts, k choices, D ranks of the EP group (N in the paper),
+M model dim, H ffn hidden dim.
+
+Every rank keeps a read-only copy of every expert of every MoE layer (gathered once over the EP
+group when scheduling is switched on: no gradients, nothing written back), so any rank can run
+any expert. Per MoE layer m:
+
+  route (dropless)  -> local choice counts [E]
+  one all-gather over the EP group of [counts E | estimate for layer m+1 E | R]: the count
+    exchange the dropless dispatcher needs anyway, carrying phase 1's estimate for the next layer
+    (no extra round trip); every rank then knows every rank's counts and plans alike
+  placement of layer m:
+    none      the trained layout (expert e on rank e // (E / D))
+    phase1    planned from the estimate carried by layer m-1's exchange (layer 0: the profile's
+              overall distribution), eq. (1) and `popularity.plan_placement`
+    phase1_2  phase 1, then phase 2: when the top-2k experts of the actual counts differ from
+              those of the estimate, re-plan from the actual counts (`phase2_triggered`)
+  dispatch: the choices of expert e, in (source rank, token) order, are split evenly over its
+    replicas; one uneven all-to-all there, experts computed on the received rows, one back,
+    weighted combine. Every choice meets the same expert weights as in the trained layout, so the
+    output equals the plain layer's.
+
+`gate_bias` (per MoE layer [E]; benchmarks only: a skewed popularity) is added to the router
+logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from megatron_moe.distributed.collectives import all_gather_raw, all_to_all_raw
+from megatron_moe.layers.fused import gelu_tanh
+from megatron_moe.model.gpt2 import Block
+from megatron_moe.moe.router import route
+from megatron_moe.inference.engine import InferenceEngine
+from megatron_moe.inference.popularity import (Placement, PathProfile, check_profile, device_rows, devices_per_expert,
+                                               load_profile, model_fingerprint, plan_placement, static_placement,
+                                               top_experts)
+
+MODES = ("none", "phase1", "phase1_2")
+
+
+class ScheduledMoE:
+    """An `InferenceEngine.ffn_runner` running MoE blocks under a placement (module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, profile: Optional[PathProfile], mode: str = "phase1_2",
+                 max_per_rank: int = 4, gate_bias: Optional[list[torch.Tensor]] = None,
+                 record_into: Optional[PathProfile] = None):
+        if mode not in MODES:
+            raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
+        if mode != "none" and profile is None:
+            raise ValueError(f"mode {mode} needs a profile (--lina-inference)")
+        ps = engine.ps
+        if ps.size("esp") != 1:
+            raise ValueError("--lina-inference needs --expert-sharding-parallel-size 1 (whole experts per rank)")
+        self.engine, self.profile, self.mode, self.max_per_rank = engine, profile, mode, max_per_rank
+        self.group, self.D, self.me = ps.group("ep"), ps.size("ep"), ps.rank("ep")
+        self.blocks = engine.moe_blocks
+        self.layer_of = {b: m for m, b in enumerate(self.blocks)}
+        self.E = engine.cfg.moe.num_experts
+        self.k = engine.cfg.moe.moe_router_topk
+        self.gate_bias = gate_bias
+        self.record_into = record_into               # count this rank's paths into a profile (benchmarks)
+        self._choices: list[torch.Tensor] = []
+        with torch.no_grad():                       # read-only copies of every expert (Trans, once)
+            self.weights = []
+            for b in self.blocks:
+                ex = engine.model.blocks[b].moe.experts
+                self.weights.append(tuple(all_gather_raw(t.detach(), self.group, dim=0).clone()
+                                          for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)))
+        self.reset_stats()
+        self.history: list[torch.Tensor] = []        # first choices of this forward's earlier MoE layers
+        self.next_estimate: Optional[list[float]] = None
+        self._guess: Optional[torch.Tensor] = None   # estimated top expert of each token at the next layer
+
+    def reset_stats(self) -> None:
+        """Forget the per-call records (benchmarks: after the warm-up)."""
+        # per MoE layer call, for tests and benchmarks
+        self.phase2_triggered: list[bool] = []
+        self.estimated: list[Optional[list[float]]] = []
+        self.actual: list[list[float]] = []
+        self.plan_s: list[float] = []                # time spent planning (phase overhead)
+        self.call_s: list[float] = []                # wall time of each MoE layer call
+        self.rows: list[list[int]] = []              # expert rows each rank computed, per call
+        self.hits = self.predicted = 0               # tokens whose estimated top expert was right
+
+    # ------------------------------------------------------------------ estimation
+    def _estimate_next(self, m: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token popularity [E] for layer m+1, each token's estimated top expert [R] or -1)."""
+        R = first.size(0)
+        none = (torch.zeros(self.E, dtype=torch.float64, device="cpu"), torch.full((R,), -1, dtype=torch.long,
+                                                                                    device="cpu"))
+        if self.profile is None or m + 1 >= len(self.blocks):
+            return none
+        p = self.profile.path_len(m + 1)
+        hist = self.history[m + 1 - p:m + 1]
+        paths = torch.stack([h.cpu() for h in hist], dim=1) if p else torch.zeros((R, 0), dtype=torch.long,
+                                                                                    device="cpu")
+        pop = self.profile.token_popularity(m + 1, paths)
+        guess = pop.argmax(dim=1) if R else torch.zeros((0,), dtype=torch.long, device="cpu")
+        return pop.sum(dim=0), guess
+
+    def _first_layer_estimate(self) -> list[float]:
+        assert self.profile is not None
+        dist = torch.tensor(self.profile.distribution(0, ()), dtype=torch.float64, device="cpu")
+        top = torch.topk(dist, self.k).indices
+        keep = torch.zeros_like(dist)
+        keep[top] = dist[top]
+        return [self.D * float(x) for x in keep]
+
+    # ------------------------------------------------------------------ one MoE block
+    def __call__(self, block_idx: int, block: Block, x_1RM: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        m = self.layer_of[block_idx]
+        if m == 0:
+            self.history, self._guess, self._choices = [], None, []
+        x = x_1RM[0]
+        R, M = x.shape
+        layer = block.moe
+        h = block.ln2(x)
+        logits = layer.router.logits(h)
+        if self.gate_bias is not None:
+            logits = logits + self.gate_bias[m].to(logits.device)
+        r = route(logits, layer.router.k, layer.router.cf, layer.router.min_cap, layer.router.policy, None, 0.0,
+                  dropless=True)
+        expert, weight = r.expert, r.weight                               # [R, k]
+        first = expert[:, 0]
+        if m == 0 and self.profile is not None and self.mode != "none":
+            self.next_estimate = self._first_layer_estimate()
+        est_here = self.next_estimate
+        if self._guess is not None and self._guess.numel() == R:
+            self.hits += int((self._guess == first.cpu()).sum())
+            self.predicted += R
+        self.history.append(first)
+        self._choices.append(expert)
+        if self.record_into is not None and m + 1 == len(self.blocks):
+            self.record_into.add(self.history, self._choices)
+        pop_next, self._guess = self._estimate_next(m, first)
+        counts = torch.bincount(expert.reshape(-1), minlength=self.E).to(torch.float64).cpu()
+        msg = torch.cat([counts, pop_next, torch.tensor([float(R)], dtype=torch.float64, device="cpu")])
+        table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()     # [D, 2E+1]
+        counts_DE = table[:, :self.E].round().long()
+        t0 = time.perf_counter()
+        placement = self._placement(m, est_here, counts_DE)
+        total_tokens = float(table[:, -1].sum())
+        self.next_estimate = (devices_per_expert(table[:, self.E:2 * self.E].sum(dim=0), int(total_tokens), self.D)
+                              if self.mode != "none" and m + 1 < len(self.blocks) else None)
+        self.plan_s.append(time.perf_counter() - t0)
+        self.rows.append(device_rows(placement, counts_DE.sum(dim=0).tolist(), self.D))
+        y = self._dispatch_compute_combine(m, x, h, expert, weight, counts_DE, placement)
+        out = (x + block.drop(y))[None]
+        self.call_s.append(time.perf_counter() - start)
+        return out
+
+    def _placement(self, m: int, estimate: Optional[list[float]], counts_DE: torch.Tensor) -> Placement:
+        """The placement of layer m for this mode (phase 2 re-plans from the actual counts)."""
+        actual = counts_DE.sum(dim=0).tolist()
+        self.actual.append([float(a) for a in actual])
+        self.estimated.append(estimate)
+        if self.mode == "none" or estimate is None:
+            self.phase2_triggered.append(False)
+            return static_placement(self.E, self.D)
+        placement = plan_placement(estimate, self.D, self.max_per_rank)
+        trigger = False
+        if self.mode == "phase1_2":
+            n = min(2 * self.k, self.E)
+            trigger = top_experts(estimate, n) != top_experts([float(a) for a in actual], n)
+            if trigger:
+                total = max(sum(actual), 1)
+                placement = plan_placement([self.D * a / total for a in actual], self.D, self.max_per_rank)
+        self.phase2_triggered.append(trigger)
+        return placement
+
+    # ------------------------------------------------------------------ the all-to-alls
+    def _dispatch_compute_combine(self, m: int, x: torch.Tensor, h: torch.Tensor, expert: torch.Tensor,
+                                  weight: torch.Tensor, counts_DE: torch.Tensor, placement: Placement) -> torch.Tensor:
+        dev = x.device
+        R, M = h.shape
+        E, D, me = self.E, self.D, self.me
+        total_E = counts_DE.sum(dim=0)
+        before_E = counts_DE[:me].sum(dim=0)                               # choices of earlier ranks
+        # this rank's choices sorted by (expert, token): global index of each within its expert
+        flat_e = expert.reshape(-1)
+        order = torch.argsort(flat_e * max(R, 1) + torch.arange(R, device=dev)[:, None].expand_as(expert).reshape(-1),
+                              stable=True)
+        e_sorted = flat_e[order]
+        token = order // expert.size(1)
+        start = torch.cumsum(counts_DE[me], 0) - counts_DE[me]
+        within = torch.arange(e_sorted.numel(), device="cpu") - start[e_sorted.cpu()]
+        gidx = before_E[e_sorted.cpu()] + within                            # index among expert e's choices
+        dest = torch.empty_like(gidx)
+        for e in range(E):
+            sel = e_sorted.cpu() == e
+            if not bool(sel.any()):
+                continue
+            hosts = placement.hosts[e]
+            bounds = torch.tensor([(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)],
+                                  dtype=torch.long, device="cpu")
+            j = torch.searchsorted(bounds, gidx[sel], right=True) - 1
+            dest[sel] = torch.tensor(hosts, dtype=torch.long, device="cpu")[j]
+        send_order = torch.argsort(dest * (E + 1) + e_sorted.cpu(), stable=True)    # by (dest, expert, token)
+        send_tok = token.cpu()[send_order]
+        send_counts = torch.bincount(dest, minlength=D).tolist()
+        # what every source sends me, per expert: my replica's share of [before, before + count)
+        recv_blocks = []                                                      # (source, expert, rows)
+        for s in range(D):
+            lo_E = counts_DE[:s].sum(dim=0)
+            for e in placement.experts_of(me):
+                hosts = placement.hosts[e]
+                j = hosts.index(me)
+                c = int(total_E[e])
+                a, b = (j * c) // len(hosts), ((j + 1) * c) // len(hosts)
+                lo, hi = int(lo_E[e]), int(lo_E[e]) + int(counts_DE[s, e])
+                n = max(0, min(b, hi) - max(a, lo))
+                if n:
+                    recv_blocks.append((s, e, n))
+        recv_counts = [sum(n for s2, _, n in recv_blocks if s2 == s) for s in range(D)]
+        send_x = h.index_select(0, send_tok.to(dev))
+        recv_x = all_to_all_raw(send_x, self.group, recv_counts, send_counts)
+        recv_exp = torch.tensor([e for _, e, n in recv_blocks for _ in range(n)], dtype=torch.long, device="cpu")
+        out = self._experts(m, recv_x, recv_exp)
+        back = all_to_all_raw(out, self.group, send_counts, recv_counts)          # in my send order
+        y = torch.zeros((R, M), dtype=h.dtype, device=dev)
+        w = weight.reshape(-1)[order][send_order.to(dev)].to(h.dtype)
+        return y.index_add(0, send_tok.to(dev), back * w[:, None])
+
+    def _experts(self, m: int, x_NM: torch.Tensor, exp_N: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert's (replica) weights, one GEMM pair per expert present."""
+        fc_w, fc_b, proj_w, proj_b = self.weights[m]
+        out = torch.empty_like(x_NM)
+        for e in torch.unique(exp_N).tolist():
+            rows = (exp_N == e).nonzero().squeeze(1).to(x_NM.device)
+            xe = x_NM.index_select(0, rows)
+            he = gelu_tanh(torch.addmm(fc_b[e].to(xe.dtype), xe, fc_w[e].t().to(xe.dtype)))
+            out[rows] = torch.addmm(proj_b[e].to(he.dtype), he, proj_w[e].t().to(he.dtype))
+        return out
+
+    @property
+    def estimation_accuracy(self) -> Optional[float]:
+        """Share of tokens whose estimated top expert (their path's most likely) was their first choice."""
+        return self.hits / self.predicted if self.predicted else None
+
+
+def gate_fingerprint(engine: InferenceEngine) -> dict:
+    """The model fingerprint a profile must carry (popularity.model_fingerprint)."""
+    gates = [engine.model.blocks[b].moe.router.gate_w for b in engine.moe_blocks]
+    return model_fingerprint(engine.cfg, gates)
+
+
+def use_lina(engine: InferenceEngine, profile_path: str, max_per_rank: int = 4, mode: str = "phase1_2",
+             gate_bias: Optional[list[torch.Tensor]] = None) -> ScheduledMoE:
+    """Load and check a profile and make the engine's MoE blocks run under Lina's scheduling."""
+    profile = load_profile(profile_path)
+    check_profile(profile, gate_fingerprint(engine), profile_path, len(engine.moe_blocks))
+    runner = ScheduledMoE(engine, profile, mode, max_per_rank, gate_bias)
+    engine.set_ffn_runner(runner)
+    return runner

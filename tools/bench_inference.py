@@ -1,0 +1,239 @@
+"""Benchmark expert-parallel inference with Lina's two-phase scheduling: modes none, phase1, phase1_2.
+
+Run under torchrun; EP = world size (every rank holds E / world experts and serves its own
+batches of requests, DP = world size):
+
+  OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/bench_inference.py --skew 1.2 --json inf_local.json
+  OMP_NUM_THREADS=1 scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 200mbit \\
+      -- tools/bench_inference.py --skew 1.2 --json inf_cluster.json
+
+Model: --load CKPT (any layout; requests tokenized with its tokenizer), else a seeded random-init
+GPT-2 MoE (every block MoE, top-2) on byte ids (vocabulary 256), its gate weights scaled by
+--gate-scale so that routing depends on the token: the repository bundles no trained checkpoint. Requests: windows of --prompt-len tokens of the bundled sample corpus's valid split,
+--batch-size per rank per batch, each extended greedily by --new-tokens (prefill + decode on the
+KV-cache engine). The profile (tools/profile_expert_paths.py's format, --path-length) is made on
+the train split, identically on every rank, with the same router. `--skew S` adds a gate bias per
+MoE layer, calibrated on the train split (--skew-iters corrections by the log ratio of target to
+measured shares) so that the share of choices of the i-th expert of a seeded per-layer permutation
+follows a Zipf law (i + 1)^-S (S = 0: no bias, the model's own popularity).
+
+Modes take turns batch by batch (after --warmup batches each) through the same engine:
+  none      the trained placement (expert e on rank e // (E / world)), dropless uneven all-to-all
+  phase1    Lina's phase 1: placement from the path estimate carried by the previous layer's exchange
+  phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ
+A batch's latency is the slowest rank's; a MoE layer call's time is the slowest rank's for that
+call (prefill and decode calls alike). Estimation accuracy: share of tokens whose estimated top
+expert (their path's most likely) was their actual first choice (layers after the first).
+popularity_skew: top expert / least popular expert of the actual choice counts (mean over
+layers, in mode none); phase_ms: median planning time per layer call (the phase overhead);
+rows_max_over_mean: the busiest rank's expert rows over the mean, averaged over layer calls (what
+the placement does to the load, free of timing noise).
+
+Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_median,
+layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, popularity_skew,
+phase_ms_median, phase2_rate, world_size, rows_max_over_mean).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.config import Config
+from megatron_moe.data.preprocess import sample_corpus_dir, split_wikitext_documents
+from megatron_moe.inference.engine import InferenceEngine, inference_config, load_engine
+from megatron_moe.inference.popularity import PathProfile
+from megatron_moe.inference.scheduled import MODES, ScheduledMoE, gate_fingerprint
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.parallel_state import initialize_model_parallel, shutdown
+
+
+def bench_config(args) -> Config:
+    """The default benchmark model: every block MoE, top-2, byte vocabulary."""
+    cfg = Config()
+    m, moe = cfg.model, cfg.moe
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = args.layers, args.hidden, 8, 4 * args.hidden
+    m.seq_length = m.max_position_embeddings = args.prompt_len + args.new_tokens
+    m.vocab_size, cfg.train.seed = 256, 1234
+    moe.num_experts, moe.moe_router_topk, moe.moe_layer_freq = args.experts, 2, 1
+    return cfg
+
+
+def corpus_ids(split: str, encode) -> list[int]:
+    with open(sample_corpus_dir() / f"wiki.{split}.tokens", encoding="utf-8") as f:
+        return [i for doc in split_wikitext_documents(f) for i in encode(doc)]
+
+
+def windows(ids: list[int], length: int, count: int, offset: int) -> list[list[int]]:
+    """`count` windows of `length` ids starting at window `offset` (wrapping around the text)."""
+    n = len(ids) // length
+    return [ids[((offset + j) % n) * length:((offset + j) % n + 1) * length] for j in range(count)]
+
+
+def zipf_targets(num_layers: int, num_experts: int, skew: float) -> list[torch.Tensor]:
+    """Per MoE layer, the share of choices of each expert: (i + 1)^-S for the i-th expert of a seeded
+    permutation, normalized."""
+    out = []
+    for m in range(num_layers):
+        perm = torch.randperm(num_experts, generator=torch.Generator(device="cpu").manual_seed(100 + m), device="cpu")
+        share = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
+        share[perm] = torch.tensor([(i + 1) ** -skew for i in range(num_experts)], dtype=torch.float64, device="cpu")
+        out.append(share / share.sum())
+    return out
+
+
+def layer_counts(runner: ScheduledMoE, n_moe: int) -> list[torch.Tensor]:
+    """Global choice counts [E] per MoE layer summed over the runner's calls."""
+    return [torch.tensor(runner.actual[m::n_moe], dtype=torch.float64, device="cpu").sum(dim=0) for m in range(n_moe)]
+
+
+def calibrate_skew(engine: InferenceEngine, prompts: list[list[int]], skew: float, iters: int,
+                   max_per_rank: int) -> list[torch.Tensor]:
+    """A gate bias per MoE layer under which the choice counts follow the Zipf shares of `zipf_targets`:
+    start from -S * ln(i + 1) and correct by the log ratio of target to measured shares, `iters` times
+    (each a prefill of this rank's `prompts` with the counts summed over ranks)."""
+    E, n_moe = engine.cfg.moe.num_experts, len(engine.moe_blocks)
+    target = zipf_targets(n_moe, E, skew)
+    bias = [(t.log() - t.log().max()).to(device=engine.device, dtype=torch.float32) for t in target]
+    for _ in range(iters):
+        runner = ScheduledMoE(engine, None, "none", max_per_rank, bias)
+        engine.set_ffn_runner(runner)
+        engine.generate(prompts, 1)
+        for m, c in enumerate(layer_counts(runner, n_moe)):
+            share = (c + 0.5) / (c + 0.5).sum()
+            bias[m] = bias[m] + 0.5 * (target[m].log() - share.log()).to(device=engine.device, dtype=torch.float32)
+    return bias
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", help="checkpoint (default: a seeded random-init model)")
+    p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of the gate bias (0: none)")
+    p.add_argument("--skew-iters", type=int, default=8, help="corrections of the gate bias towards the Zipf shares")
+    p.add_argument("--batches", type=int, default=8, help="timed batches per mode")
+    p.add_argument("--warmup", type=int, default=1, help="untimed batches per mode first")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per rank per batch")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--calib-batches", type=int, default=8, help="profile windows: this x batch size")
+    p.add_argument("--path-length", type=int, default=3)
+    p.add_argument("--max-experts-per-rank", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--gate-scale", type=float, default=8.0, help="random-init model: gate weights x this")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if args.skew < 0:
+            raise ValueError(f"--skew must be >= 0, got {args.skew}")
+        ps = initialize_model_parallel(1, world, 1)
+        if args.load:
+            engine = load_engine(args.load, ps)
+            from megatron_moe.data.tokenizer import load_tokenizer
+            from megatron_moe.generation import carried_tokenizer, tokenizer_path
+            tok = load_tokenizer(tokenizer_path(engine.cfg, None, carried_tokenizer(args.load)))
+            encode = tok.encode
+        else:
+            cfg = bench_config(args)
+            engine = InferenceEngine(GPT2MoE(inference_config(cfg, ps), ps).eval())
+            with torch.no_grad():              # a random gate routes almost alike for every token: spread it
+                for b in engine.moe_blocks:
+                    engine.model.blocks[b].moe.router.gate_w.mul_(args.gate_scale)
+            encode = lambda s: list(s.encode("utf-8"))  # noqa: E731
+        E, n_moe = engine.cfg.moe.num_experts, len(engine.moe_blocks)
+        calib = windows(corpus_ids("train", encode), args.prompt_len, args.calib_batches * args.batch_size, 0)
+        bias = None
+        if args.skew > 0:
+            share = calib[rank::world]
+            bias = calibrate_skew(engine, share, args.skew, args.skew_iters, args.max_experts_per_rank)
+        # the profile: the train split through the same router, every rank alike (all ranks take part)
+        profile = PathProfile(gate_fingerprint(engine), args.path_length, E, engine.cfg.moe.moe_router_topk)
+        recorder = ScheduledMoE(engine, None, "none", args.max_experts_per_rank, bias, record_into=profile)
+        engine.set_ffn_runner(recorder)
+        for j in range(args.calib_batches):      # every rank profiles all windows, one batch per call
+            for r in range(world):
+                mine = calib[j * args.batch_size:(j + 1) * args.batch_size] if r == rank else []
+                engine.generate(mine, 1)
+        runners = {mode: ScheduledMoE(engine, profile, mode, args.max_experts_per_rank, bias) for mode in MODES}
+        valid = corpus_ids("valid", encode)
+        lat: dict[str, list[float]] = {m: [] for m in MODES}
+        for b in range(args.warmup + args.batches):
+            prompts = windows(valid, args.prompt_len, args.batch_size, (b * world + rank) * args.batch_size)
+            for mode in MODES:
+                runner = runners[mode]
+                if b == args.warmup:
+                    runner.reset_stats()
+                engine.set_ffn_runner(runner)
+                dist.barrier()
+                t0 = time.perf_counter()
+                engine.generate(prompts, args.new_tokens)
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cpu")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if b >= args.warmup:
+                    lat[mode].append(float(t) * 1e3)
+        rows = []
+        for mode in MODES:
+            r = runners[mode]
+            calls = torch.tensor(r.call_s, dtype=torch.float64, device="cpu")
+            dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+            hits = torch.tensor([r.hits, r.predicted], dtype=torch.float64, device="cpu")
+            dist.all_reduce(hits)
+            ratios = []
+            for m in range(n_moe):
+                tot = [sum(a[e] for a in r.actual[m::n_moe]) for e in range(E)]
+                ratios.append(max(tot) / max(min(tot), 1.0))
+            busy = [r_ for r_ in r.rows if sum(r_)]
+            imbalance = statistics.fmean(max(r_) * len(r_) / sum(r_) for r_ in busy) if busy else 1.0
+            fired = [f for f, est in zip(r.phase2_triggered, r.estimated) if est is not None]
+            rows.append({"mode": mode, "layer_ms_median": statistics.median(calls.tolist()) * 1e3,
+                         "layer_ms_p95": pct(calls.tolist(), 0.95) * 1e3,
+                         "batch_ms_median": statistics.median(lat[mode]), "batch_ms_p95": pct(lat[mode], 0.95),
+                         "estimation_accuracy": float(hits[0] / hits[1]) if hits[1] else None,
+                         "skew": args.skew, "popularity_skew": statistics.fmean(ratios),
+                         "phase_ms_median": statistics.median(r.plan_s) * 1e3,
+                         "phase2_rate": sum(fired) / len(fired) if fired else 0.0, "world_size": world,
+                         "rows_max_over_mean": imbalance})
+        if rank == 0:
+            print(f"world {world}, skew {args.skew}, {args.batches} batches x {args.batch_size} requests per rank, "
+                  f"prompt {args.prompt_len} + {args.new_tokens} new tokens")
+            print(f"{'mode':<9} {'layer ms med':>12} {'p95':>7} {'batch ms med':>12} {'p95':>8} {'est acc':>7} "
+                  f"{'pop skew':>8} {'phase ms':>8} {'phase2':>6} {'rows max/mean':>13}")
+            for x in rows:
+                acc = "-" if x["estimation_accuracy"] is None else f"{x['estimation_accuracy']:.2f}"
+                print(f"{x['mode']:<9} {x['layer_ms_median']:12.2f} {x['layer_ms_p95']:7.2f} "
+                      f"{x['batch_ms_median']:12.1f} {x['batch_ms_p95']:8.1f} {acc:>7} {x['popularity_skew']:8.2f} "
+                      f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f} {x['rows_max_over_mean']:13.2f}")
+            if args.json:
+                tmp = args.json + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(rows, f, indent=1)
+                os.replace(tmp, args.json)
+    except (ValueError, FileNotFoundError) as e:
+        if dist.get_rank() == 0:
+            print(f"bench_inference.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
