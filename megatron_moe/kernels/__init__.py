@@ -22,9 +22,9 @@ try:
     from megatron_moe.kernels.permute import permute, unpermute
     HAVE_TRITON = True
     TRITON_ERROR = ""
-except ImportError as e:           # no triton on this machine: the torch path only
+except Exception as e:             # noqa: BLE001  no (or a broken) triton here: the torch path only
     HAVE_TRITON = False
-    TRITON_ERROR = str(e)
+    TRITON_ERROR = f"{type(e).__name__}: {e}"
 
 __all__ = ["HAVE_TRITON", "TRITON_ERROR", "permute", "topk_gating", "unpermute", "use_triton"]
 
