@@ -1,5 +1,5 @@
 """Inference engine (megatron_moe/inference/): KV-cache decode equals full recomputation, greedy
-generation under MP2, EP2 and MP2 x EP2 equals the one-process model token for token, bad input is
+generation under MP2, EP2, ESP2 and MP2 x EP2 equals the one-process model token for token, bad input is
 refused; Lina's estimation (eq. 1, first-fit-decreasing packing) on a hand-made profile, the
 profile round trip and refusal; scheduled inference on EP4 keeps the logits and triggers phase 2
 exactly when the actual top-2k experts differ from the estimate."""
@@ -278,7 +278,7 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
     prof = str(root / "profile.json")
     ids = torch.randint(0, cfg.model.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
     save_profile(collect_profile(ref, [ids], 3, gate_fingerprint(InferenceEngine(ref))), prof)
-    two = spawn(_layouts, 2, ckpt, [(2, 1, 1), (1, 2, 1)], None, timeout=600)
+    two = spawn(_layouts, 2, ckpt, [(2, 1, 1), (1, 2, 1), (1, 1, 2)], None, timeout=600)
     four = spawn(_layouts, 4, ckpt, [(2, 2, 1)], prof, timeout=600)
     for res in two + four:
         for layout, got in res.items():
