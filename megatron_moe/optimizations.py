@@ -121,7 +121,7 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
             out.changes.append(f"layer {r.layer}: partitioned k={r.k} from {r.start} to {r.end} with "
                                f"{model.blocks[r.layer].moe.schedule} inside")
         if opts.lancet_partition and not plan.ranges:
-            out.changes.append("lancet: the planner partitioned no range (not predicted faster)")
+            out.changes.append("lancet: the planner partitioned no range (not predicted or not measured faster)")
     if opts.pro_prophet:
         out.pro_prophet = pro_prophet_setup(model, ps, cfg, out.changes)
     return out

@@ -119,3 +119,10 @@ def test_measuring_leaves_the_model_as_it_was():
         return (lm + aux).item(), torch.rand(1).item(), [b.moe.router.calls for b in model.blocks if b.is_moe]
 
     assert loss_after(True) == loss_after(False)
+
+
+def test_new_flags_are_validated_naming_the_flag():
+    with pytest.raises(ValueError, match="--lancet-measure-iters must be >= 0, got -1"):
+        OptimizationsConfig(lancet_measure_iters=-1)
+    with pytest.raises(ValueError, match="--lancet-candidates must be >= 1, got 0"):
+        OptimizationsConfig(lancet_candidates=0)

@@ -16,10 +16,13 @@ the same in every mode and are left out). Per iteration it measures:
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
                    call, or `wait()` on an asynchronous one) minus the part of it in
                    which the dW helper thread was computing,
-and reports the cost model's predicted iteration time (`planner.predict`).
+and reports the cost model's predicted iteration time (`planner.predict`). Mode "auto" is
+the trainer's choice: the fastest measured of the top predicted plans and "none"
+(`controller.choose_plan`); its contention fit (`planner.fit_contention`) is applied to every
+mode's prediction ("fitted err").
 The all-to-alls come from the library's collective observer (`distributed/observer.py`).
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
-iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms (and details).
+iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms, fitted_ms, chosen, selection (and details).
 """
 from __future__ import annotations
 

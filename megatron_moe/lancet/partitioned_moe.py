@@ -17,9 +17,16 @@ the batch:
 `PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a
 dispatcher and `Experts`: stage by stage, parts in index order within a stage
 (pre-ops and routing, then each part's dispatch is launched; experts of each part
-as its tokens arrive, each return launched; combine and post-ops), so part i's
-messages are in flight while other parts compute (the order Lancet's simulator
+as its tokens arrive, each return launched; then part by part its combine and post-ops:
+residual, dense blocks, next attention, while later parts' returns are in flight), so
+part i's messages are in flight while other parts compute (the order Lancet's simulator
 assumes). Backward overlaps the same way through the dispatcher's handles.
+
+Split axes come from CP-SAT (`RangeAxes`, solved by `model_ir.range_axes` on the model's op
+IR): the residual stream [B, T, M] is split along its solved dim (the batch: the flatten to
+tokens maps only B to S, and attention cannot split T), the router's tokens [S, M] along S,
+the dispatched buffers [E, C, M] along C (each part's own slots). The runtime records the dim
+it used for every op (`used_axes`) and refuses a solution it cannot run.
 
 The layer's --moe-schedule holds inside the parts:
   baseline  uneven dispatch of each part's kept tokens (every MP rank, as the baseline);
@@ -184,8 +191,7 @@ class PartitionedRange:
         """(index, name) of the dim the residual stream [B, T, M] is split along: the solution's."""
         if self.axes is None:
             return 0, "B"
-        _, dims, d = self.axes.x
-        return dims.index(d), d
+        return self.axes.split_dim(), self.axes.x[2]
 
     def _check(self, op: str, runtime: str) -> None:
         """Record that the runtime split `op`'s input along `runtime`; it must be the solved dim."""
