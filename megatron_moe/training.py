@@ -362,11 +362,11 @@ class Trainer:
         used = [prophet.placement_of(i) if prophet is not None else plain for i in idx]
         per_rank = [sum(col) for col in zip(*(p.computed_tokens(c.tolist()) for p, c in zip(used, counts)))]
         per_expert = counts.sum(dim=(0, 1)).tolist()
-        out = {"expert_tokens": per_expert, "expert_imbalance": imbalance(per_expert),
-               "rank_tokens": per_rank, "rank_imbalance": imbalance(per_rank)}
+        out = {"expert_tokens": per_expert, "expert_imbalance": max_over_mean(per_expert),
+               "rank_tokens": per_rank, "rank_imbalance": max_over_mean(per_rank)}
         if prophet is not None:
             before = [sum(col) for col in zip(*(plain.computed_tokens(c.tolist()) for c in counts))]
-            out["rank_imbalance_no_placement"] = imbalance(before)
+            out["rank_imbalance_no_placement"] = max_over_mean(before)
             out["pro_prophet_replicas"] = sum(len(r) for p in used for r in p.replicas)
             out["pro_prophet_plan"] = {str(i): p.as_dict() for i, p in zip(idx, used)}
             prophet.end_iteration(self.iteration + 1, counts)
@@ -489,7 +489,7 @@ class Trainer:
         self.logger.close()
 
 
-def imbalance(values: list) -> float:
+def max_over_mean(values: list) -> float:
     """max / mean (1.0 when everything is zero)."""
     mean = sum(values) / max(len(values), 1)
     return float(max(values) / mean) if mean > 0 else 1.0

@@ -2,7 +2,7 @@
 gradient (the owner's, after Agg), the optimizer step, the bytes of Trans / Agg and the trainer's
 curve equal the run without placement.
 
-One spawn per world size runs every case of that size (EP2; EP4 and EP2 x DP2), each with and
+One spawn per world size runs every case of that size (EP2; EP4, EP2 x DP2, EP2 x ESP2, MP2 x EP2), each with and
 without placement in the same process, scheduled and blocking, top-1 and top-2.
 """
 import os
@@ -26,10 +26,11 @@ from megatron_moe.training import pretrain
 from tiny_run import tiny_args
 
 STEPS = 2          # forward + backward, an SGD step, forward + backward again
-# world -> [(ep, esp, num_experts, forced plan {expert: EP ranks})]
+# world -> [(mp, ep, esp, num_experts, forced plan {expert: EP ranks})]
 CASES = {
-    2: [(2, 1, 4, {0: [1], 3: [0]})],
-    4: [(4, 1, 4, {0: [1, 2, 3], 2: [0]}), (2, 1, 4, {1: [1], 2: [0]}), (2, 2, 4, {0: [1]})],
+    2: [(1, 2, 1, 4, {0: [1], 3: [0]})],
+    4: [(1, 4, 1, 4, {0: [1, 2, 3], 2: [0]}), (1, 2, 1, 4, {1: [1], 2: [0]}), (1, 2, 2, 4, {0: [1]}),
+        (2, 2, 1, 4, {0: [1], 3: [0]})],
 }
 
 
@@ -66,11 +67,11 @@ def test_forced_plan_errors_name_the_flag():
 
 # ----------------------------------------------------------------------------- equivalence (spawned)
 
-def _steps(k: int, ep: int, esp: int, E: int, plan: dict, schedule) -> dict:
+def _steps(k: int, mp: int, ep: int, esp: int, E: int, plan: dict, schedule) -> dict:
     """STEPS iterations (SGD between them) on this rank; schedule None: no placement, True / False:
     the forced plan scheduled / blocking, "planned": the plan of step 2 made from step 1's counts
     (the paper's "heaviest expert to all" as the planner, scheduled)."""
-    ps = initialize_model_parallel(1, ep, esp)
+    ps = initialize_model_parallel(mp, ep, esp)
     try:
         model = GPT2MoE(placed_config(k, E), ps)
         layers = model.moe_layers()
@@ -111,11 +112,11 @@ def _steps(k: int, ep: int, esp: int, E: int, plan: dict, schedule) -> dict:
 
 def _run_cases(rank, world):
     out = []
-    for ep, esp, E, plan in CASES[world]:
+    for mp, ep, esp, E, plan in CASES[world]:
         for k in (1, 2):
-            base = _steps(k, ep, esp, E, plan, None)
+            base = _steps(k, mp, ep, esp, E, plan, None)
             for schedule in (True, False, "planned"):
-                out.append(((ep, esp, k, schedule), base, _steps(k, ep, esp, E, plan, schedule)))
+                out.append(((mp, ep, esp, k, schedule), base, _steps(k, mp, ep, esp, E, plan, schedule)))
     return out
 
 
@@ -126,11 +127,11 @@ def _expert_bytes(cfg, esp: int) -> int:
 
 
 def _check(per_rank: list, world: int) -> None:
-    cases = {(ep, esp): E for ep, esp, E, _ in CASES[world]}
+    cases = {(mp, ep, esp): E for mp, ep, esp, E, _ in CASES[world]}
     for i in range(len(per_rank[0])):
-        (ep, esp, k, schedule), _, _ = per_rank[0][i]
-        tag = f"EP{ep} ESP{esp} DP{world // (ep * esp)} top-{k} {schedule}"
-        E = cases[(ep, esp)]
+        (mp, ep, esp, k, schedule), _, _ = per_rank[0][i]
+        tag = f"MP{mp} EP{ep} ESP{esp} DP{world // mp} top-{k} {schedule}"
+        E = cases[(mp, ep, esp)]
         one = _expert_bytes(placed_config(k, E), esp)
         if schedule == "planned":           # locality: step 2 uses the plan of step 1's counts
             group = ep * esp                 # ranks of one EP x ESP group gather the same counts
@@ -184,7 +185,7 @@ def _curves(rank, world, data, ckpt):
     def run(iters, *extra):
         return pretrain(parse_args(tiny_args(data, iters, *EP2, *extra)))
     out = {"plain": run(8), "forced": run(8, *FORCED), "blocking": run(8, *FORCED, "--pro-prophet-no-schedule"),
-           "planned": run(8, "--pro-prophet", "--pro-prophet-alpha", "0")}
+           "planned": run(8, "--pro-prophet", "--pro-prophet-alpha", "0"), "lina": run(8, *FORCED, "--lina")}
     out["resumed"] = (run(8, *FORCED, "--save", ckpt, "--exit-interval", "4") + run(8, "--load", ckpt))
     return out
 
@@ -194,7 +195,7 @@ def test_trainer_curve_with_pro_prophet_equals_without_and_resumes_without_it(sa
     for rank, runs in enumerate(per_rank):
         plain = runs["plain"]
         assert len(plain) == 8 and all("rank_tokens" in h for h in plain)
-        for name in ("forced", "blocking", "planned", "resumed"):
+        for name in ("forced", "blocking", "planned", "lina", "resumed"):
             curve = runs[name]
             assert len(curve) == 8, name
             for i, (a, b) in enumerate(zip(plain, curve)):
