@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from megatron_moe.convert import read_any
 from megatron_moe.distributed.collectives import all_gather_raw, all_reduce_raw
 from megatron_moe.generation import check_sampling, next_token
 from megatron_moe.inference.kv_cache import KVCache
-from megatron_moe.layers.sharding import load_full_state
+from megatron_moe.layers.sharding import full_shape, load_full_state
 from megatron_moe.model.gpt2 import Block, GPT2MoE
 from megatron_moe.parallel_state import ParallelState
 
@@ -48,11 +48,13 @@ def inference_config(cfg: Config, ps: ParallelState) -> Config:
     p = out.parallel
     p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size = mp, ep, esp
     moe = out.moe
+    H = out.model.ffn_hidden_size
+    assert H is not None                     # ModelConfig fills it in (4 * hidden size by default)
     if moe.num_experts and moe.num_experts % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's {moe.num_experts} experts")
-    if moe.num_experts and out.model.ffn_hidden_size % esp:
+    if moe.num_experts and H % esp:
         raise ValueError(f"--expert-sharding-parallel-size {esp} does not divide the model's ffn hidden size "
-                         f"{out.model.ffn_hidden_size}")
+                         f"{H}")
     if moe.num_experts and moe.moe_router_policy == "random":
         raise ValueError("the checkpoint routes with --moe-router-policy random: inference needs a "
                          "deterministic router (position or batch_prioritized)")
@@ -69,9 +71,9 @@ def load_weights(model: GPT2MoE, full: dict, source: str) -> None:
         raise ValueError(f"{source} holds the parameters of another model (missing {missing[:3]}, "
                          f"unexpected {extra[:3]})")
     for n, p in names.items():
-        if tuple(full[n].shape) != tuple(p._full_shape):
+        if tuple(full[n].shape) != full_shape(p):
             raise ValueError(f"{source} holds the parameters of another model: {n} is {tuple(full[n].shape)}, "
-                             f"the model of its config needs {tuple(p._full_shape)}")
+                             f"the model of its config needs {full_shape(p)}")
     load_full_state(model, full, model.ps)
 
 
@@ -109,11 +111,17 @@ class InferenceEngine:
 
     def __init__(self, model: GPT2MoE, ffn_runner: Optional[FFNRunner] = None):
         self.model, self.ps, self.cfg = model, model.ps, model.cfg
-        self.vocab, self.max_pos = model.vocab_size, model.cfg.model.max_position_embeddings
+        max_pos = model.cfg.model.max_position_embeddings
+        assert max_pos is not None           # ModelConfig fills it in (the sequence length by default)
+        self.vocab, self.max_pos = model.vocab_size, max_pos
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.ffn_runner = ffn_runner
-        self.moe_blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
+        self.moe_blocks = [i for i in range(len(model.blocks)) if self.block(i).is_moe]
+
+    def block(self, i: int) -> Block:
+        """The model's block i (typed: `nn.ModuleList` items are plain `nn.Module`s to mypy)."""
+        return cast(Block, self.model.blocks[i])
 
     def set_ffn_runner(self, runner: Optional[FFNRunner]) -> None:
         """Run MoE blocks' FFN halves with `runner` (None: the blocks' own `ffn_residual`)."""
@@ -138,7 +146,7 @@ class InferenceEngine:
         M = self.cfg.model.hidden_size
         empty = torch.zeros((1, 0, M), dtype=self.dtype, device=self.device)
         for i in self.moe_blocks:
-            self._moe_half(i, self.model.blocks[i], empty)
+            self._moe_half(i, self.block(i), empty)
 
     def forward(self, ids_BT: torch.Tensor, cache: KVCache, use_BT: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] of the last position of each row after the T new positions of `ids_BT`."""
@@ -146,7 +154,8 @@ class InferenceEngine:
         T = ids_BT.size(1)
         pos = cache.positions(T).clamp(max=self.max_pos - 1)
         x = m.drop(m.wte(ids_BT) + m.wpe[pos])
-        for i, block in enumerate(m.blocks):
+        for i in range(len(m.blocks)):
+            block = self.block(i)
             x = block.attn_residual(x, cache.layer(i))
             x = self._ffn(i, block, x, use_BT)
         cache.advance(T)

@@ -30,7 +30,7 @@ class LayerCache:
         L, cap = self.owner.length, self.owner.capacity
         if L + T > cap:
             raise ValueError(f"KV cache of {cap} positions is full ({L} cached + {T} new)")
-        if self.k is None:
+        if self.k is None or self.v is None:   # both are made together
             self.k = k.new_zeros(B, h, cap, d)
             self.v = v.new_zeros(B, h, cap, d)
         self.k[:, :, L:L + T] = k

@@ -223,11 +223,11 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
     count = {e: sum(e in d for d in devices) for e in range(E)}
     for d in range(N):                                  # still empty: one more replica of the busiest
         if not devices[d]:
-            e = max((e for e in range(E) if n_e[e] > 0), key=lambda e: (n_e[e] / count[e], -e), default=None)
-            if e is None:
+            busiest = max((e for e in range(E) if n_e[e] > 0), key=lambda e: (n_e[e] / count[e], -e), default=None)
+            if busiest is None:
                 break
-            devices[d].append(e)
-            count[e] += 1
+            devices[d].append(busiest)
+            count[busiest] += 1
     return Placement([[d for d in range(N) if e in devices[d]] for e in range(E)])
 
 

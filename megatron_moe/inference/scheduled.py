@@ -69,7 +69,7 @@ class ScheduledMoE:
         with torch.no_grad():                       # read-only copies of every expert (Trans, once)
             self.weights = []
             for b in self.blocks:
-                ex = engine.model.blocks[b].moe.experts
+                ex = engine.block(b).moe.experts
                 self.weights.append(tuple(all_gather_raw(t.detach(), self.group, dim=0).clone()
                                           for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)))
         self.reset_stats()
@@ -211,9 +211,9 @@ class ScheduledMoE:
             lo_E = counts_DE[:s].sum(dim=0)
             for e in placement.experts_of(me):
                 hosts = placement.hosts[e]
-                j = hosts.index(me)
+                rep = hosts.index(me)                                       # my replica of expert e
                 c = int(total_E[e])
-                a, b = (j * c) // len(hosts), ((j + 1) * c) // len(hosts)
+                a, b = (rep * c) // len(hosts), ((rep + 1) * c) // len(hosts)
                 lo, hi = int(lo_E[e]), int(lo_E[e]) + int(counts_DE[s, e])
                 n = max(0, min(b, hi) - max(a, lo))
                 if n:
@@ -247,7 +247,7 @@ class ScheduledMoE:
 
 def gate_fingerprint(engine: InferenceEngine) -> dict:
     """The model fingerprint a profile must carry (popularity.model_fingerprint)."""
-    gates = [engine.model.blocks[b].moe.router.gate_w for b in engine.moe_blocks]
+    gates: list[torch.Tensor] = [engine.block(b).moe.router.gate_w for b in engine.moe_blocks]
     return model_fingerprint(engine.cfg, gates)
 
 
