@@ -77,7 +77,7 @@ class Placement:
     @classmethod
     def of(cls, num_experts: int, n_ep: int, mapping: Mapping[int, Iterable[int]]) -> "Placement":
         """From {expert: EP ranks} (experts not named: no replica)."""
-        reps = [()] * num_experts
+        reps: list[tuple[int, ...]] = [()] * num_experts
         for e, ranks in mapping.items():
             if not 0 <= int(e) < num_experts:
                 raise ValueError(f"expert {e} out of range [0, {num_experts})")
@@ -165,7 +165,7 @@ class ReplicaExchange:
         self.group, self.ranks, self.me = ps.group("ep"), ps.ranks("ep"), ps.rank("ep")
         self.held = placement.held(self.me)
         self.trans: list = [None, None]          # per part: (work, {name: [R, ...] buffer})
-        self.agg = None                          # (work, [(name, local index, buffer)])
+        self.agg: Optional[tuple] = None         # (work, [(name, local index, buffer)], sends)
 
     def _tag(self, e: int, name: str, kind: int) -> int:
         return ((self.layer_idx * self.p.num_experts + e) * len(PARAMS) + PARAMS.index(name)) * 2 + kind
