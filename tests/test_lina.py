@@ -2,16 +2,20 @@
 
 One 4-process spawn (EP2: dense DP 4, expert-DP 2; a module fixture) runs
   * a 20-iteration SGD-momentum training of the tiny model with plain
-    GradSync and with Lina (micro-ops of 4 KiB, so most gradients are split):
-    the loss curves, the first gradients and the final weights must agree;
+    GradSync, with Lina (micro-ops of 4 KiB, so most gradients are split) and
+    with Lina's coalesced micro-ops (equal 4 KiB slices spanning tensors): the
+    loss curves, the first gradients and the final weights must agree, and
+    the micro-ops' sizes and order are the same on every rank and iteration;
   * a heavy scenario (~10 MB of dense gradients, 1 MB buckets, every
     all-to-all slowed by 20 ms) with plain GradSync, with Lina, and with
     Lina's queue but no priority: from the event log, Lina launches nothing
-    while an all-to-all is in flight and at most one micro-op overlaps any
-    all-to-all, while the plain run and the no-priority run do overlap;
+    while an all-to-all is in flight and at most --lina-max-in-flight
+    micro-ops overlap any all-to-all, while the plain run and the
+    no-priority run do overlap;
   * Parm's S1 and S2 under MP2 x EP2, with and without Lina;
   * a stalled peer: the last rank joins an all-reduce late and the others
-    get the --comm-timeout error.
+    get the --comm-timeout error;
+  * 16 micro-ops queued at once and drained: more than one is in flight.
 The tests below check the results of that spawn, one behaviour each.
 """
 import time
