@@ -165,9 +165,9 @@ class Recorder(LinaScheduler):
         self.calls.append(f"start:{group}")
         super().a2a_start(group)
 
-    def a2a_end(self, group):
+    def a2a_end(self, group, event=None):
         self.calls.append(f"end:{group}")
-        super().a2a_end(group)
+        super().a2a_end(group, event)
 
 
 def notifications(cfg, ps) -> dict:

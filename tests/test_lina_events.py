@@ -65,6 +65,14 @@ def test_gate_closes_for_imminent_and_in_flight_all_to_all():
         assert not s._gate_open()
         s.a2a_end("ep")
         assert s._gate_open()
+        # an all-to-all ended on the host but not yet complete on the device (CUDA: enqueued only)
+        # keeps the gate closed until its completion is observed
+        ev = CommEvent(seq=0, op="all_to_all", group="ep", nbytes=0, tag="", phase="bwd", launch=0.0)
+        s.a2a_start("ep")
+        s.a2a_end("ep", ev)
+        assert not s._gate_open()
+        events.stamp_finish(ev)             # what the completion of its Work / end event gives
+        assert s._gate_open()
         s.a2a_imminent()
         s.moe_backward_done()               # no all-to-all came (group of one): the gate reopens
         assert s._gate_open()

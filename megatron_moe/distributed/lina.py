@@ -76,6 +76,7 @@ MB = 2 ** 20
 HISTORY = 3               # iterations whose all-to-all offsets predict the next one's
 RATE_ALPHA = 0.3          # decay of the link-rate and all-to-all-time averages per new sample
 AUTO_DRAIN_FRACTION = 0.1  # drain_ms = 0: this fraction of the measured backward all-to-all time
+DEVICE_POLL_S = 2e-4      # how often the launcher polls a CUDA all-to-all's end event while it gates
 
 
 def launch_budget(rate_bps: Optional[float], horizon_s: float, drain_s: float) -> float:
@@ -171,6 +172,9 @@ class LinaScheduler:
         self._inflight_bytes = 0
         self._a2a_in_flight = 0
         self._imminent = False
+        # all-to-alls ended on the host whose completion the device has not reported yet (CUDA:
+        # the host-side end is only the enqueue; `observer.completed` reads their end events)
+        self._device_pending: list[observer.CommEvent] = []
         self._draining = False
         self._pending = 0              # micro-ops submitted and not finished
         self._count = 0                # micro-ops submitted this iteration
@@ -228,9 +232,13 @@ class LinaScheduler:
             if self._anchor is not None:
                 self._offsets.append(now - self._anchor)
 
-    def a2a_end(self, group: str) -> None:
-        """Listener hook (collectives): the all-to-all finished; micro-ops may go again."""
+    def a2a_end(self, group: str, event: Optional[observer.CommEvent] = None) -> None:
+        """Listener hook (collectives): the all-to-all finished on the host; micro-ops may go again
+        once `event` has completed (`observer.completed`: on CUDA its end event, which the
+        launcher polls; on CPU it has, when this is called)."""
         with self._cv:
+            if event is not None and not observer.completed(event):
+                self._device_pending.append(event)
             self._a2a_in_flight = max(0, self._a2a_in_flight - 1)
             if self._a2a_in_flight == 0 and self._a2a_busy_since is not None and self._anchor is not None:
                 ms = 1e3 * (time.perf_counter() - self._a2a_busy_since)
@@ -238,7 +246,10 @@ class LinaScheduler:
             self._cv.notify_all()
 
     def _gate_open(self) -> bool:
-        return self._draining or not self.prioritize or (self._a2a_in_flight == 0 and not self._imminent)
+        if self._device_pending:               # drop the all-to-alls the device has completed
+            self._device_pending = [e for e in self._device_pending if not observer.completed(e)]
+        return self._draining or not self.prioritize or (
+            self._a2a_in_flight == 0 and not self._imminent and not self._device_pending)
 
     def drain_s(self) -> float:
         """The drain bound in seconds: --lina-drain-ms, or a tenth of the measured all-to-all time."""
@@ -335,7 +346,8 @@ class LinaScheduler:
         while True:
             with self._cv:
                 while not self._closed and self._error is None and not (self._queue and self._may_launch(self._queue[0])):
-                    self._cv.wait()
+                    # a device-side completion notifies nobody: poll while one is awaited
+                    self._cv.wait(DEVICE_POLL_S if self._device_pending else None)
                 if self._closed or self._error is not None:
                     return
                 op = self._queue.popleft()

@@ -36,12 +36,14 @@ flight) until the end event has completed; `resolve` (called by `snapshot`,
 and after a `torch.cuda.synchronize()` by `CommLog.finish_step()`, at the end
 of a step) then sets `launch` / `finish` from the events' `elapsed_time` to an
 anchor event taken once after a synchronize, on the `perf_counter` timeline.
-`completed(event)` asks without blocking (Lina's gate must use it on CUDA).
+`completed(event)` asks without blocking: Lina's gate uses it (listeners' `a2a_end`
+gets the event; an all-to-all whose end event has not completed keeps the gate closed).
 Under TORCH_NCCL_BLOCKING_WAIT=1 (`wait()` blocks the host) the end event of an
 asynchronous collective is recorded at the caller's `Work.wait()` instead, and
 an asynchronous all-reduce ended by its future stays unresolved.
 On the CPU (gloo) an event finishes when its `Work` completes, as described
-above. Listeners (`a2a_end`) are told at the host-side end on both devices.
+above. Listeners (`a2a_end(group, event)`) are told at the host-side end on
+both devices, with the event whose completion they can then read.
 
 Lina's communicators (the rule its scheduler follows): every Lina micro-op of
 a group (dp, expert-dp) goes through ONE dedicated communicator per group, a
@@ -496,7 +498,7 @@ def end(token: Optional[_Token]) -> None:
     stamp_finish(token.event)
     if token.op == "all_to_all":
         for listener in list(_A2A_LISTENERS):
-            listener.a2a_end(token.group)
+            listener.a2a_end(token.group, token.event)
 
 
 def end_when_complete(token: Optional[_Token], work) -> None:
