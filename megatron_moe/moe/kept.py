@@ -47,11 +47,13 @@ class KeptRows:
     @property
     def rows(self) -> torch.Tensor:
         self._ready()
+        assert self._rows is not None, "KeptRows needs rows or a resolve function"
         return self._rows
 
     @property
     def counts(self) -> list[int]:
         self._ready()
+        assert self._counts is not None, "KeptRows needs counts or a resolve function"
         return self._counts
 
 
