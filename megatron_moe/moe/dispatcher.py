@@ -36,7 +36,8 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   computes (owned and replicas, `UnevenPlan.expert_rows` rows each).
 Kept rows (`moe.kept`): both padded layouts carry `plan.kept`, the rows of the expert
 input that hold a kept token (the padded buffer's: every source's per-expert counts, one
-small all-gather in `plan`), so the experts compute only those (`Experts.forward_kept`).
+small all-gather launched in `plan`, waited for by the experts), so the experts compute only
+those (`Experts.forward_kept`).
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
@@ -56,7 +57,7 @@ from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
-from megatron_moe.moe.kept import KeptRows, exchange_sent_rows, padded_kept_rows, sent_rows, uneven_kept_rows
+from megatron_moe.moe.kept import KeptRows, exchange_sent_rows, padded_kept_rows_later, sent_rows, uneven_kept_rows
 from megatron_moe.moe.router import RouteResult
 
 if TYPE_CHECKING:
@@ -220,8 +221,8 @@ class PaddedDispatcher(TokenDispatcher):
         from r*C_mp of each source's MP rank r)."""
         width = Cs // self.n_mp if self.mode == "s2" else Cs
         lo = self.ps.rank("mp") * width if self.mode == "s2" else 0
-        rows = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))
-        return padded_kept_rows(rows, self.ps.rank("ep"), self.num_local, width, routes[0].slot.device)
+        wait = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))   # in flight until used
+        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, width, routes[0].slot.device)
 
     def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
         E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots

@@ -9,9 +9,10 @@ per (source, group) and local expert, in that order. The router gives the kept c
 of an expert slots 0, 1, ... (a prefix of its capacity), so a source knows how many
 leading rows of each block it sends may hold a token: `sent_rows` (the highest kept slot
 + 1, so the index stays exact even if a router left holes). The sources exchange these
-[G, E] counts (`exchange_sent_rows`, one small all-gather over the EP x ESP group), and
-`padded_kept_rows` turns them into the kept rows of this rank's expert input, grouped by
-local expert. The experts then compute only those rows (`Experts.forward_kept`): rows
+[G, E] counts (`exchange_sent_rows`: one small all-gather over the EP x ESP group, launched
+asynchronously in `plan` so that it travels while the dispatch all-to-all is prepared and
+sent; the experts wait for it), and `padded_kept_rows` turns them into the kept rows of this
+rank's expert input, grouped by local expert. The experts then compute only those rows (`Experts.forward_kept`): rows
 that hold no token never reach a GEMM; their outputs are zero and never read (the
 combine reads kept rows only), and their gradients are zero either way.
 
@@ -19,21 +20,41 @@ The uneven dispatcher (S1) already knows where every received row lands: `uneven
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from megatron_moe.distributed.collectives import all_gather_raw, group_size
+from megatron_moe.distributed import observer
+from megatron_moe.distributed.collectives import group_size
 from megatron_moe.moe.router import RouteResult
 
 
-@dataclass
 class KeptRows:
     """rows [K] flat indices into the expert input viewed as [E_l * N, M], ascending, so grouped
-    by local expert; counts [E_l] rows of each local expert (sum K)."""
+    by local expert; counts [E_l] rows of each local expert (sum K). Either given, or computed on
+    first use by `resolve()` (which waits for the count exchange)."""
 
-    rows: torch.Tensor
-    counts: list[int]
+    def __init__(self, rows: Optional[torch.Tensor] = None, counts: Optional[list[int]] = None,
+                 resolve: Optional[Callable[[], tuple[torch.Tensor, list[int]]]] = None):
+        self._rows, self._counts, self._resolve = rows, counts, resolve
+
+    def _ready(self) -> None:
+        if self._resolve is not None:
+            self._rows, self._counts = self._resolve()
+            self._resolve = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        self._ready()
+        assert self._rows is not None, "KeptRows needs rows or a resolve function"
+        return self._rows
+
+    @property
+    def counts(self) -> list[int]:
+        self._ready()
+        assert self._counts is not None, "KeptRows needs counts or a resolve function"
+        return self._counts
 
 
 def sent_rows(routes: list[RouteResult], lo: int = 0, width: int | None = None) -> torch.Tensor:
@@ -52,11 +73,31 @@ def sent_rows(routes: list[RouteResult], lo: int = 0, width: int | None = None) 
     return torch.stack(out)
 
 
-def exchange_sent_rows(rows_GE: torch.Tensor, group) -> torch.Tensor:
-    """Every source's `sent_rows` of the EP x ESP group, [D, G, E] (group rank order), on CPU."""
-    if group_size(group) == 1:
-        return rows_GE.cpu()[None]
-    return all_gather_raw(rows_GE.to(torch.int32)[None], group, dim=0).to(torch.int64).cpu()
+def exchange_sent_rows(rows_GE: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of every source's `sent_rows` over the EP x ESP group (int32; recorded by
+    the collective observer); returns the wait: [D, G, E] int64 (group rank order), on CPU."""
+    n = group_size(group)
+    if n == 1:
+        return lambda: rows_GE.cpu()[None]
+    send = rows_GE.to(torch.int32).contiguous()
+    parts = [torch.empty_like(send) for _ in range(n)]
+    token = observer.begin("all_gather", group, send.numel() * 4, n * send.numel() * 4)
+    work = dist.all_gather(parts, send, group=group, async_op=True)
+    observer.end_when_complete(token, work)         # recorded as finished even if no one waits
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return torch.stack(parts).to(torch.int64).cpu()
+    return wait
+
+
+def padded_kept_rows_later(wait: Callable[[], torch.Tensor], ep_rank: int, num_local: int, block: int,
+                           device: torch.device) -> KeptRows:
+    """`padded_kept_rows` once the count exchange `wait` returns (on first use of the rows)."""
+    def resolve():
+        kept = padded_kept_rows(wait(), ep_rank, num_local, block, device)
+        return kept.rows, kept.counts
+    return KeptRows(resolve=resolve)
 
 
 def padded_kept_rows(rows_DGE: torch.Tensor, ep_rank: int, num_local: int, block: int,
