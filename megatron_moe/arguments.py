@@ -5,6 +5,7 @@ field becomes a flag (`num_layers` -> `--num-layers`). Booleans are
 `--flag` / `--no-flag`. Cross-cutting checks that need the world size live in
 `validate`, and every error names the flag.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,16 @@ from megatron_moe.config import Config
 from megatron_moe.moe.placement import parse_plan
 from megatron_moe.parallel_state import validate_degrees
 
-GROUPS = {"model": "model", "moe": "MoE", "parallel": "parallelism", "optim": "optimizer",
-          "data": "data", "train": "training", "logging": "logging", "opts": "communication optimizations"}
+GROUPS = {
+    "model": "model",
+    "moe": "MoE",
+    "parallel": "parallelism",
+    "optim": "optimizer",
+    "data": "data",
+    "train": "training",
+    "logging": "logging",
+    "opts": "communication optimizations",
+}
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -42,8 +51,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(GROUPS),
-                     defaults: Optional[Config] = None, with_defaults: bool = True) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    sections: Sequence[str] = tuple(GROUPS),
+    defaults: Optional[Config] = None,
+    with_defaults: bool = True,
+) -> None:
     """Add the trainer's flags of the config `sections` to `parser` (one group each), with the
     values of `defaults` (a Config; the dataclass defaults when None). Tools use it so their
     flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config.
@@ -55,23 +68,36 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
         for f in dataclasses.fields(sub):
             flag, tp = _flag(f), _base_type(f.type)
             dest = f"{section}.{f.name}"
-            derived = f.name in ("ffn_hidden_size", "max_position_embeddings")     # from the others when None
+            derived = f.name in ("ffn_hidden_size", "max_position_embeddings")  # from the others when None
             default = None if derived else getattr(sub, f.name)
             if not with_defaults:
                 default = argparse.SUPPRESS
             if tp is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
-                                   help=f.metadata.get("help", ""))
+                group.add_argument(
+                    flag,
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=f.metadata.get("help", ""),
+                )
             else:
-                group.add_argument(flag, dest=dest, type=tp, default=default, choices=f.metadata.get("choices"),
-                                   metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
-                                   nargs=f.metadata.get("nargs"), help=f.metadata.get("help", ""))
+                group.add_argument(
+                    flag,
+                    dest=dest,
+                    type=tp,
+                    default=default,
+                    choices=f.metadata.get("choices"),
+                    metavar=None if f.metadata.get("choices") else tp.__name__.upper(),
+                    nargs=f.metadata.get("nargs"),
+                    help=f.metadata.get("help", ""),
+                )
 
 
 def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
-    parser = argparse.ArgumentParser(description="Pretrain a GPT-2 Mixture-of-Experts model.",
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        description="Pretrain a GPT-2 Mixture-of-Experts model.", formatter_class=HelpFormatter
+    )
     add_config_flags(parser, with_defaults=with_defaults)
     return parser
 
@@ -115,25 +141,34 @@ def config_from_dict(d: dict) -> Config:
 def validate(cfg: Config, world_size: int) -> None:
     """Checks that need the world size: degrees, experts, batch sizes. Errors name the flag."""
     p, m, moe, t = cfg.parallel, cfg.model, cfg.moe, cfg.train
-    validate_degrees(world_size, p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                     p.expert_sharding_parallel_size,
-                     num_experts=moe.num_experts if moe.num_experts else None,
-                     ffn_hidden_size=m.ffn_hidden_size if moe.num_experts else None)
+    validate_degrees(
+        world_size,
+        p.tensor_model_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_sharding_parallel_size,
+        num_experts=moe.num_experts if moe.num_experts else None,
+        ffn_hidden_size=m.ffn_hidden_size if moe.num_experts else None,
+    )
     esp = p.expert_sharding_parallel_size
     if moe.num_experts and m.hidden_size % esp:
         raise ValueError(f"--hidden-size {m.hidden_size} must be divisible by --expert-sharding-parallel-size {esp}")
     mp = p.tensor_model_parallel_size
     if m.num_attention_heads % mp:
-        raise ValueError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
-                         f"--tensor-model-parallel-size {mp}")
+        raise ValueError(
+            f"--num-attention-heads {m.num_attention_heads} must be divisible by --tensor-model-parallel-size {mp}"
+        )
     if m.ffn_hidden_size % mp:
-        raise ValueError(f"--ffn-hidden-size {m.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {mp}")
+        raise ValueError(
+            f"--ffn-hidden-size {m.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {mp}"
+        )
     dp = world_size // mp
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size {t.global_batch_size} must be a multiple of --micro-batch-size "
-                         f"{t.micro_batch_size} x data-parallel size {dp}")
+        raise ValueError(
+            f"--global-batch-size {t.global_batch_size} must be a multiple of --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp}"
+        )
     if t.train_iters < 1:
         raise ValueError("--train-iters must be positive")
     if cfg.optim.lr_decay_iters is None:
@@ -147,13 +182,18 @@ def validate_pro_prophet(cfg: Config) -> None:
     if not o.pro_prophet:
         return
     if not moe.moe_dropless:
-        raise ValueError("--pro-prophet needs --moe-dropless (with capacity padding every expert computes "
-                         "C slots and there is no load to balance)")
+        raise ValueError(
+            "--pro-prophet needs --moe-dropless (with capacity padding every expert computes "
+            "C slots and there is no load to balance)"
+        )
     if not moe.num_experts or ep < 2:
-        raise ValueError(f"--pro-prophet needs --expert-model-parallel-size >= 2 and --num-experts > 0, got "
-                         f"{ep} and {moe.num_experts}")
+        raise ValueError(
+            f"--pro-prophet needs --expert-model-parallel-size >= 2 and --num-experts > 0, got "
+            f"{ep} and {moe.num_experts}"
+        )
     if o.pro_prophet_n > ep - 2:
-        raise ValueError(f"--pro-prophet-n must be in [0, {ep - 2}] for --expert-model-parallel-size {ep}, "
-                         f"got {o.pro_prophet_n}")
+        raise ValueError(
+            f"--pro-prophet-n must be in [0, {ep - 2}] for --expert-model-parallel-size {ep}, got {o.pro_prophet_n}"
+        )
     if o.pro_prophet_force_plan is not None:
-        parse_plan(o.pro_prophet_force_plan, moe.num_experts, ep)        # an error naming the flag
+        parse_plan(o.pro_prophet_force_plan, moe.num_experts, ep)  # an error naming the flag

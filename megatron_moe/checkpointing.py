@@ -30,6 +30,7 @@ directory exactly as a crash there would. Nothing else reads that variable.
 Loading reads tensors only (safetensors: no code can run from a checkpoint), after the shard's
 SHA-256 and the checkpoint's model/optimizer config have been checked against this run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,14 @@ from megatron_moe.arguments import config_to_dict
 
 FORMAT_VERSION = 1
 FAULT_ENV = "MEGATRON_MOE_CKPT_FAULT"
-FAULT_POINTS = ("after_shards", "after_metadata", "after_old_aside", "after_new_in", "after_latest",
-                "after_old_removed")
+FAULT_POINTS = (
+    "after_shards",
+    "after_metadata",
+    "after_old_aside",
+    "after_new_in",
+    "after_latest",
+    "after_old_removed",
+)
 TOKENIZER_DIR = "tokenizer"
 _ITER_RE = re.compile(r"^iter_(\d{7})(?:\.old-(\d+))?$")
 _TMP_RE = re.compile(r"^iter_\d{7}\.tmp-(\d+)$")
@@ -132,7 +139,7 @@ def state_tensors(model, optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in optimizer.state.items():
         for k, v in st.items():
-            t = v if torch.is_tensor(v) else torch.tensor(v, device="cpu")     # host copy for safetensors
+            t = v if torch.is_tensor(v) else torch.tensor(v, device="cpu")  # host copy for safetensors
             out[f"optim/{names[id(p)]}/{k}"] = t.detach().contiguous().cpu()
     out["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
@@ -154,8 +161,15 @@ def tokenizer_source(cfg) -> Optional[str]:
     return None
 
 
-TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "spiece",
-                           "megatron_moe_tokenizer")
+TOKENIZER_FILE_PREFIXES = (
+    "tokenizer",
+    "vocab",
+    "merges",
+    "special_tokens",
+    "added_tokens",
+    "spiece",
+    "megatron_moe_tokenizer",
+)
 
 
 def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
@@ -167,8 +181,11 @@ def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
     if not src:
         return None
     if os.path.isdir(src):
-        names = [n for n in sorted(os.listdir(src)) if n.startswith(TOKENIZER_FILE_PREFIXES)
-                 and os.path.isfile(os.path.join(src, n))]
+        names = [
+            n
+            for n in sorted(os.listdir(src))
+            if n.startswith(TOKENIZER_FILE_PREFIXES) and os.path.isfile(os.path.join(src, n))
+        ]
         if names:
             os.makedirs(dest)
             for n in names:
@@ -176,6 +193,7 @@ def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
             return None
     try:
         from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer
+
         tok = load_tokenizer(src)
         if hasattr(tok.backend, "save_pretrained"):
             tok.backend.save_pretrained(dest)
@@ -201,10 +219,10 @@ def portable_config(cfg) -> dict:
     data = d["data"]
     if isinstance(data.get("data_path"), str):
         data["data_path"] = os.path.abspath(data["data_path"])
-    elif data.get("data_path"):                   # a blend: weights stay, prefixes become absolute
+    elif data.get("data_path"):  # a blend: weights stay, prefixes become absolute
         data["data_path"] = [w if _is_number(w) else os.path.abspath(w) for w in data["data_path"]]
     tok = data.get("tokenizer_name_or_path")
-    if tok and os.path.exists(tok):               # a hub name stays as it is
+    if tok and os.path.exists(tok):  # a hub name stays as it is
         data["tokenizer_name_or_path"] = os.path.abspath(tok)
     return d
 
@@ -218,7 +236,7 @@ def _clean_leftovers(root: str, own_tmp: str) -> None:
         if m and path != own_tmp:
             pid = int(m.group(1))
             if pid != os.getpid() and _pid_alive(pid):
-                continue                               # another live process may be writing it
+                continue  # another live process may be writing it
             shutil.rmtree(path, ignore_errors=True)
             continue
         m = _ITER_RE.match(name)
@@ -226,7 +244,7 @@ def _clean_leftovers(root: str, own_tmp: str) -> None:
             final = iter_dir(root, int(m.group(1)))
             if not _is_complete(final) and _is_complete(path):
                 shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)                # the only good copy of this iteration
+                os.replace(path, final)  # the only good copy of this iteration
             else:
                 shutil.rmtree(path, ignore_errors=True)
     _fsync_dir(root)
@@ -253,8 +271,9 @@ def _retain(root: str, keep_last: int, keep: int) -> list:
     return [iter_dir(root, it) for it in doomed]
 
 
-def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, optimizer, cfg, ps,
-                    extra: Optional[dict] = None) -> str:
+def save_checkpoint(
+    root: str, iteration: int, consumed_samples: int, model, optimizer, cfg, ps, extra: Optional[dict] = None
+) -> str:
     """Write the checkpoint of `iteration` (all ranks call this); returns its directory.
 
     Refuses (NonFiniteError, nothing written) when any parameter or optimizer state is NaN/inf
@@ -266,8 +285,10 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
         bad = _non_finite(tensors)
         flags = _gather(bool(bad), ps)
         if any(flags):
-            raise NonFiniteError(f"iteration {iteration}: not saved, non-finite values in "
-                                 f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)")
+            raise NonFiniteError(
+                f"iteration {iteration}: not saved, non-finite values in "
+                f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)"
+            )
     tmp = _broadcast_str(f"{final}.tmp-{os.getpid()}", ps)
     if ps.global_rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -293,15 +314,26 @@ def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg
     if note:
         warnings.warn(note)
     lay = ps.layout
-    meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-            "layout": {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
-                       "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp},
-            "config": portable_config(cfg), "optimizer": type(optimizer).__name__,
-            "has_optimizer_state": bool(optimizer.state),
-            "router_calls": [layer.router.calls for layer in model.moe_layers()],
-            "shard_specs": {n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert,
-                                "full_shape": list(p._full_shape)} for n, p in model.named_parameters()},
-            "checksums": {"sha256": checksums}}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "layout": {
+            "world_size": lay.world_size,
+            "tensor_model_parallel_size": lay.mp,
+            "expert_model_parallel_size": lay.ep,
+            "expert_sharding_parallel_size": lay.esp,
+        },
+        "config": portable_config(cfg),
+        "optimizer": type(optimizer).__name__,
+        "has_optimizer_state": bool(optimizer.state),
+        "router_calls": [layer.router.calls for layer in model.moe_layers()],
+        "shard_specs": {
+            n: {"dims": [list(d) for d in p._shard.dims], "expert": p._shard.expert, "full_shape": list(p._full_shape)}
+            for n, p in model.named_parameters()
+        },
+        "checksums": {"sha256": checksums},
+    }
     if os.path.isdir(os.path.join(tmp, TOKENIZER_DIR)):
         meta["tokenizer"] = TOKENIZER_DIR
     meta.update(extra or {})
@@ -339,11 +371,14 @@ def read_metadata(ckpt_dir: str) -> dict:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"checkpoint metadata {path} is corrupt (not valid JSON: {e})") from e
-    missing = [k for k in ("iteration", "consumed_samples", "layout", "config") if not isinstance(meta, dict)
-               or k not in meta]
+    missing = [
+        k for k in ("iteration", "consumed_samples", "layout", "config") if not isinstance(meta, dict) or k not in meta
+    ]
     if missing or not (isinstance(meta["layout"], dict) and isinstance(meta["config"], dict)):
-        raise ValueError(f"checkpoint metadata {path} is corrupt or from another format "
-                         f"({'no ' + str(missing) if missing else 'layout/config are not objects'})")
+        raise ValueError(
+            f"checkpoint metadata {path} is corrupt or from another format "
+            f"({'no ' + str(missing) if missing else 'layout/config are not objects'})"
+        )
     return meta
 
 
@@ -417,10 +452,22 @@ def resolve(load: str) -> str:
 
 
 # ----------------------------------------------------------------------------- --use-checkpoint-args
-CHECKPOINT_ARGS = {"model": None, "moe": ("num_experts", "moe_layer_freq", "moe_router_topk",
-                                          "moe_expert_capacity_factor", "moe_min_capacity", "moe_router_policy",
-                                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_schedule",
-                                          "moe_s1_local_capacity", "moe_saa")}
+CHECKPOINT_ARGS = {
+    "model": None,
+    "moe": (
+        "num_experts",
+        "moe_layer_freq",
+        "moe_router_topk",
+        "moe_expert_capacity_factor",
+        "moe_min_capacity",
+        "moe_router_policy",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_schedule",
+        "moe_s1_local_capacity",
+        "moe_saa",
+    ),
+}
 
 
 def apply_checkpoint_args(cfg, meta: dict) -> list:
@@ -452,8 +499,15 @@ def _flag(section, name: str) -> str:
     return f.metadata.get("flag", "--" + name.replace("_", "-"))
 
 
-MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "vocab_size", "make_vocab_size_divisible_by")
+MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+)
 MOE_FIELDS = ("num_experts", "moe_layer_freq")
 
 
@@ -479,13 +533,19 @@ def layout_mismatches(meta: dict, ps) -> list:
     """Differences of the parallel layout, each naming the conversion tool."""
     out = []
     lay, layout = ps.layout, meta["layout"]
-    now_layout = {"world_size": lay.world_size, "tensor_model_parallel_size": lay.mp,
-                  "expert_model_parallel_size": lay.ep, "expert_sharding_parallel_size": lay.esp}
+    now_layout = {
+        "world_size": lay.world_size,
+        "tensor_model_parallel_size": lay.mp,
+        "expert_model_parallel_size": lay.ep,
+        "expert_sharding_parallel_size": lay.esp,
+    }
     for key, value in now_layout.items():
         if layout.get(key) != value:
             flag = "world size" if key == "world_size" else "--" + key.replace("_", "-")
-            out.append(f"{flag}: checkpoint {layout.get(key)}, this run {value} (layout: convert it with "
-                       f"`python tools/convert_checkpoint.py reshard`)")
+            out.append(
+                f"{flag}: checkpoint {layout.get(key)}, this run {value} (layout: convert it with "
+                f"`python tools/convert_checkpoint.py reshard`)"
+            )
     return out
 
 
@@ -493,9 +553,12 @@ def check_config(meta: dict, cfg, ps, path: str) -> None:
     """Raise ValueError listing every mismatch (before any tensor is read)."""
     bad = config_mismatches(meta, cfg, ps)
     if bad:
-        raise ValueError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(bad) +
-                         "\nchange these flags (or pass --use-checkpoint-args to take the model flags from "
-                         "the checkpoint)")
+        raise ValueError(
+            f"checkpoint {path} does not match this run:\n  "
+            + "\n  ".join(bad)
+            + "\nchange these flags (or pass --use-checkpoint-args to take the model flags from "
+            "the checkpoint)"
+        )
 
 
 def read_shard(path: str, meta: dict) -> dict:
@@ -535,8 +598,9 @@ def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
             if key not in tensors:
                 raise ValueError(f"checkpoint shard {shard}: parameter {n} missing")
             if tuple(tensors[key].shape) != tuple(p.shape):
-                raise ValueError(f"checkpoint shard {shard}: {n} has shape {tuple(tensors[key].shape)}, "
-                                 f"this model {tuple(p.shape)}")
+                raise ValueError(
+                    f"checkpoint shard {shard}: {n} has shape {tuple(tensors[key].shape)}, this model {tuple(p.shape)}"
+                )
             p.copy_(tensors[key].to(p.device))
     names = {n: p for n, p in model.named_parameters()}
     step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
@@ -554,4 +618,3 @@ def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
     for layer, calls in zip(model.moe_layers(), meta.get("router_calls", [])):
         layer.router.calls = calls
     return meta
-

@@ -4,6 +4,7 @@ Each field's flag is `--` + the field name with `_` -> `-` unless its metadata
 gives `flag`; `help` and `choices` come from the metadata too. Validation that
 concerns one dataclass lives in its `__post_init__` and names the flag.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,28 +58,43 @@ class ModelConfig:
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: Optional[int] = opt(None, "learned positions (default seq length)")
     vocab_size: int = opt(0, "vocabulary size (0: taken from the tokenizer / data)")
-    make_vocab_size_divisible_by: int = opt(128, "pad the embedding table to a multiple of this "
-                                            "(padded entries are masked out of the softmax)")
+    make_vocab_size_divisible_by: int = opt(
+        128, "pad the embedding table to a multiple of this (padded entries are masked out of the softmax)"
+    )
     layernorm_epsilon: float = opt(1e-5, "LayerNorm epsilon")
     init_method_std: float = opt(0.02, "std of the normal weight initialization")
     dropout: float = opt(0.0, "dropout on embeddings, attention output and MLP output", flag="--hidden-dropout")
 
     def __post_init__(self) -> None:
-        check_fields(self, {"num_layers": AT_LEAST_ONE, "hidden_size": AT_LEAST_ONE,
-                            "num_attention_heads": AT_LEAST_ONE, "ffn_hidden_size": AT_LEAST_ONE,
-                            "seq_length": AT_LEAST_ONE, "max_position_embeddings": AT_LEAST_ONE,
-                            "vocab_size": NON_NEGATIVE, "make_vocab_size_divisible_by": AT_LEAST_ONE,
-                            "layernorm_epsilon": POSITIVE, "init_method_std": NON_NEGATIVE, "dropout": FRACTION})
+        check_fields(
+            self,
+            {
+                "num_layers": AT_LEAST_ONE,
+                "hidden_size": AT_LEAST_ONE,
+                "num_attention_heads": AT_LEAST_ONE,
+                "ffn_hidden_size": AT_LEAST_ONE,
+                "seq_length": AT_LEAST_ONE,
+                "max_position_embeddings": AT_LEAST_ONE,
+                "vocab_size": NON_NEGATIVE,
+                "make_vocab_size_divisible_by": AT_LEAST_ONE,
+                "layernorm_epsilon": POSITIVE,
+                "init_method_std": NON_NEGATIVE,
+                "dropout": FRACTION,
+            },
+        )
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by "
-                             f"--num-attention-heads {self.num_attention_heads}")
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} must be divisible by "
+                f"--num-attention-heads {self.num_attention_heads}"
+            )
         if self.seq_length > self.max_position_embeddings:
-            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                             f"{self.max_position_embeddings}")
+            raise ValueError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}"
+            )
 
 
 @dataclass
@@ -89,26 +105,45 @@ class MoEConfig:
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
     moe_router_topk: int = opt(1, "experts per token k (1 or 2)")
     moe_expert_capacity_factor: float = opt(1.0, "capacity factor f")
-    moe_dropless: bool = opt(False, "dropless MoE (Megatron-Core's mode): no capacity, every routed choice is "
-                             "kept, only real tokens travel and experts compute only the tokens they receive")
+    moe_dropless: bool = opt(
+        False,
+        "dropless MoE (Megatron-Core's mode): no capacity, every routed choice is "
+        "kept, only real tokens travel and experts compute only the tokens they receive",
+    )
     moe_min_capacity: int = opt(4, "minimum expert capacity")
-    moe_router_policy: str = opt("position", "slot assignment / expert choice policy",
-                                 choices=["position", "batch_prioritized", "random"])
+    moe_router_policy: str = opt(
+        "position", "slot assignment / expert choice policy", choices=["position", "batch_prioritized", "random"]
+    )
     moe_aux_loss_coeff: float = opt(0.01, "load-balancing loss coefficient")
     moe_z_loss_coeff: float = opt(0.0, "router z-loss coefficient (0: off)")
-    moe_schedule: str = opt("auto", "MoE layer schedule (Parm): baseline, S1, S2 or cost-model choice",
-                            choices=["baseline", "s1", "s2", "auto"])
+    moe_schedule: str = opt(
+        "auto",
+        "MoE layer schedule (Parm): baseline, S1, S2 or cost-model choice",
+        choices=["baseline", "s1", "s2", "auto"],
+    )
     moe_s1_local_capacity: bool = opt(False, "S1 with Parm's original per-slice capacity (NOT equivalent)")
-    moe_saa: bool = opt(True, "S2: overlap return all-to-all with MP all-gather (SAA); "
-                        "--no-moe-saa runs them one after the other (AAS)")
-    moe_kept_only: bool = opt(True, "experts compute only the rows of the capacity-padded buffer that hold a "
-                              "kept token; --no-moe-kept-only multiplies the padding too (same values)")
+    moe_saa: bool = opt(
+        True, "S2: overlap return all-to-all with MP all-gather (SAA); --no-moe-saa runs them one after the other (AAS)"
+    )
+    moe_kept_only: bool = opt(
+        True,
+        "experts compute only the rows of the capacity-padded buffer that hold a "
+        "kept token; --no-moe-kept-only multiplies the padding too (same values)",
+    )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
 
     def __post_init__(self) -> None:
-        check_fields(self, {"num_experts": NON_NEGATIVE, "moe_layer_freq": AT_LEAST_ONE,
-                            "moe_expert_capacity_factor": POSITIVE, "moe_min_capacity": NON_NEGATIVE,
-                            "moe_aux_loss_coeff": NON_NEGATIVE, "moe_z_loss_coeff": NON_NEGATIVE})
+        check_fields(
+            self,
+            {
+                "num_experts": NON_NEGATIVE,
+                "moe_layer_freq": AT_LEAST_ONE,
+                "moe_expert_capacity_factor": POSITIVE,
+                "moe_min_capacity": NON_NEGATIVE,
+                "moe_aux_loss_coeff": NON_NEGATIVE,
+                "moe_z_loss_coeff": NON_NEGATIVE,
+            },
+        )
         if self.moe_router_topk not in (1, 2):
             raise ValueError(f"--moe-router-topk must be 1 or 2, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
@@ -121,8 +156,10 @@ class MoEConfig:
             raise ValueError(DROPLESS_S2_ERROR)
 
 
-DROPLESS_S2_ERROR = ("--moe-dropless cannot be combined with --moe-schedule s2 (S2 pads every expert to the "
-                     "capacity); use --moe-schedule baseline, s1 or auto")
+DROPLESS_S2_ERROR = (
+    "--moe-dropless cannot be combined with --moe-schedule s2 (S2 pads every expert to the "
+    "capacity); use --moe-schedule baseline, s1 or auto"
+)
 
 
 @dataclass
@@ -132,11 +169,15 @@ class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "MP degree (Megatron tensor parallel)")
     expert_model_parallel_size: int = opt(1, "EP degree")
     expert_sharding_parallel_size: int = opt(1, "ESP degree: expert hidden dim sharded over this many ranks")
-    device: str = opt("auto", "device of the run: cuda (this rank's GPU, LOCAL_RANK), cpu, or auto "
-                      "(cuda when available and --distributed-backend is not gloo, else cpu)",
-                      choices=["auto", "cpu", "cuda"])
-    distributed_backend: Optional[str] = opt(None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)",
-                                             choices=["gloo", "nccl"])
+    device: str = opt(
+        "auto",
+        "device of the run: cuda (this rank's GPU, LOCAL_RANK), cpu, or auto "
+        "(cuda when available and --distributed-backend is not gloo, else cpu)",
+        choices=["auto", "cpu", "cuda"],
+    )
+    distributed_backend: Optional[str] = opt(
+        None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)", choices=["gloo", "nccl"]
+    )
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")
 
     def __post_init__(self) -> None:
@@ -144,8 +185,15 @@ class ParallelConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cpu" and self.distributed_backend == "nccl":
             raise ValueError("--distributed-backend nccl needs --device cuda (NCCL has no CPU tensors)")
-        check_fields(self, {"tensor_model_parallel_size": AT_LEAST_ONE, "expert_model_parallel_size": AT_LEAST_ONE,
-                            "expert_sharding_parallel_size": AT_LEAST_ONE, "comm_timeout": POSITIVE})
+        check_fields(
+            self,
+            {
+                "tensor_model_parallel_size": AT_LEAST_ONE,
+                "expert_model_parallel_size": AT_LEAST_ONE,
+                "expert_sharding_parallel_size": AT_LEAST_ONE,
+                "comm_timeout": POSITIVE,
+            },
+        )
 
 
 @dataclass
@@ -167,10 +215,21 @@ class OptimConfig:
     bf16: bool = opt(False, "bf16 autocast with fp32 master weights")
 
     def __post_init__(self) -> None:
-        check_fields(self, {"lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE,
-                            "lr_decay_iters": AT_LEAST_ONE, "weight_decay": NON_NEGATIVE,
-                            "adam_beta1": FRACTION, "adam_beta2": FRACTION, "adam_eps": POSITIVE,
-                            "sgd_momentum": NON_NEGATIVE, "clip_grad": NON_NEGATIVE})
+        check_fields(
+            self,
+            {
+                "lr": NON_NEGATIVE,
+                "min_lr": NON_NEGATIVE,
+                "lr_warmup_iters": NON_NEGATIVE,
+                "lr_decay_iters": AT_LEAST_ONE,
+                "weight_decay": NON_NEGATIVE,
+                "adam_beta1": FRACTION,
+                "adam_beta2": FRACTION,
+                "adam_eps": POSITIVE,
+                "sgd_momentum": NON_NEGATIVE,
+                "clip_grad": NON_NEGATIVE,
+            },
+        )
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must be <= --lr {self.lr} (pass a smaller --min-lr)")
 
@@ -180,19 +239,26 @@ class DataConfig:
     """Where the tokens come from."""
 
     data_path: Optional[Union[str, list[str]]] = opt(
-        None, "PREFIX (files PREFIX.{bin,idx}, cut by --split; or PREFIX_{train,valid,test}_text_document"
+        None,
+        "PREFIX (files PREFIX.{bin,idx}, cut by --split; or PREFIX_{train,valid,test}_text_document"
         ".{bin,idx}), or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' as in Megatron "
-        "(default: the bundled sample corpus, preprocessed once; see data/README.md)", nargs="+")
+        "(default: the bundled sample corpus, preprocessed once; see data/README.md)",
+        nargs="+",
+    )
     tokenizer_name_or_path: Optional[str] = opt(None, "tokenizer directory/hub name (default: beside the data)")
     num_workers: int = opt(0, "dataloader workers")
-    split: str = opt("969,30,1", "train,valid,test weights cutting a single PREFIX.{bin,idx} corpus into "
-                     "document ranges (unused for per-split PREFIX_{train,valid,test}_text_document files)")
+    split: str = opt(
+        "969,30,1",
+        "train,valid,test weights cutting a single PREFIX.{bin,idx} corpus into "
+        "document ranges (unused for per-split PREFIX_{train,valid,test}_text_document files)",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.data_path, (list, tuple)):
             self.data_path = self.data_path[0] if len(self.data_path) == 1 else list(self.data_path)
         from megatron_moe.data.paths import parse_split
-        parse_split(self.split)          # error naming --split
+
+        parse_split(self.split)  # error naming --split
         check_fields(self, {"num_workers": NON_NEGATIVE})
 
 
@@ -211,20 +277,40 @@ class TrainConfig:
     save_interval: Optional[int] = opt(0, "save every this many iterations (0: only at the end if --save)")
     exit_interval: int = opt(0, "stop after this many iterations of this run (0: never; for tests)")
     keep_last: int = opt(0, "keep only the newest N checkpoints under --save (0: keep all)")
-    use_checkpoint_args: bool = opt(False, "take the model and MoE flags from the --load checkpoint's metadata "
-                                    "(flags given on the command line win, as in Megatron)")
-    check_for_nan_in_loss_and_grad: bool = opt(True, "stop with an error when the loss or the gradient norm is "
-                                               "NaN/inf (the step is not applied, nothing non-finite is saved)")
-    exit_duration_in_mins: float = opt(0.0, "save (with --save) and exit 0 once this run has lasted this many "
-                                       "minutes; all ranks stop at the same iteration (0: never)")
-    exit_signal_handler: bool = opt(True, "on SIGUSR1 (e.g. sbatch --signal=USR1@300) save and exit 0 at the "
-                                    "next iteration boundary, all ranks together")
+    use_checkpoint_args: bool = opt(
+        False,
+        "take the model and MoE flags from the --load checkpoint's metadata "
+        "(flags given on the command line win, as in Megatron)",
+    )
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True,
+        "stop with an error when the loss or the gradient norm is "
+        "NaN/inf (the step is not applied, nothing non-finite is saved)",
+    )
+    exit_duration_in_mins: float = opt(
+        0.0,
+        "save (with --save) and exit 0 once this run has lasted this many "
+        "minutes; all ranks stop at the same iteration (0: never)",
+    )
+    exit_signal_handler: bool = opt(
+        True,
+        "on SIGUSR1 (e.g. sbatch --signal=USR1@300) save and exit 0 at the next iteration boundary, all ranks together",
+    )
 
     def __post_init__(self) -> None:
-        check_fields(self, {"micro_batch_size": AT_LEAST_ONE, "global_batch_size": AT_LEAST_ONE,
-                            "train_iters": AT_LEAST_ONE, "eval_interval": NON_NEGATIVE, "eval_iters": NON_NEGATIVE,
-                            "save_interval": NON_NEGATIVE, "exit_interval": NON_NEGATIVE,
-                            "keep_last": NON_NEGATIVE})
+        check_fields(
+            self,
+            {
+                "micro_batch_size": AT_LEAST_ONE,
+                "global_batch_size": AT_LEAST_ONE,
+                "train_iters": AT_LEAST_ONE,
+                "eval_interval": NON_NEGATIVE,
+                "eval_iters": NON_NEGATIVE,
+                "save_interval": NON_NEGATIVE,
+                "exit_interval": NON_NEGATIVE,
+                "keep_last": NON_NEGATIVE,
+            },
+        )
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load")
         if self.exit_duration_in_mins < 0:
@@ -240,13 +326,18 @@ class LoggingConfig:
     wandb_project: Optional[str] = opt(None, "wandb project (enables wandb)")
     wandb_exp_name: Optional[str] = opt(None, "wandb run name")
     wandb_mode: str = opt("offline", "wandb mode", choices=["offline", "online", "disabled"])
-    wandb_save_dir: Optional[str] = opt(None, "wandb writes DIR/wandb/ (default: the --save directory, else "
-                                        "$XDG_CACHE_HOME/megatron-moe)")
-    tensorboard_dir: Optional[str] = opt(None, "write TensorBoard event files here: the log line's scalars "
-                                         "and expert-load histograms")
+    wandb_save_dir: Optional[str] = opt(
+        None, "wandb writes DIR/wandb/ (default: the --save directory, else $XDG_CACHE_HOME/megatron-moe)"
+    )
+    tensorboard_dir: Optional[str] = opt(
+        None, "write TensorBoard event files here: the log line's scalars and expert-load histograms"
+    )
     timestamps: bool = opt(True, "prefix log lines with [YYYY-MM-DD HH:MM:SS]")
-    profile: bool = opt(False, "record a torch.profiler Chrome trace of iterations "
-                        "[--profile-step-start, --profile-step-end) on --profile-ranks")
+    profile: bool = opt(
+        False,
+        "record a torch.profiler Chrome trace of iterations "
+        "[--profile-step-start, --profile-step-end) on --profile-ranks",
+    )
     profile_step_start: int = opt(10, "first profiled iteration (counted as iterations already done)")
     profile_step_end: int = opt(12, "profiling stops before this iteration")
     profile_ranks: list[int] = opt((0,), "global ranks that write a trace", nargs="+")
@@ -255,8 +346,10 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         self.profile_ranks = [int(r) for r in self.profile_ranks]
         if self.profile and self.profile_step_end <= self.profile_step_start:
-            raise ValueError(f"--profile-step-end ({self.profile_step_end}) must be greater than "
-                             f"--profile-step-start ({self.profile_step_start})")
+            raise ValueError(
+                f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                f"--profile-step-start ({self.profile_step_start})"
+            )
         if self.profile and self.profile_step_start < 0:
             raise ValueError("--profile-step-start must be >= 0")
         check_fields(self, {"log_interval": AT_LEAST_ONE})
@@ -269,48 +362,83 @@ class OptimizationsConfig:
     lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
     lina_max_in_flight: int = opt(4, "Lina: gradient micro-ops in flight at once at most (1: the original Lina)")
-    lina_coalesce: bool = opt(True, "Lina: micro-ops are equal slices of the concatenated gradients of a group "
-                                    "(small tensors share one micro-op); --no-lina-coalesce: one tensor per micro-op")
-    lina_drain_ms: float = opt(0.0, "Lina launch budget: micro-ops in flight when an all-to-all starts drain "
-                                    "within this many ms at the measured link rate (0: a tenth of the "
-                                    "measured backward all-to-all time)")
-    lina_pipeline_chunks: int = opt(1, "Lina: split each MoE layer's all-to-alls into this many token-chunk "
-                                       "micro-ops pipelined with the expert FFN (1: no pipelining)")
+    lina_coalesce: bool = opt(
+        True,
+        "Lina: micro-ops are equal slices of the concatenated gradients of a group "
+        "(small tensors share one micro-op); --no-lina-coalesce: one tensor per micro-op",
+    )
+    lina_drain_ms: float = opt(
+        0.0,
+        "Lina launch budget: micro-ops in flight when an all-to-all starts drain "
+        "within this many ms at the measured link rate (0: a tenth of the "
+        "measured backward all-to-all time)",
+    )
+    lina_pipeline_chunks: int = opt(
+        1,
+        "Lina: split each MoE layer's all-to-alls into this many token-chunk "
+        "micro-ops pipelined with the expert FFN (1: no pipelining)",
+    )
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
     lancet_max_partitions: int = opt(8, "Lancet rho: max partitions")
     lancet_group_ms: float = opt(1.0, "Lancet gamma: op group size in ms")
     lancet_max_range: int = opt(8, "Lancet iota: max range in op groups")
     lancet_report: Optional[str] = opt(None, "write Lancet's plan and timings to this JSON file")
-    lancet_force_partitions: int = opt(0, "Lancet: run every MoE block's range in this many parts whatever "
-                                          "the planner predicts (tests, fixed benchmarks; 0: the planner decides)")
-    lancet_measure_iters: int = opt(3, "Lancet: before committing to a plan, time the best predicted plans and "
-                                       "'none' for this many iterations on the real model and keep the fastest "
-                                       "(0: trust the cost model)")
-    lancet_candidates: int = opt(2, "Lancet: how many of the best predicted plans --lancet-measure-iters times "
-                                    "beside 'none'")
-    pro_prophet: bool = opt(False, "Pro-Prophet (needs --moe-dropless): replicate heavy experts on other EP ranks "
-                            "for one iteration, planned from the last iteration's token counts; Trans/Agg of "
-                            "their weights/gradients overlapped with compute")
-    pro_prophet_alpha: float = opt(0.25, "Pro-Prophet: balanced when max - min computed tokens per EP rank < "
-                                   "alpha x tokens / experts (eq. (7))")
-    pro_prophet_n: int = opt(0, "Pro-Prophet: EP ranks (those with the fewest tokens for it) a moved expert is "
-                             "not sent to")
+    lancet_force_partitions: int = opt(
+        0,
+        "Lancet: run every MoE block's range in this many parts whatever "
+        "the planner predicts (tests, fixed benchmarks; 0: the planner decides)",
+    )
+    lancet_measure_iters: int = opt(
+        3,
+        "Lancet: before committing to a plan, time the best predicted plans and "
+        "'none' for this many iterations on the real model and keep the fastest "
+        "(0: trust the cost model)",
+    )
+    lancet_candidates: int = opt(
+        2, "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none'"
+    )
+    pro_prophet: bool = opt(
+        False,
+        "Pro-Prophet (needs --moe-dropless): replicate heavy experts on other EP ranks "
+        "for one iteration, planned from the last iteration's token counts; Trans/Agg of "
+        "their weights/gradients overlapped with compute",
+    )
+    pro_prophet_alpha: float = opt(
+        0.25, "Pro-Prophet: balanced when max - min computed tokens per EP rank < alpha x tokens / experts (eq. (7))"
+    )
+    pro_prophet_n: int = opt(
+        0, "Pro-Prophet: EP ranks (those with the fewest tokens for it) a moved expert is not sent to"
+    )
     pro_prophet_interval: int = opt(1, "Pro-Prophet: plan every this many iterations (the plan is kept in between)")
-    pro_prophet_no_schedule: bool = opt(False, "Pro-Prophet ablation: Trans/Agg blocking at the point of use "
-                                        "instead of overlapped (Algorithm 2)")
-    pro_prophet_force_plan: Optional[str] = opt(None, "Pro-Prophet: use this placement in every MoE layer and "
-                                                "iteration instead of planning, 'E:R[,R];E:R' = expert E "
-                                                "replicated on EP ranks R (tests, fixed benchmarks)")
+    pro_prophet_no_schedule: bool = opt(
+        False, "Pro-Prophet ablation: Trans/Agg blocking at the point of use instead of overlapped (Algorithm 2)"
+    )
+    pro_prophet_force_plan: Optional[str] = opt(
+        None,
+        "Pro-Prophet: use this placement in every MoE layer and "
+        "iteration instead of planning, 'E:R[,R];E:R' = expert E "
+        "replicated on EP ranks R (tests, fixed benchmarks)",
+    )
 
     def __post_init__(self) -> None:
-        check_fields(self, {"lina_partition_mb": POSITIVE, "lina_max_in_flight": AT_LEAST_ONE,
-                            "lina_drain_ms": NON_NEGATIVE, "lina_pipeline_chunks": AT_LEAST_ONE,
-                            "lancet_max_partitions": AT_LEAST_ONE,
-                            "lancet_group_ms": POSITIVE, "lancet_max_range": AT_LEAST_ONE,
-                            "lancet_measure_iters": NON_NEGATIVE, "lancet_candidates": AT_LEAST_ONE,
-                            "pro_prophet_alpha": NON_NEGATIVE, "pro_prophet_n": NON_NEGATIVE,
-                            "pro_prophet_interval": AT_LEAST_ONE})
+        check_fields(
+            self,
+            {
+                "lina_partition_mb": POSITIVE,
+                "lina_max_in_flight": AT_LEAST_ONE,
+                "lina_drain_ms": NON_NEGATIVE,
+                "lina_pipeline_chunks": AT_LEAST_ONE,
+                "lancet_max_partitions": AT_LEAST_ONE,
+                "lancet_group_ms": POSITIVE,
+                "lancet_max_range": AT_LEAST_ONE,
+                "lancet_measure_iters": NON_NEGATIVE,
+                "lancet_candidates": AT_LEAST_ONE,
+                "pro_prophet_alpha": NON_NEGATIVE,
+                "pro_prophet_n": NON_NEGATIVE,
+                "pro_prophet_interval": AT_LEAST_ONE,
+            },
+        )
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
 

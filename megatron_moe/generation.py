@@ -18,6 +18,7 @@ This is the one-process reference (full recomputation). Batched generation with 
 any parallel layout, which tools/generate.py uses, is `megatron_moe.inference` (its greedy output
 equals `generate` on the dropless model token for token).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def load_model(path: str, iteration: Optional[int] = None, capacity_factor: Opti
     `capacity_factor` replaces every MoE layer's capacity factor (e.g. a large one for no drops).
     """
     from megatron_moe.convert import build_model, read_any
+
     ckpt = read_any(path, iteration, with_optimizer=False, progress=False)
     model = build_model(ckpt.cfg, ckpt.model)
     if capacity_factor is not None:
@@ -50,6 +52,7 @@ def carried_tokenizer(path: str, iteration: Optional[int] = None) -> Optional[st
         return None
     from megatron_moe.checkpointing import TOKENIZER_DIR
     from megatron_moe.convert import checkpoint_dir
+
     tok = os.path.join(checkpoint_dir(path, iteration), TOKENIZER_DIR)
     return tok if os.path.isdir(tok) else None
 
@@ -65,8 +68,10 @@ def tokenizer_path(cfg: Config, override: Optional[str] = None, carried: Optiona
         return cfg.data.tokenizer_name_or_path
     if cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):
         return f"{cfg.data.data_path}_tokenizer"
-    raise ValueError("no tokenizer recorded in the checkpoint's config (and none beside its --data-path "
-                     f"{cfg.data.data_path}): pass --tokenizer-name-or-path")
+    raise ValueError(
+        "no tokenizer recorded in the checkpoint's config (and none beside its --data-path "
+        f"{cfg.data.data_path}): pass --tokenizer-name-or-path"
+    )
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -94,8 +99,13 @@ def filter_logits(logits_V: torch.Tensor, top_k: int = 0, top_p: float = 1.0) ->
     return out
 
 
-def next_token(logits_V: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               generator: Optional[torch.Generator] = None) -> int:
+def next_token(
+    logits_V: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> int:
     """The next token id from last-position logits [V] (greedy when temperature == 0)."""
     logits_V = logits_V.float()
     if temperature == 0:
@@ -105,8 +115,16 @@ def next_token(logits_V: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eod: Optional[int] = None) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eod: Optional[int] = None,
+) -> list[int]:
     """Extend `prompt_ids` by up to `max_new_tokens` ids (stopping after `eod` when given);
     returns only the new ids. Every id is < the model's (unpadded) vocabulary size."""
     check_sampling(temperature, top_k, top_p)
@@ -115,12 +133,12 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
         raise ValueError("the prompt is empty (an empty --prompt starts from the end-of-document token)")
     if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
         raise ValueError(f"prompt ids must be in [0, {vocab}): the tokenizer does not match the model")
-    gen = torch.Generator(device="cpu").manual_seed(seed)     # samples from host logits: same on every device
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # samples from host logits: same on every device
     device = next(model.parameters()).device
     ids, new = list(prompt_ids), []
     for _ in range(max_new_tokens):
-        ctx = torch.tensor([ids[-max_pos:]], dtype=torch.long, device=device)   # crop to max positions
-        logits_V = model(ctx)[0, -1, :vocab].cpu()                           # real vocabulary only
+        ctx = torch.tensor([ids[-max_pos:]], dtype=torch.long, device=device)  # crop to max positions
+        logits_V = model(ctx)[0, -1, :vocab].cpu()  # real vocabulary only
         tok = next_token(logits_V, temperature, top_k, top_p, gen)
         ids.append(tok)
         new.append(tok)

@@ -16,6 +16,7 @@ wandb: the run id is chosen by the trainer (a new one, or the one stored in
 the checkpoint it resumes) and passed with `resume="allow"`, so a resumed job
 continues the same wandb run.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ def new_wandb_run_id() -> str:
     """A fresh wandb run id (8 lowercase letters and digits, as wandb makes them)."""
     import secrets
     import string
+
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
@@ -56,9 +58,10 @@ def open_tensorboard(log_dir: str):
     """A SummaryWriter on `log_dir`, or a clear error when tensorboard is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:        # torch raises ImportError when the tensorboard package is missing
-        raise ImportError(f"--tensorboard-dir {log_dir} needs the tensorboard package: "
-                          f"pip install tensorboard ({e})") from None
+    except ImportError as e:  # torch raises ImportError when the tensorboard package is missing
+        raise ImportError(
+            f"--tensorboard-dir {log_dir} needs the tensorboard package: pip install tensorboard ({e})"
+        ) from None
     os.makedirs(log_dir, exist_ok=True)
     return SummaryWriter(log_dir=log_dir)
 
@@ -66,14 +69,23 @@ def open_tensorboard(log_dir: str):
 def log_expert_load(writer, tag: str, counts, step: int) -> None:
     """Histogram of expert ids weighted by tokens routed: bucket e (edges e-0.5, e+0.5) = counts[e]."""
     import numpy as np
+
     c = np.asarray(counts, dtype=np.float64)
     ids = np.arange(len(c), dtype=np.float64)
     total = float(c.sum())
     if total <= 0:
         return
-    writer.add_histogram_raw(tag, min=float(ids[c > 0].min()), max=float(ids[c > 0].max()), num=total,
-                             sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()),
-                             bucket_limits=(ids + 0.5).tolist(), bucket_counts=c.tolist(), global_step=step)
+    writer.add_histogram_raw(
+        tag,
+        min=float(ids[c > 0].min()),
+        max=float(ids[c > 0].max()),
+        num=total,
+        sum=float((ids * c).sum()),
+        sum_squares=float((ids * ids * c).sum()),
+        bucket_limits=(ids + 0.5).tolist(),
+        bucket_counts=c.tolist(),
+        global_step=step,
+    )
 
 
 def scrub(d: dict) -> dict:
@@ -102,11 +114,18 @@ class MetricsLogger:
             self.tensorboard = open_tensorboard(cfg.logging.tensorboard_dir)
         if active and wandb_enabled(cfg):
             import wandb
+
             save_dir = wandb_dir(cfg)
             os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
-                                    mode=cfg.logging.wandb_mode, dir=save_dir, config=scrub(config_dict),
-                                    id=wandb_run_id, resume="allow" if wandb_run_id else None)
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=cfg.logging.wandb_exp_name,
+                mode=cfg.logging.wandb_mode,
+                dir=save_dir,
+                config=scrub(config_dict),
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
+            )
 
     def line(self, text: str) -> None:
         if self.active:
@@ -128,10 +147,12 @@ class MetricsLogger:
             self.tensorboard.flush()
         if self.wandb is not None:
             import wandb
+
             payload = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k != "iteration"}
             payload = {f"{prefix}/{k}": v for k, v in payload.items()}
             for name, counts in (histograms or {}).items():
                 import numpy as np
+
                 c = np.asarray(counts, dtype=np.float64)
                 payload[name] = wandb.Histogram(np_histogram=(c, np.arange(len(c) + 1)))
             self.wandb.log(payload, step=step)
@@ -157,4 +178,5 @@ def wandb_dir(cfg) -> str:
     if cfg.train.save:
         return cfg.train.save
     from megatron_moe.data.paths import cache_home
+
     return str(cache_home())

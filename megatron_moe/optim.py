@@ -6,6 +6,7 @@ parameter element exactly once across MP/EP/ESP/DP: each rank adds the
 squares of the shards it *owns* (the lowest global rank among the replicas of
 that shard) and the sums are all-reduced over the world.
 """
+
 from __future__ import annotations
 
 import functools

@@ -27,6 +27,7 @@ MoE runs with Lina but not with Lancet, whose partitions and deferred expert dW
 work on the capacity-padded expert input). Under --moe-dropless, auto is not
 profiled: it resolves to the dropless baseline (`moe.layer`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,9 +46,11 @@ from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import plan as plan_placement
 
 # (flag, value, flag, value) pairs that cannot run together; value None: the switch is on
-UNSUPPORTED: tuple = (("--moe-dropless", None, "--lancet-partition", None),
-                      ("--moe-dropless", None, "--lancet-wgrad", None),
-                      ("--moe-dropless", None, "--moe-schedule", "s2"))
+UNSUPPORTED: tuple = (
+    ("--moe-dropless", None, "--lancet-partition", None),
+    ("--moe-dropless", None, "--lancet-wgrad", None),
+    ("--moe-dropless", None, "--moe-schedule", "s2"),
+)
 
 
 @dataclass
@@ -71,8 +74,10 @@ def check_combination(cfg: Config, unsupported: tuple = UNSUPPORTED) -> None:
     for flag_a, val_a, flag_b, val_b in unsupported:
         a, b = _flag_value(cfg, flag_a), _flag_value(cfg, flag_b)
         if (a if val_a is None else a == val_a) and (b if val_b is None else b == val_b):
-            raise ValueError(f"{flag_a}{'' if val_a is None else ' ' + str(val_a)} cannot be combined with "
-                             f"{flag_b}{'' if val_b is None else ' ' + str(val_b)}")
+            raise ValueError(
+                f"{flag_a}{'' if val_a is None else ' ' + str(val_a)} cannot be combined with "
+                f"{flag_b}{'' if val_b is None else ' ' + str(val_b)}"
+            )
 
 
 def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -> Applied:
@@ -81,32 +86,43 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
     out = Applied()
     for layer in model.moe_layers():
         if layer.requested == "auto" and layer.dropless:
-            out.changes.append(f"layer {layer.layer_idx}: --moe-dropless: auto -> dropless baseline "
-                               f"(uneven all-to-all, ragged experts)")
+            out.changes.append(
+                f"layer {layer.layer_idx}: --moe-dropless: auto -> dropless baseline "
+                f"(uneven all-to-all, ragged experts)"
+            )
         elif layer.requested == "auto":
             choice = choose_for_layer(cfg, ps, layer.layer_idx)
             layer.use_schedule(choice.schedule, choice.saa_chunks, choice)
             out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
         else:
-            out.changes.append(f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}"
-                               + (" (dropless)" if layer.dropless else ""))
+            out.changes.append(
+                f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}" + (" (dropless)" if layer.dropless else "")
+            )
     opts = cfg.opts
     if opts.lina:
-        out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout,
-                                 max_in_flight=opts.lina_max_in_flight, drain_ms=opts.lina_drain_ms,
-                                 coalesce=opts.lina_coalesce)
+        out.lina = LinaScheduler(
+            opts.lina_partition_mb,
+            cfg.parallel.comm_timeout,
+            max_in_flight=opts.lina_max_in_flight,
+            drain_ms=opts.lina_drain_ms,
+            coalesce=opts.lina_coalesce,
+        )
         grad_sync.set_scheduler(out.lina, model)
         n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
-        out.changes.append(f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
-                           f"held back around the all-to-alls of {n} MoE layers")
+        out.changes.append(
+            f"lina: gradient all-reduce in {opts.lina_partition_mb:g} MB micro-ops, "
+            f"held back around the all-to-alls of {n} MoE layers"
+        )
     if opts.lina_pipeline_chunks > 1:
         for flag, on in (("--lancet-wgrad", opts.lancet_wgrad), ("--lancet-partition", opts.lancet_partition)):
             if on:
                 raise ValueError(f"--lina-pipeline-chunks cannot be combined with {flag}")
         for layer in model.moe_layers():
             layer.set_pipeline_chunks(opts.lina_pipeline_chunks)
-        out.changes.append(f"lina: all-to-alls of every MoE layer in {opts.lina_pipeline_chunks} token-chunk "
-                           f"micro-ops pipelined with the experts")
+        out.changes.append(
+            f"lina: all-to-alls of every MoE layer in {opts.lina_pipeline_chunks} token-chunk "
+            f"micro-ops pipelined with the experts"
+        )
     if opts.lancet_wgrad or opts.lancet_partition:
         out.lancet = lancet_setup(model, ps, opts, grad_sync=grad_sync)
         plan = out.lancet.plan
@@ -118,8 +134,10 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
             n = sum(len(ws) for ws in plan.assignment.values())
             out.changes.append(f"lancet: {n} weight-gradient GEMMs deferred under all-to-alls")
         for r in plan.ranges:
-            out.changes.append(f"layer {r.layer}: partitioned k={r.k} from {r.start} to {r.end} with "
-                               f"{model.blocks[r.layer].moe.schedule} inside")
+            out.changes.append(
+                f"layer {r.layer}: partitioned k={r.k} from {r.start} to {r.end} with "
+                f"{model.blocks[r.layer].moe.schedule} inside"
+            )
         if opts.lancet_partition and not plan.ranges:
             out.changes.append("lancet: the planner partitioned no range (not predicted or not measured faster)")
     if opts.pro_prophet:
@@ -141,14 +159,20 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         return runtime
     M, H = m.hidden_size, m.ffn_hidden_size
     esp = ps.size("esp")
-    expert = H // esp * M * 2 + H // esp + M // esp          # one expert's elements on one ESP shard
+    expert = H // esp * M * 2 + H // esp + M // esp  # one expert's elements on one ESP shard
     tokens = cfg.train.micro_batch_size * m.seq_length * moe.moe_router_topk
     constants = measure_constants(ps, M, expert, H // esp, max(tokens, 32))
     perf = PerfModel(constants, M, expert, expert, overlap=not opts.pro_prophet_no_schedule)
     alpha, n = opts.pro_prophet_alpha, opts.pro_prophet_n
-    runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule,
-                         planner=lambda counts: plan_placement(counts, perf, alpha, n).replicas,
-                         interval=opts.pro_prophet_interval)
-    changes.append(f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
-                   f"iteration's counts (alpha {alpha:g}, n {n}); {mode}")
+    runtime = ProProphet(
+        layers,
+        ps,
+        schedule=not opts.pro_prophet_no_schedule,
+        planner=lambda counts: plan_placement(counts, perf, alpha, n).replicas,
+        interval=opts.pro_prophet_interval,
+    )
+    changes.append(
+        f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
+        f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
+    )
     return runtime

@@ -10,6 +10,7 @@ force for many world sizes. `initialize_model_parallel` turns a layout into
 torch.distributed groups held by one `ParallelState` object; model code gets
 that object passed in (or asks `get_parallel_state()`), never module globals.
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,11 +58,20 @@ class RankLayout:
         raise KeyError(f"rank {rank} not in any {kind} group")
 
 
-def validate_degrees(world_size: int, mp: int, ep: int, esp: int,
-                     num_experts: Optional[int] = None, ffn_hidden_size: Optional[int] = None) -> None:
+def validate_degrees(
+    world_size: int,
+    mp: int,
+    ep: int,
+    esp: int,
+    num_experts: Optional[int] = None,
+    ffn_hidden_size: Optional[int] = None,
+) -> None:
     """Raise ValueError naming the flag when the parallel degrees cannot form a layout."""
-    for flag, v in (("--tensor-model-parallel-size", mp), ("--expert-model-parallel-size", ep),
-                    ("--expert-sharding-parallel-size", esp)):
+    for flag, v in (
+        ("--tensor-model-parallel-size", mp),
+        ("--expert-model-parallel-size", ep),
+        ("--expert-sharding-parallel-size", esp),
+    ):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
     if world_size < 1:
@@ -69,14 +79,16 @@ def validate_degrees(world_size: int, mp: int, ep: int, esp: int,
     if world_size % mp:
         raise ValueError(f"--tensor-model-parallel-size {mp} must divide the world size {world_size}")
     if world_size % (ep * esp):
-        raise ValueError(f"--expert-model-parallel-size {ep} x --expert-sharding-parallel-size {esp} "
-                         f"= {ep * esp} must divide the world size {world_size}")
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} x --expert-sharding-parallel-size {esp} "
+            f"= {ep * esp} must divide the world size {world_size}"
+        )
     if num_experts is not None and num_experts % ep:
-        raise ValueError(f"--num-experts {num_experts} must be divisible by "
-                         f"--expert-model-parallel-size {ep}")
+        raise ValueError(f"--num-experts {num_experts} must be divisible by --expert-model-parallel-size {ep}")
     if ffn_hidden_size is not None and ffn_hidden_size % esp:
-        raise ValueError(f"--ffn-hidden-size {ffn_hidden_size} must be divisible by "
-                         f"--expert-sharding-parallel-size {esp}")
+        raise ValueError(
+            f"--ffn-hidden-size {ffn_hidden_size} must be divisible by --expert-sharding-parallel-size {esp}"
+        )
 
 
 def rank_layout(world_size: int, mp: int = 1, ep: int = 1, esp: int = 1) -> RankLayout:
@@ -85,7 +97,7 @@ def rank_layout(world_size: int, mp: int = 1, ep: int = 1, esp: int = 1) -> Rank
     P = world_size
     mp_groups = [list(range(d * mp, (d + 1) * mp)) for d in range(P // mp)]
     dp_groups = [list(range(m, P, mp)) for m in range(mp)]
-    block = ep * esp                      # ranks of one EP x ESP group
+    block = ep * esp  # ranks of one EP x ESP group
     n_edp = P // block
     esp_groups, ep_groups, ep_esp_groups = [], [], []
     for edp in range(n_edp):
@@ -96,8 +108,7 @@ def rank_layout(world_size: int, mp: int = 1, ep: int = 1, esp: int = 1) -> Rank
         for s in range(esp):
             ep_groups.append([base + s + esp * e for e in range(ep)])
     expert_dp_groups = [list(range(j, P, block)) for j in range(block)]
-    return RankLayout(P, mp, ep, esp, mp_groups, dp_groups, ep_groups, esp_groups,
-                      ep_esp_groups, expert_dp_groups)
+    return RankLayout(P, mp, ep, esp, mp_groups, dp_groups, ep_groups, esp_groups, ep_esp_groups, expert_dp_groups)
 
 
 GROUP_KINDS = ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp", "world")
@@ -116,7 +127,7 @@ class ParallelState:
     layout: RankLayout
     global_rank: int
     backend: str
-    timeout: timedelta = dist.default_pg_timeout      # every group's (--comm-timeout)
+    timeout: timedelta = dist.default_pg_timeout  # every group's (--comm-timeout)
     _groups: dict = field(default_factory=dict)
     # The device of this rank's tensors (the groups' device: CUDA under NCCL, CPU under gloo).
     # Every tensor the library creates takes its device from here or from the model's parameters.
@@ -255,10 +266,14 @@ def default_group_timeout() -> timedelta:
     return dist.default_pg_timeout
 
 
-def initialize_model_parallel(mp: int = 1, ep: int = 1, esp: int = 1,
-                              backend: Optional[str] = None,
-                              timeout_s: Optional[float] = None,
-                              device: torch.device | None = None) -> ParallelState:
+def initialize_model_parallel(
+    mp: int = 1,
+    ep: int = 1,
+    esp: int = 1,
+    backend: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+    device: torch.device | None = None,
+) -> ParallelState:
     """Create the process groups of the layout on an initialized default group.
 
     Every rank creates every group in the same order (torch.distributed

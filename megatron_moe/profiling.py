@@ -19,6 +19,7 @@ lina/micro_op, lancet/part, train/step, train/forward_backward, train/optimizer.
 `StepProfiler` runs torch.profiler on the iterations [start, end) of the
 chosen ranks and writes one Chrome trace per rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +85,16 @@ class StepProfiler:
     temporary name and renamed, so a reader never sees half a file.
     """
 
-    def __init__(self, enabled: bool, start: int, end: int, ranks: Sequence[int], rank: int,
-                 profile_dir: Optional[str], device: torch.device) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        start: int,
+        end: int,
+        ranks: Sequence[int],
+        rank: int,
+        profile_dir: Optional[str],
+        device: torch.device,
+    ) -> None:
         self.active = bool(enabled) and rank in set(ranks)
         self.start, self.end, self.rank = start, end, rank
         self.dir = profile_dir
@@ -98,8 +107,9 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False,
-                                               experimental_config=_all_threads_config())
+            self.prof = torch.profiler.profile(
+                activities=acts, record_shapes=False, with_stack=False, experimental_config=_all_threads_config()
+            )
             self.prof.start()
             self.first = iteration
 

@@ -8,6 +8,7 @@ ranks returned (rank order). An exception in any child is re-raised in the
 parent with the child's traceback; a run that exceeds `timeout` seconds is
 killed and reported as a TimeoutError.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", pickle.dumps(result)))
         ok = True
@@ -51,8 +51,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         try:
-            shutdown(barrier=ok)        # the shared teardown (parallel_state.shutdown)
-        except Exception:               # noqa: BLE001  (the result is reported already)
+            shutdown(barrier=ok)  # the shared teardown (parallel_state.shutdown)
+        except Exception:  # noqa: BLE001  (the result is reported already)
             pass
 
 
@@ -64,14 +64,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, backend), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     import queue as _q
     import time
+
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
@@ -99,6 +102,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     if errors:
         raise RuntimeError(errors[0])
     if len(results) < world_size:
-        raise TimeoutError(f"spawn: {world_size - len(results)} of {world_size} ranks did not "
-                           f"finish within {timeout:.0f} s")
+        raise TimeoutError(
+            f"spawn: {world_size - len(results)} of {world_size} ranks did not finish within {timeout:.0f} s"
+        )
     return [results[r] for r in range(world_size)]

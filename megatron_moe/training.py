@@ -14,6 +14,7 @@ all stop after the same iteration, save (with --save) and return normally
 (exit 0). A rerun with --load continues exactly. --profile records a
 torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,12 +32,25 @@ import torch.distributed as dist
 
 from megatron_moe import optimizations
 from megatron_moe.arguments import config_to_dict, validate
-from megatron_moe.checkpointing import (TOKENIZER_DIR, NonFiniteError, apply_checkpoint_args, check_config,
-                                        load_checkpoint, read_metadata, resolve, save_checkpoint)
+from megatron_moe.checkpointing import (
+    TOKENIZER_DIR,
+    NonFiniteError,
+    apply_checkpoint_args,
+    check_config,
+    load_checkpoint,
+    read_metadata,
+    resolve,
+    save_checkpoint,
+)
 from megatron_moe.config import Config
 from megatron_moe.data.indexed_dataset import MMapIndexedDataset
-from megatron_moe.data.paths import (WIKITEXT_VOCAB_SIZE, default_data_prefix, tokenizer_dir_for,
-                                     wikitext_cache_prefix, wikitext_source)
+from megatron_moe.data.paths import (
+    WIKITEXT_VOCAB_SIZE,
+    default_data_prefix,
+    tokenizer_dir_for,
+    wikitext_cache_prefix,
+    wikitext_source,
+)
 from megatron_moe.data.preprocess import prepare_sample_data, prepare_wikitext_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
@@ -69,10 +83,16 @@ def init_distributed(cfg: Config):
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=p.comm_timeout))
     validate(cfg, dist.get_world_size())
-    ps = initialize_model_parallel(p.tensor_model_parallel_size, p.expert_model_parallel_size,
-                                   p.expert_sharding_parallel_size, backend, timeout_s=p.comm_timeout,
-                                   device=device)
+    ps = initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_sharding_parallel_size,
+        backend,
+        timeout_s=p.comm_timeout,
+        device=device,
+    )
     return ps, device
+
 
 T = TypeVar("T")
 
@@ -81,7 +101,7 @@ def _on_rank0(ps, work: Callable[[], T]) -> T:
     """`work()` on global rank 0 only, its result shared with every rank; an error raised there
     is raised on every rank with the same type (ValueError or FileNotFoundError) and text, so
     no rank waits forever for a rank that gave up."""
-    box: list = [None, None]             # [result, (error type name, message) or None]
+    box: list = [None, None]  # [result, (error type name, message) or None]
     if ps.global_rank == 0:
         try:
             box[0] = work()
@@ -111,8 +131,10 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
     sources = [wikitext_source(w) for w in words]
     if any(sources) and len(words) > 1:
         raw = next(w for w, s in zip(words, sources) if s)
-        raise ValueError(f"--data-path: {raw} is raw WikiText, which only a one-word --data-path "
-                         f"preprocesses; in a blend give preprocessed prefixes (tools/preprocess_data.py)")
+        raise ValueError(
+            f"--data-path: {raw} is raw WikiText, which only a one-word --data-path "
+            f"preprocesses; in a blend give preprocessed prefixes (tools/preprocess_data.py)"
+        )
     if sources[0] is not None:
         source, tok_name = sources[0], cfg.data.tokenizer_name_or_path
         vocab = None if tok_name else (cfg.model.vocab_size or WIKITEXT_VOCAB_SIZE)
@@ -120,8 +142,13 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
 
         def work():
             res, reused = prepare_wikitext_data(source, prefix, tok_name, vocab)
-            logging.info("> data: %s %s (%s) at %s_{train,valid,test}_text_document",
-                         "reusing" if reused else "preprocessed", source.word, source.label(), prefix)
+            logging.info(
+                "> data: %s %s (%s) at %s_{train,valid,test}_text_document",
+                "reusing" if reused else "preprocessed",
+                source.word,
+                source.label(),
+                prefix,
+            )
             return res.vocab_size
 
         tok_vocab = _on_rank0(ps, work)
@@ -131,10 +158,11 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
     if cfg.model.vocab_size == 0:
         tok_dir = cfg.data.tokenizer_name_or_path or tokenizer_dir_for(cfg.data.data_path)
         if not os.path.exists(tok_dir) and cfg.train.load and not cfg.data.tokenizer_name_or_path:
-            tok_dir = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)   # the checkpoint carries it
+            tok_dir = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)  # the checkpoint carries it
         if not os.path.exists(tok_dir):
-            raise FileNotFoundError(f"--vocab-size not given and no tokenizer at {tok_dir}: pass "
-                                    f"--vocab-size or --tokenizer-name-or-path")
+            raise FileNotFoundError(
+                f"--vocab-size not given and no tokenizer at {tok_dir}: pass --vocab-size or --tokenizer-name-or-path"
+            )
         cfg.model.vocab_size = load_tokenizer(tok_dir).vocab_size
 
 
@@ -143,9 +171,20 @@ def build_loaders(cfg: Config, ps: ParallelState, consumed: int):
     gb = t.global_batch_size
     eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
     loaders = build_train_valid_test_data_loaders(
-        cfg.data.data_path, cfg.model.seq_length, t.seed, t.micro_batch_size, gb, ps.rank("dp"), ps.size("dp"),
-        train_samples=t.train_iters * gb, valid_samples=eval_samples, test_samples=eval_samples,
-        consumed_train_samples=consumed, num_workers=cfg.data.num_workers, split=cfg.data.split)
+        cfg.data.data_path,
+        cfg.model.seq_length,
+        t.seed,
+        t.micro_batch_size,
+        gb,
+        ps.rank("dp"),
+        ps.size("dp"),
+        train_samples=t.train_iters * gb,
+        valid_samples=eval_samples,
+        test_samples=eval_samples,
+        consumed_train_samples=consumed,
+        num_workers=cfg.data.num_workers,
+        split=cfg.data.split,
+    )
     for loader in loaders:
         for indexed in _indexed_datasets(getattr(loader, "dataset", None)):
             indexed.check_vocab(cfg.model.vocab_size)
@@ -182,9 +221,10 @@ class StopControl:
     flags over the world, so every rank sees the same answer at the same iteration.
     """
 
-    def __init__(self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device,
-                 start: Optional[float] = None):
-        self.start = time.time() if start is None else start     # the run's start (setup counts too)
+    def __init__(
+        self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device, start: Optional[float] = None
+    ):
+        self.start = time.time() if start is None else start  # the run's start (setup counts too)
         self.limit_s = 60.0 * exit_duration_mins
         self.ps, self.device = ps, device
         self.received = False
@@ -245,7 +285,7 @@ class Trainer:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
         prepare_data(cfg, self.ps)
-        if cfg.train.load:                   # refuse a mismatching checkpoint before building anything
+        if cfg.train.load:  # refuse a mismatching checkpoint before building anything
             path = resolve(cfg.train.load)
             check_config(read_metadata(path), cfg, self.ps, path)
         self.model = GPT2MoE(cfg, self.ps, device=self.device)
@@ -263,18 +303,28 @@ class Trainer:
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
         lg = cfg.logging
-        self.profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks,
-                                     self.ps.global_rank, trace_dir, self.device)
+        self.profiler = StepProfiler(
+            lg.profile,
+            lg.profile_step_start,
+            lg.profile_step_end,
+            lg.profile_ranks,
+            self.ps.global_rank,
+            trace_dir,
+            self.device,
+        )
         self.train_loader, self.valid_loader, self.test_loader = build_loaders(cfg, self.ps, self.consumed)
         # the SIGUSR1 handler goes in last: nothing below can fail and leave it installed
-        self.stop = StopControl(cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device,
-                                start=started)
+        self.stop = StopControl(
+            cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device, start=started
+        )
         self.num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.ps.size("dp"))
         n_params = sum(p.numel() for p in self.model.parameters())
         lay = self.ps.layout
-        self.logger.line(f"> layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} "
-                         f"expert-DP{lay.expert_dp}; params on this rank {n_params / 1e6:.2f}M; "
-                         f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})")
+        self.logger.line(
+            f"> layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} "
+            f"expert-DP{lay.expert_dp}; params on this rank {n_params / 1e6:.2f}M; "
+            f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})"
+        )
         self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
         for change in applied.changes:
             self.logger.line(f"> {change}")
@@ -295,8 +345,16 @@ class Trainer:
         return {"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {}
 
     def save(self) -> None:
-        save_checkpoint(self.cfg.train.save, self.iteration, self.consumed, self.model, self.optimizer, self.cfg,
-                        self.ps, extra=self.checkpoint_extra())
+        save_checkpoint(
+            self.cfg.train.save,
+            self.iteration,
+            self.consumed,
+            self.model,
+            self.optimizer,
+            self.cfg,
+            self.ps,
+            extra=self.checkpoint_extra(),
+        )
 
     # ------------------------------------------------------------------ one iteration
     def autocast(self):
@@ -312,8 +370,8 @@ class Trainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum, aux_sum, dropped, choices, loads = 0.0, 0.0, 0, 0, []
-        per_layer: dict[int, torch.Tensor] = {}   # block index -> kept tokens per expert, this rank
-        routed: dict[int, torch.Tensor] = {}      # dropless: block index -> choices this rank sent per expert
+        per_layer: dict[int, torch.Tensor] = {}  # block index -> kept tokens per expert, this rank
+        routed: dict[int, torch.Tensor] = {}  # dropless: block index -> choices this rank sent per expert
         for i, batch in enumerate(batches):
             ids, labels = self.micro_batch(batch)
             self.grad_sync.accumulating = i < len(batches) - 1
@@ -321,7 +379,7 @@ class Trainer:
                 lm, aux = self.model(ids, labels)
             loss = (lm + aux) / len(batches)
             if self.lancet is not None:
-                self.lancet.backward(loss)     # runs deferred dW under the all-to-alls, then flushes
+                self.lancet.backward(loss)  # runs deferred dW under the all-to-alls, then flushes
             else:
                 loss.backward()
             lm_sum += lm.item()
@@ -342,12 +400,19 @@ class Trainer:
         if self.cfg.train.check_for_nan_in_loss_and_grad:
             self.check_finite(float(stats[0]), norm)
         self.optimizer.step()
-        load = torch.stack(loads).sum(0).cpu() if loads else torch.zeros(1, device="cpu")   # host-side log
+        load = torch.stack(loads).sum(0).cpu() if loads else torch.zeros(1, device="cpu")  # host-side log
         imbalance = float(load.max() / load.mean()) if loads and load.mean() > 0 else 1.0
-        return {"loss": float(stats[0]), "aux_loss": float(stats[1]), "lr": lr, "grad_norm": norm,
-                "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
-                "load_imbalance": imbalance, "expert_load": load.tolist(),
-                "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())}, **balance}
+        return {
+            "loss": float(stats[0]),
+            "aux_loss": float(stats[1]),
+            "lr": lr,
+            "grad_norm": norm,
+            "dropped_frac": float(stats[2] / stats[3]) if stats[3] > 0 else 0.0,
+            "load_imbalance": imbalance,
+            "expert_load": load.tolist(),
+            "expert_counts": {str(i): c.tolist() for i, c in sorted(per_layer.items())},
+            **balance,
+        }
 
     def token_balance(self, routed: dict) -> dict:
         """Dropless: tokens per expert and computed per EP rank (all MoE layers, this rank's EP x ESP
@@ -355,15 +420,19 @@ class Trainer:
         its placement, and the plan of the next iteration from these counts (collective: one
         all-gather of L x E integers over EP x ESP)."""
         idx = sorted(routed)
-        counts = gather_counts(self.ps, torch.stack([routed[i] for i in idx]))       # [L, N_EP, E]
+        counts = gather_counts(self.ps, torch.stack([routed[i] for i in idx]))  # [L, N_EP, E]
         prophet = self.applied.pro_prophet
         E, n_ep = counts.shape[2], counts.shape[1]
         plain = Placement.of(E, n_ep, {})
         used = [prophet.placement_of(i) if prophet is not None else plain for i in idx]
         per_rank = [sum(col) for col in zip(*(p.computed_tokens(c.tolist()) for p, c in zip(used, counts)))]
         per_expert = counts.sum(dim=(0, 1)).tolist()
-        out = {"expert_tokens": per_expert, "expert_imbalance": max_over_mean(per_expert),
-               "rank_tokens": per_rank, "rank_imbalance": max_over_mean(per_rank)}
+        out = {
+            "expert_tokens": per_expert,
+            "expert_imbalance": max_over_mean(per_expert),
+            "rank_tokens": per_rank,
+            "rank_imbalance": max_over_mean(per_rank),
+        }
         if prophet is not None:
             before = [sum(col) for col in zip(*(plain.computed_tokens(c.tolist()) for c in counts))]
             out["rank_imbalance_no_placement"] = max_over_mean(before)
@@ -379,9 +448,11 @@ class Trainer:
         """
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"iteration {self.iteration + 1}: non-finite lm loss {loss} or grad norm "
-                                 f"{grad_norm}; the step was not applied and the run stops (the last checkpoint "
-                                 f"is finite; lower --lr or disable with --no-check-for-nan-in-loss-and-grad)")
+            raise NonFiniteError(
+                f"iteration {self.iteration + 1}: non-finite lm loss {loss} or grad norm "
+                f"{grad_norm}; the step was not applied and the run stops (the last checkpoint "
+                f"is finite; lower --lr or disable with --no-check-for-nan-in-loss-and-grad)"
+            )
 
     def average_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (on the run's device) averaged over DP, returned on the host for logging."""
@@ -419,6 +490,7 @@ class Trainer:
         bar = None
         if self.is_logger and sys.stdout.isatty():
             from tqdm import tqdm
+
             bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", leave=False)
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         flops_per_iter = model_flops_per_token(cfg) * tokens_per_iter
@@ -432,9 +504,13 @@ class Trainer:
             self.consumed += t.global_batch_size
             dt = time.perf_counter() - t0
             load = rec.pop("expert_load")
-            rec.update(iteration=self.iteration, consumed_samples=self.consumed, ms_per_iter=dt * 1e3,
-                       tokens_per_s=tokens_per_iter / dt,
-                       tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size)
+            rec.update(
+                iteration=self.iteration,
+                consumed_samples=self.consumed,
+                ms_per_iter=dt * 1e3,
+                tokens_per_s=tokens_per_iter / dt,
+                tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size,
+            )
             history.append(rec)
             if bar is not None:
                 bar.update(1)
@@ -452,8 +528,10 @@ class Trainer:
                 break
             reason = self.stop.poll()
             if reason:
-                self.logger.line(f"> {reason}: stopping after iteration {self.iteration}"
-                                 + (f", saving to {t.save}" if t.save else " (no --save: nothing is saved)"))
+                self.logger.line(
+                    f"> {reason}: stopping after iteration {self.iteration}"
+                    + (f", saving to {t.save}" if t.save else " (no --save: nothing is saved)")
+                )
                 break
         if bar is not None:
             bar.close()
@@ -464,7 +542,7 @@ class Trainer:
         if t.save and (not t.save_interval or self.iteration % t.save_interval):
             self.save()
         if self.iteration >= t.train_iters:
-            if not (t.eval_interval and self.iteration % t.eval_interval == 0):   # not just evaluated
+            if not (t.eval_interval and self.iteration % t.eval_interval == 0):  # not just evaluated
                 self.evaluate(self.valid_loader, "valid")
             self.evaluate(self.test_loader, "test")
         self.finish(history)
@@ -477,7 +555,8 @@ class Trainer:
             f" | grad norm {rec['grad_norm']:.3f} | ms/iter {rec['ms_per_iter']:.1f}"
             f" | tokens/s {rec['tokens_per_s']:.0f} | TFLOP/s/rank {rec['tflops']:.4f}"
             f" | dropped {100 * rec['dropped_frac']:.2f}% | load imbalance {rec['load_imbalance']:.2f}"
-            + balance_text(rec))
+            + balance_text(rec)
+        )
         hists = {"expert_load": load, **{k: rec[k] for k in ("expert_tokens", "rank_tokens") if k in rec}}
         self.logger.record(rec, rec["iteration"], histograms=hists)
 
@@ -499,11 +578,15 @@ def balance_text(rec: dict) -> str:
     """The dropless part of the log line: tokens per expert and per EP rank with their imbalance."""
     if "rank_tokens" not in rec:
         return ""
-    text = (f" | tokens/expert {','.join(map(str, rec['expert_tokens']))} (imbalance {rec['expert_imbalance']:.2f})"
-            f" | tokens/EP rank {','.join(map(str, rec['rank_tokens']))} (imbalance {rec['rank_imbalance']:.2f})")
+    text = (
+        f" | tokens/expert {','.join(map(str, rec['expert_tokens']))} (imbalance {rec['expert_imbalance']:.2f})"
+        f" | tokens/EP rank {','.join(map(str, rec['rank_tokens']))} (imbalance {rec['rank_imbalance']:.2f})"
+    )
     if "rank_imbalance_no_placement" in rec:
-        text += (f" | pro-prophet {rec['pro_prophet_replicas']} replicas (rank imbalance without "
-                 f"{rec['rank_imbalance_no_placement']:.2f})")
+        text += (
+            f" | pro-prophet {rec['pro_prophet_replicas']} replicas (rank imbalance without "
+            f"{rec['rank_imbalance_no_placement']:.2f})"
+        )
     return text
 
 

@@ -78,11 +78,10 @@ def main() -> None:
 
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
-    _emit("allreduce", rank=rank, world=world, value=value.item(),
-          ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
+    _emit("allreduce", rank=rank, world=world, value=value.item(), ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
 
     if nodes > 1 and args.reps > 0:
-        first, last = 0, (nodes - 1) * procs   # first ranks of node 0 and of the last node
+        first, last = 0, (nodes - 1) * procs  # first ranks of node 0 and of the last node
         nbytes = int(args.mbytes * 2**20) // 4 * 4
         for kind in args.patterns.split(","):
             if kind not in ("sendrecv", "exchange"):

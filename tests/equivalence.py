@@ -5,6 +5,7 @@ A run returns (loss, local param/grad slices); the test re-assembles full
 gradients from every rank and compares them with the reference, which routes
 each data-parallel shard of the global batch as its own routing group.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,11 +18,17 @@ from megatron_moe.layers.sharding import assemble, local_pieces
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 
 MICRO_BATCH = 2
-STEP_LR = 0.5     # SGD learning rate of the multi-step checks
+STEP_LR = 0.5  # SGD learning rate of the multi-step checks
 
 
-def tiny_config(k: int = 1, policy: str = "position", schedule: str = "baseline", cf: float = 0.5,
-                num_experts: int = 4, **moe_overrides) -> Config:
+def tiny_config(
+    k: int = 1,
+    policy: str = "position",
+    schedule: str = "baseline",
+    cf: float = 0.5,
+    num_experts: int = 4,
+    **moe_overrides,
+) -> Config:
     """2 blocks (block 1 is MoE), M=32, H=64, T=16, vocab 100; cf low enough that tokens drop."""
     cfg = Config()
     m = cfg.model
@@ -104,9 +111,17 @@ def run_layout(cfg: Config, mp: int, ep: int, esp: int, use_hooks: bool = False,
             sync.remove()
         specs = {n: p._shard for n, p in model.named_parameters()}
         drops = [layer.last_stats["dropped"] for layer in model.moe_layers()]
-        return {"loss": losses[-1], "losses": losses, "dp_rank": r, "rank": ps.global_rank,
-                "grads": local_pieces(model, ps, "grad"), "params": local_pieces(model, ps, "param"),
-                "specs": specs, "drops": drops, "records": tracer.records}
+        return {
+            "loss": losses[-1],
+            "losses": losses,
+            "dp_rank": r,
+            "rank": ps.global_rank,
+            "grads": local_pieces(model, ps, "grad"),
+            "params": local_pieces(model, ps, "param"),
+            "specs": specs,
+            "drops": drops,
+            "records": tracer.records,
+        }
     finally:
         destroy_model_parallel()
 
@@ -118,8 +133,10 @@ def _replicated(results: list[dict], key: str, tag: str, atol: float = 1e-6):
     for res in results:
         v, first = res[key], seen.setdefault(res["dp_rank"], (res[key], res.get("rank")))
         same = v == first[0] if not isinstance(v, float) else abs(v - first[0]) <= atol
-        assert same, (f"{tag}: {key} {v} on rank {res.get('rank')} differs from {first[0]} on rank "
-                      f"{first[1]} (same data-parallel rank {res['dp_rank']})")
+        assert same, (
+            f"{tag}: {key} {v} on rank {res.get('rank')} differs from {first[0]} on rank "
+            f"{first[1]} (same data-parallel rank {res['dp_rank']})"
+        )
     return {d: v for d, (v, _) in seen.items()}
 
 

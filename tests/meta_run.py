@@ -7,6 +7,7 @@ tensor the library (or a tool) forgets to place fails on first use next to a rea
 one, or silently has no data; the run's results then differ from the run without
 --meta. Without --meta the script runs as usual, through the same wrapper.
 """
+
 import runpy
 import sys
 

@@ -22,8 +22,15 @@ import selectors
 import socket
 import time
 
-_ENV_KEYS = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
-             "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+_ENV_KEYS = (
+    "NODE_RANK",
+    "NNODES",
+    "NPROC_PER_NODE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GLOO_SOCKET_IFNAME",
+    "OMP_NUM_THREADS",
+)
 
 
 def _emit(kind: str, **fields: object) -> None:
@@ -36,7 +43,7 @@ def _receive_all(conns: list[socket.socket], nbytes: int) -> None:
     sel = selectors.DefaultSelector()
     left = {}
     for conn in conns:
-        conn.sendall(b"g")                 # go: all senders start together
+        conn.sendall(b"g")  # go: all senders start together
         sel.register(conn, selectors.EVENT_READ)
         left[conn] = nbytes
     while left:
@@ -62,7 +69,7 @@ def _send_all(conns: list[socket.socket], nbytes: int) -> None:
     while sent:
         for key, _ in sel.select():
             conn = key.fileobj
-            sent[conn] += conn.send(payload[sent[conn]:])
+            sent[conn] += conn.send(payload[sent[conn] :])
             if sent[conn] == nbytes:
                 sel.unregister(conn)
                 del sent[conn]

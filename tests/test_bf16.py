@@ -1,6 +1,7 @@
 """bf16 autocast: the gate's matmul and the cross entropy run in fp32 (seen by a dispatch-level
 observer of every aten op), and bf16 golden curves of MP2 x EP2 and EP2 x ESP2 follow the bf16
 one-process curve within a tolerance that the fp32-vs-bf16 difference exceeds."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,15 @@ class OpLog(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         ts = [a for a in args if isinstance(a, torch.Tensor)]
         o = out if isinstance(out, torch.Tensor) else None
-        self.ops.append((func.__name__.split(".")[0], [t.dtype for t in ts], [tuple(t.shape) for t in ts],
-                         None if o is None else o.dtype, None if o is None else tuple(o.shape)))
+        self.ops.append(
+            (
+                func.__name__.split(".")[0],
+                [t.dtype for t in ts],
+                [tuple(t.shape) for t in ts],
+                None if o is None else o.dtype,
+                None if o is None else tuple(o.shape),
+            )
+        )
         return out
 
 
@@ -88,8 +96,9 @@ def test_cross_entropy_runs_in_fp32_under_bf16_autocast():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
     assert logits.dtype == torch.bfloat16
-    want = F.cross_entropy(logits.float()[..., :cfg.model.vocab_size].reshape(-1, cfg.model.vocab_size),
-                           labels.reshape(-1))
+    want = F.cross_entropy(
+        logits.float()[..., : cfg.model.vocab_size].reshape(-1, cfg.model.vocab_size), labels.reshape(-1)
+    )
     assert abs(lm.item() - want.item()) < 1e-5, (lm.item(), want.item())
 
 
@@ -114,8 +123,17 @@ def test_fp32_and_bf16_first_losses_differ_by_more_than_the_tolerance(one_proces
 def test_bf16_golden_curve_matches_bf16_one_process(sample_data, one_process, layout):
     ref, _ = one_process
     mp, ep, esp = LAYOUTS[layout]
-    argv = tiny_args(sample_data, ITERS, "--bf16", "--tensor-model-parallel-size", mp,
-                     "--expert-model-parallel-size", ep, "--expert-sharding-parallel-size", esp)
+    argv = tiny_args(
+        sample_data,
+        ITERS,
+        "--bf16",
+        "--tensor-model-parallel-size",
+        mp,
+        "--expert-model-parallel-size",
+        ep,
+        "--expert-sharding-parallel-size",
+        esp,
+    )
     curves = spawn(_losses, 4, argv, timeout=600)
     diffs = [max(abs(c[i] - ref[i]) for c in curves) for i in range(ITERS)]
     print(f"|bf16 {layout} - bf16 one process|, per iteration: {[f'{d:.2e}' for d in diffs]}")

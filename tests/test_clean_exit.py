@@ -7,6 +7,7 @@ finished work. Every entry point now ends through `parallel_state.shutdown()`. T
 tiny sizes; each checks the exit status of every rank (torchrun fails if any rank fails), that
 no rank aborted, and the JSON the run wrote.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,51 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), os.path.join(ROOT, "tools", script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "tools", script),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_bench_moe_layer_mp2_ep2_esp2_every_schedule_exits_0(tmp_path):
     out = tmp_path / "moe.json"
-    run = _torchrun(4, "bench_moe_layer.py", "--hidden-size", "16", "--ffn-hidden-size", "32",
-                    "--num-experts", "4", "--micro-batch-size", "2", "--seq-length", "8",
-                    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                    "--expert-sharding-parallel-size", "2", "--schedules", "baseline,s1,s2,auto",
-                    "--iters", "1", "--warmup", "0", "--json", str(out))
+    run = _torchrun(
+        4,
+        "bench_moe_layer.py",
+        "--hidden-size",
+        "16",
+        "--ffn-hidden-size",
+        "32",
+        "--num-experts",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--expert-sharding-parallel-size",
+        "2",
+        "--schedules",
+        "baseline,s1,s2,auto",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "terminate called" not in run.stderr
     rows = json.loads(out.read_text())
@@ -42,10 +75,36 @@ def test_bench_moe_layer_mp2_ep2_esp2_every_schedule_exits_0(tmp_path):
 
 def test_bench_lina_with_its_launcher_thread_exits_0(tmp_path):
     out = tmp_path / "lina.json"
-    run = _torchrun(2, "bench_lina.py", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
-                    "--ffn-hidden-size", "32", "--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "2",
-                    "--iters", "1", "--warmup", "0", "--rounds", "1", "--partitions", "0.001",
-                    "--modes", "no_lina,lina", "--json", str(out))
+    run = _torchrun(
+        2,
+        "bench_lina.py",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--ffn-hidden-size",
+        "32",
+        "--seq-length",
+        "8",
+        "--vocab-size",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--rounds",
+        "1",
+        "--partitions",
+        "0.001",
+        "--modes",
+        "no_lina,lina",
+        "--json",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "terminate called" not in run.stderr
     rows = json.loads(out.read_text())

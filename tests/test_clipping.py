@@ -6,6 +6,7 @@ curve under MP2 x EP2 and EP2 x ESP2.
 The curves use SGD (lr 1.0): AdamW divides the update by the gradient's running RMS, so
 clipping changes an AdamW curve by less than 1e-3 here; SGD's update is the clipped gradient
 (one process, 6 iterations: loss at iteration 4 is 6.186 clipped vs 5.707 unclipped)."""
+
 import math
 
 import pytest
@@ -49,13 +50,20 @@ def _clip_on_rank(rank, world, mp, ep, esp):
         sync_gradients(model, ps)
         before = local_pieces(model, ps, "grad")
         norm = global_grad_norm(model, ps)
-        returned_high = clip_gradients(model, ps, 2 * norm)          # above the norm: no change
+        returned_high = clip_gradients(model, ps, 2 * norm)  # above the norm: no change
         unchanged = local_pieces(model, ps, "grad")
-        returned_low = clip_gradients(model, ps, norm / 4)           # below: scaled to norm / 4
+        returned_low = clip_gradients(model, ps, norm / 4)  # below: scaled to norm / 4
         after = local_pieces(model, ps, "grad")
         specs = {n: p._shard for n, p in model.named_parameters()}
-        return {"norm": norm, "returned": (returned_high, returned_low), "before": before,
-                "unchanged": unchanged, "after": after, "specs": specs, "clipped_norm": global_grad_norm(model, ps)}
+        return {
+            "norm": norm,
+            "returned": (returned_high, returned_low),
+            "before": before,
+            "unchanged": unchanged,
+            "after": after,
+            "specs": specs,
+            "clipped_norm": global_grad_norm(model, ps),
+        }
     finally:
         destroy_model_parallel()
 
@@ -70,8 +78,17 @@ def _on_rank(rank, world, mp, ep, esp, argv):
 def layout_run(request, sample_data):
     """(layout, per-rank unit results, per-rank clipped curves) of one 4-process spawn."""
     mp, ep, esp = LAYOUTS[request.param]
-    argv = tiny_args(sample_data, ITERS, *CLIPPED, "--tensor-model-parallel-size", str(mp),
-                     "--expert-model-parallel-size", str(ep), "--expert-sharding-parallel-size", str(esp))
+    argv = tiny_args(
+        sample_data,
+        ITERS,
+        *CLIPPED,
+        "--tensor-model-parallel-size",
+        str(mp),
+        "--expert-model-parallel-size",
+        str(ep),
+        "--expert-sharding-parallel-size",
+        str(esp),
+    )
     out = spawn(_on_rank, 4, mp, ep, esp, argv, timeout=600)
     return request.param, [u for u, _ in out], [c for _, c in out]
 
@@ -79,7 +96,7 @@ def layout_run(request, sample_data):
 def test_global_norm_counts_every_element_once_and_clipping_scales_to_the_clip(layout_run):
     layout, results, _ = layout_run
     mp = LAYOUTS[layout][0]
-    ref_grads = reference(tiny_config(), 4 // mp)[1]          # DP = world / MP routing groups
+    ref_grads = reference(tiny_config(), 4 // mp)[1]  # DP = world / MP routing groups
     ref_norm = _full_norm(ref_grads)
     specs = results[0]["specs"]
     full = assemble([r["before"] for r in results], specs)
@@ -88,7 +105,7 @@ def test_global_norm_counts_every_element_once_and_clipping_scales_to_the_clip(l
     assert abs(norm - _full_norm(full)) < 1e-9 * norm, (norm, _full_norm(full))
     assert abs(norm - ref_norm) < 1e-5 * ref_norm, (norm, ref_norm)
     for r in results:
-        assert r["returned"] == (norm, norm)        # the pre-clip norm is what is returned
+        assert r["returned"] == (norm, norm)  # the pre-clip norm is what is returned
         for name, (_, g) in r["unchanged"].items():
             assert torch.equal(g, r["before"][name][1]), f"{name} changed by a clip above the norm"
     clipped = assemble([r["after"] for r in results], specs)
@@ -109,7 +126,7 @@ def clipped_reference(sample_data):
 def test_clipping_changes_the_one_process_curve(clipped_reference):
     clipped, free = clipped_reference
     assert all(n > CLIP for _, n, _ in clipped), "every iteration's norm must exceed the clip"
-    assert clipped[0][0] == free[0][0]                  # the first loss is computed before any update
+    assert clipped[0][0] == free[0][0]  # the first loss is computed before any update
     assert all(abs(c[0] - f[0]) > 1e-3 for c, f in zip(clipped[1:], free[1:])), "clipping changed nothing"
 
 

@@ -1,5 +1,6 @@
 """Comm tracer byte counts of the baseline schedule equal its formulas (docs/DESIGN.md, "Schedules"), and the
 autograd collectives have the right backward."""
+
 import math
 
 import torch
@@ -19,12 +20,14 @@ def test_baseline_bytes_match_formula():
     S = MICRO_BATCH * cfg.model.seq_length
     E, M = cfg.moe.num_experts, cfg.model.hidden_size
     C = max(math.ceil(k * cfg.moe.moe_expert_capacity_factor * S / E), cfg.moe.moe_min_capacity)
-    buf = E * C * M * 4                                  # one rank's dispatch buffer, fp32 bytes
+    buf = E * C * M * 4  # one rank's dispatch buffer, fp32 bytes
     per_rank = spawn(_baseline_records, 4, mp, ep, esp, k)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
     for recs in per_rank:
+
         def sent(op, group):
             return sorted(s for o, g, s, _ in recs if o == op and g == group)
+
         # forward: ESP all-gather of E*C*M; backward: its reduce-scatter of N_ESP*E*C*M
         assert sent("all_gather", "esp") == [buf] * moe_layers
         assert sent("reduce_scatter", "esp") == [esp * buf] * moe_layers
@@ -35,15 +38,20 @@ def test_baseline_bytes_match_formula():
         # the kept-row counts of the buffer: one int32 per expert (one routing group), all-gathered
         assert sent("all_gather", "ep_esp") == [E * 4] * moe_layers
         # and nothing else moves (MP1: no tensor-parallel collectives)
-        assert {(o, g) for o, g, _, _ in recs} == {("all_gather", "esp"), ("reduce_scatter", "esp"),
-                                                   ("all_to_all", "ep"), ("all_reduce", "esp"),
-                                                   ("all_gather", "ep_esp")}
+        assert {(o, g) for o, g, _, _ in recs} == {
+            ("all_gather", "esp"),
+            ("reduce_scatter", "esp"),
+            ("all_to_all", "ep"),
+            ("all_reduce", "esp"),
+            ("all_gather", "ep_esp"),
+        }
 
 
 def _collective_grads(rank, world):
     from megatron_moe.distributed import collectives as c
     from megatron_moe.distributed.observer import CommLog as CommTracer
     import torch.distributed as dist
+
     group = dist.group.WORLD
     out = {}
     x = torch.arange(6.0).reshape(3, 2).mul(rank + 1).requires_grad_()
@@ -73,7 +81,7 @@ def test_autograd_collectives_forward_and_backward():
     # rank 0 receives its own row 0 and rank 1's rows 0..1; rank 1 gets rank 0's rows 1..2 and its row 2
     assert torch.equal(r0["a2a_y"], torch.cat([x0[:1], x1[:2]]))
     assert torch.equal(r1["a2a_y"], torch.cat([x0[1:], x1[2:]]))
-    w = torch.arange(1.0, 7.0).reshape(3, 2)          # d(sum(y * w))/dy = w on each rank
+    w = torch.arange(1.0, 7.0).reshape(3, 2)  # d(sum(y * w))/dy = w on each rank
     assert torch.equal(r0["a2a_grad"], torch.cat([w[:1], w[:2]]))
     assert torch.equal(r1["a2a_grad"], torch.cat([w[1:], w[2:]]))
     assert r0["a2a_remote"][0] == 2 * 2 * 4 and r1["a2a_remote"][0] == 2 * 2 * 4

@@ -13,6 +13,7 @@ Two processes; one of them is SIGSTOPped mid-training, the other must stop withi
 The bounds (spawn's timeout, the wait for rank 0's exit) make a hang fail the test; no test
 asserts on how long anything took.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,15 +35,19 @@ from megatron_moe.testing import free_port, spawn
 from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT_S = 5          # --comm-timeout of every test here
-SLACK_S = 30           # what the issue allows past the timeout
+TIMEOUT_S = 5  # --comm-timeout of every test here
+SLACK_S = 30  # what the issue allows past the timeout
 
 
 # ----------------------------------------------------------------------------- unit: the translation
 
+
 def test_gloo_texts_become_errors_naming_collective_group_and_flag():
-    timeout = translate(RuntimeError("[x/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation "
-                                     "to complete"), "all_to_all", None)
+    timeout = translate(
+        RuntimeError("[x/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"),
+        "all_to_all",
+        None,
+    )
     assert isinstance(timeout, CommTimeoutError)
     assert str(timeout).startswith("all_to_all on group 'world' did not finish within --comm-timeout")
     lost = translate(RuntimeError("[x/pair.cc:553] Connection closed by peer [127.0.0.1]:1"), "all_gather", None)
@@ -54,10 +59,11 @@ def test_gloo_texts_become_errors_naming_collective_group_and_flag():
 
 # ----------------------------------------------------------------------------- EP2, tiny loop
 
+
 def _moe_loop_with_stalled_peer(rank: int, world: int) -> None:
     """EP2 MoE layer, SGD; rank 1 stops itself after the forward of iteration 2."""
     ps = initialize_model_parallel(1, 2, 1, timeout_s=TIMEOUT_S)
-    for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):     # not torch's 30 minutes
+    for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp"):  # not torch's 30 minutes
         assert ps.group(kind)._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=TIMEOUT_S)
     cfg = Config()
     m, moe = cfg.model, cfg.moe
@@ -73,7 +79,7 @@ def _moe_loop_with_stalled_peer(rank: int, world: int) -> None:
         x = torch.randn(2, 8, 16, generator=g).to(device)
         y, aux = layer(x)
         if it == 2 and rank == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)       # stalled peer: never comes back
+            os.kill(os.getpid(), signal.SIGSTOP)  # stalled peer: never comes back
         (y.square().mean() + aux).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -81,16 +87,19 @@ def _moe_loop_with_stalled_peer(rank: int, world: int) -> None:
 
 def test_ep2_stalled_peer_ends_the_other_rank_with_the_timeout_error():
     with pytest.raises(RuntimeError) as info:
-        spawn(_moe_loop_with_stalled_peer, 2, timeout=60 + TIMEOUT_S + SLACK_S)   # start-up + bound
+        spawn(_moe_loop_with_stalled_peer, 2, timeout=60 + TIMEOUT_S + SLACK_S)  # start-up + bound
     text = str(info.value)
     assert text.startswith("rank 0 failed:"), text[-2000:]
     last = text.strip().splitlines()[-1]
-    assert last.startswith("megatron_moe.distributed.comm_errors.CommTimeoutError: all_to_all on group 'ep' "
-                           f"(global ranks [0, 1]) did not finish within --comm-timeout {TIMEOUT_S:g} s: "
-                           "a peer rank is stalled or dead"), last
+    assert last.startswith(
+        "megatron_moe.distributed.comm_errors.CommTimeoutError: all_to_all on group 'ep' "
+        f"(global ranks [0, 1]) did not finish within --comm-timeout {TIMEOUT_S:g} s: "
+        "a peer rank is stalled or dead"
+    ), last
 
 
 # ----------------------------------------------------------------------------- DP2, the trainer
+
 
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -115,15 +124,28 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("extra", [[], ["--lina", "--lina-partition-mb", "0.01"]], ids=["plain", "lina"])
 def test_dp2_trainer_stalled_peer_prints_one_error_and_exits_1(sample_data, tmp_path, extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(ROOT, "pretrain_gpt_moe.py"), *tiny_args(sample_data, 5000),
-           "--log-interval", "1", "--comm-timeout", str(TIMEOUT_S), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "pretrain_gpt_moe.py"),
+        *tiny_args(sample_data, 5000),
+        "--log-interval",
+        "1",
+        "--comm-timeout",
+        str(TIMEOUT_S),
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120                # start-up on a loaded machine
+        deadline = time.monotonic() + 120  # start-up on a loaded machine
         while "iteration      2/" not in out_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
@@ -133,7 +155,7 @@ def test_dp2_trainer_stalled_peer_prints_one_error_and_exits_1(sample_data, tmp_
         while _alive(ranks["0"]) and time.monotonic() < deadline:
             time.sleep(0.2)
         hung = _alive(ranks["0"])
-        os.kill(ranks["1"], signal.SIGKILL)              # the stalled rank would never exit
+        os.kill(ranks["1"], signal.SIGKILL)  # the stalled rank would never exit
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -142,9 +164,12 @@ def test_dp2_trainer_stalled_peer_prints_one_error_and_exits_1(sample_data, tmp_
     stderr = err_path.read_text()
     assert not hung, f"rank 0 still running {TIMEOUT_S + SLACK_S} s after its peer stopped\n{stderr[-3000:]}"
     assert proc.returncode != 0
-    assert re.search(rf"exitcode\s*:\s*1 \(pid: {ranks['0']}\)", stderr), stderr[-3000:]     # torchrun's report
+    assert re.search(rf"exitcode\s*:\s*1 \(pid: {ranks['0']}\)", stderr), stderr[-3000:]  # torchrun's report
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr[-3000:]
-    assert re.match(r"error: \[rank 0\] .*all_reduce.* on group '(dp|expert_dp|world)' \(global ranks \[0, 1\]\) "
-                    rf"(\([^)]*\) )?did not finish within --comm-timeout {TIMEOUT_S:g} s", errors[0]), errors[0]
+    assert re.match(
+        r"error: \[rank 0\] .*all_reduce.* on group '(dp|expert_dp|world)' \(global ranks \[0, 1\]\) "
+        rf"(\([^)]*\) )?did not finish within --comm-timeout {TIMEOUT_S:g} s",
+        errors[0],
+    ), errors[0]
     assert "CommTimeoutError" not in stderr and 'File "' + os.path.join(ROOT, "megatron_moe") not in stderr

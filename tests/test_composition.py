@@ -7,6 +7,7 @@ one spawn. Each combination either keeps the plain run's loss curve within 1e-4 
 dropped fractions, or is refused with an error naming both flags (`optimizations.UNSUPPORTED`,
 listed in REFUSED below; empty today).
 """
+
 import itertools
 
 import pytest
@@ -19,15 +20,21 @@ from megatron_moe.training import Trainer
 from tiny_run import tiny_args
 
 SCHEDULES = ("baseline", "s1", "s2")
-LANCET = {"off": [], "wgrad": ["--lancet-wgrad"], "partition": ["--lancet-partition"],
-          "both": ["--lancet-wgrad", "--lancet-partition"]}
+LANCET = {
+    "off": [],
+    "wgrad": ["--lancet-wgrad"],
+    "partition": ["--lancet-partition"],
+    "both": ["--lancet-wgrad", "--lancet-partition"],
+}
 COMBOS = list(itertools.product(SCHEDULES, (False, True), LANCET))
-REFUSED: dict = {}          # (schedule, lina, lancet) -> the two flags its error names
+REFUSED: dict = {}  # (schedule, lina, lancet) -> the two flags its error names
 
 
 def flags(schedule: str, lina: bool, lancet: str) -> list[str]:
     # the planner predicts no gain for this tiny model: partition its MoE range in 2 parts anyway
-    return ["--moe-schedule", schedule, "--lancet-force-partitions", "2"] + (["--lina"] if lina else []) + LANCET[lancet]
+    return (
+        ["--moe-schedule", schedule, "--lancet-force-partitions", "2"] + (["--lina"] if lina else []) + LANCET[lancet]
+    )
 
 
 def _observed(trainer: Trainer) -> dict:
@@ -35,8 +42,12 @@ def _observed(trainer: Trainer) -> dict:
     evs = trainer.applied.lina.log.snapshot()
     a2a = [e for e in evs if e.op == "all_to_all" and e.phase == "bwd"]
     micro = [e for e in evs if e.op == "all_reduce" and e.tag == "lina"]
-    return {"launched_during": len(observer.launched_during(micro, a2a)), "n_a2a": len(a2a),
-            "n_micro": len(micro), "n_queued": sum(e.queued is not None for e in a2a)}
+    return {
+        "launched_during": len(observer.launched_during(micro, a2a)),
+        "n_a2a": len(a2a),
+        "n_micro": len(micro),
+        "n_queued": sum(e.queued is not None for e in a2a),
+    }
 
 
 def _matrix_on_rank(rank, world, data):
@@ -73,7 +84,7 @@ def test_every_combination_keeps_the_curve_or_is_refused_naming_both_flags(sampl
                 assert abs(l1 - l0) < 1e-4, f"{combo} iteration {i + 1}: loss {l1} vs {l0}"
                 assert d1 == d0, f"{combo} iteration {i + 1}: dropped {d1} vs {d0}"
             schedule, _, lancet = combo
-            if lancet in ("partition", "both"):     # really partitioned, with the schedule inside
+            if lancet in ("partition", "both"):  # really partitioned, with the schedule inside
                 assert any(f"with {schedule} inside" in c for c in res["changes"]), (combo, res["changes"])
             ran.append(combo)
     assert len(ran) == 4 * (len(COMBOS) - len(REFUSED))
@@ -94,7 +105,7 @@ def test_unsupported_combinations_name_both_flags():
     with pytest.raises(ValueError, match="--lina cannot be combined with --lancet-wgrad"):
         optimizations.check_combination(cfg, pairs)
     cfg.opts.lina = False
-    optimizations.check_combination(cfg, pairs)        # one switch alone, another schedule: fine
+    optimizations.check_combination(cfg, pairs)  # one switch alone, another schedule: fine
     cfg.opts.lina, cfg.moe.moe_schedule = True, "s1"
     with pytest.raises(ValueError, match="--moe-schedule s1 cannot be combined with --lina"):
         optimizations.check_combination(cfg, pairs[1:])

@@ -1,5 +1,6 @@
 """tools/convert_checkpoint.py: exact resharding (model + optimizer), resume after a reshard,
 Hugging Face import/export, consolidated-file round trip, and clear errors with no partial output."""
+
 import importlib.util
 import json
 import os
@@ -14,8 +15,9 @@ from megatron_moe.testing import spawn
 from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", os.path.join(ROOT, "tools",
-                                                                                       "convert_checkpoint.py"))
+_spec = importlib.util.spec_from_file_location(
+    "convert_checkpoint_tool", os.path.join(ROOT, "tools", "convert_checkpoint.py")
+)
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
@@ -29,8 +31,16 @@ def run_tool(command, *argv) -> int:
 
 def target(layout):
     mp, ep, esp = LAYOUTS[layout]
-    return ["--target-tensor-model-parallel-size", mp, "--target-expert-model-parallel-size", ep,
-            "--target-expert-sharding-parallel-size", esp, "--target-world-size", "1" if layout == "one" else "4"]
+    return [
+        "--target-tensor-model-parallel-size",
+        mp,
+        "--target-expert-model-parallel-size",
+        ep,
+        "--target-expert-sharding-parallel-size",
+        esp,
+        "--target-world-size",
+        "1" if layout == "one" else "4",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +50,7 @@ def trained(tmp_path_factory):
     from megatron_moe.arguments import parse_args
     from megatron_moe.data.preprocess import prepare_sample_data
     from megatron_moe.training import pretrain
+
     root = tmp_path_factory.mktemp("convert")
     data = str(root / "sample")
     prepare_sample_data(data, vocab_size=512)
@@ -80,8 +91,12 @@ def test_reshard_round_trip_keeps_logits_and_optimizer_state(trained, resharded,
     r1 = load_file(os.path.join(resharded["EP2xESP2"], "iter_0000003", "rank_00001.safetensors"))
     assert torch.equal(r1["model/blocks.1.moe.experts.proj_w"], src.model["blocks.1.moe.experts.proj_w"][:2, :, 64:])
     meta = json.load(open(os.path.join(resharded["EP2xESP2"], "iter_0000003", "metadata.json")))
-    assert meta["layout"] == {"world_size": 4, "tensor_model_parallel_size": 1, "expert_model_parallel_size": 2,
-                              "expert_sharding_parallel_size": 2}
+    assert meta["layout"] == {
+        "world_size": 4,
+        "tensor_model_parallel_size": 1,
+        "expert_model_parallel_size": 2,
+        "expert_sharding_parallel_size": 2,
+    }
     assert meta["config"]["parallel"]["expert_sharding_parallel_size"] == 2
     # back on one process, the shard is bit-identical to the original (model, optimizer, RNG)
     a = load_file(os.path.join(trained[1], "iter_0000003", "rank_00000.safetensors"))
@@ -104,6 +119,7 @@ def _load_and_resume(rank, world, data, ckpt, paths):
     from megatron_moe.optim import build_optimizer
     from megatron_moe.parallel_state import initialize_model_parallel
     from megatron_moe.training import pretrain
+
     src = cv.read_sharded(ckpt, iteration=3, progress=False)
     out = {}
     for layout in ("MP2xEP2", "EP2xESP2"):
@@ -114,17 +130,35 @@ def _load_and_resume(rank, world, data, ckpt, paths):
         opt, _ = build_optimizer(model, cfg.optim, torch.device("cpu"))
         load_checkpoint(paths[layout], model, opt, ps)
         coords = rank_coords(ps)
-        expect = {(n, k): t if t.dim() == 0 else shard_tensor(t, p._shard, coords)
-                  for n, p in model.named_parameters() for k, t in src.optim[n].items()}
+        expect = {
+            (n, k): t if t.dim() == 0 else shard_tensor(t, p._shard, coords)
+            for n, p in model.named_parameters()
+            for k, t in src.optim[n].items()
+        }
         got = {(n, k): v for n, p in model.named_parameters() for k, v in opt.state[p].items()}
-        bad = sorted(k for k in expect.keys() | got.keys() if k not in got or k not in expect
-                     or not torch.equal(got[k], expect[k]))
-        with torch.no_grad():                        # every rank routes the whole batch as one group
+        bad = sorted(
+            k
+            for k in expect.keys() | got.keys()
+            if k not in got or k not in expect or not torch.equal(got[k], expect[k])
+        )
+        with torch.no_grad():  # every rank routes the whole batch as one group
             logits = model(cv.fixed_batch(cfg))
         out[layout] = (ps.rank("mp"), logits, bad)
     mp, ep, esp = LAYOUTS["MP2xEP2"]
-    hist = pretrain(parse_args(tiny_args(data, 4, "--load", paths["MP2xEP2"], "--tensor-model-parallel-size", mp,
-                                         "--expert-model-parallel-size", ep)))
+    hist = pretrain(
+        parse_args(
+            tiny_args(
+                data,
+                4,
+                "--load",
+                paths["MP2xEP2"],
+                "--tensor-model-parallel-size",
+                mp,
+                "--expert-model-parallel-size",
+                ep,
+            )
+        )
+    )
     out["resumed"] = [(h["iteration"], h["loss"]) for h in hist]
     return out
 
@@ -133,14 +167,14 @@ def test_resharded_checkpoints_load_on_their_layouts_and_resume_with_the_same_lo
     data, ckpt, losses = trained
     src = cv.read_sharded(ckpt, iteration=3)
     with torch.no_grad():
-        ref = cv.build_model(src.cfg, src.model)(cv.fixed_batch(src.cfg))     # [B, T, padded V]
+        ref = cv.build_model(src.cfg, src.model)(cv.fixed_batch(src.cfg))  # [B, T, padded V]
     results = spawn(_load_and_resume, 4, data, ckpt, resharded, timeout=300)
     for res in results:
         for layout in ("MP2xEP2", "EP2xESP2"):
             mp_rank, logits, bad = res[layout]
             width = logits.size(-1)
             assert width == ref.size(-1) // int(LAYOUTS[layout][0])
-            assert (logits - ref[..., mp_rank * width:(mp_rank + 1) * width]).abs().max().item() <= 1e-5
+            assert (logits - ref[..., mp_rank * width : (mp_rank + 1) * width]).abs().max().item() <= 1e-5
             assert bad == [], f"{layout}: optimizer state differs for {bad}"
         # the uninterrupted run's 4th iteration, continued on MP2xEP2 from the reshard of iteration 3
         [(it, loss)] = res["resumed"]
@@ -152,10 +186,21 @@ def test_resharded_checkpoints_load_on_their_layouts_and_resume_with_the_same_lo
 def hf_dir(tmp_path_factory):
     """A small randomly initialized GPT2LMHeadModel saved with save_pretrained (no download)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
-    with torch.no_grad():                     # non-zero biases so every tensor's mapping matters
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=16,
+            vocab_size=100,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ).eval()
+    with torch.no_grad():  # non-zero biases so every tensor's mapping matters
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.02)
@@ -167,6 +212,7 @@ def hf_dir(tmp_path_factory):
 def hf_logits(path, ids):
     """Logits [B, T, V] of the GPT2LMHeadModel saved at `path`."""
     from transformers import GPT2LMHeadModel  # imported here: spawned ranks import this module too
+
     with torch.no_grad():
         return GPT2LMHeadModel.from_pretrained(path).eval()(ids).logits
 
@@ -179,6 +225,7 @@ def test_import_hf_dense_logits_equal_and_the_trainer_loads_it(hf_dir, tmp_path,
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.optim import build_optimizer
     from megatron_moe.parallel_state import local_state
+
     out = str(tmp_path / "dense")
     assert run_tool("import-hf", "--hf", hf_dir, "--save", out, "--verify") == 0
     assert "verify Hugging Face vs imported: max |logit difference|" in capsys.readouterr().out
@@ -200,9 +247,27 @@ def test_import_hf_dense_logits_equal_and_the_trainer_loads_it(hf_dir, tmp_path,
 
 def test_import_hf_upcycled_top2_without_drops_equals_dense(hf_dir, tmp_path, capsys):
     out = str(tmp_path / "moe")
-    assert run_tool("import-hf", "--hf", hf_dir, "--save", out, "--num-experts", "4", "--moe-router-topk", "2",
-                    "--moe-expert-capacity-factor", "4", "--seed", "3", "--target-expert-model-parallel-size", "2",
-                    "--verify") == 0
+    assert (
+        run_tool(
+            "import-hf",
+            "--hf",
+            hf_dir,
+            "--save",
+            out,
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--moe-expert-capacity-factor",
+            "4",
+            "--seed",
+            "3",
+            "--target-expert-model-parallel-size",
+            "2",
+            "--verify",
+        )
+        == 0
+    )
     assert "(top-2, no drops)" in capsys.readouterr().out
     ck = cv.read_sharded(out)
     assert ck.cfg.is_moe_layer(1) and not ck.cfg.is_moe_layer(0)
@@ -251,12 +316,15 @@ def test_export_import_consolidated_file_round_trip(trained, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("flags,named", [
-    (["--target-expert-model-parallel-size", "3"], "--target-expert-model-parallel-size"),
-    (["--target-tensor-model-parallel-size", "3"], "--target-tensor-model-parallel-size"),
-    (["--target-expert-sharding-parallel-size", "3"], "--target-expert-sharding-parallel-size"),
-    (["--target-tensor-model-parallel-size", "2", "--target-world-size", "3"], "--target-world-size"),
-])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--target-expert-model-parallel-size", "3"], "--target-expert-model-parallel-size"),
+        (["--target-tensor-model-parallel-size", "3"], "--target-tensor-model-parallel-size"),
+        (["--target-expert-sharding-parallel-size", "3"], "--target-expert-sharding-parallel-size"),
+        (["--target-tensor-model-parallel-size", "2", "--target-world-size", "3"], "--target-world-size"),
+    ],
+)
 def test_a_layout_the_model_cannot_take_names_the_flag(trained, tmp_path, capsys, flags, named):
     out = str(tmp_path / "out")
     assert run_tool("reshard", "--load", trained[1], "--save", out, *flags) == 2
@@ -285,7 +353,7 @@ def test_a_failed_verify_leaves_no_output(resharded, tmp_path, monkeypatch, caps
     monkeypatch.setattr(cv, "max_logit_diff", lambda a, b: 1.0)
     assert run_tool("reshard", "--load", resharded["one"], "--save", str(tmp_path / "out"), "--verify") == 2
     assert "--verify failed" in capsys.readouterr().err
-    existing = tmp_path / "existing"                 # into an existing root: no iteration dir, latest unchanged
+    existing = tmp_path / "existing"  # into an existing root: no iteration dir, latest unchanged
     shutil.copytree(resharded["one"], existing)
     shutil.rmtree(existing / "iter_0000003")
     (existing / "latest").write_text("1")

@@ -1,12 +1,12 @@
 """Megatron indexed dataset: round trip, byte layout checked by an independent reader, errors."""
+
 import os
 import struct
 
 import numpy as np
 import pytest
 
-from megatron_moe.data.indexed_dataset import (IndexedDatasetBuilder, MMapIndexedDataset,
-                                               best_dtype)
+from megatron_moe.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset, best_dtype
 
 
 def _docs(seed: int, vocab: int, n: int = 7) -> list[np.ndarray]:
@@ -31,8 +31,17 @@ def read_idx_independently(path: str) -> dict:
     sizes = np.frombuffer(raw, "<i4", n, off)
     pointers = np.frombuffer(raw, "<i8", n, off + 4 * n)
     doc_idx = np.frombuffer(raw, "<i8", d, off + 12 * n)
-    return dict(magic=magic, version=version, code=code, n=n, d=d, sizes=sizes,
-                pointers=pointers, doc_idx=doc_idx, total_bytes=len(raw))
+    return dict(
+        magic=magic,
+        version=version,
+        code=code,
+        n=n,
+        d=d,
+        sizes=sizes,
+        pointers=pointers,
+        doc_idx=doc_idx,
+        total_bytes=len(raw),
+    )
 
 
 @pytest.mark.parametrize("vocab,dtype,code", [(50257, np.uint16, 8), (100000, np.int32, 4)])
@@ -134,8 +143,9 @@ def test_reader_detects_truncated_bin(tmp_path):
 
 def test_pickles_as_its_prefix_not_its_data(tmp_path):
     import pickle
+
     prefix = str(tmp_path / "ds")
-    docs = [np.arange(5000) % 300 for _ in range(20)]   # 200 kB of tokens
+    docs = [np.arange(5000) % 300 for _ in range(20)]  # 200 kB of tokens
     _write(prefix, docs, np.uint16)
     blob = pickle.dumps(MMapIndexedDataset(prefix))
     assert len(blob) < 1000

@@ -1,5 +1,6 @@
 """--data-path as Megatron spells it: a PREFIX of .bin/.idx cut by --split, weighted blends,
 the per-split files preprocess_data.py writes; and the default data found from any directory."""
+
 import os
 import subprocess
 import sys
@@ -11,8 +12,14 @@ from megatron_moe.arguments import parse_args
 from megatron_moe.data.blended import BlendedDataset, DocumentRange, blend_index, build_split_dataset
 from megatron_moe.data.gpt_dataset import GPTDataset
 from megatron_moe.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
-from megatron_moe.data.paths import (DATA_DIR_ENV, default_data_prefix, parse_data_path, split_prefix,
-                                     split_ranges, tokenizer_dir_for)
+from megatron_moe.data.paths import (
+    DATA_DIR_ENV,
+    default_data_prefix,
+    parse_data_path,
+    split_prefix,
+    split_ranges,
+    tokenizer_dir_for,
+)
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from tiny_run import tiny_args
 
@@ -36,10 +43,19 @@ def test_megatron_prefix_loads_and_split_cuts_disjoint_document_ranges(tmp_path)
     prefix = _write(str(tmp_path / "corpus_text_document"), range(1000))
     assert split_ranges(1000, "969,30,1") == {"train": (0, 969), "valid": (969, 999), "test": (999, 1000)}
     train, valid, test = build_train_valid_test_data_loaders(
-        prefix, L, 3, micro_batch_size=2, global_batch_size=4, dp_rank=0, dp_size=1,
-        train_samples=40, valid_samples=8, test_samples=4, split="969,30,1")
-    seen = {name: _docs_of(loader.dataset) for name, loader in
-            (("train", train), ("valid", valid), ("test", test))}
+        prefix,
+        L,
+        3,
+        micro_batch_size=2,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        train_samples=40,
+        valid_samples=8,
+        test_samples=4,
+        split="969,30,1",
+    )
+    seen = {name: _docs_of(loader.dataset) for name, loader in (("train", train), ("valid", valid), ("test", test))}
     assert seen["train"] <= set(range(0, 969)) and len(seen["train"]) > 20
     assert seen["valid"] <= set(range(969, 999)) and seen["valid"]
     assert seen["test"] == {999}
@@ -52,8 +68,7 @@ def test_megatron_prefix_loads_and_split_cuts_disjoint_document_ranges(tmp_path)
 def test_split_with_an_empty_needed_split_names_the_flag(tmp_path):
     prefix = _write(str(tmp_path / "c_text_document"), range(50))
     with pytest.raises(ValueError, match="--split 100,0,0 leaves the valid split of --data-path .* no documents"):
-        build_train_valid_test_data_loaders(prefix, L, 3, 2, 4, 0, 1, train_samples=8, valid_samples=4,
-                                            split="100,0,0")
+        build_train_valid_test_data_loaders(prefix, L, 3, 2, 4, 0, 1, train_samples=8, valid_samples=4, split="100,0,0")
 
 
 def test_blend_index_follows_the_largest_deficit_rule():
@@ -63,11 +78,11 @@ def test_blend_index_follows_the_largest_deficit_rule():
     assert sample.tolist() == [0, 0, 1, 2, 1, 3, 4, 5, 2, 6]
     w = np.array([0.2, 0.5, 0.3])
     ds, _ = blend_index(w.tolist(), 1000)
-    counts = np.stack([np.cumsum(ds == k) for k in range(3)], axis=1)       # [n, K] after n + 1 items
+    counts = np.stack([np.cumsum(ds == k) for k in range(3)], axis=1)  # [n, K] after n + 1 items
     ideal = np.arange(1, 1001)[:, None] * w[None, :]
     assert np.abs(counts - ideal).max() < 1.0
     assert counts[-1].tolist() == [200, 500, 300]
-    assert blend_index(w.tolist(), 600)[0].tolist() == ds[:600].tolist()   # a prefix of the longer blend
+    assert blend_index(w.tolist(), 600)[0].tolist() == ds[:600].tolist()  # a prefix of the longer blend
 
 
 def test_two_dataset_blend_has_the_exact_sample_proportions(tmp_path):
@@ -90,7 +105,8 @@ def test_a_blend_mixes_per_split_files_and_megatron_prefixes(tmp_path):
         _write(split_prefix(per_split, s), range(40), base=100 * k)
     single = _write(str(tmp_path / "m_text_document"), range(100), base=2000)
     train, valid, _ = build_train_valid_test_data_loaders(
-        ["1", per_split, "1", single], L, 3, 2, 4, 0, 1, train_samples=16, valid_samples=8, split="90,10,0")
+        ["1", per_split, "1", single], L, 3, 2, 4, 0, 1, train_samples=16, valid_samples=8, split="90,10,0"
+    )
     docs = _docs_of(valid.dataset)
     assert docs & set(range(100, 140)) and docs & {2000 + d for d in range(90, 100)}
     assert docs <= set(range(100, 140)) | {2000 + d for d in range(90, 100)}
@@ -110,8 +126,11 @@ def test_data_path_flag_takes_megatron_blend_syntax():
 
 
 def test_missing_prefix_names_both_forms(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"neither .*nope\.idx \(a Megatron prefix\) nor "
-                                                r".*nope_train_text_document\.idx \(per-split files\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"neither .*nope\.idx \(a Megatron prefix\) nor "
+        r".*nope_train_text_document\.idx \(per-split files\)",
+    ):
         build_split_dataset(str(tmp_path / "nope"), "train", 4, L, 1)
 
 
@@ -134,14 +153,22 @@ def test_trainer_from_another_directory_writes_nothing_there(tmp_path):
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if k != DATA_DIR_ENV}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
-               XDG_CACHE_HOME=str(tmp_path / "cache"))
-    args = tiny_args("unused", 2)[2:]                         # the tiny model, without --data-path
+    env.update(
+        PYTHONPATH=ROOT,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        HF_HUB_OFFLINE="1",
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+    )
+    args = tiny_args("unused", 2)[2:]  # the tiny model, without --data-path
     assert "--data-path" not in args
-    code = ("import sys; from megatron_moe.arguments import parse_args; from megatron_moe.training import "
-            "pretrain; h = pretrain(parse_args(sys.argv[1:])); print('iterations run', len(h))")
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import sys; from megatron_moe.arguments import parse_args; from megatron_moe.training import "
+        "pretrain; h = pretrain(parse_args(sys.argv[1:])); print('iterations run', len(h))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iterations run 2" in out.stdout
     assert os.listdir(cwd) == []

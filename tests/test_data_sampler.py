@@ -1,21 +1,25 @@
 """Pretraining sampler: disjoint DP shards covering each global batch, identical data on the MP
 ranks of one DP group, exact resume from consumed_samples, and the split loaders."""
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_moe.data.gpt_dataset import GPTDataset
 from megatron_moe.data.indexed_dataset import IndexedDatasetBuilder
-from megatron_moe.data.sampler import (PretrainingSampler, build_pretraining_data_loader,
-                                       build_train_valid_test_data_loaders,
-                                       global_batch_indices, split_prefix)
+from megatron_moe.data.sampler import (
+    PretrainingSampler,
+    build_pretraining_data_loader,
+    build_train_valid_test_data_loaders,
+    global_batch_indices,
+    split_prefix,
+)
 from megatron_moe.testing import spawn
 
 
 def rank_batches(total, consumed, mbs, gbs, dp_size):
     """Every DP rank's micro-batches, as lists."""
-    return [list(PretrainingSampler(total, consumed, mbs, gbs, r, dp_size))
-            for r in range(dp_size)]
+    return [list(PretrainingSampler(total, consumed, mbs, gbs, r, dp_size)) for r in range(dp_size)]
 
 
 def test_global_batch_layout_is_megatron_order():
@@ -27,12 +31,12 @@ def test_global_batch_layout_is_megatron_order():
 
 @pytest.mark.parametrize("mbs,gbs,dp", [(2, 16, 4), (1, 6, 3), (3, 3, 1)])
 def test_dp_shards_are_disjoint_and_cover_each_global_batch(mbs, gbs, dp):
-    total = 5 * gbs + gbs - 1          # a trailing partial global batch is dropped
+    total = 5 * gbs + gbs - 1  # a trailing partial global batch is dropped
     per_rank = rank_batches(total, 0, mbs, gbs, dp)
     steps = gbs // (mbs * dp)
     assert all(len(b) == 5 * steps for b in per_rank)
     for it in range(5):
-        got = [i for r in range(dp) for mb in per_rank[r][it * steps:(it + 1) * steps] for i in mb]
+        got = [i for r in range(dp) for mb in per_rank[r][it * steps : (it + 1) * steps] for i in mb]
         assert sorted(got) == list(range(it * gbs, (it + 1) * gbs))  # disjoint and complete
     assert len(PretrainingSampler(total, 0, mbs, gbs, 0, dp)) == 5 * steps
 
@@ -44,12 +48,14 @@ def test_resume_continues_the_exact_sequence():
         resumed = rank_batches(100, done * gbs, mbs, gbs, dp)
         steps = gbs // (mbs * dp)
         for r in range(dp):
-            assert resumed[r] == full[r][done * steps:]
+            assert resumed[r] == full[r][done * steps :]
 
 
 def test_bad_batch_sizes_name_the_flags():
-    with pytest.raises(ValueError, match="--global-batch-size .10. must be a multiple of "
-                                         "--micro-batch-size .2. x data-parallel size .4."):
+    with pytest.raises(
+        ValueError,
+        match="--global-batch-size .10. must be a multiple of --micro-batch-size .2. x data-parallel size .4.",
+    ):
         PretrainingSampler(100, 0, 2, 10, 0, 4)
     with pytest.raises(ValueError, match="dp_rank 4 out of range"):
         PretrainingSampler(100, 0, 2, 16, 4, 4)
@@ -71,10 +77,8 @@ def make_data_path(tmp_path) -> str:
 
 def test_split_loaders_shapes_resume_and_fixed_eval(tmp_path):
     data_path = make_data_path(tmp_path)
-    common = dict(seq_length=16, seed=1234, micro_batch_size=2, global_batch_size=8,
-                  dp_rank=1, dp_size=2)
-    train, valid, test = build_train_valid_test_data_loaders(
-        data_path, train_samples=40, valid_samples=16, **common)
+    common = dict(seq_length=16, seed=1234, micro_batch_size=2, global_batch_size=8, dp_rank=1, dp_size=2)
+    train, valid, test = build_train_valid_test_data_loaders(data_path, train_samples=40, valid_samples=16, **common)
     assert test is None
     batches = [b["tokens"] for b in train]
     assert len(batches) == 40 // 8 * 2 and batches[0].shape == (2, 17)
@@ -83,7 +87,8 @@ def test_split_loaders_shapes_resume_and_fixed_eval(tmp_path):
     assert len(first) == 4
     assert all(torch.equal(a, b["tokens"]) for a, b in zip(first, valid))  # same every eval
     resumed, _, _ = build_train_valid_test_data_loaders(
-        data_path, train_samples=40, consumed_train_samples=16, **common)
+        data_path, train_samples=40, consumed_train_samples=16, **common
+    )
     assert all(torch.equal(a, b["tokens"]) for a, b in zip(batches[4:], resumed, strict=True))
 
 
@@ -96,19 +101,25 @@ def _loader_on_rank(rank, world_size, data_path, mp_size):
     """Layout r = mp + N_MP * dp: each rank builds its own loader (racing on the index cache)."""
     dp_rank, dp_size = rank // mp_size, world_size // mp_size
     train, _, _ = build_train_valid_test_data_loaders(
-        data_path, 8, 99, micro_batch_size=2, global_batch_size=8, dp_rank=dp_rank,
-        dp_size=dp_size, train_samples=24)
+        data_path, 8, 99, micro_batch_size=2, global_batch_size=8, dp_rank=dp_rank, dp_size=dp_size, train_samples=24
+    )
     return torch.stack([b["tokens"] for b in train])
 
 
 def test_mp_ranks_of_a_dp_group_get_identical_samples(tmp_path):
     data_path = make_data_path(tmp_path)
-    out = spawn(_loader_on_rank, 4, data_path, 2, timeout=120)   # MP 2 x DP 2
+    out = spawn(_loader_on_rank, 4, data_path, 2, timeout=120)  # MP 2 x DP 2
     assert out[0].shape == (6, 2, 9)
     assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[3])
     # the two DP groups hold different samples, and together the whole stream in order
     one_rank = GPTDataset(split_prefix(data_path, "train"), 24, 8, 99)
-    whole = torch.cat([b["tokens"] for b in build_pretraining_data_loader(
-        one_rank, 0, micro_batch_size=8, global_batch_size=8, dp_rank=0, dp_size=1)])
-    merged = torch.stack([out[0], out[2]], dim=1)   # [micro-step, dp, b, 9]: Megatron's order
+    whole = torch.cat(
+        [
+            b["tokens"]
+            for b in build_pretraining_data_loader(
+                one_rank, 0, micro_batch_size=8, global_batch_size=8, dp_rank=0, dp_size=1
+            )
+        ]
+    )
+    merged = torch.stack([out[0], out[2]], dim=1)  # [micro-step, dp, b, 9]: Megatron's order
     assert torch.equal(merged.reshape(24, 9), whole)

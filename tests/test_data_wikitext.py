@@ -4,6 +4,7 @@ name (`wikitext-2`, `wikitext-103`, full names) through its unzipped files or th
 The corpora here are small fake WikiText-format files written by the tests (never WikiText's own
 text); the hub is never reached (HF_HUB_OFFLINE=1 and an empty HF_HOME).
 """
+
 import json
 import os
 import random
@@ -23,16 +24,20 @@ from megatron_moe.training import prepare_data
 from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ("river town north old the of a in was built by and ship album species people known "
-         "region first 1 @,@ 200 @-@ year song island bridge <unk>").split()
+WORDS = (
+    "river town north old the of a in was built by and ship album species people known "
+    "region first 1 @,@ 200 @-@ year song island bridge <unk>"
+).split()
 
 
 def fake_article(rng: random.Random, k: int) -> str:
     """One WikiText-format article: ` = Title = ` heading, a section, blank lines around headings,
     one paragraph per line with a space at both ends."""
+
     def para() -> str:
         return " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 40))) + " . \n"
-    return (f" = Article {k} = \n \n{para()}{para()} \n = = History = = \n \n{para()} \n")
+
+    return f" = Article {k} = \n \n{para()}{para()} \n = = History = = \n \n{para()} \n"
 
 
 def write_wikitext(d, splits=("train", "valid", "test"), articles=(12, 3, 3), seed=0) -> dict:
@@ -49,15 +54,32 @@ def write_wikitext(d, splits=("train", "valid", "test"), articles=(12, 3, 3), se
 
 
 def run_trainer(args, tmp_path, **env_extra):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), **env_extra)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *args], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        **env_extra,
+    )
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _files(d) -> dict:
-    return {os.path.relpath(os.path.join(p, f), d): os.stat(os.path.join(p, f)).st_mtime_ns
-            for p, _, fs in os.walk(d) for f in fs}
+    return {
+        os.path.relpath(os.path.join(p, f), d): os.stat(os.path.join(p, f)).st_mtime_ns
+        for p, _, fs in os.walk(d)
+        for f in fs
+    }
 
 
 def test_wikitext_directory_trains_and_a_second_run_reuses_the_cache(tmp_path):
@@ -67,8 +89,11 @@ def test_wikitext_directory_trains_and_a_second_run_reuses_the_cache(tmp_path):
     runs = []
     for n in (1, 2):
         log = tmp_path / f"log{n}.jsonl"
-        out = run_trainer([*tiny_args(str(corpus), 2, "--vocab-size", "300"), "--log-json", str(log)],
-                          tmp_path, **{DATA_DIR_ENV: str(cache)})
+        out = run_trainer(
+            [*tiny_args(str(corpus), 2, "--vocab-size", "300"), "--log-json", str(log)],
+            tmp_path,
+            **{DATA_DIR_ENV: str(cache)},
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         train = [json.loads(x) for x in log.read_text().splitlines()]
         assert [r["iteration"] for r in train if "split" not in r] == [2]
@@ -76,7 +101,7 @@ def test_wikitext_directory_trains_and_a_second_run_reuses_the_cache(tmp_path):
     (first, files1), (second, files2) = runs
     assert f"> data: preprocessed {corpus} ({corpus})" in first and "reusing" not in first
     assert f"> data: reusing {corpus} ({corpus})" in second and "preprocessed" not in second
-    assert files2 == files1                        # nothing rewritten: same files, same mtimes
+    assert files2 == files1  # nothing rewritten: same files, same mtimes
     # the cache holds the documents of each split exactly: decode them back (EOD removed)
     [prefix] = {os.path.join(cache, f.split("_train_text_document")[0]) for f in files1 if "_train_" in f}
     assert os.path.basename(prefix).startswith("wikitext-my-wikitext-") and prefix.endswith("-bpe300")
@@ -92,21 +117,29 @@ def test_wikitext_directory_trains_and_a_second_run_reuses_the_cache(tmp_path):
     assert os.listdir(tmp_path / "cache") and not [f for f in os.listdir(tmp_path) if f.startswith("wikitext")]
 
 
-@pytest.mark.parametrize("word,name,folder", [("wikitext-2", "wikitext-2-raw-v1", "wikitext-2-raw"),
-                                              ("wikitext-103", "wikitext-103-raw-v1", "wikitext-103-raw")])
+@pytest.mark.parametrize(
+    "word,name,folder",
+    [
+        ("wikitext-2", "wikitext-2-raw-v1", "wikitext-2-raw"),
+        ("wikitext-103", "wikitext-103-raw-v1", "wikitext-103-raw"),
+    ],
+)
 def test_dataset_name_offline_says_what_to_download_and_writes_nothing(tmp_path, word, name, folder):
     cache = tmp_path / "cache"
     out = run_trainer(tiny_args(word, 2), tmp_path, **{DATA_DIR_ENV: str(cache)})
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith(f"pretrain_gpt_moe.py: error: --data-path {word}: cannot load {name} from the "
-                               f"Hugging Face hub (")
-    assert (f"download WikiText-{word.split('-')[1]} (https://wikitext.smerity.com/{name}.zip) and unzip it "
-            f"into {cache} so that {cache}/{folder}/ holds wiki.train.raw, wiki.valid.raw and wiki.test.raw "
-            f"(then this --data-path finds it), or pass --data-path DIR naming any directory that holds those "
-            f"three files (wiki.*.tokens work too)") in lines[0]
-    assert not cache.exists() and set(os.listdir(tmp_path)) <= {"hf"}     # nothing written but HF's cache
+    assert lines[0].startswith(
+        f"pretrain_gpt_moe.py: error: --data-path {word}: cannot load {name} from the Hugging Face hub ("
+    )
+    assert (
+        f"download WikiText-{word.split('-')[1]} (https://wikitext.smerity.com/{name}.zip) and unzip it "
+        f"into {cache} so that {cache}/{folder}/ holds wiki.train.raw, wiki.valid.raw and wiki.test.raw "
+        f"(then this --data-path finds it), or pass --data-path DIR naming any directory that holds those "
+        f"three files (wiki.*.tokens work too)"
+    ) in lines[0]
+    assert not cache.exists() and set(os.listdir(tmp_path)) <= {"hf"}  # nothing written but HF's cache
 
 
 def test_directory_missing_the_train_split_names_it(tmp_path, monkeypatch):
@@ -115,9 +148,11 @@ def test_directory_missing_the_train_split_names_it(tmp_path, monkeypatch):
     write_wikitext(corpus, splits=("valid", "test"))
     with pytest.raises(FileNotFoundError) as e:
         prepare_data(parse_args(tiny_args(str(corpus), 2)), local_state())
-    assert str(e.value) == (f"--data-path {corpus}: {corpus} has no wiki.train.tokens (or wiki.train.raw): the "
-                            f"train split is missing; a WikiText directory needs wiki.train, wiki.valid and "
-                            f"wiki.test")
+    assert str(e.value) == (
+        f"--data-path {corpus}: {corpus} has no wiki.train.tokens (or wiki.train.raw): the "
+        f"train split is missing; a WikiText directory needs wiki.train, wiki.valid and "
+        f"wiki.test"
+    )
     assert not (tmp_path / "cache").exists()
 
 
@@ -126,8 +161,11 @@ def test_the_shared_real_wikitext2_folder_without_a_train_split_is_refused(tmp_p
     if not os.path.isfile(os.path.join(real, "wiki.valid.tokens")):
         pytest.skip(f"{real} (real WikiText-2 valid/test) is absent")
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
-    with pytest.raises(FileNotFoundError, match=r"has no wiki\.train\.tokens \(or wiki\.train\.raw\): the train "
-                                                r"split is missing"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"has no wiki\.train\.tokens \(or wiki\.train\.raw\): the train "
+        r"split is missing",
+    ):
         prepare_data(parse_args(tiny_args(real, 2)), local_state())
     assert not (tmp_path / "cache").exists()
 
@@ -135,8 +173,12 @@ def test_the_shared_real_wikitext2_folder_without_a_train_split_is_refused(tmp_p
 def test_names_resolve_to_unzipped_files_before_the_hub(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    for word, name in (("wikitext-2", "wikitext-2-raw-v1"), ("WikiText-103", "wikitext-103-raw-v1"),
-                       ("wikitext-2-raw-v1", "wikitext-2-raw-v1"), ("wikitext-103-v1", "wikitext-103-v1")):
+    for word, name in (
+        ("wikitext-2", "wikitext-2-raw-v1"),
+        ("WikiText-103", "wikitext-103-raw-v1"),
+        ("wikitext-2-raw-v1", "wikitext-2-raw-v1"),
+        ("wikitext-103-v1", "wikitext-103-v1"),
+    ):
         src = wikitext_source(word)
         assert (src.dataset, src.directory, src.word) == (name, None, word)
     assert wikitext_source("wikitext-3") is None and wikitext_source("data/processed/wt103") is None
@@ -164,23 +206,27 @@ def test_cache_key_follows_the_source_and_the_tokenizer(tmp_path, monkeypatch):
     assert wikitext_cache_prefix(src, None, 512) != base
     assert "-tok-gpt2-" in wikitext_cache_prefix(src, "gpt2", 0)
     with open(d / "wiki.train.tokens", "a", encoding="utf-8") as f:
-        f.write(" one more line . \n")              # an edited file is preprocessed again
+        f.write(" one more line . \n")  # an edited file is preprocessed again
     assert wikitext_cache_prefix(wikitext_source(str(d)), None, 300) != base
     assert wikitext_cache_prefix(wikitext_source("wikitext-2"), None, 300) == str(
-        tmp_path / "cache" / "wikitext-2-raw-v1-bpe300")
+        tmp_path / "cache" / "wikitext-2-raw-v1-bpe300"
+    )
 
 
 def test_raw_wikitext_inside_a_blend_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="--data-path: wikitext-2 is raw WikiText, which only a one-word "
-                                         "--data-path preprocesses"):
-        prepare_data(parse_args(tiny_args("x", 2)[2:] + ["--data-path", "0.5", "wikitext-2", "0.5", "/d/x"]),
-                     local_state())
+    with pytest.raises(
+        ValueError, match="--data-path: wikitext-2 is raw WikiText, which only a one-word --data-path preprocesses"
+    ):
+        prepare_data(
+            parse_args(tiny_args("x", 2)[2:] + ["--data-path", "0.5", "wikitext-2", "0.5", "/d/x"]), local_state()
+        )
 
 
 def _prepare_on_rank(rank, world_size, cache, good, bad):
     """prepare_data on every rank of a 2-rank world: a good directory, then one without train."""
     from megatron_moe.parallel_state import initialize_model_parallel
+
     os.environ[DATA_DIR_ENV] = cache
     ps = initialize_model_parallel(1, 1, 1, "gloo")
     cfg = parse_args(tiny_args(good, 2))
@@ -195,21 +241,27 @@ def _prepare_on_rank(rank, world_size, cache, good, bad):
 
 def test_two_ranks_share_rank_zeros_preprocessing_and_its_error(tmp_path):
     from megatron_moe.testing import spawn
+
     write_wikitext(tmp_path / "good")
     write_wikitext(tmp_path / "bad", splits=("valid", "test"))
-    out = spawn(_prepare_on_rank, 2, str(tmp_path / "cache"), str(tmp_path / "good"), str(tmp_path / "bad"),
-                timeout=120)
+    out = spawn(
+        _prepare_on_rank, 2, str(tmp_path / "cache"), str(tmp_path / "good"), str(tmp_path / "bad"), timeout=120
+    )
     assert out[0] == out[1]
     prefix, vocab, error = out[0]
     assert prefix.startswith(str(tmp_path / "cache" / "wikitext-good-")) and prefix.endswith("-bpe8192")
     assert vocab == load_tokenizer(prefix + "_tokenizer").vocab_size
-    assert error == ("FileNotFoundError", f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad'} has no "
-                     f"wiki.train.tokens (or wiki.train.raw): the train split is missing; a WikiText "
-                     f"directory needs wiki.train, wiki.valid and wiki.test")
+    assert error == (
+        "FileNotFoundError",
+        f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad'} has no "
+        f"wiki.train.tokens (or wiki.train.raw): the train split is missing; a WikiText "
+        f"directory needs wiki.train, wiki.valid and wiki.test",
+    )
 
 
 def test_a_given_tokenizer_is_used_instead_of_training_one(tmp_path, monkeypatch):
     from megatron_moe.data.tokenizer import save_tokenizer, train_tokenizer
+
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
     docs = write_wikitext(tmp_path / "wt")
     tok_dir = tmp_path / "my-tok"
@@ -220,7 +272,9 @@ def test_a_given_tokenizer_is_used_instead_of_training_one(tmp_path, monkeypatch
     assert "-tok-my-tok-" in os.path.basename(cfg.data.data_path)
     assert cfg.model.vocab_size == tok.vocab_size
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(
-        f"{os.path.basename(cfg.data.data_path)}_{s}_text_document.{e}" for s in docs for e in ("bin", "idx"))
+        f"{os.path.basename(cfg.data.data_path)}_{s}_text_document.{e}" for s in docs for e in ("bin", "idx")
+    )
     ds = MMapIndexedDataset(output_prefix_for(cfg.data.data_path, "valid"))
-    assert [np.asarray(ds[i]).tolist() for i in range(len(ds))] == [ids + [tok.eod] for ids in
-                                                                     tok.encode_batch(docs["valid"])]
+    assert [np.asarray(ds[i]).tolist() for i in range(len(ds))] == [
+        ids + [tok.eod] for ids in tok.encode_batch(docs["valid"])
+    ]

@@ -7,6 +7,7 @@ Dynamic half: the trainer, run through `tests/meta_run.py` with
 without it (any tensor created without a device would be a meta tensor and fail
 next to a real one, or carry no data).
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,20 @@ from megatron_moe.parallel_state import default_backend, device_and_backend, loc
 from megatron_moe.testing import free_port
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
-FACTORIES = {"zeros", "empty", "ones", "full", "arange", "tensor", "randn", "rand", "randint", "randperm",
-             "linspace", "eye"}
+FACTORIES = {
+    "zeros",
+    "empty",
+    "ones",
+    "full",
+    "arange",
+    "tensor",
+    "randn",
+    "rand",
+    "randint",
+    "randperm",
+    "linspace",
+    "eye",
+}
 
 
 def _factory_name(call: ast.Call) -> str | None:
@@ -54,8 +67,10 @@ def factory_calls_without_device(source: str, filename: str) -> list[str]:
 
 
 def test_checker_flags_a_factory_without_device():
-    src = ("import torch\nx = torch.zeros(3)\ny = torch.ones(2, device=d)\nz = torch.zeros_like(x)\n"
-           "w = torch.tensor([1], dtype=torch.long)\n")
+    src = (
+        "import torch\nx = torch.zeros(3)\ny = torch.ones(2, device=d)\nz = torch.zeros_like(x)\n"
+        "w = torch.tensor([1], dtype=torch.long)\n"
+    )
     assert factory_calls_without_device(src, "m.py") == ["m.py:2 torch.zeros", "m.py:5 torch.tensor"]
 
 
@@ -78,7 +93,7 @@ def test_device_flag_resolution_and_errors():
         with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
             resolve_device("cuda")
     assert device_and_backend("cpu", None) == (torch.device("cpu"), "gloo")
-    assert device_and_backend("auto", "gloo") == (torch.device("cpu"), "gloo")     # gloo keeps the CPU
+    assert device_and_backend("auto", "gloo") == (torch.device("cpu"), "gloo")  # gloo keeps the CPU
     with pytest.raises(ValueError, match="--distributed-backend nccl needs --device cuda"):
         device_and_backend("cpu", "nccl")
     assert parse_args(["--device", "cpu"]).parallel.device == "cpu"
@@ -89,8 +104,22 @@ def test_device_flag_resolution_and_errors():
 def test_model_parameters_are_created_on_the_given_device():
     """`GPT2MoE(..., device=)` reaches every layer: on the meta device no parameter holds data,
     and the shapes are those of the CPU model (the host-drawn init values are never copied)."""
-    cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                      "--seq-length", "16", "--vocab-size", "100", "--num-experts", "4"])
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--vocab-size",
+            "100",
+            "--num-experts",
+            "4",
+        ]
+    )
     meta = GPT2MoE(cfg, local_state(), device="meta")
     cpu = GPT2MoE(cfg, local_state())
     assert {n: p.device.type for n, p in meta.named_parameters()} == {n: "meta" for n, _ in cpu.named_parameters()}
@@ -102,20 +131,45 @@ def test_model_parameters_are_created_on_the_given_device():
 ROOT = LIBRARY.parent
 META_RUN = str(ROOT / "tests" / "meta_run.py")
 ALL_SWITCHES = ["--lina", "--lancet-wgrad", "--lancet-partition", "--lancet-force-partitions", "2"]
-RUNS = {   # name -> (processes, flags)
+RUNS = {  # name -> (processes, flags)
     "1proc-lancet": (1, ["--lancet-wgrad", "--lancet-partition", "--lancet-force-partitions", "2"]),
     "EP2-lina-lancet": (2, ["--expert-model-parallel-size", "2", *ALL_SWITCHES]),
-    "MP2xEP2-s1-lina-lancet": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                                   "--moe-schedule", "s1", *ALL_SWITCHES]),
-    "MP2xEP2-s2-lina-lancet": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                                   "--moe-schedule", "s2", *ALL_SWITCHES]),
+    "MP2xEP2-s1-lina-lancet": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-schedule",
+            "s1",
+            *ALL_SWITCHES,
+        ],
+    ),
+    "MP2xEP2-s2-lina-lancet": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-schedule",
+            "s2",
+            *ALL_SWITCHES,
+        ],
+    ),
 }
 TIMING = ("ms_per_iter", "tokens_per_s", "tflops")
 
 
 def _env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float = 300) -> str:
@@ -124,10 +178,17 @@ def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float
     if nproc == 1:
         cmd = [sys.executable, *wrapped]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), *wrapped]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=timeout, check=False)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            *wrapped,
+        ]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
     assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return res.stdout
 
@@ -156,15 +217,36 @@ def test_trainer_under_meta_default_device_matches_the_plain_run(sample_data, tm
         args = tiny_args(sample_data, 3, *flags, "--log-interval", "1", "--eval-iters", "1", "--log-json", str(log))
         _launch(nproc, meta, str(ROOT / "pretrain_gpt_moe.py"), args)
         curves[meta] = _curve(log)
-    assert [r.get("iteration") for r in curves[False]] == [1, 2, 3, 3, 3]      # 3 train records, valid, test
+    assert [r.get("iteration") for r in curves[False]] == [1, 2, 3, 3, 3]  # 3 train records, valid, test
     assert curves[True] == curves[False]
 
 
 # ---------------------------------------------------------------- the benchmark tools under a meta default device
-SMALL = ["--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--num-experts", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--num-layers", "2", "--vocab-size", "512",
-         "--expert-model-parallel-size", "2", "--iters", "2", "--warmup", "1"]
-BENCH = {   # tool -> (extra flags, key of a row, the rows it must write)
+SMALL = [
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "64",
+    "--num-experts",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--num-layers",
+    "2",
+    "--vocab-size",
+    "512",
+    "--expert-model-parallel-size",
+    "2",
+    "--iters",
+    "2",
+    "--warmup",
+    "1",
+]
+BENCH = {  # tool -> (extra flags, key of a row, the rows it must write)
     "bench_moe_layer.py": (["--schedules", "baseline,s1,s2"], "schedule", ["baseline", "s1", "s2"]),
     "bench_lancet.py": ([], "mode", ["none", "dw", "partition", "both", "auto"]),
     "bench_lina.py": (["--rounds", "1", "--partitions", "1"], "mode", ["alone", "no_lina", "lina"]),
@@ -177,7 +259,7 @@ def test_bench_tool_under_meta_default_device(tmp_path, tool):
     the MoE-layer benchmark's bytes per collective equal those of the plain run."""
     extra, key, want = BENCH[tool]
     out = {}
-    for meta in ((False, True) if tool == "bench_moe_layer.py" else (True,)):
+    for meta in (False, True) if tool == "bench_moe_layer.py" else (True,):
         path = tmp_path / f"{'meta' if meta else 'plain'}.json"
         _launch(2, meta, str(ROOT / "tools" / tool), [*SMALL, *extra, "--json", str(path)])
         with open(path) as f:

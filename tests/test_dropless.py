@@ -4,6 +4,7 @@ the one-process dropless reference, refused combinations name both flags.
 One spawn per world size runs its layouts (top-1 and top-2, baseline and S1) plus the
 byte count of the EP2 x ESP2 run; the parent computes the references and compares.
 """
+
 import pytest
 import torch
 
@@ -22,11 +23,10 @@ from tiny_run import tiny_args
 
 # (mp, ep, esp, schedule): MP2, EP2, ESP2, DP2 (+ MP2 under S1); MP2xEP2, EP2xESP2
 LAYOUTS = {
-    2: [(2, 1, 1, "baseline"), (1, 2, 1, "baseline"), (1, 1, 2, "baseline"), (1, 1, 1, "baseline"),
-        (2, 1, 1, "s1")],
+    2: [(2, 1, 1, "baseline"), (1, 2, 1, "baseline"), (1, 1, 2, "baseline"), (1, 1, 1, "baseline"), (2, 1, 1, "s1")],
     4: [(2, 2, 1, "baseline"), (1, 2, 2, "baseline")],
 }
-BYTES_LAYOUT = (1, 2, 2)          # EP2 x ESP2: every token travels once per ESP shard
+BYTES_LAYOUT = (1, 2, 2)  # EP2 x ESP2: every token travels once per ESP shard
 
 
 def dropless_config(k: int, schedule: str = "baseline"):
@@ -35,24 +35,25 @@ def dropless_config(k: int, schedule: str = "baseline"):
 
 # ----------------------------------------------------------------------------- (a) router and plan
 
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_skewed_gate_drops_nothing_and_plans_every_choice_once(k):
     S, E = 12, 4
     logits = torch.zeros(S, E)
-    logits[:, 0], logits[:, 1] = 6.0, 3.0 + torch.arange(S) / S    # every token: expert 0 first, 1 second
+    logits[:, 0], logits[:, 1] = 6.0, 3.0 + torch.arange(S) / S  # every token: expert 0 first, 1 second
     capped = route(logits, k, 1.0, 1)
-    assert capped.num_dropped == k * (S - capped.capacity)           # the capacity router drops...
+    assert capped.num_dropped == k * (S - capped.capacity)  # the capacity router drops...
     r = route(logits, k, 1.0, 1, dropless=True)
-    assert r.num_dropped == 0 and r.capacity == S                    # ...the dropless one keeps all
+    assert r.num_dropped == 0 and r.capacity == S  # ...the dropless one keeps all
     assert r.counts.tolist() == ([S, 0, 0, 0] if k == 1 else [S, S, 0, 0])
     gates = torch.softmax(logits, -1)
     chosen = gates[:, :k]
     expect_w = chosen if k == 1 else chosen / chosen.sum(dim=1, keepdim=True)
     assert torch.allclose(r.weight, expect_w)
-    assert torch.allclose(r.aux_loss, capped.aux_loss)               # aux loss unchanged
+    assert torch.allclose(r.aux_loss, capped.aux_loss)  # aux loss unchanged
     plan = UnevenDispatcher(local_state(), E, 0, ragged=True).plan([r])
     assert sorted(plan.token.tolist()) == sorted(list(range(S)) * k)  # every choice exactly once
-    assert plan.expert_rows == r.counts.tolist()                      # ragged: no padding rows
+    assert plan.expert_rows == r.counts.tolist()  # ragged: no padding rows
     # dispatch then combine: each token's weighted sum of its rows (identity for top-2)
     x = torch.randn(S, 8)
     d = UnevenDispatcher(local_state(), E, 0, ragged=True)
@@ -64,6 +65,7 @@ def test_skewed_gate_drops_nothing_and_plans_every_choice_once(k):
 
 # ----------------------------------------------------------------------------- (b) + (c) layouts, bytes
 
+
 def _bytes_run(k: int) -> dict:
     """EP2 x ESP2 forward + backward under a CommLog: this rank's EP / DP rank and all-to-all bytes."""
     mp, ep, esp = BYTES_LAYOUT
@@ -73,7 +75,9 @@ def _bytes_run(k: int) -> dict:
         ids, labels = global_batch(ps.size("dp"))
         r = ps.rank("dp")
         with CommLog() as log:
-            lm, aux = model(ids[r * MICRO_BATCH:(r + 1) * MICRO_BATCH], labels[r * MICRO_BATCH:(r + 1) * MICRO_BATCH])
+            lm, aux = model(
+                ids[r * MICRO_BATCH : (r + 1) * MICRO_BATCH], labels[r * MICRO_BATCH : (r + 1) * MICRO_BATCH]
+            )
             (lm + aux).backward()
         a2a = [(e.phase, e.sent, e.recv) for e in log.records if e.op == "all_to_all"]
         return {"ep": ps.rank("ep"), "dp": r, "a2a": a2a}
@@ -97,14 +101,15 @@ def _check_bytes(per_rank: list, k: int) -> None:
     model = GPT2MoE(cfg, local_state(), routing_groups=dp)
     ids, labels = global_batch(dp)
     model(ids, labels)
-    routes = model.moe_layers()[0].router.last_routes                  # one per DP rank's micro-batch
+    routes = model.moe_layers()[0].router.last_routes  # one per DP rank's micro-batch
     assert len(model.moe_layers()) == 1
     E_l, T, row = E // ep, MICRO_BATCH * cfg.model.seq_length, M * 4
-    counts_bytes = ep * esp * E_l * 8                                   # the count exchange, int64 [D, E_l]
+    counts_bytes = ep * esp * E_l * 8  # the count exchange, int64 [D, E_l]
     for res in per_rank:
-        mine = sum(int(torch.isin(r.expert, torch.arange(res["ep"] * E_l, (res["ep"] + 1) * E_l)).sum())
-                   for r in routes)                                    # every source's tokens to my experts
-        sent = k * T * esp                                             # all my choices, once per ESP shard
+        mine = sum(
+            int(torch.isin(r.expert, torch.arange(res["ep"] * E_l, (res["ep"] + 1) * E_l)).sum()) for r in routes
+        )  # every source's tokens to my experts
+        sent = k * T * esp  # all my choices, once per ESP shard
         fwd = sorted((s, rv) for ph, s, rv in res["a2a"] if ph == "fwd")
         bwd = sorted((s, rv) for ph, s, rv in res["a2a"] if ph == "bwd")
         expect = sorted([(counts_bytes, counts_bytes), (sent * row, mine * row), (mine * row, sent * row)])
@@ -123,14 +128,18 @@ def test_every_layout_matches_one_process_dropless_reference(world):
             refs[(dp, k)] = reference(dropless_config(k), dp)
             assert refs[(dp, k)][2] == [0], "dropless drops nothing"
             assert reference(tiny_config(k), dp)[2][0] > 0, "the capacity router must drop in this config"
-        compare([per_rank[r][i] for r in range(world)], refs[(dp, k)],
-                f"dropless P={world} MP{mp} EP{ep} ESP{esp} {schedule} top-{k}")
+        compare(
+            [per_rank[r][i] for r in range(world)],
+            refs[(dp, k)],
+            f"dropless P={world} MP{mp} EP{ep} ESP{esp} {schedule} top-{k}",
+        )
     if world == 4:
         for k in (1, 2):
             _check_bytes([per_rank[r][-1][k] for r in range(world)], k)
 
 
 # ----------------------------------------------------------------------------- (d) refusals
+
 
 def test_refused_combinations_name_both_flags():
     with pytest.raises(ValueError, match="--moe-dropless.*--moe-schedule s2"):
@@ -142,13 +151,14 @@ def test_refused_combinations_name_both_flags():
         setattr(cfg.opts, flag, True)
         with pytest.raises(ValueError, match=f"--moe-dropless cannot be combined with --{flag.replace('_', '-')}"):
             optimizations.check_combination(cfg)
-    optimizations.check_combination(dropless_config(2, "s1"))          # allowed: no error
+    optimizations.check_combination(dropless_config(2, "s1"))  # allowed: no error
     cfg = tiny_config(1)
     cfg.opts.lancet_partition = True
-    optimizations.check_combination(cfg)                                # Lancet without dropless: fine
+    optimizations.check_combination(cfg)  # Lancet without dropless: fine
 
 
 # ----------------------------------------------------------------------------- (e) the trainer
+
 
 def _train(rank, world, argv):
     trainer = Trainer(parse_args(argv))
@@ -158,8 +168,14 @@ def _train(rank, world, argv):
 
 def test_trainer_dropless_ep2_with_lina_matches_one_process(sample_data):
     ref, _ = _train(0, 1, tiny_args(sample_data, 3, "--moe-dropless"))
-    per_rank = spawn(_train, 2, tiny_args(sample_data, 3, "--moe-dropless", "--expert-model-parallel-size", "2",
-                                          "--moe-schedule", "auto", "--lina"), timeout=300)
+    per_rank = spawn(
+        _train,
+        2,
+        tiny_args(
+            sample_data, 3, "--moe-dropless", "--expert-model-parallel-size", "2", "--moe-schedule", "auto", "--lina"
+        ),
+        timeout=300,
+    )
     assert [d for _, d in ref] == [0.0] * 3
     for curve, changes in per_rank:
         assert any("--moe-dropless: auto -> dropless baseline" in c for c in changes), changes

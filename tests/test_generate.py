@@ -1,5 +1,6 @@
 """Text generation: greedy equals an argmax loop with context cropping, top-k=1 equals greedy, top-p
 keeps the nucleus, padded vocabulary ids are never produced, tools/generate.py on any layout."""
+
 import importlib.util
 import os
 
@@ -17,7 +18,7 @@ _spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(ROO
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
-VOCAB, MAX_POS = 100, 16                        # padded to 128 by --make-vocab-size-divisible-by
+VOCAB, MAX_POS = 100, 16  # padded to 128 by --make-vocab-size-divisible-by
 
 
 def tiny_config(vocab=VOCAB) -> Config:
@@ -40,13 +41,13 @@ def argmax_loop(model, prompt, n):
         for _ in range(n):
             logits = model(torch.tensor([ids[-MAX_POS:]]))[0, -1, :VOCAB]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_greedy_is_deterministic_and_equals_an_argmax_loop_past_max_positions():
     model = tiny_model()
     prompt = [5, 17, 3, 99, 42]
-    out = generate(model, prompt, 20, temperature=0)          # 25 tokens > 16 positions: cropped
+    out = generate(model, prompt, 20, temperature=0)  # 25 tokens > 16 positions: cropped
     assert len(out) == 20
     assert out == argmax_loop(model, prompt, 20)
     assert out == generate(model, prompt, 20, temperature=0)
@@ -66,14 +67,14 @@ def test_filter_logits_keeps_the_top_k_and_the_top_p_nucleus():
     assert filter_logits(logits, top_k=3).tolist()[3] == inf
     assert torch.isfinite(filter_logits(logits, top_k=3)[:3]).all()
     kept = torch.isfinite(filter_logits(logits, top_p=0.75)).tolist()
-    assert kept == [True, True, False, False]                 # 0.5 < 0.75 <= 0.5 + 0.3
+    assert kept == [True, True, False, False]  # 0.5 < 0.75 <= 0.5 + 0.3
     assert torch.isfinite(filter_logits(logits, top_p=0.4)).tolist() == [True, False, False, False]
     assert torch.isfinite(filter_logits(logits, top_p=1.0)).all()
 
 
 def test_padded_vocabulary_ids_are_never_generated():
     model = tiny_model()
-    with torch.no_grad():                 # make every padded id's logit far larger than any real one
+    with torch.no_grad():  # make every padded id's logit far larger than any real one
         model.ln_f.weight.zero_()
         model.ln_f.bias.fill_(1.0)
         model.wte.weight[VOCAB:] = 1.0
@@ -86,8 +87,11 @@ def test_padded_vocabulary_ids_are_never_generated():
 
 def test_bad_sampling_flags_are_named():
     model = tiny_model()
-    for kw, flag in ((dict(temperature=-1), "--temperature"), (dict(top_k=-2), "--top-k"),
-                     (dict(top_p=0.0), "--top-p")):
+    for kw, flag in (
+        (dict(temperature=-1), "--temperature"),
+        (dict(top_k=-2), "--top-k"),
+        (dict(top_p=0.0), "--top-p"),
+    ):
         with pytest.raises(ValueError, match=flag):
             generate(model, [1], 2, **kw)
     with pytest.raises(ValueError, match="tokenizer does not match"):
@@ -99,6 +103,7 @@ def saved(tmp_path_factory):
     """A tokenizer saved beside a (fake) data prefix, and a model checkpoint sharded MP2xEP2 that
     records that prefix; returns (checkpoint dir, consolidated file, tokenizer, one-process model)."""
     from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
     root = tmp_path_factory.mktemp("gen")
     texts = [open(os.path.join(ROOT, "README.md")).read()] * 2
     save_tokenizer(train_tokenizer(texts, 300), root / "corpus_tokenizer")

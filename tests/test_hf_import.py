@@ -1,4 +1,5 @@
 """GPT-2 import: our dense model equals transformers' GPT2LMHeadModel; upcycled MoE relations."""
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -10,10 +11,11 @@ from megatron_moe.parallel_state import local_state
 
 def small_hf(seed=0):
     torch.manual_seed(seed)
-    hf_cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf_cfg = GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = GPT2LMHeadModel(hf_cfg).eval()
-    with torch.no_grad():                     # non-zero biases so the mapping of every tensor is exercised
+    with torch.no_grad():  # non-zero biases so the mapping of every tensor is exercised
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.02)

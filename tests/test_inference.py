@@ -3,6 +3,7 @@ generation under MP2, EP2, ESP2 and MP2 x EP2 equals the one-process model token
 refused; Lina's estimation (eq. 1, first-fit-decreasing packing) on a hand-made profile, the
 profile round trip and refusal; scheduled inference on EP4 keeps the logits and triggers phase 2
 exactly when the actual top-2k experts differ from the estimate."""
+
 import copy
 import json
 import os
@@ -14,10 +15,18 @@ from megatron_moe import convert as cv
 from megatron_moe.config import Config
 from megatron_moe.generation import generate
 from megatron_moe.inference.engine import InferenceEngine, inference_config, load_engine, load_weights, serve
-from megatron_moe.inference.popularity import (PathProfile, check_profile, collect_profile, device_rows,
-                                               devices_per_expert,
-                                               first_fit_decreasing, load_profile, plan_placement, save_profile,
-                                               top_experts)
+from megatron_moe.inference.popularity import (
+    PathProfile,
+    check_profile,
+    collect_profile,
+    device_rows,
+    devices_per_expert,
+    first_fit_decreasing,
+    load_profile,
+    plan_placement,
+    save_profile,
+    top_experts,
+)
 from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint, use_lina
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
@@ -33,7 +42,7 @@ def tiny_config(num_experts: int = 8) -> Config:
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 4, 32, 4, 64
     m.seq_length = m.max_position_embeddings = MAX_POS
-    m.vocab_size, m.init_method_std = VOCAB, 0.2        # a large init: varied greedy continuations
+    m.vocab_size, m.init_method_std = VOCAB, 0.2  # a large init: varied greedy continuations
     cfg.moe.num_experts, cfg.moe.moe_router_topk, cfg.moe.moe_layer_freq, cfg.train.seed = num_experts, 2, 1, 7
     return cfg
 
@@ -49,9 +58,10 @@ def full_state(model) -> dict:
 
 # ----------------------------------------------------------------------------- one process
 
+
 def test_kv_cache_decode_equals_full_recomputation_and_greedy_equals_generate():
     model = reference_model(tiny_config())
-    out = InferenceEngine(model).generate(PROMPTS, NEW, keep_logits=True)     # one padded batch
+    out = InferenceEngine(model).generate(PROMPTS, NEW, keep_logits=True)  # one padded batch
     varied = set()
     for p, o in zip(PROMPTS, out):
         assert o.tokens == generate(model, p, NEW, temperature=0)
@@ -62,7 +72,7 @@ def test_kv_cache_decode_equals_full_recomputation_and_greedy_equals_generate():
                 assert torch.allclose(logits, full, atol=1e-5, rtol=0), float((logits - full).abs().max())
                 ids.append(tok)
         varied |= set(o.tokens)
-    assert len(varied) > 4                     # the continuations are not one repeated token
+    assert len(varied) > 4  # the continuations are not one repeated token
 
 
 def test_sampling_with_seeds_equals_one_process_generate_and_eod_stops():
@@ -73,12 +83,12 @@ def test_sampling_with_seeds_equals_one_process_generate_and_eod_stops():
         assert o.tokens == generate(model, p, NEW, temperature=1.3, top_k=20, seed=s)
     first = eng.generate([PROMPTS[0]], NEW)[0].tokens
     stop = eng.generate([PROMPTS[0]], NEW, eod=first[1])[0].tokens
-    assert stop == first[:first.index(first[1]) + 1]
+    assert stop == first[: first.index(first[1]) + 1]
 
 
 def test_generation_stops_when_the_context_is_full():
     model = reference_model(tiny_config())
-    prompt = list(range(1, MAX_POS - 2))              # 21 tokens: room for 3 more positions
+    prompt = list(range(1, MAX_POS - 2))  # 21 tokens: room for 3 more positions
     out = InferenceEngine(model).generate([prompt], 10)[0].tokens
     assert len(out) == 3 and out == generate(model, prompt, 3, temperature=0)
 
@@ -90,14 +100,18 @@ def test_bad_input_is_refused_with_a_clear_error():
         serve(eng, [], 4)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         serve(eng, [[1], []], 4)
-    with pytest.raises(ValueError, match=f"prompt 0 has {MAX_POS + 1} tokens, longer than the model's context of "
-                                         f"{MAX_POS}"):
+    with pytest.raises(
+        ValueError, match=f"prompt 0 has {MAX_POS + 1} tokens, longer than the model's context of {MAX_POS}"
+    ):
         serve(eng, [[1] * (MAX_POS + 1)], 4)
     with pytest.raises(ValueError, match="tokenizer does not match"):
         serve(eng, [[VOCAB]], 4)
     other = copy.deepcopy(tiny_config())
     other.model.hidden_size = 48
-    with pytest.raises(ValueError, match=r"ckpt-x holds the parameters of another model: wpe is \(24, 48\), the model of its config needs \(24, 32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt-x holds the parameters of another model: wpe is \(24, 48\), the model of its config needs \(24, 32\)",
+    ):
         load_weights(reference_model(tiny_config()), full_state(reference_model(other)), "ckpt-x")
 
 
@@ -105,6 +119,7 @@ def test_bad_input_is_refused_with_a_clear_error():
 def saved(tmp_path_factory):
     """The model sharded EP4 (a layout none of the tests runs) with a tokenizer, and a consolidated copy."""
     from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
     root = tmp_path_factory.mktemp("inf")
     save_tokenizer(train_tokenizer([open(os.path.join(ROOT, "README.md")).read()] * 2, 300), root / "corpus_tokenizer")
     tok = load_tokenizer(root / "corpus_tokenizer")
@@ -121,6 +136,7 @@ def saved(tmp_path_factory):
 
 def _cli(argv):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(ROOT, "tools", "generate.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -132,8 +148,7 @@ def test_cli_generates_a_batch_and_refuses_bad_input(saved, capsys, tmp_path):
     ref = reference_model(cfg)
     load_weights(ref, cv.read_any(str(root / "ckpt"), progress=False).model, "ckpt")
     texts = ["The tests", "Inference with"]
-    expect = "".join(t + tok.decode(generate(ref, tok.encode(t), 5, temperature=0, eod=tok.eod)) + "\n"
-                     for t in texts)
+    expect = "".join(t + tok.decode(generate(ref, tok.encode(t), 5, temperature=0, eod=tok.eod)) + "\n" for t in texts)
     argv = ["--load", str(root / "ckpt"), "--greedy", "--max-new-tokens", "5"]
     assert _cli(argv + ["--prompt", texts[0], "--prompt", texts[1]]) == 0
     assert capsys.readouterr().out == expect
@@ -157,11 +172,12 @@ def test_cli_generates_a_batch_and_refuses_bad_input(saved, capsys, tmp_path):
 
 # ----------------------------------------------------------------------------- estimation
 
+
 def hand_profile() -> PathProfile:
     """E = 4, top-1, paths of length 1: layer 0 overall, layer 1 by the layer-0 expert."""
     prof = PathProfile({"gates_sha256": "abc"}, 1, 4, 1)
     prof.tokens = [{(): 10}, {(0,): 8, (1,): 2}]
-    prof.counts = [{(): [5, 3, 1, 1]}, {(0,): [6, 2, 0, 0], (1,): [0, 1, 0, 3]}]   # path (1,): top-1 expert 3
+    prof.counts = [{(): [5, 3, 1, 1]}, {(0,): [6, 2, 0, 0], (1,): [0, 1, 0, 3]}]  # path (1,): top-1 expert 3
     return prof
 
 
@@ -171,18 +187,18 @@ def test_eq1_and_first_fit_decreasing_on_a_hand_made_profile():
     paths = torch.tensor([[0], [0], [0], [1], [2]])
     pop = prof.token_popularity(1, paths)
     # path (2,) was never seen: layer 1 overall [6, 3, 0, 3] / 12, top-1 expert 0 with 0.5
-    assert pop.tolist() == [[.75, 0, 0, 0]] * 3 + [[0, 0, 0, .75], [.5, 0, 0, 0]]
+    assert pop.tolist() == [[0.75, 0, 0, 0]] * 3 + [[0, 0, 0, 0.75], [0.5, 0, 0, 0]]
     n_e = devices_per_expert(pop.sum(dim=0), 5, 4)
-    assert n_e == pytest.approx([4 * 2.75 / 5, 0, 0, 4 * .75 / 5])                   # [2.2, 0, 0, 0.6]
+    assert n_e == pytest.approx([4 * 2.75 / 5, 0, 0, 4 * 0.75 / 5])  # [2.2, 0, 0, 0.6]
     # 2.2 -> 2 replicas on devices 0, 1; 0.6 packed on device 2; experts 1, 2 (no estimate) on the free device 3
     assert plan_placement(n_e, 4, 4).hosts == [[0, 1], [3], [3], [2]]
     # first-fit-decreasing: 0.9 opens bin 0, 0.5 bin 1, 0.2 joins bin 1 (0.9 + 0.2 > 1)
-    assert first_fit_decreasing([(1, .9), (2, .5), (3, .2)], 1.0, 4) == [[1], [2, 3]]
-    assert plan_placement([2.4, .9, .5, .2], 4, 4).hosts == [[0, 1], [2], [3], [3]]
-    assert first_fit_decreasing([(0, .1), (1, .1), (2, .1)], 1.0, 2) == [[0, 1], [2]]     # at most 2 per bin
+    assert first_fit_decreasing([(1, 0.9), (2, 0.5), (3, 0.2)], 1.0, 4) == [[1], [2, 3]]
+    assert plan_placement([2.4, 0.9, 0.5, 0.2], 4, 4).hosts == [[0, 1], [2], [3], [3]]
+    assert first_fit_decreasing([(0, 0.1), (1, 0.1), (2, 0.1)], 1.0, 2) == [[0, 1], [2]]  # at most 2 per bin
     # two devices: 1.6 rounds to 2 replicas, the bin {1, 2} makes 3 > 2 devices, so expert 0 keeps one
     # replica; expert 3 (no estimate) joins the device holding the fewest experts (device 0)
-    assert plan_placement([1.6, .3, .1, 0.0], 2, 4).hosts == [[0], [1], [1], [0]]
+    assert plan_placement([1.6, 0.3, 0.1, 0.0], 2, 4).hosts == [[0], [1], [1], [0]]
     assert top_experts([1.0, 3.0, 2.0, 3.0], 2) == {1, 3}
     # expert 0's 5 choices split 2 + 3 over its replicas on devices 0, 1; device 3 runs experts 1 and 2
     assert device_rows(plan_placement(n_e, 4, 4), [5, 2, 1, 4], 4) == [2, 3, 4, 3]
@@ -197,8 +213,11 @@ def test_profile_round_trip_and_refusal(tmp_path):
     assert back.counts == prof.counts and back.tokens == prof.tokens
     assert not os.path.exists(path + ".tmp")
     check_profile(back, {"gates_sha256": "abc"}, path, 2)
-    with pytest.raises(ValueError, match=rf"--lina-inference {path} was profiled on another model \(differs in "
-                                         r"\['gates_sha256'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--lina-inference {path} was profiled on another model \(differs in "
+        r"\['gates_sha256'\]\)",
+    ):
         check_profile(back, {"gates_sha256": "abd"}, path, 2)
     (tmp_path / "bad.json").write_text('{"format": "pickle"}')
     with pytest.raises(ValueError, match="is not a megatron_moe.expert_paths v1 file"):
@@ -212,7 +231,7 @@ def test_collected_profile_counts_paths_like_a_brute_force_count():
     prof = collect_profile(model, [ids], 3, gate_fingerprint(InferenceEngine(model)))
     with torch.no_grad():
         model(ids)
-    ex = [layer.router.last_routes[0].expert for layer in model.moe_layers()]          # [24, 2] each
+    ex = [layer.router.last_routes[0].expert for layer in model.moe_layers()]  # [24, 2] each
     for m in range(4):
         p = min(3, m)
         brute: dict = {}
@@ -237,6 +256,7 @@ def test_lina_refuses_a_profile_of_another_model(tmp_path):
 
 # ----------------------------------------------------------------------------- layouts (multiprocess)
 
+
 def _layouts(rank, world, ckpt, layouts, lina_profile):
     """Greedy generation of PROMPTS under each layout (loaded from the EP4 checkpoint); with a profile,
     also EP4 plain vs Lina-scheduled logits and the phase-2 decisions."""
@@ -258,12 +278,21 @@ def _layouts(rank, world, ckpt, layouts, lina_profile):
                 runner = ScheduledMoE(eng, load_profile(lina_profile), mode, 4)
                 eng.set_ffn_runner(runner)
                 res = eng.generate(mine, NEW, keep_logits=True)
-                runs[mode] = ([o.tokens for o in res], [torch.stack(o.logits) for o in res], runner.estimated,
-                              runner.actual, runner.phase2_triggered)
+                runs[mode] = (
+                    [o.tokens for o in res],
+                    [torch.stack(o.logits) for o in res],
+                    runner.estimated,
+                    runner.actual,
+                    runner.phase2_triggered,
+                )
             eng.set_ffn_runner(ScheduledMoE(eng, None, "none"))
             none = eng.generate(mine, NEW, keep_logits=True)
-            out["lina"] = ([o.tokens for o in plain], [torch.stack(o.logits) for o in plain], runs,
-                           [torch.stack(o.logits) for o in none])
+            out["lina"] = (
+                [o.tokens for o in plain],
+                [torch.stack(o.logits) for o in plain],
+                runs,
+                [torch.stack(o.logits) for o in none],
+            )
         finally:
             destroy_model_parallel()
     return out
@@ -290,14 +319,14 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
         assert tokens == expect[rank::4]
         for mode, (t, lg, estimated, actual, fired) in runs.items():
             assert t == tokens
-            for a, b in zip(lg, logits):      # replicas run GEMMs of other row counts: fp32 round-off only
+            for a, b in zip(lg, logits):  # replicas run GEMMs of other row counts: fp32 round-off only
                 assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{mode}: logits differ by {float((a - b).abs().max())}"
             for est, act, f in zip(estimated, actual, fired):
                 differs = est is not None and top_experts(est, 4) != top_experts(act, 4)
                 assert f == (differs and mode == "phase1_2")
                 triggered += f
                 untriggered += (not f) and est is not None and mode == "phase1_2"
-        for a, b in zip(none, logits):        # the trained placement: the same GEMMs, the same bits
+        for a, b in zip(none, logits):  # the trained placement: the same GEMMs, the same bits
             assert torch.equal(a, b), f"none: logits differ by {float((a - b).abs().max())}"
         # every rank saw the same global counts, estimates and decisions
         assert runs["phase1_2"][2:] == four[0]["lina"][2]["phase1_2"][2:]
@@ -306,6 +335,7 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
 
 def _tool(name):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -321,9 +351,9 @@ def test_profile_tool_then_generate_with_lina_gives_the_same_text(saved, capsys,
     assert "profiled 192 tokens, 4 MoE layers" in capsys.readouterr().out
     back = load_profile(prof)
     doc = json.loads(open(prof).read())
-    assert [layer["path_length"] for layer in doc["layers"]] == [0, 1, 2, 3]      # 4 MoE layers: at most 3
+    assert [layer["path_length"] for layer in doc["layers"]] == [0, 1, 2, 3]  # 4 MoE layers: at most 3
     assert [sum(back.tokens[m].values()) for m in range(4)] == [192] * 4
-    assert [sum(sum(c) for c in back.counts[m].values()) for m in range(4)] == [2 * 192] * 4   # top-2
+    assert [sum(sum(c) for c in back.counts[m].values()) for m in range(4)] == [2 * 192] * 4  # top-2
     argv = ["--load", str(root / "ckpt"), "--greedy", "--max-new-tokens", "5", "--prompt", "The tests"]
     assert _cli(argv) == 0
     plain = capsys.readouterr().out
@@ -335,5 +365,7 @@ def test_profile_tool_then_generate_with_lina_gives_the_same_text(saved, capsys,
     save_profile(other, str(tmp_path / "other.json"))
     assert _cli(argv + ["--lina-inference", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"generate.py: error: --lina-inference {tmp_path / 'other.json'} was profiled on another "
-                          f"model (differs in ['gates_sha256', 'hidden_size'"), err
+    assert err.startswith(
+        f"generate.py: error: --lina-inference {tmp_path / 'other.json'} was profiled on another "
+        f"model (differs in ['gates_sha256', 'hidden_size'"
+    ), err

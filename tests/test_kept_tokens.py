@@ -6,6 +6,7 @@ with its shapes): the forward's first expert GEMM of each local expert has exact
 rows as tokens routed and kept for that expert (from the router's own counts, gathered
 over the sources), never the padded capacity.
 """
+
 import contextlib
 
 import torch
@@ -40,8 +41,7 @@ def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
     """Rows of every expert fc GEMM of a forward: activation [n, M] (padded: bmm [E_l, N, M]) times
     weight [M, H_l] (the configs keep H_l != M, so the proj GEMMs [n, H_l] x [H_l, M] never match)."""
     assert H_l != M
-    return [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls
-            if a[-1] == M and b[-2:] == (M, H_l)]
+    return [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls if a[-1] == M and b[-2:] == (M, H_l)]
 
 
 def config(schedule: str = "baseline"):
@@ -68,9 +68,16 @@ def _run(cfg, mp: int, ep: int, esp: int, kept_only: bool, record: bool):
             y, aux = layer(x)
         (y.pow(2).sum() + aux).backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-        return {"y": y.detach(), "dx": x.grad.clone(), "grads": grads, "calls": mode.calls,
-                "counts": torch.stack([r.counts for r in layer.router.last_routes]).sum(0),   # this rank's tokens
-                "ep": ps.rank("ep"), "mp": ps.rank("mp"), "esp_size": esp}
+        return {
+            "y": y.detach(),
+            "dx": x.grad.clone(),
+            "grads": grads,
+            "calls": mode.calls,
+            "counts": torch.stack([r.counts for r in layer.router.last_routes]).sum(0),  # this rank's tokens
+            "ep": ps.rank("ep"),
+            "mp": ps.rank("mp"),
+            "esp_size": esp,
+        }
     finally:
         if mp * ep * esp > 1:
             destroy_model_parallel()
@@ -92,22 +99,29 @@ def test_one_process_expert_gemms_see_exactly_the_kept_rows_and_match_the_padded
     ref = _run(config(), 1, 1, 1, kept_only=False, record=True)
     counts = got["counts"].tolist()
     fc_rows = expert_fc_rows(got["calls"], M, H)
-    assert fc_rows[:len(counts)] == counts                     # forward: one fc GEMM per expert, kept rows only
+    assert fc_rows[: len(counts)] == counts  # forward: one fc GEMM per expert, kept rows only
     S, E = B * cfg.model.seq_length, cfg.moe.num_experts
     assert sum(counts) < E * expert_fc_rows(ref["calls"], M, H)[0]  # the padded bmm had padding to skip
-    assert sum(counts) < 2 * S                                # and tokens were dropped
+    assert sum(counts) < 2 * S  # and tokens were dropped
     torch.testing.assert_close(got["y"], ref["y"], rtol=0, atol=1e-6)
     torch.testing.assert_close(got["dx"], ref["dx"], rtol=0, atol=1e-6)
     for n in ref["grads"]:
         torch.testing.assert_close(got["grads"][n], ref["grads"][n], rtol=0, atol=1e-6, msg=n)
 
 
-LAYOUTS = [("baseline", 1, 2, 1), ("baseline", 1, 1, 2), ("s2", 1, 2, 1), ("s2", 2, 1, 1), ("s1", 1, 2, 1),
-           ("s1", 2, 1, 1)]
+LAYOUTS = [
+    ("baseline", 1, 2, 1),
+    ("baseline", 1, 1, 2),
+    ("s2", 1, 2, 1),
+    ("s2", 2, 1, 1),
+    ("s1", 1, 2, 1),
+    ("s1", 2, 1, 1),
+]
 
 
 def _ranks(rank, world):
     import torch.distributed as dist
+
     out = []
     for sched, mp, ep, esp in LAYOUTS:
         cfg = config(sched)
@@ -128,7 +142,7 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
         M, H, E = cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.moe.num_experts
         E_l = E // ep
         S = B * cfg.model.seq_length
-        C = -(-2 * S // E)                                     # capacity: ceil(k * cf * S / E), cf = 1
+        C = -(-2 * S // E)  # capacity: ceil(k * cf * S / E), cf = 1
         C_mp = -(-C // mp)
         for rank in range(2):
             got, ref = results[rank][i]
@@ -142,8 +156,7 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
             elif sched == "s2":
                 # each source sends its MP rank's share of every expert's slots: [r*C_mp, (r+1)*C_mp)
                 srcs = [s for s in got["sources"] if mp == 1 or s["mp"] == got["mp"]]
-                want = [sum(min(max(s["counts"][lo + e] - s["mp"] * C_mp, 0), C_mp) for s in srcs)
-                        for e in range(E_l)]
+                want = [sum(min(max(s["counts"][lo + e] - s["mp"] * C_mp, 0), C_mp) for s in srcs) for e in range(E_l)]
             else:
                 srcs = got["sources"] if ep * esp > 1 else [got["sources"][rank]]
                 want = [sum(s["counts"][lo + e] for s in srcs) for e in range(E_l)]

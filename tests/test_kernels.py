@@ -1,6 +1,7 @@
 """The Triton MoE kernels equal the torch path, forward and backward (on CUDA tensors when a GPU is
 present, else on CPU tensors under TRITON_INTERPRET=1, which tests/conftest.py sets): token permute (dispatch), unpermute with combine weights (combine), and top-k
 softmax gating with capacity slots (the router's `route`), top-1 and top-2, with drops and dropless."""
+
 import os
 from pathlib import Path
 
@@ -13,14 +14,16 @@ from megatron_moe.moe.router import capacity, route
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NEEDS_TRITON = [
-    pytest.mark.skipif(not kernels.HAVE_TRITON, reason=f"triton is not importable ({kernels.TRITON_ERROR}): "
-                                                       "pip install -r requirements-gpu.txt"),
-    pytest.mark.skipif(DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton loads)"),
+    pytest.mark.skipif(
+        not kernels.HAVE_TRITON,
+        reason=f"triton is not importable ({kernels.TRITON_ERROR}): pip install -r requirements-gpu.txt",
+    ),
+    pytest.mark.skipif(
+        DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton loads)",
+    ),
 ]
-S, E, M = 150, 6, 40         # S > one token block (64): the slot scan carries counts across blocks
-
-
+S, E, M = 150, 6, 40  # S > one token block (64): the slot scan carries counts across blocks
 
 
 def needs_triton(fn):
@@ -30,7 +33,7 @@ def needs_triton(fn):
     return fn
 
 
-CPU = torch.device("cpu")     # the torch references run here (on a GPU machine they would take the Triton path)
+CPU = torch.device("cpu")  # the torch references run here (on a GPU machine they would take the Triton path)
 
 
 def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -72,12 +75,12 @@ def test_permute_equals_torch_dispatch_forward_and_backward(k):
     assert torch.equal(tri.cpu(), ref)
     (ref * up).sum().backward()
     (tri * up_dev).sum().backward()
-    assert torch.equal(x_tri.grad.cpu(), x_ref.grad)          # <= 2 fp32 adds onto zero per token: exact
+    assert torch.equal(x_tri.grad.cpu(), x_ref.grad)  # <= 2 fp32 adds onto zero per token: exact
 
 
 @needs_triton
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("cf", [0.5, 0.0])             # 0.0: dropless
+@pytest.mark.parametrize("cf", [0.5, 0.0])  # 0.0: dropless
 def test_unpermute_equals_torch_combine_forward_and_backward(k, cf):
     r = _route(k, cf)
     assert (r.num_dropped > 0) == (cf > 0)

@@ -1,4 +1,5 @@
 """Lancet's Algorithm 1 (dW scheduling) with the paper's rule: argmin |t_remaining - t_dW|."""
+
 import itertools
 import math
 
@@ -39,7 +40,7 @@ def test_issue_counter_example_hides_both_all_to_alls():
 
 def test_closest_fit_ties_go_to_program_order():
     g = _independent({"early": 3.0, "late": 7.0}, [("a", 5.0)])
-    assert best_fit(g, ["early", "late"], 5.0) == "early"       # |5-3| == |5-7|
+    assert best_fit(g, ["early", "late"], 5.0) == "early"  # |5-3| == |5-7|
     assert best_fit(g, ["early", "late"], 5.5) == "late"
     with pytest.raises(ValueError, match="at least one candidate"):
         best_fit(g, [], 1.0)
@@ -59,14 +60,16 @@ def test_dependencies_limit_the_choice_and_greedy_meets_the_optimum():
     # Backward-like IR: a2a "c1" (6 ms) then a dX reading its result, a dW on that dX's output, and a
     # second a2a "c2" (4 ms). dW "early" (4 ms) precedes c1; dW "mid" (6 ms) reads c1's result, so it
     # may only hide c2; "late" (2 ms) is after both.
-    g = Graph([
-        Instr("early", "dW", ("g0",), ("w_early",), 4.0),
-        Instr("c1", "a2a", ("x",), ("y",), 6.0),
-        Instr("dx", "dX", ("y",), ("gy",), 1.0),
-        Instr("mid", "dW", ("gy",), ("w_mid",), 6.0),
-        Instr("c2", "a2a", ("gy",), ("z",), 4.0),
-        Instr("late", "dW", ("z",), ("w_late",), 2.0),
-    ])
+    g = Graph(
+        [
+            Instr("early", "dW", ("g0",), ("w_early",), 4.0),
+            Instr("c1", "a2a", ("x",), ("y",), 6.0),
+            Instr("dx", "dX", ("y",), ("gy",), 1.0),
+            Instr("mid", "dW", ("gy",), ("w_mid",), 6.0),
+            Instr("c2", "a2a", ("gy",), ("z",), 4.0),
+            Instr("late", "dW", ("z",), ("w_late",), 2.0),
+        ]
+    )
     assert eligible_dw(g, "c1") == ["early"] and eligible_dw(g, "c2") == ["early", "mid"]
     s = schedule_wgrad(g)
     # c1: only "early" (remaining 6 - 4 = 2, nothing else eligible); c2: only "mid" is left (covers 4)

@@ -1,4 +1,5 @@
 """Lancet planning algorithms: IR reachability, Algorithm 1, cost model, simulator, DP, CP-SAT axes."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,15 +10,20 @@ import random
 
 import pytest
 
-from megatron_moe.lancet.axes import (AxisOp, AxisRange, feasibility, op_options, solve_axes,
-                                      standard_moe_block_ops)
+from megatron_moe.lancet.axes import AxisOp, AxisRange, feasibility, op_options, solve_axes, standard_moe_block_ops
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.ir import Graph, Instr, overlappable_dw
 from megatron_moe.lancet.partition_dp import group_ops, plan_ops, plan_partitions
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate, split_stages
-from megatron_moe.lancet.wgrad_schedule import (ATTN_BACKWARD_KEYS, DENSE_MLP_BACKWARD_KEYS,
-                                                MOE_BACKWARD_KEYS, build_gpt_moe_backward,
-                                                eligible_dw, exposed_comm_ms, schedule_wgrad)
+from megatron_moe.lancet.wgrad_schedule import (
+    ATTN_BACKWARD_KEYS,
+    DENSE_MLP_BACKWARD_KEYS,
+    MOE_BACKWARD_KEYS,
+    build_gpt_moe_backward,
+    eligible_dw,
+    exposed_comm_ms,
+    schedule_wgrad,
+)
 
 # ---------------------------------------------------------------- IR
 
@@ -61,8 +67,7 @@ def test_reachability_and_overlappable_match_brute_force():
             assert g.descendants(ins.name) == reach[ins.name]
             assert g.ancestors(ins.name) == {a for a in reach if ins.name in reach[a]}
         for a in g.of_kind("a2a"):
-            expect = [w.name for w in g.of_kind("dW")
-                      if w.name not in reach[a.name] and a.name not in reach[w.name]]
+            expect = [w.name for w in g.of_kind("dW") if w.name not in reach[a.name] and a.name not in reach[w.name]]
             assert overlappable_dw(g, a.name) == expect
 
 
@@ -83,8 +88,14 @@ def brute_force_exposed(g: Graph, allow_hoist: bool = False) -> float:
 
 def test_best_fit_takes_the_dw_closest_to_the_remaining_time():
     # a2a of 10 ms; independent dW of 4, 12, 7 ms before it.
-    g = Graph([Instr("w4", "dW", ("g",), ("a",), 4), Instr("w12", "dW", ("g",), ("b",), 12),
-               Instr("w7", "dW", ("g",), ("c",), 7), Instr("comm", "a2a", ("x",), ("y",), 10)])
+    g = Graph(
+        [
+            Instr("w4", "dW", ("g",), ("a",), 4),
+            Instr("w12", "dW", ("g",), ("b",), 12),
+            Instr("w7", "dW", ("g",), ("c",), 7),
+            Instr("comm", "a2a", ("x",), ("y",), 10),
+        ]
+    )
     s = schedule_wgrad(g)
     # the paper's argmin |10 - cost|: 12 (distance 2) beats 7 (3) and 4 (6) and covers the all-to-all
     assert s.assignment == {"comm": ["w12"]}
@@ -94,13 +105,15 @@ def test_best_fit_takes_the_dw_closest_to_the_remaining_time():
 
 def test_dw_never_overlaps_an_all_to_all_it_depends_on():
     # d1 feeds from a2a "first", so it may only hide "second" (which it precedes).
-    g = Graph([
-        Instr("first", "a2a", ("x",), ("y",), 5),
-        Instr("dx1", "dX", ("y",), ("gy",), 1),
-        Instr("d1", "dW", ("gy",), ("w1",), 5),
-        Instr("d0", "dW", ("x",), ("w0",), 3),
-        Instr("second", "a2a", ("gy",), ("z",), 6),
-    ])
+    g = Graph(
+        [
+            Instr("first", "a2a", ("x",), ("y",), 5),
+            Instr("dx1", "dX", ("y",), ("gy",), 1),
+            Instr("d1", "dW", ("gy",), ("w1",), 5),
+            Instr("d0", "dW", ("x",), ("w0",), 3),
+            Instr("second", "a2a", ("gy",), ("z",), 6),
+        ]
+    )
     s = schedule_wgrad(g)
     assert s.assignment == {"first": [], "second": ["d1", "d0"]}
     assert exposed_comm_ms(g, s.assignment) == 5.0 == brute_force_exposed(g)
@@ -134,8 +147,7 @@ def test_schedule_properties_on_random_dags():
 
 
 def test_exposed_comm_rejects_bad_assignments():
-    g = Graph([Instr("w", "dW", (), ("a",), 1), Instr("c", "a2a", (), ("b",), 3),
-               Instr("c2", "a2a", (), ("d",), 2)])
+    g = Graph([Instr("w", "dW", (), ("a",), 1), Instr("c", "a2a", (), ("b",), 3), Instr("c2", "a2a", (), ("d",), 2)])
     assert exposed_comm_ms(g, {}) == 5.0
     with pytest.raises(ValueError, match="not an all-to-all"):
         exposed_comm_ms(g, {"w": []})
@@ -146,24 +158,36 @@ def test_exposed_comm_rejects_bad_assignments():
 def _costs(moe: bool) -> dict[str, float]:
     keys = (MOE_BACKWARD_KEYS if moe else DENSE_MLP_BACKWARD_KEYS) + ATTN_BACKWARD_KEYS
     c = {k: 1.0 for k in keys}
-    c.update({"moe.a2a_combine": 4.0, "moe.a2a_dispatch": 5.0, "moe.gate.dW": 0.5,
-              "moe.expert.fc2.dW": 2.0, "moe.expert.fc1.dW": 2.0})
+    c.update(
+        {
+            "moe.a2a_combine": 4.0,
+            "moe.a2a_dispatch": 5.0,
+            "moe.gate.dW": 0.5,
+            "moe.expert.fc2.dW": 2.0,
+            "moe.expert.fc1.dW": 2.0,
+        }
+    )
     return c
 
 
 def test_gpt_moe_backward_ir_and_schedule():
     costs = [_costs(False), _costs(True)]  # layer 0 dense, layer 1 MoE
     g = build_gpt_moe_backward(2, [1], costs, {"head.dX": 1.0, "head.dW": 3.0, "embed.dW": 1.0})
-    assert [i.name for i in g.instrs[:4]] == ["head.dX", "head.dW", "L1.moe.combine.dX",
-                                              "L1.moe.a2a_combine"]
+    assert [i.name for i in g.instrs[:4]] == ["head.dX", "head.dW", "L1.moe.combine.dX", "L1.moe.a2a_combine"]
     assert len(g) == 2 + len(MOE_BACKWARD_KEYS) + len(DENSE_MLP_BACKWARD_KEYS) + 2 * len(ATTN_BACKWARD_KEYS) + 1
     # The gate's gradient comes from the combine weights only: no path through either all-to-all.
     assert overlappable_dw(g, "L1.moe.a2a_combine") == ["head.dW", "L1.moe.gate.dW"]
     assert overlappable_dw(g, "L1.moe.a2a_dispatch") == [
-        "head.dW", "L1.moe.expert.fc2.dW", "L1.moe.expert.fc1.dW", "L1.moe.gate.dW"]
+        "head.dW",
+        "L1.moe.expert.fc2.dW",
+        "L1.moe.expert.fc1.dW",
+        "L1.moe.gate.dW",
+    ]
     s = schedule_wgrad(g)
-    assert s.assignment == {"L1.moe.a2a_combine": ["head.dW"],
-                            "L1.moe.a2a_dispatch": ["L1.moe.expert.fc2.dW", "L1.moe.expert.fc1.dW"]}
+    assert s.assignment == {
+        "L1.moe.a2a_combine": ["head.dW"],
+        "L1.moe.a2a_dispatch": ["L1.moe.expert.fc2.dW", "L1.moe.expert.fc1.dW"],
+    }
     assert exposed_comm_ms(g, s.assignment) == 2.0
     h = schedule_wgrad(g, allow_hoist=True)
     assert h.assignment["L1.moe.a2a_combine"] == ["head.dW", "L1.moe.gate.dW"]
@@ -227,8 +251,14 @@ def test_simulator_hand_computed_pipeline():
     ops = [SimOp("a", "compute", 4), SimOp("b", "comm", 6), SimOp("c", "compute", 2)]
     r = simulate(ops, 2)
     # compute: a0 [0,2] a1 [2,4]; comm: b0 [2,5] b1 [5,8]; compute: c0 [5,6] c1 [8,9]
-    assert r.timeline == [(0, 0, "compute", 0, 2), (1, 0, "compute", 2, 4), (0, 1, "comm", 2, 5),
-                          (1, 1, "comm", 5, 8), (0, 2, "compute", 5, 6), (1, 2, "compute", 8, 9)]
+    assert r.timeline == [
+        (0, 0, "compute", 0, 2),
+        (1, 0, "compute", 2, 4),
+        (0, 1, "comm", 2, 5),
+        (1, 1, "comm", 5, 8),
+        (0, 2, "compute", 5, 6),
+        (1, 2, "compute", 8, 9),
+    ]
     assert (r.makespan_ms, r.exposed_comm_ms) == (9, 3)  # comm alone in [4,5] and [6,8]
     one = simulate(ops, 1)
     assert (one.makespan_ms, one.exposed_comm_ms) == (12, 6) and sequential_ms(ops) == 12
@@ -238,8 +268,7 @@ def test_simulator_hand_computed_pipeline():
 
 
 def test_simulator_stages_and_comm_model():
-    ops = [SimOp("a", "compute", 1), SimOp("b", "compute", 1),
-           SimOp("c", "comm", 2, bytes=8192), SimOp("d", "comm", 2)]
+    ops = [SimOp("a", "compute", 1), SimOp("b", "compute", 1), SimOp("c", "comm", 2, bytes=8192), SimOp("d", "comm", 2)]
     assert [[o.name for o in st] for st in split_stages(ops)] == [["a", "b"], ["c", "d"]]
     m = CommCostModel([(1024, 1.0), (2048, 1.5), (4096, 2.5)])
     r = simulate(ops, 2, cost_model=m)
@@ -268,8 +297,12 @@ def test_dp_equals_brute_force_and_honours_limits():
         n = rng.randint(1, 7)
         iota, rho = rng.randint(1, n), rng.randint(1, 4)
         seq = [rng.randint(1, 9) for _ in range(n)]
-        extra = {(i, e, k): (math.inf if rng.random() < 0.3 else rng.randint(1, 40))
-                 for i in range(n) for e in range(i + 1, n + 1) for k in range(2, 9)}
+        extra = {
+            (i, e, k): (math.inf if rng.random() < 0.3 else rng.randint(1, 40))
+            for i in range(n)
+            for e in range(i + 1, n + 1)
+            for k in range(2, 9)
+        }
 
         def table(i, e, k):
             return sum(seq[i:e]) if k == 1 else extra[(i, e, k)]
@@ -305,10 +338,13 @@ def test_plan_ops_with_simulator_and_feasibility():
 def test_plan_ops_with_bpr_gate_starts_partitioned_range_at_gate():
     rng_ops = standard_moe_block_ops(batch_prioritized=True)
     gate_at = [op.name for op in rng_ops.ops].index("gate")
-    sim = [SimOp(op.name, "comm" if op.kind == "a2a" else "compute", 8.0 if op.kind == "a2a" else 1.0)
-           for op in rng_ops.ops]
-    plan = plan_ops(sim, group_ms=0.5, max_range=len(sim), max_partitions=4, overhead_ms=0.05,
-                    feasible=feasibility(rng_ops))
+    sim = [
+        SimOp(op.name, "comm" if op.kind == "a2a" else "compute", 8.0 if op.kind == "a2a" else 1.0)
+        for op in rng_ops.ops
+    ]
+    plan = plan_ops(
+        sim, group_ms=0.5, max_range=len(sim), max_partitions=4, overhead_ms=0.05, feasible=feasibility(rng_ops)
+    )
     split = [r for r in plan.ranges if r.k > 1]
     assert any(r.start == gate_at for r in split)
     assert all(not (r.start < gate_at < r.end) for r in split)

@@ -11,6 +11,7 @@ uses Parm's S1 and S2 schedules (dW windows then hook their all-to-alls; a
 partitioned layer runs Lancet's own data movement). The irregular
 all-to-all's recorded bytes must equal the plain run's real (kept) tokens.
 """
+
 import torch
 
 from megatron_moe.config import Config
@@ -27,7 +28,7 @@ from megatron_moe.testing import spawn
 
 MICRO = 3
 GATINGS = [(1, "position"), (2, "position"), (1, "batch_prioritized"), (1, "random"), (2, "random")]
-LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1)]      # on 4 ranks: EP2 (x expert-DP 2), EP4, MP2xEP2
+LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1)]  # on 4 ranks: EP2 (x expert-DP 2), EP4, MP2xEP2
 
 
 def config(k: int, policy: str) -> Config:
@@ -47,8 +48,19 @@ def config(k: int, policy: str) -> Config:
 def synthetic_costs() -> tuple[Costs, CommCostModel]:
     """1 ms per forward op and per dW GEMM; an all-to-all of the test model costs about 3 ms."""
     fwd = {"dense": {op: 1.0 for op in DENSE_OPS}, "moe": {op: 1.0 for op in MOE_OPS}}
-    dw = {k: 1.0 for k in ("attn.qkv.dW", "attn.proj.dW", "mlp.fc1.dW", "mlp.fc2.dW", "moe.gate.dW", "head.dW",
-                           "moe.expert.fc1.dW", "moe.expert.fc2.dW")}
+    dw = {
+        k: 1.0
+        for k in (
+            "attn.qkv.dW",
+            "attn.proj.dW",
+            "mlp.fc1.dW",
+            "mlp.fc2.dW",
+            "moe.gate.dW",
+            "head.dW",
+            "moe.expert.fc1.dW",
+            "moe.expert.fc2.dW",
+        )
+    }
     return Costs(fwd, dw, 1.0, 1.0, 0.05), CommCostModel([(1.0, 0.5), (4096.0, 3.0)])
 
 
@@ -77,26 +89,37 @@ def one_run(cfg: Config, ps, plan) -> dict:
     sync.finish()
     slots, experts = {}, {}
     for l, b in enumerate(model.blocks):
-        if b.is_moe:          # the routes of the whole group (S1's are this rank's slices: not compared)
+        if b.is_moe:  # the routes of the whole group (S1's are this rank's slices: not compared)
             routes = b.moe.router.last_routes
             whole = cfg.moe.moe_schedule != "s1"
             slots[l] = torch.cat([r.slot for r in routes]) if whole else None
             experts[l] = torch.cat([r.expert for r in routes]) if whole else None
     drops = {l: b.moe.last_stats["dropped"] for l, b in enumerate(model.blocks) if b.is_moe}
-    return {"loss": loss.item(), "hidden": hidden[0], "slots": slots, "experts": experts, "drops": drops,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "stats": ctl.stats() if ctl is not None else None, "records": tracer.records,
-            "timings": dict(ctl.timings) if ctl is not None else {}}
+    return {
+        "loss": loss.item(),
+        "hidden": hidden[0],
+        "slots": slots,
+        "experts": experts,
+        "drops": drops,
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "stats": ctl.stats() if ctl is not None else None,
+        "records": tracer.records,
+        "timings": dict(ctl.timings) if ctl is not None else {},
+    }
 
 
 def compare(ref: dict, out: dict) -> dict:
     """Largest differences of a run against the plain run (0 / True when equal)."""
-    return {"loss": abs(ref["loss"] - out["loss"]),
-            "hidden": (ref["hidden"] - out["hidden"]).abs().max().item(),
-            "grad": max((ref["grads"][n] - g).abs().max().item() for n, g in out["grads"].items()),
-            "slots_equal": all(torch.equal(ref["slots"][l], out["slots"][l]) for l in ref["slots"]
-                               if ref["slots"][l] is not None),
-            "drops_equal": ref["drops"] == out["drops"], "dropped": sum(ref["drops"].values())}
+    return {
+        "loss": abs(ref["loss"] - out["loss"]),
+        "hidden": (ref["hidden"] - out["hidden"]).abs().max().item(),
+        "grad": max((ref["grads"][n] - g).abs().max().item() for n, g in out["grads"].items()),
+        "slots_equal": all(
+            torch.equal(ref["slots"][l], out["slots"][l]) for l in ref["slots"] if ref["slots"][l] is not None
+        ),
+        "drops_equal": ref["drops"] == out["drops"],
+        "dropped": sum(ref["drops"].values()),
+    }
 
 
 def a2a_bytes(ps, ref: dict, out: dict, plan: LancetPlan) -> dict:
@@ -108,7 +131,7 @@ def a2a_bytes(ps, ref: dict, out: dict, plan: LancetPlan) -> dict:
     got, want, i = [], [], 0
     for r in sorted(plan.ranges, key=lambda r: r.layer):
         k = min(r.k, MICRO)
-        disp = recs[i:i + k]                       # dispatch messages of the parts, then the returns
+        disp = recs[i : i + k]  # dispatch messages of the parts, then the returns
         i += 2 * k
         expert, slot = ref["experts"][r.layer], ref["slots"][r.layer]
         kept_ep = expert[slot >= 0] // E_l
@@ -116,8 +139,14 @@ def a2a_bytes(ps, ref: dict, out: dict, plan: LancetPlan) -> dict:
         remote_rows = (kept_ep.numel() - mine) * n_esp + mine * (n_esp - 1)
         got.append((sum(d.sent for d in disp), sum(d.remote_sent for d in disp)))
         want.append((kept_ep.numel() * n_esp * M * 4, remote_rows * M * 4))
-    return {"got": got, "want": want, "n_token_msgs": len(recs), "n_count_msgs": len(counts),
-            "count_bytes": {c.sent for c in counts}, "count_bytes_want": ps.size("ep") * n_esp * E_l * 8}
+    return {
+        "got": got,
+        "want": want,
+        "n_token_msgs": len(recs),
+        "n_count_msgs": len(counts),
+        "count_bytes": {c.sent for c in counts},
+        "count_bytes_want": ps.size("ep") * n_esp * E_l * 8,
+    }
 
 
 def _cases(layout) -> list[tuple]:
@@ -129,12 +158,14 @@ def _cases(layout) -> list[tuple]:
 def _run_case(ps, k: int, policy: str, schedule: str, costs, comm) -> dict:
     cfg = config(k, policy)
     cfg.moe.moe_schedule = schedule
-    cfg.moe.moe_kept_only = False     # deferred dW runs the padded batched GEMMs: bitwise vs the padded plain run
+    cfg.moe.moe_kept_only = False  # deferred dW runs the padded batched GEMMs: bitwise vs the padded plain run
     ref = one_run(cfg, ps, None)
     wg = make_plan(GPT2MoE(cfg, ps), ps, cfg.opts, MICRO, 8, wgrad=True, partition=False, costs=costs, comm=comm)
-    plans = {"wgrad": LancetPlan.manual([], wg.assignment),
-             "partition": LancetPlan.manual(ranges_for(k, policy)),
-             "both": LancetPlan.manual(ranges_for(k, policy), wg.assignment)}
+    plans = {
+        "wgrad": LancetPlan.manual([], wg.assignment),
+        "partition": LancetPlan.manual(ranges_for(k, policy)),
+        "both": LancetPlan.manual(ranges_for(k, policy), wg.assignment),
+    }
     case = {"k": k, "policy": policy, "schedule": schedule, "assignment": wg.assignment}
     for mode, plan in plans.items():
         res = one_run(cfg, ps, plan)
@@ -154,7 +185,7 @@ def _run_all(rank: int, world: int) -> list:
         try:
             for k, policy, schedule in _cases(layout):
                 out.append(dict(_run_case(ps, k, policy, schedule, costs, comm), layout=layout))
-            if layout == LAYOUTS[0]:                 # a profiled plan through the real planner
+            if layout == LAYOUTS[0]:  # a profiled plan through the real planner
                 cfg = config(1, "position")
                 cfg.opts.lancet_wgrad = cfg.opts.lancet_partition = True
                 cfg.opts.lancet_group_ms = 1e-3
@@ -175,7 +206,7 @@ def expected_runs(name: str, per_part_gate: bool) -> int:
         return 2
     if layer == 1 and ".attn." in name:
         return 2 if per_part_gate else 1
-    if layer == 2:                      # dense block 2 (attention and FFN) inside block 1's range
+    if layer == 2:  # dense block 2 (attention and FFN) inside block 1's range
         return 2
     if layer == 3 and ".attn." in name:  # block 3's attention closes block 1's range
         return 2
@@ -187,8 +218,9 @@ def expected_runs(name: str, per_part_gate: bool) -> int:
 def _check(per_rank: list) -> None:
     for rank_cases in per_rank:
         for case in rank_cases:
-            tag = f"{case['layout']} " + ("auto plan" if case.get("auto")
-                                          else f"top-{case['k']} {case['policy']} {case['schedule']}")
+            tag = f"{case['layout']} " + (
+                "auto plan" if case.get("auto") else f"top-{case['k']} {case['policy']} {case['schedule']}"
+            )
             for mode in ("wgrad", "partition", "both"):
                 if mode not in case:
                     continue
@@ -200,7 +232,7 @@ def _check(per_rank: list) -> None:
                 continue
             # dW scheduling alone changes no arithmetic: bitwise equal
             assert case["wgrad"]["grad"] == 0.0 and case["wgrad"]["hidden"] == 0.0, tag
-            for mode in ("wgrad", "both"):         # assigned dW ran under their all-to-alls, none at the end
+            for mode in ("wgrad", "both"):  # assigned dW ran under their all-to-alls, none at the end
                 s = case[mode]["stats"]
                 assert s["dw_in_window"] + s["dw_immediate"] == sum(s["dw_runs"].values()), f"{tag} {mode}: {s}"
                 assert s["dw_in_window"] > 0 and s["dw_flushed"] == 0, f"{tag} {mode}: {s}"
@@ -211,7 +243,7 @@ def _check(per_rank: list) -> None:
                 assert n == expected_runs(name, per_part), f"{tag}: {name} ran {n} times"
             assert all(n == 1 for n in case["wgrad"]["stats"]["dw_runs"].values())
             assert case["partition"]["timed_ranges"] == [1, 3]
-            if case["schedule"] != "baseline":         # S1 / S2 hold no slots to compare byte counts with
+            if case["schedule"] != "baseline":  # S1 / S2 hold no slots to compare byte counts with
                 continue
             b = case["bytes"]
             assert b["got"] == b["want"], f"{tag}: irregular all-to-all bytes {b['got']} != real tokens {b['want']}"
@@ -222,6 +254,6 @@ def _check(per_rank: list) -> None:
 def test_lancet_modes_match_plain_run():
     per_rank = spawn(_run_all, 4, timeout=600)
     _check(per_rank)
-    for cases in zip(*per_rank):              # plans are the same on every rank
+    for cases in zip(*per_rank):  # plans are the same on every rank
         key = "plan" if cases[0].get("auto") else "assignment"
         assert all(c[key] == cases[0][key] for c in cases)

@@ -1,5 +1,6 @@
 """Lancet runtime pieces in one process: deferred dW GEMMs, the dW queue, the planner on a
 real model with given costs, the report, and errors."""
+
 import json
 import math
 
@@ -97,8 +98,9 @@ def _plan(k: int, policy: str, partition: bool = True, **opts) -> tuple:
         setattr(cfg.opts, key, v)
     model = GPT2MoE(cfg, local_state())
     costs, comm = synthetic_costs()
-    plan = make_plan(model, local_state(), cfg.opts, 3, 8, wgrad=True, partition=partition, costs=costs,
-                     comm=comm, broadcast=False)
+    plan = make_plan(
+        model, local_state(), cfg.opts, 3, 8, wgrad=True, partition=partition, costs=costs, comm=comm, broadcast=False
+    )
     return model, plan
 
 
@@ -112,16 +114,16 @@ def test_planner_partitions_moe_ranges_and_honours_knobs():
     assert wg.ranges == [] and wg.predicted["dw_hidden_ms"] > 0
     # Algorithm 1 on the full all-to-all: the dispatch all-to-all hides the layer's expert dW first
     assert set(wg.assignment["L3.moe.a2a_dispatch"]) >= {"L3.moe.expert.fc1.dW", "L3.moe.expert.fc2.dW"}
-    assert wg.assignment["L3.moe.a2a_combine"] == []          # nothing deferrable precedes it
+    assert wg.assignment["L3.moe.a2a_combine"] == []  # nothing deferrable precedes it
     assigned = {w for ws in wg.assignment.values() for w in ws}
-    assert len(assigned | set(wg.leftover)) == len(assigned) + len(wg.leftover) == 16   # deferrable only
+    assert len(assigned | set(wg.leftover)) == len(assigned) + len(wg.leftover) == 16  # deferrable only
     assert not any("gate" in w or ".ln" in w or "head" in w for w in assigned)
     _, plan_rho = _plan(1, "position", lancet_group_ms=0.5, lancet_max_partitions=2)
     assert plan_rho.ranges and all(r.k <= 2 for r in plan_rho.ranges)
     _, plan_one = _plan(1, "position", lancet_group_ms=0.5, lancet_max_partitions=1)
     assert plan_one.ranges == []
     _, plan_iota = _plan(1, "position", lancet_group_ms=0.5, lancet_max_range=3)
-    assert plan_iota.ranges == []          # no runtime range is 3 ops or shorter
+    assert plan_iota.ranges == []  # no runtime range is 3 ops or shorter
     for k, policy in ((2, "position"), (1, "batch_prioritized")):
         _, p = _plan(k, policy, lancet_group_ms=0.5)
         assert p.ranges and all(r.start == "gate" for r in p.ranges), (k, policy, p.ranges)
@@ -136,8 +138,8 @@ def test_feasibility_accepts_runtime_ranges_only():
     assert runtime_range(mo, lo, hi) == (1, "attn", "next_attn")
     ok = feasibility(mo)
     assert ok(lo, hi) and ok(names.index("L1.moe.gate"), names.index("L1.moe.combine") + 1)
-    assert not ok(lo, names.index("L1.moe.experts"))                 # ends inside the layer
-    assert not ok(names.index("L0.ln1"), hi)                          # starts in a dense block
+    assert not ok(lo, names.index("L1.moe.experts"))  # ends inside the layer
+    assert not ok(names.index("L0.ln1"), hi)  # starts in a dense block
     bp = GPT2MoE(config(1, "batch_prioritized"), local_state())
     mo_bp = build_model_ops(bp, costs, model_shapes(bp, local_state(), 3, 8))
     assert not feasibility(mo_bp)(lo, hi) and feasibility(mo_bp)(names.index("L1.moe.gate"), hi)
@@ -172,16 +174,23 @@ def test_bad_ranges_and_knobs_are_clear_errors():
         RangeSpec(1, "gate", "block", 0)
     cfg = config(2, "position")
     model = GPT2MoE(cfg, local_state())
-    with pytest.raises(ValueError, match=r"RangeSpec\(layer=1, start='attn', end='block', k=2\): CP-SAT finds no "
-                                         r"partition axes \(an op in it cannot be split\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"RangeSpec\(layer=1, start='attn', end='block', k=2\): CP-SAT finds no "
+        r"partition axes \(an op in it cannot be split\)",
+    ):
         setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "attn", "block", 2)]))
-    assert model.runners == {}                       # nothing installed
+    assert model.runners == {}  # nothing installed
     with pytest.raises(ValueError, match="no dense block follows MoE block 3"):
         setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(3, "gate", "dense", 2)]))
     cfg.model.dropout = 0.1
     with pytest.raises(ValueError, match="--hidden-dropout"):
-        setup(GPT2MoE(cfg, local_state()), local_state(), cfg.opts,
-              plan=LancetPlan.manual([RangeSpec(1, "gate", "block", 2)]))
+        setup(
+            GPT2MoE(cfg, local_state()),
+            local_state(),
+            cfg.opts,
+            plan=LancetPlan.manual([RangeSpec(1, "gate", "block", 2)]),
+        )
     with pytest.raises(ValueError, match="--lancet-group-ms"):
         make_plan(model, local_state(), OptimizationsConfig(lancet_group_ms=0), 3, 8)
 
@@ -191,8 +200,17 @@ def test_chained_ranges_in_consecutive_moe_blocks_match_plain():
     cfg = config(1, "position")
     cfg.moe.moe_layer_freq = 1
     ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(2))
-    plans = [None, LancetPlan.manual([RangeSpec(0, "attn", "next_attn", 2), RangeSpec(1, "ln2", "next_attn", 3),
-                                      RangeSpec(2, "gate", "block", 2)], {})]
+    plans = [
+        None,
+        LancetPlan.manual(
+            [
+                RangeSpec(0, "attn", "next_attn", 2),
+                RangeSpec(1, "ln2", "next_attn", 3),
+                RangeSpec(2, "gate", "block", 2),
+            ],
+            {},
+        ),
+    ]
     out = []
     for plan in plans:
         model = GPT2MoE(cfg, local_state())
@@ -208,5 +226,6 @@ def test_chained_ranges_in_consecutive_moe_blocks_match_plain():
 
 def test_groups_never_span_a_cut():
     from megatron_moe.lancet.partition_dp import group_ops
+
     assert group_ops([1, 1, 1, 1], 2.0) == [(0, 2), (2, 4)]
     assert group_ops([1, 1, 1, 1], 2.0, cuts={1, 3}) == [(0, 1), (1, 3), (3, 4)]

@@ -1,5 +1,6 @@
 """Lancet never slower: candidate plans, the measured choice (times injected, no wall-clock
 assertions), the contention fit, and measurement leaving the model as it was."""
+
 import json
 
 import pytest
@@ -7,8 +8,7 @@ import torch
 
 from megatron_moe.config import OptimizationsConfig
 from megatron_moe.lancet.controller import choose_plan, measure_plans, setup
-from megatron_moe.lancet.planner import (candidate_plans, fit_contention, overlapped_ms, pick_fastest,
-                                         top_candidates)
+from megatron_moe.lancet.planner import candidate_plans, fit_contention, overlapped_ms, pick_fastest, top_candidates
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import local_state
 from test_lancet_runtime import config, synthetic_costs
@@ -32,10 +32,10 @@ def test_fit_contention_recovers_known_constants():
     assert fit["error_before"][0] == pytest.approx(100 / 125 - 1)
     pts = [(p, o, p + 5.0 * o) for p, o in ((100.0, 0.0), (90.0, 20.0), (80.0, 35.0))]
     noisy = fit_contention(pts)
-    assert noisy["contention"] == 1.0                      # bounded: unconstrained it would be 5
-    want = sum(p * (m - o) / m ** 2 for p, o, m in pts) / sum(p * p / m ** 2 for p, o, m in pts)
-    assert noisy["scale"] == pytest.approx(want, rel=1e-12)   # the least-squares scale given contention 1
-    only_none = fit_contention([(100.0, 0.0, 120.0)])       # nothing overlapped: the scale alone
+    assert noisy["contention"] == 1.0  # bounded: unconstrained it would be 5
+    want = sum(p * (m - o) / m**2 for p, o, m in pts) / sum(p * p / m**2 for p, o, m in pts)
+    assert noisy["scale"] == pytest.approx(want, rel=1e-12)  # the least-squares scale given contention 1
+    only_none = fit_contention([(100.0, 0.0, 120.0)])  # nothing overlapped: the scale alone
     assert only_none["scale"] == pytest.approx(1.2) and only_none["contention"] == 0.0
     with pytest.raises(ValueError, match="positive predicted and measured"):
         fit_contention([(100.0, 0.0, 0.0)])
@@ -59,9 +59,9 @@ def test_planner_keeps_none_when_the_predicted_best_measures_slow(tmp_path):
     opts = _opts(lancet_candidates=3, lancet_report=str(tmp_path / "rep.json"))
     model, plans = _plans(opts)
     best_predicted = min(plans, key=lambda n: plans[n].predicted["iteration_ms"])
-    assert best_predicted != "none"                       # the cost model alone would pick a plan
+    assert best_predicted != "none"  # the cost model alone would pick a plan
     table = {"none": 10.0, "dw": 12.0, "partition": 11.0, "both": 13.0}
-    table[best_predicted] = 40.0                          # forced slow
+    table[best_predicted] = 40.0  # forced slow
     costs, comm = synthetic_costs()
     ctl = setup(model, local_state(), opts, micro_batch=3, seq_length=8, measured=table, costs=costs, comm=comm)
     assert ctl.plan.name == "none" and ctl.plan.ranges == [] and not ctl.plan.wgrad and model.runners == {}
@@ -71,8 +71,9 @@ def test_planner_keeps_none_when_the_predicted_best_measures_slow(tmp_path):
     assert got["chosen"] == "none" and set(got["candidates"]) == set(table)
     assert {n: c["measured_ms"] for n, c in got["candidates"].items()} == table
     assert all(c["source"] == "given" for c in got["candidates"].values())
-    assert {n: c["predicted_ms"] for n, c in got["candidates"].items()} == \
-        {n: p.predicted["iteration_ms"] for n, p in plans.items()}
+    assert {n: c["predicted_ms"] for n, c in got["candidates"].items()} == {
+        n: p.predicted["iteration_ms"] for n, p in plans.items()
+    }
     assert got["prediction_error"] == pytest.approx((plans["none"].predicted["iteration_ms"] - 10.0) / 10.0)
     assert {n: c["ratio_to_none"] for n, c in got["candidates"].items()} == {n: t / 10.0 for n, t in table.items()}
 
@@ -80,11 +81,13 @@ def test_planner_keeps_none_when_the_predicted_best_measures_slow(tmp_path):
 def test_planner_keeps_a_measured_faster_plan_and_ties_keep_none():
     opts = _opts(lancet_candidates=3)
     model, plans = _plans(opts)
-    chosen = choose_plan(model, local_state(), opts, plans, 3, 8,
-                         measured={"none": 10.0, "dw": 8.0, "partition": 9.0, "both": 9.5})
+    chosen = choose_plan(
+        model, local_state(), opts, plans, 3, 8, measured={"none": 10.0, "dw": 8.0, "partition": 9.0, "both": 9.5}
+    )
     assert chosen.name == "dw" and chosen.wgrad and chosen.ranges == []
-    tie = choose_plan(model, local_state(), opts, plans, 3, 8,
-                      measured={"none": 10.0, "dw": 10.0, "partition": 10.0, "both": 10.0})
+    tie = choose_plan(
+        model, local_state(), opts, plans, 3, 8, measured={"none": 10.0, "dw": 10.0, "partition": 10.0, "both": 10.0}
+    )
     assert tie.name == "none"
 
 
@@ -96,13 +99,13 @@ def test_rounds_are_compared_pairwise_so_drifting_load_cancels():
     assert table == {"none": 20.0, "both": 19.0, "dw": 21.0}
     assert best == "none" and ratio["both"] == pytest.approx(1.1) and ratio["dw"] == pytest.approx(1.05)
     best, _, _ = pick_fastest({"none": [10.0, 20.0, 30.0], "both": [9.0, 18.0, 33.0]})
-    assert best == "both"                                  # 0.9, 0.9, 1.1
+    assert best == "both"  # 0.9, 0.9, 1.1
     with pytest.raises(ValueError, match="needs 'none'"):
         pick_fastest({"both": [1.0]})
 
 
 def test_measuring_leaves_the_model_as_it_was():
-    cfg = config(1, "random")                             # the router's draws depend on its call counter
+    cfg = config(1, "random")  # the router's draws depend on its call counter
     ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(3))
 
     def loss_after(measure: bool) -> tuple:

@@ -1,5 +1,6 @@
 """Lancet ranges spanning everything between two MoE layers (the dense FFN included), and the
 runtime's split axes against CP-SAT's solution (read back from the --lancet-report file)."""
+
 import json
 
 import pytest
@@ -27,8 +28,15 @@ def _run(cfg, plan, report=None):
     rep = ctl.write_report(report) if report is not None else None
     slots = {l: torch.cat([r.slot for r in b.moe.router.last_routes]) for l, b in enumerate(model.blocks) if b.is_moe}
     drops = {l: b.moe.last_stats["dropped"] for l, b in enumerate(model.blocks) if b.is_moe}
-    return {"loss": (lm + aux).item(), "hidden": hidden[0], "drops": drops, "slots": slots, "report": rep,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "runners": dict(model.runners)}
+    return {
+        "loss": (lm + aux).item(),
+        "hidden": hidden[0],
+        "drops": drops,
+        "slots": slots,
+        "report": rep,
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "runners": dict(model.runners),
+    }
 
 
 def _assert_equal(ref, out):
@@ -39,11 +47,14 @@ def _assert_equal(ref, out):
     assert max((ref["grads"][n] - g).abs().max().item() for n, g in out["grads"].items()) < 1e-6
 
 
-@pytest.mark.parametrize("k,policy,ranges", [
-    (1, "position", [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "block", 3)]),
-    (1, "position", [RangeSpec(1, "ln2", "dense", 3), RangeSpec(3, "attn", "block", 2)]),
-    (2, "position", [RangeSpec(1, "gate", "dense_next_attn", 3), RangeSpec(3, "gate", "block", 2)]),
-])
+@pytest.mark.parametrize(
+    "k,policy,ranges",
+    [
+        (1, "position", [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "block", 3)]),
+        (1, "position", [RangeSpec(1, "ln2", "dense", 3), RangeSpec(3, "attn", "block", 2)]),
+        (2, "position", [RangeSpec(1, "gate", "dense_next_attn", 3), RangeSpec(3, "gate", "block", 2)]),
+    ],
+)
 def test_range_with_the_dense_ffn_equals_the_plain_run(k, policy, ranges):
     cfg = config(k, policy)
     ref = _run(cfg, None)
@@ -55,7 +66,7 @@ def test_range_with_the_dense_ffn_equals_the_plain_run(k, policy, ranges):
 
 def test_six_blocks_two_dense_between_moe_blocks():
     cfg = config(1, "position")
-    cfg.model.num_layers, cfg.moe.moe_layer_freq = 6, 3          # MoE blocks 2 and 5, dense 3 and 4 between
+    cfg.model.num_layers, cfg.moe.moe_layer_freq = 6, 3  # MoE blocks 2 and 5, dense 3 and 4 between
     ref = _run(cfg, None)
     out = _run(cfg, LancetPlan.manual([RangeSpec(2, "attn", "dense_next_attn", 2), RangeSpec(5, "ln2", "block", 2)]))
     _assert_equal(ref, out)
@@ -69,20 +80,30 @@ def test_model_ir_offers_the_whole_span_between_moe_layers():
     lo = n.index("L1.ln1")
     assert runtime_range(mo, lo, n.index("L2.mlp.fc2") + 1) == (1, "attn", "dense")
     assert runtime_range(mo, lo, n.index("L3.attn.proj") + 1) == (1, "attn", "dense_next_attn")
-    assert runtime_range(mo, lo, n.index("L2.mlp.fc1") + 1) is None           # ends inside the dense FFN
+    assert runtime_range(mo, lo, n.index("L2.mlp.fc1") + 1) is None  # ends inside the dense FFN
     assert runtime_range(mo, n.index("L3.ln2"), n.index("L3.moe.combine") + 1) == (3, "ln2", "block")
-    assert runtime_range(mo, n.index("L3.ln1"), len(n)) is None               # no dense block after block 3
+    assert runtime_range(mo, n.index("L3.ln1"), len(n)) is None  # no dense block after block 3
     assert feasibility(mo)(lo, n.index("L3.attn.proj") + 1)
     bp = GPT2MoE(config(1, "batch_prioritized"), local_state())
     mo_bp = build_model_ops(bp, zero_costs(bp), None)
-    assert not feasibility(mo_bp)(lo, n.index("L3.attn.proj") + 1)            # the gate must see the batch
+    assert not feasibility(mo_bp)(lo, n.index("L3.attn.proj") + 1)  # the gate must see the batch
     assert feasibility(mo_bp)(n.index("L1.moe.gate"), n.index("L3.attn.proj") + 1)
 
 
 # sim op of the model -> first input tensor of the same op in axes.standard_moe_block_ops(next_block=True)
-STANDARD = {"ln1": "x", "attn.qkv": "attn.ln1", "attn.core": "attn.qkv_h", "attn.proj": "attn.ctx", "ln2": "h",
-            "moe.gate": "tok", "moe.dispatch": "tok", "moe.a2a_dispatch": "disp", "moe.experts": "disp_x",
-            "moe.a2a_combine": "exp_out", "moe.combine": "exp_back"}
+STANDARD = {
+    "ln1": "x",
+    "attn.qkv": "attn.ln1",
+    "attn.core": "attn.qkv_h",
+    "attn.proj": "attn.ctx",
+    "ln2": "h",
+    "moe.gate": "tok",
+    "moe.dispatch": "tok",
+    "moe.a2a_dispatch": "disp",
+    "moe.experts": "disp_x",
+    "moe.a2a_combine": "exp_out",
+    "moe.combine": "exp_back",
+}
 NEXT = {"ln1": "y", "attn.qkv": "next.ln1", "attn.core": "next.qkv_h", "attn.proj": "next.ctx"}
 
 
@@ -91,7 +112,7 @@ def test_runtime_split_axes_equal_the_cp_sat_solution_in_the_report(tmp_path):
     path = tmp_path / "report.json"
     _run(cfg, LancetPlan.manual([RangeSpec(1, "attn", "next_attn", 2), RangeSpec(3, "ln2", "block", 3)]), str(path))
     rep = json.loads(path.read_text())
-    solved = solve_axes(standard_moe_block_ops(next_block=True))           # independent: the paper's block
+    solved = solve_axes(standard_moe_block_ops(next_block=True))  # independent: the paper's block
     want = {f"L1.{op}": solved[t] for op, t in STANDARD.items()} | {f"L2.{op}": solved[t] for op, t in NEXT.items()}
     got = {op: a["runtime"] for op, a in rep["ranges"][0]["axes"].items()}
     assert got == want
@@ -109,12 +130,14 @@ def test_runtime_follows_the_solution_and_refuses_what_it_cannot_split():
     along_t = RangeAxes(("x1", ("B", "T", "M"), "T"), ax.ops)
     runner = PartitionedRange(model.blocks[1], spec, False, model.blocks[1].moe.dispatcher, axes=along_t)
     x = torch.randn(3, 8, 32, device=model.wte.weight.device)
-    with pytest.raises(ValueError, match="split the residual stream along 'T'; a range with an MoE layer must "
-                                         "split it along the batch 'B'"):
+    with pytest.raises(
+        ValueError,
+        match="split the residual stream along 'T'; a range with an MoE layer must split it along the batch 'B'",
+    ):
         runner(x)
     wrong = dict(ax.ops, **{"L1.moe.experts": ("L1.disp_x", ("E", "C", "M"), "M")})
-    runner = PartitionedRange(model.blocks[1], spec, False, model.blocks[1].moe.dispatcher,
-                              axes=RangeAxes(ax.x, wrong))
-    with pytest.raises(ValueError, match="CP-SAT partitions L1.moe.experts along 'M', the runtime can only split "
-                                         "it along 'C'"):
+    runner = PartitionedRange(model.blocks[1], spec, False, model.blocks[1].moe.dispatcher, axes=RangeAxes(ax.x, wrong))
+    with pytest.raises(
+        ValueError, match="CP-SAT partitions L1.moe.experts along 'M', the runtime can only split it along 'C'"
+    ):
         runner(x)

@@ -1,5 +1,6 @@
 """The library never imports the entry point or tools/ (Megatron core's rule), and loads
 checkpoints without unpickling."""
+
 import ast
 import os
 
@@ -31,7 +32,7 @@ def test_no_pickle_based_checkpoint_loading():
     offenders = []
     for path in _library_files():
         if path.endswith(os.path.join("megatron_moe", "testing.py")):
-            continue    # pickles results between its own child processes (a queue would anyway); no files
+            continue  # pickles results between its own child processes (a queue would anyway); no files
         src = open(path).read()
         tree = ast.parse(src, path)
         for node in ast.walk(tree):
@@ -57,11 +58,15 @@ def _writes(tree):
             targets = [node.target]
         elif isinstance(node, ast.Delete):
             targets = node.targets
-        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             yield node.args[1].value, node.args[0], node
         for t in targets:
-            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
                 while isinstance(el, ast.Subscript):
                     el = el.value
                 if isinstance(el, ast.Attribute):
@@ -72,13 +77,18 @@ def test_no_forward_replacement_and_no_private_parallel_state_writes():
     """Optimizations ask modules for hooks: nothing assigns a module's `forward`, and only
     ParallelState's own methods write its private fields (others call `new_groups`)."""
     from megatron_moe.parallel_state import ParallelState
+
     private = {f for f in ParallelState.__dataclass_fields__ if f.startswith("_")}
     assert private == {"_groups"}
     bad = []
     for path in _library_files():
         tree = ast.parse(open(path).read(), path)
-        methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "ParallelState"
-                   for n in ast.walk(c)}
+        methods = {
+            id(n)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name == "ParallelState"
+            for n in ast.walk(c)
+        }
         for attr, obj, node in _writes(tree):
             if attr == "forward":
                 bad.append((path, node.lineno, "assigns forward"))
@@ -94,8 +104,18 @@ def test_the_check_sees_forward_and_private_writes():
     assert found == ["_groups", "_groups", "forward", "forward"]
 
 
-LAYERS = {"distributed": 0, "layers": 1, "kernels": 1, "moe": 2, "pro_prophet": 2, "model": 3, "lancet": 4,
-          "optimizations": 5, "training": 6, "inference": 6}
+LAYERS = {
+    "distributed": 0,
+    "layers": 1,
+    "kernels": 1,
+    "moe": 2,
+    "pro_prophet": 2,
+    "model": 3,
+    "lancet": 4,
+    "optimizations": 5,
+    "training": 6,
+    "inference": 6,
+}
 
 
 def _layer_of(module: str):
@@ -115,9 +135,13 @@ def test_imports_go_down_the_layers_only():
         if mine is None:
             continue
         tree = ast.parse(open(path).read(), path)
-        checking = {id(n) for node in tree.body if isinstance(node, ast.If)
-                    and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
-        top = {id(n) for n in tree.body}    # module level, or the body of a module-level try (optional deps)
+        checking = {
+            id(n)
+            for node in tree.body
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        top = {id(n) for n in tree.body}  # module level, or the body of a module-level try (optional deps)
         top |= {id(n) for node in tree.body if isinstance(node, ast.Try) for n in node.body}
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("megatron_moe"):

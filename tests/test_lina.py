@@ -18,6 +18,7 @@ One 4-process spawn (EP2: dense DP 4, expert-DP 2; a module fixture) runs
   * 16 micro-ops queued at once and drained: more than one is in flight.
 The tests below check the results of that spawn, one behaviour each.
 """
+
 import time
 
 import pytest
@@ -33,10 +34,10 @@ from megatron_moe.parallel_state import destroy_model_parallel, initialize_model
 from megatron_moe.testing import spawn
 
 ITERS = 20
-SMALL_MB = 4096 / 2 ** 20            # 4 KiB micro-ops: 1024 fp32 elements
+SMALL_MB = 4096 / 2**20  # 4 KiB micro-ops: 1024 fp32 elements
 HEAVY_MB = 0.25
 A2A_DELAY_S = 0.02
-MAX_IN_FLIGHT = 4                    # LinaScheduler's default
+MAX_IN_FLIGHT = 4  # LinaScheduler's default
 
 
 def heavy_config():
@@ -52,7 +53,7 @@ def batch(it: int, ps, seq: int = 16, vocab: int = 100):
     g = torch.Generator().manual_seed(1000 + it)
     ids = torch.randint(0, vocab, (ps.size("dp") * MICRO_BATCH, seq + 1), generator=g)
     r = ps.rank("dp")
-    ids = ids[r * MICRO_BATCH:(r + 1) * MICRO_BATCH]
+    ids = ids[r * MICRO_BATCH : (r + 1) * MICRO_BATCH]
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
@@ -84,7 +85,7 @@ def train(cfg, ps, scheduler, iters: int, bucket_mb: float = 0.01, log=None):
 def expected_micro_ops(model, ps, partition_mb: float) -> list[tuple[str, int, int, int]]:
     """(group, bytes, part, parts) of every micro-op of one iteration, in the order Lina launches:
     parameters in reverse registration order, each split into chunks of partition_mb."""
-    per = int(partition_mb * 2 ** 20) // 4
+    per = int(partition_mb * 2**20) // 4
     out = []
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         kind = grad_group_kind(p)
@@ -99,7 +100,7 @@ def expected_micro_ops(model, ps, partition_mb: float) -> list[tuple[str, int, i
 def expected_coalesced(model, ps, partition_mb: float) -> list[tuple[str, int]]:
     """(group, bytes) of every coalesced micro-op of one iteration: equal slices of the gradients
     in reverse registration order, a new run whenever the group changes."""
-    per = int(partition_mb * 2 ** 20) // 4
+    per = int(partition_mb * 2**20) // 4
     out, kind_open, fill = [], None, 0
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         kind = grad_group_kind(p)
@@ -138,12 +139,14 @@ def overlap_facts(evs: list) -> dict:
     a2a = sorted([e for e in evs if e.op == "all_to_all" and e.phase == "bwd"], key=lambda e: e.seq)
     grads = sorted([e for e in evs if e.op == "all_reduce" and e.tag in events.GRAD_TAGS], key=lambda e: e.seq)
     per_a2a = [events.overlapping(grads, a) for a in a2a]
-    held = [e for e in grads if e.queued is not None
-            and any(e.queued < a.launch and e.launch > a.finish for a in a2a)]
-    return {"n_a2a": len(a2a), "launched_during": len(events.launched_during(grads, a2a)),
-            "max_overlap_ops": max((len(o) for o in per_a2a), default=0),
-            "max_overlap_bytes": max((sum(e.nbytes for e in o) for o in per_a2a), default=0),
-            "held_back": len(held)}
+    held = [e for e in grads if e.queued is not None and any(e.queued < a.launch and e.launch > a.finish for a in a2a)]
+    return {
+        "n_a2a": len(a2a),
+        "launched_during": len(events.launched_during(grads, a2a)),
+        "max_overlap_ops": max((len(o) for o in per_a2a), default=0),
+        "max_overlap_bytes": max((sum(e.nbytes for e in o) for o in per_a2a), default=0),
+        "held_back": len(held),
+    }
 
 
 class Recorder(LinaScheduler):
@@ -191,21 +194,28 @@ def _four_ranks(rank, world):
         out = {}
         cfg = tiny_config(k=1)
         cfg4 = tiny_config(k=1)
-        cfg4.model.num_layers = 4               # MoE blocks 1 and 3
+        cfg4.model.num_layers = 4  # MoE blocks 1 and 3
         out["notifications"] = notifications(cfg4, ps)
         out["plain"] = train(cfg, ps, None, ITERS)[:3]
         lina = LinaScheduler(SMALL_MB, 60.0)
         losses, grads, params, evs, model = train(cfg, ps, lina, ITERS, log=lina.log)
         out["lina"] = (losses, grads, params)
         out["lina_summary"] = lina.summary()
-        out["micro_ops"] = [[(e.group, e.nbytes, e.info["part"], e.info["parts"])
-                             for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"] for it_evs in evs]
+        out["micro_ops"] = [
+            [
+                (e.group, e.nbytes, e.info["part"], e.info["parts"])
+                for e in sorted(it_evs, key=lambda e: e.seq)
+                if e.tag == "lina"
+            ]
+            for it_evs in evs
+        ]
         out["expected_micro_ops"] = expected_micro_ops(model, ps, SMALL_MB)
         lina = LinaScheduler(SMALL_MB, 60.0, coalesce=True)
         losses, grads, params, evs, model = train(cfg, ps, lina, ITERS, log=lina.log)
         out["coalesced"] = (losses, grads, params)
-        out["coalesced_ops"] = [[(e.group, e.nbytes) for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"]
-                                for it_evs in evs]
+        out["coalesced_ops"] = [
+            [(e.group, e.nbytes) for e in sorted(it_evs, key=lambda e: e.seq) if e.tag == "lina"] for it_evs in evs
+        ]
         out["expected_coalesced"] = expected_coalesced(model, ps, SMALL_MB)
         undo = slow_all_to_all(A2A_DELAY_S)
         try:
@@ -248,14 +258,14 @@ def stalled_peer(rank: int, world: int, timeout_s: float, stall_s: float):
     except CommTimeoutError as e:
         err = str(e)
     sched.close()
-    dist.barrier()      # the late peer has joined: no process exits with the all-reduce pending
+    dist.barrier()  # the late peer has joined: no process exits with the all-reduce pending
     return err, t[0].item()
 
 
 def concurrent_micro_ops(parts: int = 16) -> tuple:
     """Queue `parts` micro-ops behind an imminent all-to-all, then drain (nothing more is coming):
     returns (the most micro-ops in flight at once, launch order of the chunks, the reduced tensor)."""
-    sched = LinaScheduler(1024 * 4 / 2 ** 20, 60.0)       # 1024-element micro-ops
+    sched = LinaScheduler(1024 * 4 / 2**20, 60.0)  # 1024-element micro-ops
     t = torch.full((parts * 1024,), float(dist.get_rank() + 1))
     sched.a2a_imminent()
     sched.submit("dp", t, dist.group.WORLD)
@@ -303,7 +313,7 @@ def test_end_of_run_summary_counts_every_collective(ranks):
         assert s["iterations"] == ITERS and s["partition_mb"] == SMALL_MB
         assert s["n_grad_allreduce"] == ITERS * len(expected)
         assert s["grad_allreduce_bytes"] == ITERS * sum(nbytes for _, nbytes, *_ in expected)
-        assert s["n_a2a"] == ITERS * 4                  # one MoE layer: 2 forward + 2 backward
+        assert s["n_a2a"] == ITERS * 4  # one MoE layer: 2 forward + 2 backward
         assert s["launched_during_a2a"] == 0
         assert s["a2a_bwd_ms"] > 0 and s["grad_allreduce_ms"] > 0
 
@@ -316,7 +326,7 @@ def test_lina_launches_nothing_while_all_to_all_in_flight(ranks):
             # what overlaps an all-to-all is what was already on the wire when it started: at most
             # --lina-max-in-flight micro-ops (the launch budget keeps it lower when one is near)
             assert facts["max_overlap_ops"] <= MAX_IN_FLIGHT, f"rank {rank}: {facts}"
-            assert facts["max_overlap_bytes"] <= MAX_IN_FLIGHT * int(HEAVY_MB * 2 ** 20), f"rank {rank}: {facts}"
+            assert facts["max_overlap_bytes"] <= MAX_IN_FLIGHT * int(HEAVY_MB * 2**20), f"rank {rank}: {facts}"
     # not vacuous: micro-ops were queued before an all-to-all and waited until it ended
     assert sum(f["held_back"] for r in ranks for f in r["heavy_lina"]) > 0
 
@@ -335,7 +345,7 @@ def test_lina_composes_with_parm_schedules(ranks, schedule):
 
 def test_same_scenario_overlaps_without_lina(ranks):
     plain = [f for r in ranks for f in r["heavy_plain"]]
-    assert max(f["max_overlap_bytes"] for f in plain) > int(HEAVY_MB * 2 ** 20), plain
+    assert max(f["max_overlap_bytes"] for f in plain) > int(HEAVY_MB * 2**20), plain
     no_priority = [f for r in ranks for f in r["heavy_no_priority"]]
     assert sum(f["launched_during"] for f in no_priority) > 0, no_priority
 
@@ -345,14 +355,14 @@ def test_stalled_peer_raises_comm_timeout(ranks):
         err, _ = r["stall"]
         assert err is not None and "--comm-timeout 0.5 s" in err and "micro-op #0" in err, err
     err, value = ranks[-1]["stall"]
-    assert err is None and value == 1 + 2 + 3 + 4      # the late peer still completes the all-reduce
+    assert err is None and value == 1 + 2 + 3 + 4  # the late peer still completes the all-reduce
 
 
 def test_moe_backward_notifies_before_and_after_its_all_to_alls(ranks):
     layer = ["imminent", "start:ep", "end:ep", "start:ep", "end:ep", "done"]
     for r in ranks:
-        assert r["notifications"]["fwd"] == ["start:ep", "end:ep"] * 4     # no notification in forward
-        assert r["notifications"]["bwd"] == layer * 2                       # one per MoE layer
+        assert r["notifications"]["fwd"] == ["start:ep", "end:ep"] * 4  # no notification in forward
+        assert r["notifications"]["bwd"] == layer * 2  # one per MoE layer
 
 
 def test_several_micro_ops_in_flight_when_no_all_to_all_is_coming(ranks):
@@ -365,7 +375,7 @@ def test_several_micro_ops_in_flight_when_no_all_to_all_is_coming(ranks):
 
 def test_coalesced_micro_ops_keep_the_curve_and_are_equal_slices_in_the_same_order(ranks):
     expected = ranks[0]["expected_coalesced"]
-    per = int(SMALL_MB * 2 ** 20)
+    per = int(SMALL_MB * 2**20)
     assert len(expected) < len(ranks[0]["expected_micro_ops"]), "coalescing must merge some tensors"
     # every micro-op is full but the last of each run of one group
     for i, (g, b) in enumerate(expected):

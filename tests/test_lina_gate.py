@@ -1,6 +1,7 @@
 """Lina's gate, seen from the event log: once an all-to-all is announced (`a2a_imminent`, what the
 backward of an MoE layer's output calls), no gradient micro-op is launched until that all-to-all
 has completed; then every queued micro-op runs."""
+
 import time
 
 import torch
@@ -15,13 +16,13 @@ PARTS = 4
 
 
 def _announce_then_all_to_all(rank, world):
-    grad_group = dist.new_group(list(range(world)))        # micro-ops on their own group
+    grad_group = dist.new_group(list(range(world)))  # micro-ops on their own group
     grad = torch.full((PARTS * 256,), float(rank + 1))
     log = CommLog().start()
-    sched = LinaScheduler(partition_mb=256 * 4 / 2 ** 20, timeout_s=60.0, log_events=log)
+    sched = LinaScheduler(partition_mb=256 * 4 / 2**20, timeout_s=60.0, log_events=log)
     try:
         announced = time.perf_counter()
-        sched.a2a_imminent()                                  # the all-to-all is imminent
+        sched.a2a_imminent()  # the all-to-all is imminent
         sched.submit("dense", grad, grad_group)
         # give a launcher whose gate ignored the announcement the chance to launch (the correct
         # scheduler launches nothing here, however long this takes)
@@ -43,7 +44,7 @@ def test_no_micro_op_launches_between_the_announcement_and_the_all_to_all_end():
         assert len(a2a) == 1 and a2a[0][1] is not None
         a2a_launch, a2a_finish = a2a[0]
         assert announced < a2a_launch
-        assert len(launches) == PARTS                         # every micro-op ran in the end
+        assert len(launches) == PARTS  # every micro-op ran in the end
         early = [t for t in launches if announced <= t <= a2a_finish]
         assert not early, f"rank {rank}: {len(early)} micro-ops launched while the all-to-all was imminent"
         assert torch.equal(grad, torch.full_like(grad, 3.0))  # summed over both ranks

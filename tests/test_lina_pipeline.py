@@ -8,6 +8,7 @@ EP2 x ESP2), S1 (EP4, MP2 x EP2), S2 (MP2 x EP2, EP2 x ESP2), each top-1 and top
 capacity factor low enough that tokens drop. The refused combinations are checked without
 a process group.
 """
+
 import pytest
 import torch
 
@@ -35,11 +36,17 @@ def run_layer(cfg, ps, chunks: int) -> dict:
     ((y * weight).sum() + aux).backward()
     log.stop()
     a2a_bytes = sum(v for (op, _), v in log.totals().items() if op == "all_to_all")
-    return {"y": y.detach(), "aux": aux.item(), "x_grad": x.grad,
-            "grads": {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None},
-            "dropped": layer.last_stats["dropped"], "counts": layer.last_stats["counts"].tolist(),
-            "a2a_bytes": a2a_bytes, "n_a2a": len(log.of("all_to_all")),
-            "capacity": layer.router.last_routes[0].capacity}
+    return {
+        "y": y.detach(),
+        "aux": aux.item(),
+        "x_grad": x.grad,
+        "grads": {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None},
+        "dropped": layer.last_stats["dropped"],
+        "counts": layer.last_stats["counts"].tolist(),
+        "a2a_bytes": a2a_bytes,
+        "n_a2a": len(log.of("all_to_all")),
+        "capacity": layer.router.last_routes[0].capacity,
+    }
 
 
 def _cases(rank, world):
@@ -90,8 +97,9 @@ def test_pipelined_all_to_all_moves_the_same_bytes(ranks):
                 # each extra chunk has its own count exchange: int64 counts [D, E_l]
                 d, e_l = ep * esp, 4 // ep
                 extra = (len(chunk_bounds(plain["capacity"], CHUNKS)) - 1) * d * e_l * 8
-            assert piped["a2a_bytes"] == plain["a2a_bytes"] + extra, \
+            assert piped["a2a_bytes"] == plain["a2a_bytes"] + extra, (
                 f"rank {rank} case {(mp, ep, esp, schedule, k)}: {piped['a2a_bytes']} vs {plain['a2a_bytes']}"
+            )
 
 
 def test_chunk_bounds_cover_the_range_evenly():
@@ -117,8 +125,9 @@ def test_apply_sets_the_chunks_of_every_moe_layer_and_refuses_lancet():
     from megatron_moe.distributed.grad_sync import GradSync
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.optimizations import apply
+
     cfg = tiny_config()
-    cfg.model.num_layers = 4                       # MoE blocks 1 and 3
+    cfg.model.num_layers = 4  # MoE blocks 1 and 3
     cfg.opts.lina_pipeline_chunks = 3
     ps = local_state()
     model = GPT2MoE(cfg, ps)
@@ -130,6 +139,7 @@ def test_apply_sets_the_chunks_of_every_moe_layer_and_refuses_lancet():
         cfg2.opts.lina_pipeline_chunks = 2
         setattr(cfg2.opts, flag, True)
         model = GPT2MoE(cfg2, ps)
-        with pytest.raises(ValueError, match="--lina-pipeline-chunks cannot be combined with --"
-                                             + flag.replace("_", "-")):
+        with pytest.raises(
+            ValueError, match="--lina-pipeline-chunks cannot be combined with --" + flag.replace("_", "-")
+        ):
             apply(model, ps, cfg2, GradSync(model, ps))

@@ -1,5 +1,6 @@
 """TensorBoard scalars and expert-load histograms, timestamped log lines, and the wandb run id
 carried through a checkpoint (offline mode)."""
+
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from tiny_run import tiny_args
 
 def _accumulator(log_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     return acc
@@ -20,17 +22,41 @@ def _accumulator(log_dir):
 
 def test_tensorboard_has_the_log_line_scalars_and_expert_load(sample_data, tmp_path):
     tb, log_json = tmp_path / "tb", tmp_path / "log.jsonl"
-    hist = pretrain(parse_args(tiny_args(sample_data, 4, "--log-interval", "2", "--eval-interval", "2",
-                                         "--tensorboard-dir", str(tb), "--log-json", str(log_json))))
+    hist = pretrain(
+        parse_args(
+            tiny_args(
+                sample_data,
+                4,
+                "--log-interval",
+                "2",
+                "--eval-interval",
+                "2",
+                "--tensorboard-dir",
+                str(tb),
+                "--log-json",
+                str(log_json),
+            )
+        )
+    )
     acc = _accumulator(tb)
     tags = acc.Tags()
-    for tag in ("train/loss", "train/aux_loss", "train/lr", "train/grad_norm", "train/dropped_frac",
-                "train/load_imbalance", "train/tokens_per_s", "valid/loss", "valid/ppl", "test/loss"):
+    for tag in (
+        "train/loss",
+        "train/aux_loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/dropped_frac",
+        "train/load_imbalance",
+        "train/tokens_per_s",
+        "valid/loss",
+        "valid/ppl",
+        "test/loss",
+    ):
         assert tag in tags["scalars"], (tag, tags["scalars"])
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
     assert sorted(loss) == [2, 4]
     for it in (2, 4):
-        assert loss[it] == pytest.approx(hist[it - 1]["loss"], rel=1e-6)   # stored as float32
+        assert loss[it] == pytest.approx(hist[it - 1]["loss"], rel=1e-6)  # stored as float32
     valid = [json.loads(x) for x in log_json.read_text().splitlines() if '"valid"' in x]
     assert [e.step for e in acc.Scalars("valid/loss")] == [r["iteration"] for r in valid] == [2, 4]
     # expert-load histogram: bucket e holds the tokens routed to expert e in the logged iteration
@@ -58,8 +84,9 @@ def test_log_lines_have_timestamps(sample_data, capsys):
 def test_no_timestamps_flag_drops_them(sample_data, capsys):
     pretrain(parse_args(tiny_args(sample_data, 1, "--log-interval", "1", "--no-timestamps")))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "lm loss" in ln]
-    assert lines and all(ln.startswith(" iteration ") or ln.startswith(" valid ") or ln.startswith(" test ")
-                         for ln in lines), lines
+    assert lines and all(
+        ln.startswith(" iteration ") or ln.startswith(" valid ") or ln.startswith(" test ") for ln in lines
+    ), lines
 
 
 def _offline_run_ids(wandb_root) -> list[str]:
@@ -74,7 +101,7 @@ def test_wandb_run_id_is_stored_in_the_checkpoint_and_resumed(sample_data, tmp_p
     pretrain(parse_args(tiny_args(sample_data, 4, *flags, "--exit-interval", "2")))
     with open(ckpt / "iter_0000002" / "metadata.json") as f:
         run_id = json.load(f)["wandb_run_id"]
-    assert _offline_run_ids(wb) == [run_id]          # the id wandb used is the one stored
+    assert _offline_run_ids(wb) == [run_id]  # the id wandb used is the one stored
     pretrain(parse_args(tiny_args(sample_data, 4, *flags, "--load", str(ckpt))))
     assert _offline_run_ids(wb) == [run_id, run_id]  # the resumed job continued the same run
     with open(ckpt / "iter_0000004" / "metadata.json") as f:
@@ -83,6 +110,7 @@ def test_wandb_run_id_is_stored_in_the_checkpoint_and_resumed(sample_data, tmp_p
 
 def test_wandb_default_directory_is_never_the_cwd(tmp_path, monkeypatch):
     from megatron_moe.logging import wandb_dir
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert wandb_dir(parse_args(["--save", str(tmp_path / "ck")])) == str(tmp_path / "ck")
     assert wandb_dir(parse_args([])) == str(tmp_path / "cache" / "megatron-moe")
@@ -92,8 +120,12 @@ def test_wandb_default_directory_is_never_the_cwd(tmp_path, monkeypatch):
 def test_missing_tensorboard_gives_a_clear_error(tmp_path, monkeypatch):
     import sys
     from megatron_moe.logging import open_tensorboard
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)    # as if it were not installed
-    with pytest.raises(ImportError, match=r"--tensorboard-dir .*tb needs the tensorboard package: "
-                                          r"pip install tensorboard"):
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if it were not installed
+    with pytest.raises(
+        ImportError,
+        match=r"--tensorboard-dir .*tb needs the tensorboard package: "
+        r"pip install tensorboard",
+    ):
         open_tensorboard(str(tmp_path / "tb"))
     assert not (tmp_path / "tb").exists()

@@ -1,5 +1,6 @@
 """The mutation list of tools/mutation_check.py stays current: every snippet is in the tree exactly
 once, applying it gives the replacement, and every mapped test exists (fast: no test is run)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,14 +13,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("mutation_check_tool", os.path.join(ROOT, "tools", "mutation_check.py"))
 mc = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = mc          # dataclasses look their module up there
+sys.modules[_spec.name] = mc  # dataclasses look their module up there
 _spec.loader.exec_module(mc)
 
 # test files of issue 20's second deliverable, written on another branch: mapped already, run once merged
-PENDING_FILES = {"tests/test_saa_overlap.py", "tests/test_lina_gate.py", "tests/test_random_routing.py",
-                 "tests/test_bf16.py", "tests/test_clipping.py"}
-ISSUE_FIVE = {"saa_sequential", "lina_imminent_ignored", "random_seed_drops_group", "gate_under_bf16",
-              "clip_inverted"}
+PENDING_FILES = {
+    "tests/test_saa_overlap.py",
+    "tests/test_lina_gate.py",
+    "tests/test_random_routing.py",
+    "tests/test_bf16.py",
+    "tests/test_clipping.py",
+}
+ISSUE_FIVE = {"saa_sequential", "lina_imminent_ignored", "random_seed_drops_group", "gate_under_bf16", "clip_inverted"}
 
 
 def _read(rel: str) -> str:
@@ -44,7 +49,7 @@ def test_snippet_occurs_once_and_applies(m):
     mutated = mc.apply_to_text(text, m)
     assert mutated != text
     i = text.index(m.original)
-    assert mutated == text[:i] + m.replacement + text[i + len(m.original):]
+    assert mutated == text[:i] + m.replacement + text[i + len(m.original) :]
 
 
 @pytest.mark.parametrize("m", mc.MUTATIONS, ids=lambda m: m.name)
@@ -61,7 +66,7 @@ def test_mapped_tests_exist(m):
             func = args[0].split("::")[1].split("[")[0]
         elif "-k" in args:
             func = args[args.index("-k") + 1]
-        else:                                   # a whole test file: it must hold tests
+        else:  # a whole test file: it must hold tests
             assert re.search(r"^def test_", _read(path), re.MULTILINE), f"{m.name}: no test in {path}"
             continue
         assert re.search(rf"^def {re.escape(func)}\(", _read(path), re.MULTILINE), f"{m.name}: no test {func} in {path}"
@@ -78,7 +83,7 @@ def test_apply_fails_loudly_when_the_snippet_is_missing_or_repeated(tmp_path):
     (tmp_path / "f.py").write_text("a = 1\na = 1\n")
     with pytest.raises(mc.NotApplicable, match="found 2 times"):
         mc.apply(str(tmp_path), m)
-    assert (tmp_path / "f.py").read_text() == "a = 1\na = 1\n"      # nothing written
+    assert (tmp_path / "f.py").read_text() == "a = 1\na = 1\n"  # nothing written
     with pytest.raises(mc.NotApplicable, match="does not exist"):
         mc.apply(str(tmp_path), mc.Mutation("y", "d", "g.py", "a", "b", ("t",)))
 

@@ -5,6 +5,7 @@ a one-process run, the same computation done another way). Multi-process
 cases run on two gloo ranks in one spawn shared by the module; heavier golden
 curves live in the tests of issue 20's second deliverable.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,7 +82,7 @@ def test_two_routing_groups_equal_two_separate_calls():
     halves, dropped1 = [], 0
     for g in range(2):
         sl = slice(g * MICRO_BATCH, (g + 1) * MICRO_BATCH)
-        halves.append(_loss_and_grads(one, ids[sl], labels[sl], scale=0.5))   # grads accumulate the mean
+        halves.append(_loss_and_grads(one, ids[sl], labels[sl], scale=0.5))  # grads accumulate the mean
         dropped1 += one.moe_layers()[0].last_stats["dropped"]
     assert dropped1 > 0 and dropped2 == dropped1
     assert abs(loss2 - sum(halves) / 2) < 1e-6
@@ -99,7 +100,7 @@ def test_clipping_scales_the_gradients_to_max_norm():
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, before[n] * (0.05 / norm), rtol=1e-5, atol=0, msg=n)
     assert global_grad_norm(model, local_state()) == pytest.approx(0.05, rel=1e-5)
-    clip_gradients(model, local_state(), 1.0)               # below the limit: untouched
+    clip_gradients(model, local_state(), 1.0)  # below the limit: untouched
     assert global_grad_norm(model, local_state()) == pytest.approx(0.05, rel=1e-5)
 
 
@@ -110,8 +111,9 @@ def test_weight_decay_skips_biases_layernorms_and_the_position_table():
     names = {id(p): n for n, p in model.named_parameters()}
     got_no = sorted(names[id(p)] for p in no_decay["params"])
     got_yes = sorted(names[id(p)] for p in decay["params"])
-    want_no = sorted(n for n in names.values()
-                     if n == "wpe" or ".ln" in n or n.startswith("ln_") or n.endswith(("bias", "_b")))
+    want_no = sorted(
+        n for n in names.values() if n == "wpe" or ".ln" in n or n.startswith("ln_") or n.endswith(("bias", "_b"))
+    )
     assert got_no == want_no
     assert got_yes == sorted(set(names.values()) - set(want_no))
     assert "blocks.1.moe.experts.fc_w" in got_yes and "blocks.1.moe.experts.fc_b" in got_no
@@ -141,7 +143,7 @@ def test_checkpoint_restores_optimizer_state_rng_and_routing_draws(tmp_path):
         _loss_and_grads(model, *global_batch(1))
         opt.step()
     save_checkpoint(str(tmp_path), 2, 8, model, opt, cfg, ps)
-    rng_next = torch.rand(8)                                   # what the saved RNG state draws next
+    rng_next = torch.rand(8)  # what the saved RNG state draws next
     draws = torch.rand((64, 4), generator=model.moe_layers()[0].router.generator(0))
 
     torch.manual_seed(1234)
@@ -159,9 +161,10 @@ def test_checkpoint_restores_optimizer_state_rng_and_routing_draws(tmp_path):
         for key in want:
             assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), f"{n}/{key}"
 
+
 # ----------------------------------------------------------------------------- two processes
 
-LAYOUTS = {   # id: (schedule, (mp, ep, esp), GradSync hooks)
+LAYOUTS = {  # id: (schedule, (mp, ep, esp), GradSync hooks)
     "baseline-MP2xEP2": ("baseline", (2, 2, 1), False),
     "s1-MP2xEP2": ("s1", (2, 2, 1), False),
     "s2-MP2xESP2": ("s2", (2, 1, 2), False),
@@ -185,9 +188,14 @@ def _layout_case(schedule: str, lay: tuple, hooks: bool) -> dict:
             sync.remove()
         else:
             sync_gradients(model, ps)
-        return {"loss": (lm + aux).item(), "dp_rank": ps.rank("dp"), "grads": local_pieces(model, ps, "grad"),
-                "specs": {n: p._shard for n, p in model.named_parameters()},
-                "drops": model.moe_layers()[0].last_stats["dropped"], "norm": global_grad_norm(model, ps)}
+        return {
+            "loss": (lm + aux).item(),
+            "dp_rank": ps.rank("dp"),
+            "grads": local_pieces(model, ps, "grad"),
+            "specs": {n: p._shard for n, p in model.named_parameters()},
+            "drops": model.moe_layers()[0].last_stats["dropped"],
+            "norm": global_grad_norm(model, ps),
+        }
     finally:
         destroy_model_parallel()
 
@@ -195,9 +203,10 @@ def _layout_case(schedule: str, lay: tuple, hooks: bool) -> dict:
 def _saa_order(rank: int) -> dict:
     from megatron_moe.distributed.saa import a2a_combine_gather
     from megatron_moe.distributed.observer import CommLog
+
     ps = initialize_model_parallel(2, 2, 1)
     try:
-        send = torch.arange(2 * 1 * 6 * 3, dtype=torch.float32).view(2, 1, 6, 3) + 100 * rank   # [D, E_l, N, M]
+        send = torch.arange(2 * 1 * 6 * 3, dtype=torch.float32).view(2, 1, 6, 3) + 100 * rank  # [D, E_l, N, M]
         with CommLog() as tr:
             saa = a2a_combine_gather(send, ps.group("ep_esp"), ps.group("mp"), 1, overlap=True, chunks=3)
         aas = a2a_combine_gather(send, ps.group("ep_esp"), ps.group("mp"), 1, overlap=False)
@@ -209,16 +218,17 @@ def _saa_order(rank: int) -> dict:
 def _lina_imminent(rank: int) -> dict:
     from megatron_moe.distributed.observer import CommLog
     from megatron_moe.distributed.lina import LinaScheduler
+
     log = CommLog()
     sched = LinaScheduler(1.0, 60.0, log_events=log)
     try:
-        sched.a2a_imminent()                 # backward reached a combine step: an all-to-all is next
+        sched.a2a_imminent()  # backward reached a combine step: an all-to-all is next
         t = torch.full((1000,), float(rank + 1))
         handle = sched.submit("dp", t, None)
-        time.sleep(0.5)                      # room for a launcher that ignores the gate
+        time.sleep(0.5)  # room for a launcher that ignores the gate
         early = [e for e in log.snapshot() if e.tag == "lina"]
         sched.a2a_start("ep")
-        sched.a2a_end("ep")                  # the all-to-all ran: the gate opens
+        sched.a2a_end("ep")  # the all-to-all ran: the gate opens
         handle.wait()
         sched.drain()
         return {"early": len(early), "sum": t[0].item(), "n": len([e for e in log.snapshot() if e.tag == "lina"])}
@@ -229,13 +239,14 @@ def _lina_imminent(rank: int) -> dict:
 def _lina_order(rank: int) -> dict:
     from megatron_moe.distributed.observer import CommLog
     from megatron_moe.distributed.lina import LinaScheduler
+
     ps = initialize_model_parallel(1, 1, 1)
     log = CommLog()
-    sched = LinaScheduler(0.002, 60.0, log_events=log)            # 2097-byte micro-ops
+    sched = LinaScheduler(0.002, 60.0, log_events=log)  # 2097-byte micro-ops
     try:
         model = GPT2MoE(tiny_config(), ps)
         sync = GradSync(model, ps, scheduler=sched)
-        sched.a2a_imminent()          # hold every micro-op back until drain: the whole queue is there at once
+        sched.a2a_imminent()  # hold every micro-op back until drain: the whole queue is there at once
         ids, labels = global_batch(2)
         sl = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
         lm, aux = model(ids[sl], labels[sl])
@@ -252,13 +263,19 @@ def _lina_order(rank: int) -> dict:
 def _all_cases(rank: int, world: int) -> dict:
     out: dict = {}
     jobs = {f"layout:{k}": (lambda v=v: _layout_case(*v)) for k, v in LAYOUTS.items()}
-    jobs.update({"saa": lambda: _saa_order(rank), "lina_imminent": lambda: _lina_imminent(rank),
-                 "lina_order": lambda: _lina_order(rank)})
+    jobs.update(
+        {
+            "saa": lambda: _saa_order(rank),
+            "lina_imminent": lambda: _lina_imminent(rank),
+            "lina_order": lambda: _lina_order(rank),
+        }
+    )
     for name, job in jobs.items():
         try:
             out[name] = job()
-        except Exception as e:          # noqa: BLE001  (reported by the test of that case)
+        except Exception as e:  # noqa: BLE001  (reported by the test of that case)
             import traceback
+
             out[name] = {"error": f"{e!r}\n{traceback.format_exc()}"}
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
@@ -287,7 +304,7 @@ def test_two_process_layout_matches_one_process(two_ranks, layout):
     per_dp = {r["dp_rank"]: r for r in res}
     assert sum(r["drops"] for r in per_dp.values()) == ref_drops[0]
     assert abs(sum(r["loss"] for r in per_dp.values()) / dp - ref_loss) < 1e-5
-    for rank, r in enumerate(res):              # every replica, not the first of each
+    for rank, r in enumerate(res):  # every replica, not the first of each
         full = assemble([r["grads"]] + [o["grads"] for o in res if o is not r], r["specs"])
         for name, g in ref_grads.items():
             err = (full[name] - g).abs().max().item()
@@ -313,12 +330,12 @@ def test_saa_sends_the_next_chunk_before_gathering_the_previous_one(two_ranks):
 def test_lina_launches_nothing_once_an_all_to_all_is_imminent(two_ranks):
     for r in _case(two_ranks, "lina_imminent"):
         assert r["early"] == 0, "a micro-op launched while an all-to-all was imminent"
-        assert r["n"] == 1 and r["sum"] == 3.0           # then it ran, once, and summed both ranks
+        assert r["n"] == 1 and r["sum"] == 3.0  # then it ran, once, and summed both ranks
 
 
 def test_lina_micro_ops_follow_reverse_parameter_order(two_ranks):
     for r in _case(two_ranks, "lina_order"):
-        per = 2097 // 4 * 4                              # bytes of a full micro-op of fp32
+        per = 2097 // 4 * 4  # bytes of a full micro-op of fp32
         want = [min(per, n - off) for n in reversed(r["sizes"]) for off in range(0, n, per)]
         assert [nbytes for _, nbytes in r["launched"]] == want
         assert [i for i, _ in r["launched"]] == list(range(len(want)))

@@ -1,6 +1,7 @@
 """Optimizer and trainer details: the LR schedule against hand-computed values, which parameters
 get weight decay, SGD momentum in checkpoints, eval loss/perplexity under DP, the default
 `--moe-schedule auto` through the trainer, dropout under MP, and Lancet with ESP2."""
+
 import json
 import math
 import os
@@ -20,19 +21,48 @@ from tiny_run import tiny_args
 
 # ----------------------------------------------------------------------------- LR schedule
 
+
 def _optim(style: str, warmup: int = 4, decay_iters: int = 14):
-    cfg = parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", str(warmup), "--lr-decay-style",
-                      style, "--lr-decay-iters", str(decay_iters), "--train-iters", "20"])
+    cfg = parse_args(
+        [
+            "--lr",
+            "1e-3",
+            "--min-lr",
+            "1e-4",
+            "--lr-warmup-iters",
+            str(warmup),
+            "--lr-decay-style",
+            style,
+            "--lr-decay-iters",
+            str(decay_iters),
+            "--train-iters",
+            "20",
+        ]
+    )
     return cfg.optim
 
 
-@pytest.mark.parametrize("style,expected", [
-    # warmup: lr * (i + 1) / 4 for i < 4; decay over iterations 4..14 (frac = (i - 4) / 10), then min-lr
-    ("cosine", {0: 2.5e-4, 1: 5e-4, 3: 1e-3, 4: 1e-3, 6: 1e-4 + 4.5e-4 * (1 + math.cos(0.2 * math.pi)),
-                9: 5.5e-4, 14: 1e-4, 19: 1e-4}),
-    ("linear", {0: 2.5e-4, 3: 1e-3, 4: 1e-3, 6: 8.2e-4, 9: 5.5e-4, 13: 1.9e-4, 14: 1e-4, 19: 1e-4}),
-    ("constant", {0: 2.5e-4, 3: 1e-3, 4: 1e-3, 9: 1e-3, 19: 1e-3}),
-])
+@pytest.mark.parametrize(
+    "style,expected",
+    [
+        # warmup: lr * (i + 1) / 4 for i < 4; decay over iterations 4..14 (frac = (i - 4) / 10), then min-lr
+        (
+            "cosine",
+            {
+                0: 2.5e-4,
+                1: 5e-4,
+                3: 1e-3,
+                4: 1e-3,
+                6: 1e-4 + 4.5e-4 * (1 + math.cos(0.2 * math.pi)),
+                9: 5.5e-4,
+                14: 1e-4,
+                19: 1e-4,
+            },
+        ),
+        ("linear", {0: 2.5e-4, 3: 1e-3, 4: 1e-3, 6: 8.2e-4, 9: 5.5e-4, 13: 1.9e-4, 14: 1e-4, 19: 1e-4}),
+        ("constant", {0: 2.5e-4, 3: 1e-3, 4: 1e-3, 9: 1e-3, 19: 1e-3}),
+    ],
+)
 def test_lr_schedule_matches_hand_computed_values(style, expected):
     o = _optim(style)
     for it, lr in expected.items():
@@ -40,9 +70,21 @@ def test_lr_schedule_matches_hand_computed_values(style, expected):
 
 
 def test_no_warmup_starts_at_lr_and_decay_defaults_to_train_iters():
-    cfg = parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "linear", "--lr-warmup-iters", "0",
-                      "--train-iters", "10"])
-    validate(cfg, 1)                     # what the trainer calls: fills the decay length
+    cfg = parse_args(
+        [
+            "--lr",
+            "1e-3",
+            "--min-lr",
+            "1e-4",
+            "--lr-decay-style",
+            "linear",
+            "--lr-warmup-iters",
+            "0",
+            "--train-iters",
+            "10",
+        ]
+    )
+    validate(cfg, 1)  # what the trainer calls: fills the decay length
     o2 = cfg.optim
     assert o2.lr_decay_iters == 10
     assert lr_at(0, o2) == pytest.approx(1e-3) and lr_at(5, o2) == pytest.approx(5.5e-4)
@@ -50,6 +92,7 @@ def test_no_warmup_starts_at_lr_and_decay_defaults_to_train_iters():
 
 
 # ----------------------------------------------------------------------------- weight decay
+
 
 def test_weight_decay_applies_to_matrices_only():
     model = GPT2MoE(tiny_config(), local_state())
@@ -59,9 +102,11 @@ def test_weight_decay_applies_to_matrices_only():
     got_decay = sorted(names[id(p)] for p in decay["params"])
     got_none = sorted(names[id(p)] for p in no_decay["params"])
     matrices = ["attn.qkv.weight", "attn.proj.weight"]
-    want_decay = (["wte.weight", "blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight"]
-                  + [f"blocks.{i}.{m}" for i in (0, 1) for m in matrices]
-                  + ["blocks.1.moe.router.gate_w", "blocks.1.moe.experts.fc_w", "blocks.1.moe.experts.proj_w"])
+    want_decay = (
+        ["wte.weight", "blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight"]
+        + [f"blocks.{i}.{m}" for i in (0, 1) for m in matrices]
+        + ["blocks.1.moe.router.gate_w", "blocks.1.moe.experts.fc_w", "blocks.1.moe.experts.proj_w"]
+    )
     assert got_decay == sorted(want_decay)
     assert got_none == sorted(n for n in names.values() if n not in want_decay)
     # what is excluded: every bias (expert biases too), every LayerNorm parameter, the position table
@@ -70,6 +115,7 @@ def test_weight_decay_applies_to_matrices_only():
 
 
 # ----------------------------------------------------------------------------- SGD momentum in checkpoints
+
 
 def test_sgd_momentum_is_saved_and_resume_is_bitwise(sample_data, tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -88,6 +134,7 @@ def test_sgd_momentum_is_saved_and_resume_is_bitwise(sample_data, tmp_path):
 
 # ----------------------------------------------------------------------------- multi-process trainer checks
 
+
 def _eval_records(path: str) -> dict:
     with open(path) as f:
         return {r["split"]: r for r in map(json.loads, f) if "split" in r}
@@ -102,26 +149,35 @@ def _trainer_checks(rank, world, data, root):
     with Lancet (partition + dW)."""
     out = {}
     mp2ep2 = ("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
-    out["baseline"] = _curve(pretrain(parse_args(tiny_args(data, 4, *mp2ep2, "--eval-iters", "2",
-                                                           "--log-json", os.path.join(root, "mp.jsonl")))))
+    out["baseline"] = _curve(
+        pretrain(
+            parse_args(tiny_args(data, 4, *mp2ep2, "--eval-iters", "2", "--log-json", os.path.join(root, "mp.jsonl")))
+        )
+    )
     auto = Trainer(parse_args(tiny_args(data, 4, *mp2ep2, "--moe-schedule", "auto")))
     out["auto_schedule"] = [layer.schedule for layer in auto.model.moe_layers()]
     out["auto"] = _curve(auto.train())
     ep2esp2 = ("--expert-model-parallel-size", "2", "--expert-sharding-parallel-size", "2")
     out["esp_plain"] = _curve(pretrain(parse_args(tiny_args(data, 4, *ep2esp2))))
-    out["esp_lancet"] = _curve(pretrain(parse_args(tiny_args(data, 4, *ep2esp2, "--lancet-partition",
-                                                             "--lancet-wgrad"))))
+    out["esp_lancet"] = _curve(
+        pretrain(parse_args(tiny_args(data, 4, *ep2esp2, "--lancet-partition", "--lancet-wgrad")))
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(sample_data, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("runs"))
-    one = pretrain(parse_args(tiny_args(sample_data, 4, "--eval-iters", "2", "--log-json",
-                                        os.path.join(root, "one.jsonl"))))
+    one = pretrain(
+        parse_args(tiny_args(sample_data, 4, "--eval-iters", "2", "--log-json", os.path.join(root, "one.jsonl")))
+    )
     results = spawn(_trainer_checks, 4, sample_data, root, timeout=900)
-    return _curve(one), _eval_records(os.path.join(root, "one.jsonl")), \
-        _eval_records(os.path.join(root, "mp.jsonl")), results
+    return (
+        _curve(one),
+        _eval_records(os.path.join(root, "one.jsonl")),
+        _eval_records(os.path.join(root, "mp.jsonl")),
+        results,
+    )
 
 
 def _assert_same_curve(a, b, what):
@@ -162,6 +218,7 @@ def test_lancet_with_esp2_equals_the_plain_run(trainer_runs):
 
 
 # ----------------------------------------------------------------------------- dropout under MP
+
 
 def _dropout_curve(rank, world, argv):
     return [h["loss"] for h in pretrain(parse_args(argv))]

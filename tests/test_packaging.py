@@ -2,6 +2,7 @@
 the library, the sample corpus and the four console scripts, and once installed (into a target
 directory, away from the checkout) each script's --help and a 2-iteration main job run from
 another working directory."""
+
 import json
 import math
 import os
@@ -18,12 +19,18 @@ from megatron_moe.data.preprocess import SPLITS, sample_corpus_dir
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"mmoe-pretrain": "megatron_moe.cli.pretrain:main", "mmoe-preprocess": "megatron_moe.cli.preprocess:main",
-           "mmoe-convert": "megatron_moe.cli.convert:main", "mmoe-generate": "megatron_moe.cli.generate:main"}
-USAGE = {"mmoe-pretrain": "Pretrain a GPT-2 Mixture-of-Experts model.",
-         "mmoe-preprocess": "Tokenize WikiText or jsonl into Megatron indexed datasets",
-         "mmoe-convert": "{reshard,import-hf,export,import,export-hf}",
-         "mmoe-generate": "Sample text from a checkpoint"}
+SCRIPTS = {
+    "mmoe-pretrain": "megatron_moe.cli.pretrain:main",
+    "mmoe-preprocess": "megatron_moe.cli.preprocess:main",
+    "mmoe-convert": "megatron_moe.cli.convert:main",
+    "mmoe-generate": "megatron_moe.cli.generate:main",
+}
+USAGE = {
+    "mmoe-pretrain": "Pretrain a GPT-2 Mixture-of-Experts model.",
+    "mmoe-preprocess": "Tokenize WikiText or jsonl into Megatron indexed datasets",
+    "mmoe-convert": "{reshard,import-hf,export,import,export-hf}",
+    "mmoe-generate": "Sample text from a checkpoint",
+}
 
 
 def pyproject() -> dict:
@@ -70,8 +77,23 @@ def _build_wheel(tmp: Path) -> Path:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_bytes(path.read_bytes())
     wheels = tmp / "wheels"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "--wheel-dir", str(wheels), str(src)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(wheels),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (wheel,) = wheels.glob("megatron_moe-*.whl")
     return wheel
@@ -90,8 +112,9 @@ def _check_wheel_contents(wheel: Path) -> None:
         entry = z.read(f"{info}/entry_points.txt").decode()
         meta = z.read(f"{info}/METADATA").decode()
         license_files = [n for n in names if n.startswith(info) and n.endswith("LICENSE")]
-    scripts = dict(line.replace(" ", "").split("=", 1) for line in entry.splitlines()
-                   if "=" in line and not line.startswith("["))
+    scripts = dict(
+        line.replace(" ", "").split("=", 1) for line in entry.splitlines() if "=" in line and not line.startswith("[")
+    )
     assert scripts == SCRIPTS
     requires = [ln.split(": ", 1)[1] for ln in meta.splitlines() if ln.startswith("Requires-Dist: ")]
     deps = pyproject()["project"]["dependencies"]
@@ -106,8 +129,12 @@ def installed(tmp_path_factory) -> Path:
     wheel = _build_wheel(tmp)
     _check_wheel_contents(wheel)
     target = tmp / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
-                           str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return target
 
@@ -121,26 +148,62 @@ def _run(target: Path, cwd: Path, argv: list[str], timeout: int = 300) -> subpro
 def test_wheel_installs_and_every_console_script_runs_from_another_directory(installed, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    probe = _run(installed, elsewhere, [sys.executable, "-c", "import megatron_moe; from megatron_moe.data.preprocess "
-                                        "import sample_corpus_dir; print(megatron_moe.__file__, sample_corpus_dir())"])
+    probe = _run(
+        installed,
+        elsewhere,
+        [
+            sys.executable,
+            "-c",
+            "import megatron_moe; from megatron_moe.data.preprocess "
+            "import sample_corpus_dir; print(megatron_moe.__file__, sample_corpus_dir())",
+        ],
+    )
     assert probe.returncode == 0, probe.stderr
     module_file, corpus = probe.stdout.split()
     assert Path(module_file).is_relative_to(installed), module_file
     assert Path(corpus) == installed / "megatron_moe" / "sample_corpus"
 
     for script, usage in USAGE.items():
-        for argv in ([str(installed / "bin" / script), "--help"],
-                     [sys.executable, "-m", SCRIPTS[script].split(":")[0], "--help"]):
+        for argv in (
+            [str(installed / "bin" / script), "--help"],
+            [sys.executable, "-m", SCRIPTS[script].split(":")[0], "--help"],
+        ):
             proc = _run(installed, elsewhere, argv)
             assert proc.returncode == 0, (argv, proc.stderr[-2000:])
             assert proc.stdout.startswith("usage: ") and usage in proc.stdout, (argv, proc.stdout[:500])
 
     log = tmp_path / "log.jsonl"
-    job = _run(installed, elsewhere, [
-        str(installed / "bin" / "mmoe-pretrain"), "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "32", "--num-experts", "4", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "0", "--eval-iters", "1",
-        "--log-interval", "1", "--log-json", str(log)])
+    job = _run(
+        installed,
+        elsewhere,
+        [
+            str(installed / "bin" / "mmoe-pretrain"),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--num-experts",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "2",
+            "--eval-interval",
+            "0",
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "1",
+            "--log-json",
+            str(log),
+        ],
+    )
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
     train = [r for r in map(json.loads, log.read_text().splitlines()) if "split" not in r]
     assert [r["iteration"] for r in train] == [1, 2]

@@ -1,4 +1,5 @@
 """rank_layout against brute-force enumeration, error messages, and real process groups."""
+
 import itertools
 
 import pytest
@@ -9,7 +10,7 @@ from megatron_moe.testing import spawn
 
 def brute_force(P, mp, ep, esp):
     """Groups by enumerating coordinates of every rank from the formulas of docs/DESIGN.md "Ranks and groups"."""
-    dense = {r: (r % mp, r // mp) for r in range(P)}                      # (mp, dp)
+    dense = {r: (r % mp, r // mp) for r in range(P)}  # (mp, dp)
     expert = {r: (r % esp, (r // esp) % ep, r // (esp * ep)) for r in range(P)}  # (esp, ep, edp)
 
     def groups(key):
@@ -17,6 +18,7 @@ def brute_force(P, mp, ep, esp):
         for r in range(P):
             out.setdefault(key(r), []).append(r)
         return sorted(out.values())
+
     return {
         "mp_groups": groups(lambda r: dense[r][1]),
         "dp_groups": groups(lambda r: dense[r][0]),
@@ -59,13 +61,16 @@ def test_esp_groups_are_consecutive_and_mp_groups_consecutive():
     assert lay.expert_dp_groups[0] == [0, 4, 8, 12]
 
 
-@pytest.mark.parametrize("args,flag", [
-    ((8, 3, 1, 1), "--tensor-model-parallel-size 3"),
-    ((8, 1, 3, 1), "--expert-model-parallel-size 3"),
-    ((8, 1, 2, 3), "--expert-sharding-parallel-size 3"),
-    ((8, 0, 1, 1), "--tensor-model-parallel-size"),
-    ((8, 1, 4, 4), "= 16 must divide the world size 8"),
-])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        ((8, 3, 1, 1), "--tensor-model-parallel-size 3"),
+        ((8, 1, 3, 1), "--expert-model-parallel-size 3"),
+        ((8, 1, 2, 3), "--expert-sharding-parallel-size 3"),
+        ((8, 0, 1, 1), "--tensor-model-parallel-size"),
+        ((8, 1, 4, 4), "= 16 must divide the world size 8"),
+    ],
+)
 def test_invalid_degrees_name_the_flag(args, flag):
     with pytest.raises(ValueError, match=flag):
         rank_layout(*args)
@@ -73,6 +78,7 @@ def test_invalid_degrees_name_the_flag(args, flag):
 
 def test_experts_and_ffn_divisibility_errors():
     from megatron_moe.parallel_state import validate_degrees
+
     with pytest.raises(ValueError, match="--num-experts 6 must be divisible by --expert-model-parallel-size 4"):
         validate_degrees(8, 1, 4, 1, num_experts=6)
     with pytest.raises(ValueError, match="--ffn-hidden-size 10 must be divisible by --expert-sharding"):
@@ -83,6 +89,7 @@ def _groups_on_rank(rank, world):
     import torch
     import torch.distributed as dist
     from megatron_moe.parallel_state import destroy_model_parallel, get_parallel_state, initialize_model_parallel
+
     ps = initialize_model_parallel(2, 2, 1)
     assert get_parallel_state() is ps
     out = {}

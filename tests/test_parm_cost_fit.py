@@ -1,5 +1,6 @@
 """Parm as published: the (alpha_o, beta_o) fit of eq. (14), S1/S2 volumes per eqs. (13)/(14), and `auto`
 choosing among baseline, S1 and S2."""
+
 import importlib.util
 import json
 import os
@@ -8,24 +9,39 @@ import numpy as np
 import pytest
 
 from megatron_moe.moe.comm_profile import fit_sizes
-from megatron_moe.moe.cost_model import (OVERLAP_KEY, TABLE_IV, AlphaBeta, CommModel, MoEShape, choose_schedule,
-                                         expert_flops, fit_overlap, s1_a2a_elements, s2_a2a_elements,
-                                         s2_gather_elements, simulate_grid, time_baseline, time_s1, time_s2,
-                                         uniform_model, PAPER_GRID, TESTBEDS)
+from megatron_moe.moe.cost_model import (
+    OVERLAP_KEY,
+    TABLE_IV,
+    AlphaBeta,
+    CommModel,
+    MoEShape,
+    choose_schedule,
+    expert_flops,
+    fit_overlap,
+    s1_a2a_elements,
+    s2_a2a_elements,
+    s2_gather_elements,
+    simulate_grid,
+    time_baseline,
+    time_s1,
+    time_s2,
+    uniform_model,
+    PAPER_GRID,
+    TESTBEDS,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("simulate_tool", os.path.join(ROOT, "tools", "simulate.py"))
 simulate_tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(simulate_tool)
 
-AG = AlphaBeta(2e-4, 1e-9)                  # MP all-gather, seconds per gathered element
+AG = AlphaBeta(2e-4, 1e-9)  # MP all-gather, seconds per gathered element
 
 
 def _saa_samples(alpha_o: float, beta_o: float, ratio: float, noise: float, seed: int = 0):
-    sizes = [256 * 4 ** i for i in range(10)]                  # 1 KB .. 256 MB of fp32, like the profile
+    sizes = [256 * 4**i for i in range(10)]  # 1 KB .. 256 MB of fp32, like the profile
     rng = np.random.default_rng(seed)
-    times = [(alpha_o + beta_o * v + AG.alpha + AG.beta * ratio * v) * (1 + rng.uniform(-noise, noise))
-             for v in sizes]
+    times = [(alpha_o + beta_o * v + AG.alpha + AG.beta * ratio * v) * (1 + rng.uniform(-noise, noise)) for v in sizes]
     return sizes, times
 
 
@@ -63,17 +79,17 @@ def test_overlap_fit_rejects_bad_samples():
 
 def test_volumes_equal_the_paper_formulas():
     sh = MoEShape(B=4, L=1024, M=1024, E=8, k=2, f=1.25, n_mp=4, n_ep=4, n_esp=2)
-    T = 2 * 1.25 * 4 * 1024 / 8                               # k f B L / E = 1280, divisible by N_MP
+    T = 2 * 1.25 * 4 * 1024 / 8  # k f B L / E = 1280, divisible by N_MP
     assert sh.C == T and sh.C_mp * 4 == T
-    assert s1_a2a_elements(sh, "padded") == 8 * T * 1024 * 2 / 4           # E T M N_ESP / N_MP
+    assert s1_a2a_elements(sh, "padded") == 8 * T * 1024 * 2 / 4  # E T M N_ESP / N_MP
     assert s2_a2a_elements(sh) == 8 * T * 1024 * 2 / 4
-    assert s2_gather_elements(sh) == 8 * T * 1024                           # AG_MP(E T M), gathered
+    assert s2_gather_elements(sh) == 8 * T * 1024  # AG_MP(E T M), gathered
     assert s1_a2a_elements(sh, "kept") == 2 * min(2 * 4096, 8 * T) * 1024 / 4  # kept choices only
     with pytest.raises(ValueError, match="S1 transfer"):
         s1_a2a_elements(sh, "bogus")
     # all-gathers are priced by their gathered output: beta 1 s per element, nothing else costs
     only_ag = CommModel({"all_gather@mp": AlphaBeta(0.0, 1.0)})
-    assert time_s1(only_ag, sh, "padded") == 2 * 4 * 1024 * 1024            # AG_MP(B L M) each way
+    assert time_s1(only_ag, sh, "padded") == 2 * 4 * 1024 * 1024  # AG_MP(B L M) each way
     assert time_s2(only_ag, sh, saa=False) == 2 * 8 * T * 1024
     # the profile fits all-gathers against the gathered size, the others against the input
     assert fit_sizes("all_gather", 4, [256, 1030]) == [1024, 4128]
@@ -82,18 +98,18 @@ def test_volumes_equal_the_paper_formulas():
 
 def test_kept_s1_is_priced_with_its_extra_collectives():
     sh = MoEShape(B=2, L=64, M=16, E=4, k=2, f=1.5, n_mp=2, n_ep=2, n_esp=1)
-    S, C = 128, 96                                             # C = ceil(2 * 1.5 * 128 / 4)
+    S, C = 128, 96  # C = ceil(2 * 1.5 * 128 / 4)
     a2a_only = CommModel({"all_to_all@ep_esp": AlphaBeta(0.0, 1.0)})
-    kept = min(2 * S, 4 * C) * 16 / 2                          # N_ESP min(k S, E C) M / N_MP
-    assert time_s1(a2a_only, sh, "kept") == 4 * kept + 2 * 1 * 4           # + the counts all-to-all (2 N_ESP E)
+    kept = min(2 * S, 4 * C) * 16 / 2  # N_ESP min(k S, E C) M / N_MP
+    assert time_s1(a2a_only, sh, "kept") == 4 * kept + 2 * 1 * 4  # + the counts all-to-all (2 N_ESP E)
     assert time_s1(a2a_only, sh, "padded") == 4 * (4 * C * 16 / 2)
     ar_only = CommModel({"all_reduce@mp": AlphaBeta(1.0, 0.0)})
-    assert time_s1(ar_only, sh, "kept") == 2 and time_s1(ar_only, sh, "padded") == 0   # aux sums, gate grad
+    assert time_s1(ar_only, sh, "kept") == 2 and time_s1(ar_only, sh, "padded") == 0  # aux sums, gate grad
 
 
 def test_expert_flops_count_the_baselines_duplicate_work():
     sh = MoEShape(B=4, L=1024, M=1024, E=8, k=2, f=1.25, n_mp=4, n_ep=4, n_esp=2, H=4096)
-    per_rank_baseline = 3 * 2 * 2 * (2 * 8 * 1280) * 1024 * 4096 / 2     # rows N_ESP E C, slice H / N_ESP
+    per_rank_baseline = 3 * 2 * 2 * (2 * 8 * 1280) * 1024 * 4096 / 2  # rows N_ESP E C, slice H / N_ESP
     assert expert_flops(sh, "baseline") == per_rank_baseline
     assert expert_flops(sh, "s2") == per_rank_baseline / 4
     assert expert_flops(sh, "s1", "padded") == per_rank_baseline / 4
@@ -144,14 +160,13 @@ def test_auto_picks_the_baseline_when_the_model_says_it_is_cheapest():
     cheap = AlphaBeta(1e-5, 1e-10)
     model = uniform_model(cheap)
     slow = AlphaBeta(1e-3, 1e-9)
-    model.costs.update({"all_to_all@ep_esp": slow, "all_gather@mp": slow, "all_reduce@mp": slow,
-                        OVERLAP_KEY: slow})
-    C = 4                                                      # ceil(16 / 4)
-    baseline = 4 * (1e-5 + 1e-10 * 4 * C * 64)                # 2 EP all-to-alls each way; ESP has one rank
+    model.costs.update({"all_to_all@ep_esp": slow, "all_gather@mp": slow, "all_reduce@mp": slow, OVERLAP_KEY: slow})
+    C = 4  # ceil(16 / 4)
+    baseline = 4 * (1e-5 + 1e-10 * 4 * C * 64)  # 2 EP all-to-alls each way; ESP has one rank
     c = choose_schedule(model, sh)
     assert c.times["baseline"] == pytest.approx(baseline, rel=1e-12)
     assert c.schedule == "baseline" and c.times["baseline"] < min(c.times["s1"], c.times["s2"])
-    assert choose_schedule(model, sh, with_baseline=False).schedule in ("s1", "s2")   # the paper's Algorithm 1
+    assert choose_schedule(model, sh, with_baseline=False).schedule in ("s1", "s2")  # the paper's Algorithm 1
     # the same layer where the baseline's collectives are slow: auto falls back to Algorithm 1's pick
     costly = uniform_model(AlphaBeta(1e-2, 1e-8))
     costly.costs.update({"all_to_all@ep_esp": slow, "all_gather@mp": slow, "all_reduce@mp": slow})
@@ -161,8 +176,8 @@ def test_auto_picks_the_baseline_when_the_model_says_it_is_cheapest():
 def test_paper_baseline_prices_eq1():
     sh = MoEShape(B=2, L=8, M=4, E=4, k=1, f=1.0, n_mp=1, n_ep=2, n_esp=2)
     only_ag = CommModel({"all_gather@esp": AlphaBeta(0.0, 1.0)})
-    assert time_baseline(only_ag, sh, paper=True) == 2 * 8 * 4 * 2       # AG_ESP(B L M N_ESP)
-    assert time_baseline(only_ag, sh) == 2 * 4 * 4 * 4                  # the runtime gathers N_ESP E C M
+    assert time_baseline(only_ag, sh, paper=True) == 2 * 8 * 4 * 2  # AG_ESP(B L M N_ESP)
+    assert time_baseline(only_ag, sh) == 2 * 4 * 4 * 4  # the runtime gathers N_ESP E C M
 
 
 def test_simulator_prints_table_iv_beside_the_simulation(tmp_path, capsys):
@@ -190,6 +205,7 @@ def _profile_saa_worker(rank: int, world_size: int):
     from megatron_moe.moe.comm_profile import profile_saa
     from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_moe.moe.comm_profile import with_saa_overlap
+
     ps = initialize_model_parallel(2, 2, 1)
     try:
         fit, raw = profile_saa(ps, [1000, 40000], AG, chunks=2, reps=1, warmup=1)
@@ -202,6 +218,7 @@ def _profile_saa_worker(rank: int, world_size: int):
 
 def test_profile_saa_fits_the_same_numbers_on_every_rank():
     from megatron_moe.testing import spawn
+
     results = spawn(_profile_saa_worker, 4, timeout=120)
     fits = [r[0] for r in results]
     raws = [r[1] for r in results]
@@ -232,7 +249,7 @@ def test_auto_follows_the_measured_overlap_of_eq14():
         times = [1e-4 + beta_o * v + AGMP.alpha + AGMP.beta * (n_mp / n_esp) * v for v in sizes]
         fit = fit_overlap(sizes, times, AGMP, gather_ratio=n_mp / n_esp)
         assert fit.alpha == pytest.approx(1e-4, rel=1e-6) and fit.beta == pytest.approx(beta_o, abs=1e-15)
-        model = _model(AlphaBeta(1e-2, 1e-7))                   # a slow baseline: Algorithm 1's pick stands
+        model = _model(AlphaBeta(1e-2, 1e-7))  # a slow baseline: Algorithm 1's pick stands
         model.costs[OVERLAP_KEY] = fit
         c = choose_schedule(model, sh, s1="padded")
         d2 = _hand_d2(A2A, AGMP, fit, E, sh.C, M, n_mp, n_esp)
@@ -243,15 +260,15 @@ def test_auto_follows_the_measured_overlap_of_eq14():
 def test_auto_adds_expert_compute_at_the_measured_throughput():
     """On a slow processor the baseline's duplicate expert work (every MP rank computes every token)
     outweighs its cheaper communication; communication alone picks the baseline."""
-    sh = MoEShape(B=1, L=512, M=256, E=4, k=2, f=1.25, n_mp=2, n_ep=2, n_esp=1, H=1024)   # C = 320
+    sh = MoEShape(B=1, L=512, M=256, E=4, k=2, f=1.25, n_mp=2, n_ep=2, n_esp=1, H=1024)  # C = 320
     model = uniform_model(AlphaBeta(1e-5, 1e-10))
     slow = AlphaBeta(1e-3, 1e-9)
     model.costs.update({"all_to_all@ep_esp": slow, "all_gather@mp": slow, "all_reduce@mp": slow, OVERLAP_KEY: slow})
     comm = choose_schedule(model, sh)
     assert comm.schedule == "baseline" and comm.priced == "communication"
-    rate = 5e10                                                  # 50 GFLOP/s
+    rate = 5e10  # 50 GFLOP/s
     c = choose_schedule(model, sh, flops_per_s=rate)
-    kept_rows = 2 * 512                                          # k S choices, fewer than the E C = 1280 slots
+    kept_rows = 2 * 512  # k S choices, fewer than the E C = 1280 slots
     for name in ("baseline", "s1", "s2"):
         assert c.times[name] == pytest.approx(comm.times[name] + expert_flops(sh, name, "kept", kept=True) / rate)
     assert expert_flops(sh, "baseline", kept=True) == 3 * 2 * 2 * kept_rows * 256 * 1024
@@ -259,4 +276,5 @@ def test_auto_adds_expert_compute_at_the_measured_throughput():
     assert c.schedule in ("s1", "s2") and c.priced == "communication + expert compute"
     padded = choose_schedule(model, sh, flops_per_s=rate, kept_compute=False)
     assert padded.times["baseline"] - comm.times["baseline"] == pytest.approx(
-        3 * 2 * 2 * (4 * 320) * 256 * 1024 / rate)                 # E C = 1280 padded rows
+        3 * 2 * 2 * (4 * 320) * 256 * 1024 / rate
+    )  # E C = 1280 padded rows

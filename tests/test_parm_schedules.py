@@ -5,6 +5,7 @@ formulas. The tiny config drops tokens (capacity factor 0.5). Byte counts are
 taken on a bare MoE layer (no tensor-parallel traffic of the dense blocks), and
 the expected numbers come from routing the same inputs in the parent.
 """
+
 import math
 import os
 import tempfile
@@ -29,6 +30,7 @@ def cfg_of(k, policy="position", sched="s1", **extra):
 
 # ----------------------------------------------------------------------------- in the spawned ranks
 
+
 def layer_input(dp_rank: int, M: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + dp_rank)
     return torch.randn(B, T, M, generator=g)
@@ -51,14 +53,18 @@ def _layer_bytes(cfg, mp, ep, esp):
 def _saa_variants(world):
     """a2a_combine_gather: SAA (collective chunks), SAA with isend/irecv chunks, AAS: identical outputs."""
     from megatron_moe.distributed.saa import a2a_combine_gather
+
     ps = initialize_model_parallel(2, 2, 1)
     try:
         g = torch.Generator().manual_seed(ps.global_rank)
         send = torch.randn(ps.size("ep_esp"), 3, 5, 4, generator=g)
         args = (send, ps.group("ep_esp"), ps.group("mp"), ps.size("esp"))
-        return [a2a_combine_gather(*args, overlap=True, chunks=2),
-                a2a_combine_gather(*args, overlap=True, chunks=3, p2p=True),
-                a2a_combine_gather(*args, overlap=False), send]
+        return [
+            a2a_combine_gather(*args, overlap=True, chunks=2),
+            a2a_combine_gather(*args, overlap=True, chunks=3, p2p=True),
+            a2a_combine_gather(*args, overlap=False),
+            send,
+        ]
     finally:
         destroy_model_parallel()
 
@@ -66,6 +72,7 @@ def _saa_variants(world):
 def _profile_cache(path):
     """Profile once (writes the cache), then load it; every rank returns what it got."""
     from megatron_moe.moe.comm_profile import load_or_profile
+
     ps = initialize_model_parallel(2, 2, 1)
     try:
         first = load_or_profile(ps, 1024, path, reps=1)
@@ -77,6 +84,7 @@ def _profile_cache(path):
 
 def _auto_choice(cfg, mp, ep, esp):
     from megatron_moe.moe.comm_profile import choose_for_layer
+
     ps = initialize_model_parallel(mp, ep, esp)
     try:
         return choose_for_layer(cfg, ps, 1)
@@ -103,14 +111,22 @@ def _run_all(rank, world, model_cases, byte_cases, extras):
 
 # ----------------------------------------------------------------------------- formulas in the parent
 
+
 def reference_routes(cfg, dp):
     """The one-process routing of every data-parallel group's inputs of `layer_input`."""
     layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
     M = cfg.model.hidden_size
     m = cfg.moe
     with torch.no_grad():
-        return [route(layer.router.logits(layer_input(d, M).reshape(B * T, M)), m.moe_router_topk,
-                      m.moe_expert_capacity_factor, m.moe_min_capacity) for d in range(dp)]
+        return [
+            route(
+                layer.router.logits(layer_input(d, M).reshape(B * T, M)),
+                m.moe_router_topk,
+                m.moe_expert_capacity_factor,
+                m.moe_min_capacity,
+            )
+            for d in range(dp)
+        ]
 
 
 def expected_bytes(cfg, sched, layout, rank, world):
@@ -132,44 +148,46 @@ def expected_bytes(cfg, sched, layout, rank, world):
         add("reduce_scatter", "esp", esp * buf, esp)
         add("all_to_all", "ep", 4 * esp * buf, ep)
         add("all_reduce", "esp", 2 * esp * buf, esp)
-        add("all_gather", "ep_esp", E * 4, ep * esp)                      # kept-row counts (int32 per expert)
+        add("all_gather", "ep_esp", E * 4, ep * esp)  # kept-row counts (int32 per expert)
     elif sched == "s2":
         # Parm's S2: all-to-all of N_ESP * E * C/N_MP * M each way, both directions;
         # MP all-gather of E * C/N_MP * M forward (SAA) and backward (dispatch gradient)
         add("all_to_all", "ep_esp", 4 * esp * E * C_mp * M * 4, ep * esp)
         add("all_gather", "mp", 2 * E * C_mp * M * 4, mp)
-        add("all_gather", "ep_esp", E * 4, ep * esp)                      # kept-row counts (int32 per expert)
+        add("all_gather", "ep_esp", E * 4, ep * esp)  # kept-row counts (int32 per expert)
     else:
         # S1 sends only kept tokens: N_ESP copies of this slice's kept choices out, and
         # back the rows its experts received; the same again in backward
         routes = reference_routes(cfg, world // mp)
         block = ep * esp
 
-        def kept(src, lo, hi):          # kept choices of rank src's slice bound for experts [lo, hi)
+        def kept(src, lo, hi):  # kept choices of rank src's slice bound for experts [lo, hi)
             rt, r = routes[src // mp], src % mp
-            e, s = rt.expert[r * S_l:(r + 1) * S_l], rt.slot[r * S_l:(r + 1) * S_l]
+            e, s = rt.expert[r * S_l : (r + 1) * S_l], rt.slot[r * S_l : (r + 1) * S_l]
             return int(((s >= 0) & (e >= lo) & (e < hi)).sum())
+
         my_ep = (rank % block) // esp
         base = rank - rank % block
         K = kept(rank, 0, E)
         R = sum(kept(src, my_ep * E_l, (my_ep + 1) * E_l) for src in range(base, base + block))
         add("all_to_all", "ep_esp", 2 * (esp * K + R) * M * 4 + esp * E * 8, block)
-        add("all_gather", "mp", k * E * 8 + 2 * S_l * M * 4, mp)          # counts; output; input grad
-        add("all_reduce", "mp", (E + 1) * 4 + E * M * 4, mp)              # aux sums; gate grad
+        add("all_gather", "mp", k * E * 8 + 2 * S_l * M * 4, mp)  # counts; output; input grad
+        add("all_reduce", "mp", (E + 1) * 4 + E * M * 4, mp)  # aux sums; gate grad
     return out
 
 
 # ----------------------------------------------------------------------------- tests
 
-P4_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 1, 1)]     # MP2xEP2, EP2xESP2, MP2 with ESP2, MP2xDP2
+P4_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 1, 1)]  # MP2xEP2, EP2xESP2, MP2 with ESP2, MP2xDP2
 
 
 def _p4_cases():
     cases = [(lay, k, "position", s, {}) for lay in P4_LAYOUTS for k in (1, 2) for s in ("s1", "s2")]
     cases += [(lay, 2, "position", "s2-aas", {}) for lay in P4_LAYOUTS]
-    cases += [((2, 2, 1), k, pol, s, {}) for pol in ("batch_prioritized", "random") for k in (1, 2)
-              for s in ("s1", "s2")]
-    cases += [((2, 2, 1), 1, "position", "s2", {"moe_expert_capacity_factor": 0.375})]   # C = 3: pad to 4
+    cases += [
+        ((2, 2, 1), k, pol, s, {}) for pol in ("batch_prioritized", "random") for k in (1, 2) for s in ("s1", "s2")
+    ]
+    cases += [((2, 2, 1), 1, "position", "s2", {"moe_expert_capacity_factor": 0.375})]  # C = 3: pad to 4
     return cases
 
 
@@ -180,8 +198,11 @@ def _check_models(cases, results, world):
         if key not in refs:
             refs[key] = reference(cfg_of(k, policy, "baseline", **extra), key[0])
         assert refs[key][2][0] > 0, "the config must drop tokens"
-        compare([results[r]["model"][i] for r in range(world)], refs[key],
-                f"P={world} MP{lay[0]} EP{lay[1]} ESP{lay[2]} top-{k} {policy} {sched} {extra}")
+        compare(
+            [results[r]["model"][i] for r in range(world)],
+            refs[key],
+            f"P={world} MP{lay[0]} EP{lay[1]} ESP{lay[2]} top-{k} {policy} {sched} {extra}",
+        )
 
 
 def _check_bytes(cases, results, world):
@@ -221,7 +242,7 @@ def test_parm_schedules_p4():
     sends = [results[r]["saa"][3] for r in range(4)]
     for r in range(4):
         for m in range(2):
-            from_peers = [sends[(r // 2) * 2 + p][m] for p in range(2)]    # [E_l, N, M] from each EP peer
+            from_peers = [sends[(r // 2) * 2 + p][m] for p in range(2)]  # [E_l, N, M] from each EP peer
             assert torch.equal(results[r]["saa"][2][m], torch.cat(from_peers, dim=0))
     # the profile cache: written by the first call, reused by the second, identical on every rank
     for r in range(4):
@@ -241,20 +262,26 @@ def _local_capacity_drops(cfg, dp, mp):
     model = GPT2MoE(cfg, local_state(), routing_groups=dp)
     layer = model.moe_layers()[0]
     seen = {}
+
     def keep_input(mod, inp, out):
         seen["x"] = inp[0].detach()
+
     layer.register_forward_hook(keep_input)
     ids, labels = global_batch(dp)
     with torch.no_grad():
         model(ids, labels)
-    x = seen["x"].reshape(dp * mp, -1, cfg.model.hidden_size)        # group-major, then slice
+    x = seen["x"].reshape(dp * mp, -1, cfg.model.hidden_size)  # group-major, then slice
     m = cfg.moe
-    return sum(route(layer.router.logits(x[i]), m.moe_router_topk, m.moe_expert_capacity_factor,
-                     m.moe_min_capacity).num_dropped for i in range(dp * mp))
+    return sum(
+        route(
+            layer.router.logits(x[i]), m.moe_router_topk, m.moe_expert_capacity_factor, m.moe_min_capacity
+        ).num_dropped
+        for i in range(dp * mp)
+    )
 
 
 def test_parm_schedules_p8():
-    lay = (2, 2, 2)                                                 # MP2 x EP2 x ESP2
+    lay = (2, 2, 2)  # MP2 x EP2 x ESP2
     cases = [(lay, k, "position", s, {}) for k in (1, 2) for s in ("s1", "s2", "s2-aas")]
     cases += [(lay, 2, "position", "auto", {})]
     byte_cases = [(lay, 2, s) for s in ("baseline", "s1", "s2")]
@@ -263,4 +290,4 @@ def test_parm_schedules_p8():
     _check_bytes(byte_cases, results, 8)
     choices = [results[r]["choices"][0] for r in range(8)]
     assert all(c == choices[0] for c in choices), "auto must choose the same schedule on every rank"
-    assert choices[0].schedule in ("baseline", "s1", "s2")     # auto also prices the baseline (issue 15)
+    assert choices[0].schedule in ("baseline", "s1", "s2")  # auto also prices the baseline (issue 15)

@@ -5,6 +5,7 @@ curve equal the run without placement.
 One spawn per world size runs every case of that size (EP2; EP4, EP2 x DP2, EP2 x ESP2, MP2 x EP2), each with and
 without placement in the same process, scheduled and blocking, top-1 and top-2.
 """
+
 import os
 import subprocess
 import sys
@@ -25,12 +26,16 @@ from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
 
-STEPS = 2          # forward + backward, an SGD step, forward + backward again
+STEPS = 2  # forward + backward, an SGD step, forward + backward again
 # world -> [(mp, ep, esp, num_experts, forced plan {expert: EP ranks})]
 CASES = {
     2: [(1, 2, 1, 4, {0: [1], 3: [0]})],
-    4: [(1, 4, 1, 4, {0: [1, 2, 3], 2: [0]}), (1, 2, 1, 4, {1: [1], 2: [0]}), (1, 2, 2, 4, {0: [1]}),
-        (2, 2, 1, 4, {0: [1], 3: [0]})],
+    4: [
+        (1, 4, 1, 4, {0: [1, 2, 3], 2: [0]}),
+        (1, 2, 1, 4, {1: [1], 2: [0]}),
+        (1, 2, 2, 4, {0: [1]}),
+        (2, 2, 1, 4, {0: [1], 3: [0]}),
+    ],
 }
 
 
@@ -40,13 +45,14 @@ def placed_config(k: int, num_experts: int = 4):
 
 # ----------------------------------------------------------------------------- the placement itself
 
+
 def test_placement_columns_and_computed_tokens():
     p = Placement.of(4, 2, {0: [1], 3: [0]})
     assert p.moved == [0, 3] and p.held(0) == [3] and p.held(1) == [0]
     assert p.compute_experts(0) == [0, 1, 3] and p.compute_experts(1) == [0, 2, 3]
-    col, X = p.columns(0, torch.device("cpu"))          # EP rank 0 keeps 0, 1, 3 and sends 2 to rank 1
+    col, X = p.columns(0, torch.device("cpu"))  # EP rank 0 keeps 0, 1, 3 and sends 2 to rank 1
     assert X == 3 and col.tolist() == [0, 1, 3 + 1, 2]
-    col, X = p.columns(1, torch.device("cpu"))          # EP rank 1 keeps 0, 2, 3 and sends 1 to rank 0
+    col, X = p.columns(1, torch.device("cpu"))  # EP rank 1 keeps 0, 2, 3 and sends 1 to rank 0
     assert col.tolist() == [3 + 0, 1, 3 + 1, 3 + 2]
     counts = [[5, 1, 2, 7], [6, 3, 4, 1]]
     assert p.computed_tokens(counts) == [5 + 1 + 7 + 3, 2 + 6 + 4 + 1]
@@ -66,6 +72,7 @@ def test_forced_plan_errors_name_the_flag():
 
 
 # ----------------------------------------------------------------------------- equivalence (spawned)
+
 
 def _steps(k: int, mp: int, ep: int, esp: int, E: int, plan: dict, schedule) -> dict:
     """STEPS iterations (SGD between them) on this rank; schedule None: no placement, True / False:
@@ -100,12 +107,17 @@ def _steps(k: int, mp: int, ep: int, esp: int, E: int, plan: dict, schedule) -> 
                     counts.append(gather_counts(ps, torch.stack([routed_counts(la) for la in layers])))
                     runtime.end_iteration(step + 1, counts[-1])
         opt.step()
-        return {"losses": losses, "grads": local_pieces(model, ps, "grad"),
-                "params": local_pieces(model, ps, "param"), "ep": ps.rank("ep"), "used": used,
-                "counts": [c.tolist() for c in counts],
-                "bytes": {op: [(e.sent, e.recv) for e in log.of(op)] for op in ("trans", "agg")},
-                "a2a_remote": sum(e.remote_sent for e in log.of("all_to_all", phase="bwd")),   # tokens only
-                "opt_state": sorted(id(p) for p in opt.state)}
+        return {
+            "losses": losses,
+            "grads": local_pieces(model, ps, "grad"),
+            "params": local_pieces(model, ps, "param"),
+            "ep": ps.rank("ep"),
+            "used": used,
+            "counts": [c.tolist() for c in counts],
+            "bytes": {op: [(e.sent, e.recv) for e in log.of(op)] for op in ("trans", "agg")},
+            "a2a_remote": sum(e.remote_sent for e in log.of("all_to_all", phase="bwd")),  # tokens only
+            "opt_state": sorted(id(p) for p in opt.state),
+        }
     finally:
         destroy_model_parallel()
 
@@ -133,8 +145,8 @@ def _check(per_rank: list, world: int) -> None:
         tag = f"MP{mp} EP{ep} ESP{esp} DP{world // mp} top-{k} {schedule}"
         E = cases[(mp, ep, esp)]
         one = _expert_bytes(placed_config(k, E), esp)
-        if schedule == "planned":           # locality: step 2 uses the plan of step 1's counts
-            group = ep * esp                 # ranks of one EP x ESP group gather the same counts
+        if schedule == "planned":  # locality: step 2 uses the plan of step 1's counts
+            group = ep * esp  # ranks of one EP x ESP group gather the same counts
             for r in range(world):
                 counts = per_rank[r][i][2]["counts"][0][0]
                 first = per_rank[r - r % group][i][2]["counts"][0][0]
@@ -182,11 +194,18 @@ FORCED = ("--pro-prophet", "--pro-prophet-force-plan", "0:1;3:0")
 def _curves(rank, world, data, ckpt):
     """Straight runs without and with a forced plan (scheduled, blocking), the planner's run, and a
     run saved with replicas active then resumed without --pro-prophet."""
+
     def run(iters, *extra):
         return pretrain(parse_args(tiny_args(data, iters, *EP2, *extra)))
-    out = {"plain": run(8), "forced": run(8, *FORCED), "blocking": run(8, *FORCED, "--pro-prophet-no-schedule"),
-           "planned": run(8, "--pro-prophet", "--pro-prophet-alpha", "0"), "lina": run(8, *FORCED, "--lina")}
-    out["resumed"] = (run(8, *FORCED, "--save", ckpt, "--exit-interval", "4") + run(8, "--load", ckpt))
+
+    out = {
+        "plain": run(8),
+        "forced": run(8, *FORCED),
+        "blocking": run(8, *FORCED, "--pro-prophet-no-schedule"),
+        "planned": run(8, "--pro-prophet", "--pro-prophet-alpha", "0"),
+        "lina": run(8, *FORCED, "--lina"),
+    }
+    out["resumed"] = run(8, *FORCED, "--save", ckpt, "--exit-interval", "4") + run(8, "--load", ckpt)
     return out
 
 
@@ -199,19 +218,22 @@ def test_trainer_curve_with_pro_prophet_equals_without_and_resumes_without_it(sa
             curve = runs[name]
             assert len(curve) == 8, name
             for i, (a, b) in enumerate(zip(plain, curve)):
-                assert abs(a["loss"] - b["loss"]) < 1e-5, f"{name} rank {rank} iteration {i + 1}: {b['loss']} vs {a['loss']}"
+                assert abs(a["loss"] - b["loss"]) < 1e-5, (
+                    f"{name} rank {rank} iteration {i + 1}: {b['loss']} vs {a['loss']}"
+                )
         # the log: tokens per expert and per EP rank, their imbalance; the forced plan moves tokens
         for h in runs["forced"]:
             assert h["pro_prophet_replicas"] == 2 and sum(h["rank_tokens"]) == sum(h["expert_tokens"])
             assert h["rank_imbalance"] == pytest.approx(max(h["rank_tokens"]) / (sum(h["rank_tokens"]) / 2))
-        first, plain0 = runs["forced"][0], plain[0]        # iteration 1: the same weights, the same routes
+        first, plain0 = runs["forced"][0], plain[0]  # iteration 1: the same weights, the same routes
         assert first["expert_tokens"] == plain0["expert_tokens"]
         assert plain0["rank_tokens"] == [sum(plain0["expert_tokens"][:2]), sum(plain0["expert_tokens"][2:])]
         assert first["rank_imbalance_no_placement"] == plain0["rank_imbalance"]
         assert first["rank_tokens"] != plain0["rank_tokens"]
     # every rank made the same plans (Algorithm 1 on the same gathered counts)
-    assert [h["pro_prophet_plan"] for h in per_rank[0]["planned"]] == \
-        [h["pro_prophet_plan"] for h in per_rank[1]["planned"]]
+    assert [h["pro_prophet_plan"] for h in per_rank[0]["planned"]] == [
+        h["pro_prophet_plan"] for h in per_rank[1]["planned"]
+    ]
     assert per_rank[0]["forced"][0]["pro_prophet_plan"] == {"1": {"0": [1], "3": [0]}}
 
 
@@ -236,6 +258,7 @@ def test_bench_tool_refuses_bad_input_with_exit_2():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "error: run it under torchrun" in out.stderr, out.stderr
-    out = subprocess.run([sys.executable, tool, "--modes", "none,best"], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, tool, "--modes", "none,best"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 2 and "unknown mode(s) ['best']" in out.stderr, out.stderr

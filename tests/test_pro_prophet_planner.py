@@ -1,6 +1,7 @@
 """Pro-Prophet planner: the performance model (eqs. (1)-(8)), Algorithm 1 against brute force,
 the balance condition (7), --pro-prophet-n, determinism, the constant fit, the comparison
 "k heaviest to all" and Algorithm 2's block schedule. Single process, no process group."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,9 +15,15 @@ import pytest
 import torch
 
 from megatron_moe.parallel_state import local_state
-from megatron_moe.pro_prophet.perf_model import (PerfConstants, PerfModel, fit_constants, loads, measure_constants,
-                                                 time_expert_ffn)
-from megatron_moe.pro_prophet.planner import (CommLaunch, block_schedule, heaviest_to_all, is_balanced, plan)
+from megatron_moe.pro_prophet.perf_model import (
+    PerfConstants,
+    PerfModel,
+    fit_constants,
+    loads,
+    measure_constants,
+    time_expert_ffn,
+)
+from megatron_moe.pro_prophet.planner import CommLaunch, block_schedule, heaviest_to_all, is_balanced, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("simulate_tool_pp", os.path.join(ROOT, "tools", "simulate.py"))
@@ -48,20 +55,21 @@ def brute_force(counts: np.ndarray, model: PerfModel):
 
 # -- the model --------------------------------------------------------------------------------
 def test_loads_by_hand():
-    counts = np.array([[5, 1, 2, 0], [3, 4, 0, 6]])     # D=2, E=4: rank 0 owns 0, 1; rank 1 owns 2, 3
+    counts = np.array([[5, 1, 2, 0], [3, 4, 0, 6]])  # D=2, E=4: rank 0 owns 0, 1; rank 1 owns 2, 3
     h, r, g = loads(counts, [(), (), (), ()])
     assert h.tolist() == [5 + 3 + 1 + 4, 2 + 6]
     assert r.tolist() == [3 + 4, 2 + 0]
     assert g.tolist() == [2, 2]
-    h, r, g = loads(counts, [(1,), (), (), (0,)])       # rank 1 computes its 3 of expert 0; rank 0 its 0 of 3
+    h, r, g = loads(counts, [(1,), (), (), (0,)])  # rank 1 computes its 3 of expert 0; rank 0 its 0 of 3
     assert h.tolist() == [5 + 1 + 4 + 0, 3 + 2 + 6]
     assert r.tolist() == [4, 2]
     assert g.tolist() == [3, 3]
 
 
 def test_layer_time_is_eq6_and_eq8():
-    c = PerfConstants(a2a_alpha=0.5, a2a_beta=0.25, bcast_alpha=2.0, bcast_beta=0.125, expert_alpha=1.0,
-                      expert_beta=0.5)
+    c = PerfConstants(
+        a2a_alpha=0.5, a2a_beta=0.25, bcast_alpha=2.0, bcast_beta=0.125, expert_alpha=1.0, expert_beta=0.5
+    )
     counts = np.array([[8, 4, 1, 3], [2, 6, 7, 1]])
     reps = [(1,), (), (), ()]
     # H = [8+4+6, 2+1+7+1] = [18, 11]; R = [6, 1]; G = [2, 3]; one expert moved to 2 of 2 ranks
@@ -99,10 +107,10 @@ def test_bad_inputs_are_clear_errors():
 # -- Algorithm 1 against brute force ----------------------------------------------------------
 CASES = [
     # (counts, P, alpha, expected replicas): cases where the greedy reaches the optimum
-    ([[60, 1, 1], [50, 1, 1], [40, 1, 1]], 10, 0.5, ((1, 2), (), ())),       # one hot expert, cheap Trans
-    ([[60, 1, 1], [50, 1, 1], [40, 1, 1]], 1000, 0.5, ((), (), ())),         # Trans dearer than the imbalance
-    ([[40, 30, 2, 2], [40, 30, 2, 2]], 10, 1.0, ((1,), (1,), (), ())),      # two hot experts on one rank
-    ([[2, 2, 9, 30], [3, 1, 40, 50]], 10, 0.5, ((), (), (0,), (0,))),       # the hot rank is rank 1
+    ([[60, 1, 1], [50, 1, 1], [40, 1, 1]], 10, 0.5, ((1, 2), (), ())),  # one hot expert, cheap Trans
+    ([[60, 1, 1], [50, 1, 1], [40, 1, 1]], 1000, 0.5, ((), (), ())),  # Trans dearer than the imbalance
+    ([[40, 30, 2, 2], [40, 30, 2, 2]], 10, 1.0, ((1,), (1,), (), ())),  # two hot experts on one rank
+    ([[2, 2, 9, 30], [3, 1, 40, 50]], 10, 0.5, ((), (), (0,), (0,))),  # the hot rank is rank 1
 ]
 
 
@@ -111,7 +119,7 @@ def test_greedy_equals_brute_force_optimum(counts, p, alpha, expected):
     counts = np.array(counts)
     model = unit_model(p)
     best, argmins = brute_force(counts, model)
-    assert argmins == [expected]                        # the case has one optimum, and it is this one
+    assert argmins == [expected]  # the case has one optimum, and it is this one
     got = plan(counts, model, alpha=alpha, n=0)
     assert got.replicas == expected
     assert got.predicted_s == best
@@ -148,12 +156,12 @@ def test_greedy_is_never_worse_than_no_placement():
 
 # -- balance condition (7) ----------------------------------------------------------------------
 def test_balance_condition_is_strict():
-    assert not is_balanced([10, 5], alpha=1.0, total_tokens=10, num_experts=2)     # 5 < 5 is false
+    assert not is_balanced([10, 5], alpha=1.0, total_tokens=10, num_experts=2)  # 5 < 5 is false
     assert is_balanced([10, 5], alpha=1.01, total_tokens=10, num_experts=2)
 
 
 def test_planner_stops_as_soon_as_the_load_is_balanced():
-    counts = np.array([[40, 30, 2, 2], [40, 30, 2, 2]])    # I / E = 37
+    counts = np.array([[40, 30, 2, 2], [40, 30, 2, 2]])  # I / E = 37
     model = unit_model(10)
     # after moving expert 0, H = [100, 48]: 52 < 2 * 37, balanced, so expert 1 is never tried
     # (moving it would have reached 290 < 440)
@@ -172,18 +180,24 @@ def test_n_least_loaded_ranks_are_left_out():
     assert p0.replicas_of(0) == (1, 2, 3) and p0.excluded[0] == ()
     assert p1.replicas_of(0) == (1, 3) and p1.excluded[0] == (2,)
     assert p2.replicas_of(0) == (1,) and p2.excluded[0] == (2, 3)
-    counts[:, 0] = [100, 5, 5, 30]                          # a tie: the lower rank is left out
+    counts[:, 0] = [100, 5, 5, 30]  # a tie: the lower rank is left out
     assert plan(counts, model, alpha=0.0, n=1).replicas_of(0) == (2, 3)
 
 
 def test_n_out_of_range_names_the_flag():
-    with pytest.raises(ValueError, match=r"--pro-prophet-n must be an integer in \[0, 2\] for 4 expert-parallel "
-                                         r"ranks, got 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"--pro-prophet-n must be an integer in \[0, 2\] for 4 expert-parallel "
+        r"ranks, got 3",
+    ):
         plan(np.ones((4, 4), dtype=np.int64), unit_model(1), alpha=0.5, n=3)
-    with pytest.raises(ValueError, match=r"--pro-prophet-n must be an integer in \[0, 0\] for 1 expert-parallel "
-                                         r"ranks, got 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"--pro-prophet-n must be an integer in \[0, 0\] for 1 expert-parallel "
+        r"ranks, got 1",
+    ):
         plan(np.ones((1, 4), dtype=np.int64), unit_model(1), alpha=0.5, n=1)
-    one = plan([[5, 1, 1, 1]], unit_model(1), alpha=0.0)                # one rank: nothing to move
+    one = plan([[5, 1, 1, 1]], unit_model(1), alpha=0.0)  # one rank: nothing to move
     assert (one.replicas, one.load_after) == (((),) * 4, (8,))
 
 
@@ -194,19 +208,26 @@ def test_ranks_without_tokens_for_the_expert_get_no_replica():
 
 # -- determinism --------------------------------------------------------------------------------
 def test_same_plan_from_every_input_form_and_ties_by_index():
-    counts = [[50, 50, 1, 1], [50, 50, 1, 1], [1, 1, 9, 1], [1, 1, 1, 9]]   # ranks 0 and 1 tie
+    counts = [[50, 50, 1, 1], [50, 50, 1, 1], [1, 1, 9, 1], [1, 1, 1, 9]]  # ranks 0 and 1 tie
     model = unit_model(5)
-    plans = [plan(c, model, alpha=0.2, n=1) for c in
-             (counts, np.array(counts, dtype=np.int32), np.array(counts, dtype=np.float64),
-              torch.tensor(counts, device=torch.device("cpu")), counts)]
+    plans = [
+        plan(c, model, alpha=0.2, n=1)
+        for c in (
+            counts,
+            np.array(counts, dtype=np.int32),
+            np.array(counts, dtype=np.float64),
+            torch.tensor(counts, device=torch.device("cpu")),
+            counts,
+        )
+    ]
     assert all(p == plans[0] for p in plans)
-    assert plans[0].order[0] == 0                           # the tie goes to rank 0: its expert first
+    assert plans[0].order[0] == 0  # the tie goes to rank 0: its expert first
 
 
 def test_heaviest_to_all():
-    counts = np.array([[1, 7, 3, 7], [1, 2, 3, 2], [1, 0, 3, 0], [1, 1, 3, 1]])   # totals 4, 10, 12, 10
+    counts = np.array([[1, 7, 3, 7], [1, 2, 3, 2], [1, 0, 3, 0], [1, 1, 3, 1]])  # totals 4, 10, 12, 10
     got = heaviest_to_all(counts, k=2, model=unit_model(4))
-    assert got.replicas == ((), (0, 2, 3), (0, 1, 3), ())   # 2, then 1 (ties 1 / 3: the lower index)
+    assert got.replicas == ((), (0, 2, 3), (0, 1, 3), ())  # 2, then 1 (ties 1 / 3: the lower index)
     assert got.order == (2, 1)
     assert got.predicted_s == unit_model(4).layer_time(counts, got.replicas)
     assert heaviest_to_all(counts, k=0).replicas == ((),) * 4
@@ -230,13 +251,16 @@ def test_load_std_before_and_after():
 
 # -- constants ------------------------------------------------------------------------------------
 def test_fit_recovers_known_constants():
-    true = PerfConstants(a2a_alpha=3e-5, a2a_beta=2e-9, bcast_alpha=1e-4, bcast_beta=5e-10, expert_alpha=2e-5,
-                         expert_beta=3e-7)
+    true = PerfConstants(
+        a2a_alpha=3e-5, a2a_beta=2e-9, bcast_alpha=1e-4, bcast_beta=5e-10, expert_alpha=2e-5, expert_beta=3e-7
+    )
     sizes = [256, 1024, 4096, 16384, 65536]
     tokens = [16, 64, 256, 1024]
-    got = fit_constants((sizes, [true.a2a_alpha + true.a2a_beta * s for s in sizes]),
-                        (sizes, [true.bcast_alpha + true.bcast_beta * s for s in sizes]),
-                        (tokens, [true.expert_alpha + true.expert_beta * t for t in tokens]))
+    got = fit_constants(
+        (sizes, [true.a2a_alpha + true.a2a_beta * s for s in sizes]),
+        (sizes, [true.bcast_alpha + true.bcast_beta * s for s in sizes]),
+        (tokens, [true.expert_alpha + true.expert_beta * t for t in tokens]),
+    )
     for name in ("a2a_alpha", "a2a_beta", "bcast_alpha", "bcast_beta", "expert_alpha", "expert_beta"):
         assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
     with pytest.raises(ValueError, match=r"two or more distinct sizes"):
@@ -253,23 +277,29 @@ def test_expert_timing_and_measurement_guard():
 # -- Algorithm 2 --------------------------------------------------------------------------------
 def test_block_schedule():
     counts = np.array([[40, 30, 2, 2], [40, 30, 2, 2]])
-    model = unit_model(10, fnec_s=10.0, bnec_s=10.0)     # each expert's Trans / Agg costs 10 * 2 / 2 = 10
-    two = plan(counts, model, alpha=1.0)                 # moves experts 0 then 1
-    none = plan(counts, unit_model(10 ** 6), alpha=1.0)  # moves nothing
+    model = unit_model(10, fnec_s=10.0, bnec_s=10.0)  # each expert's Trans / Agg costs 10 * 2 / 2 = 10
+    two = plan(counts, model, alpha=1.0)  # moves experts 0 then 1
+    none = plan(counts, unit_model(10**6), alpha=1.0)  # moves nothing
     assert two.order == (0, 1) and none.order == ()
     s = block_schedule([two, two, none, two], model)
-    assert s.forward == (CommLaunch("trans", 0, (0, 1), None, "blocking"),
-                         CommLaunch("trans", 1, (0,), 0, "expert"),
-                         CommLaunch("trans", 1, (1,), 0, "non_expert"),
-                         CommLaunch("trans", 3, (0,), 2, "expert"),
-                         CommLaunch("trans", 3, (1,), 2, "non_expert"))
-    assert s.backward == (CommLaunch("agg", 3, (0,), 2, "non_expert"),
-                          CommLaunch("agg", 3, (1,), 2, "expert"),
-                          CommLaunch("agg", 1, (0,), 0, "non_expert"),
-                          CommLaunch("agg", 1, (1,), 0, "expert"),
-                          CommLaunch("agg", 0, (0, 1), None, "blocking"))
-    assert s.launched_with(2, "expert") == (CommLaunch("trans", 3, (0,), 2, "expert"),
-                                            CommLaunch("agg", 3, (1,), 2, "expert"))
+    assert s.forward == (
+        CommLaunch("trans", 0, (0, 1), None, "blocking"),
+        CommLaunch("trans", 1, (0,), 0, "expert"),
+        CommLaunch("trans", 1, (1,), 0, "non_expert"),
+        CommLaunch("trans", 3, (0,), 2, "expert"),
+        CommLaunch("trans", 3, (1,), 2, "non_expert"),
+    )
+    assert s.backward == (
+        CommLaunch("agg", 3, (0,), 2, "non_expert"),
+        CommLaunch("agg", 3, (1,), 2, "expert"),
+        CommLaunch("agg", 1, (0,), 0, "non_expert"),
+        CommLaunch("agg", 1, (1,), 0, "expert"),
+        CommLaunch("agg", 0, (0, 1), None, "blocking"),
+    )
+    assert s.launched_with(2, "expert") == (
+        CommLaunch("trans", 3, (0,), 2, "expert"),
+        CommLaunch("agg", 3, (1,), 2, "expert"),
+    )
     roomy = block_schedule([none, two], unit_model(10, fnec_s=25.0, bnec_s=5.0))
     assert roomy.forward == (CommLaunch("trans", 1, (0, 1), 0, "non_expert"),)
     assert roomy.backward == (CommLaunch("agg", 1, (0, 1), 0, "expert"),)
@@ -277,19 +307,42 @@ def test_block_schedule():
 
 # -- tools/simulate.py pro-prophet --------------------------------------------------------------
 def test_zipf_counts():
-    assert simulate_tool.zipf_counts(2, 4, 25, 0.0) == [[7, 6, 6, 6]] * 2       # 6.25 each: the remainder to expert 0
-    assert simulate_tool.zipf_counts(3, 4, 25, 1.0) == [[12, 6, 4, 3]] * 3      # 25 * (1, 1/2, 1/3, 1/4) / (25/12)
+    assert simulate_tool.zipf_counts(2, 4, 25, 0.0) == [[7, 6, 6, 6]] * 2  # 6.25 each: the remainder to expert 0
+    assert simulate_tool.zipf_counts(3, 4, 25, 1.0) == [[12, 6, 4, 3]] * 3  # 25 * (1, 1/2, 1/3, 1/4) / (25/12)
 
 
 def test_simulate_pro_prophet_rows(tmp_path, capsys):
     out = tmp_path / "pp.json"
-    simulate_tool.main(["pro-prophet", "--devices", "2", "--experts", "2", "--tokens", "8", "--hidden", "4",
-                        "--ffn-hidden", "8", "--bandwidth-gbps", "32", "--latency-us", "1", "--tflops", "1e-6",
-                        "--skew", "0", "2", "--json", str(out)])
+    simulate_tool.main(
+        [
+            "pro-prophet",
+            "--devices",
+            "2",
+            "--experts",
+            "2",
+            "--tokens",
+            "8",
+            "--hidden",
+            "4",
+            "--ffn-hidden",
+            "8",
+            "--bandwidth-gbps",
+            "32",
+            "--latency-us",
+            "1",
+            "--tflops",
+            "1e-6",
+            "--skew",
+            "0",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())
-    assert [(r["mode"], r["skew"]) for r in rows] == [(m, s) for s in (0.0, 2.0) for m in
-                                                      ("none", "heaviest_to_all", "pro_prophet_plan_only",
-                                                       "pro_prophet")]
+    assert [(r["mode"], r["skew"]) for r in rows] == [
+        (m, s) for s in (0.0, 2.0) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
+    ]
     # skew 0: rows [4, 4]; each rank receives 4 tokens of 4 elements and computes 8 tokens;
     # beta = 32 bit / 32 Gbit/s = 1 ns per element, expert 4 * 4 * 8 / 1e6 = 1.28e-4 s per token
     none0 = rows[0]
@@ -298,7 +351,7 @@ def test_simulate_pro_prophet_rows(tmp_path, capsys):
     # skew 2: rows [6, 2] (8 / (1 + 1/4) = 6.4 and 1.6, largest remainder); heaviest_to_all moves both experts
     h2 = rows[5]
     assert (h2["moved"], h2["copies"], h2["trans_bytes"], h2["agg_bytes"]) == (2, 2, 2 * 4 * 64, 2 * 4 * 64)
-    assert h2["load_std_before"] == 4.0 and h2["load_std_after"] == 0.0        # H [12, 4] -> [8, 8]
+    assert h2["load_std_before"] == 4.0 and h2["load_std_after"] == 0.0  # H [12, 4] -> [8, 8]
     assert "pro_prophet_plan_only" in capsys.readouterr().out
 
 

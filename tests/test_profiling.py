@@ -1,4 +1,5 @@
 """--profile writes a Chrome trace per chosen rank whose events carry the named MoE ranges."""
+
 import json
 import os
 from collections import Counter
@@ -23,15 +24,28 @@ def _range_counts(path) -> Counter:
 
 def test_profile_run_writes_a_trace_with_the_moe_ranges(sample_data, tmp_path):
     prof = tmp_path / "prof"
-    pretrain(parse_args(tiny_args(sample_data, 4, "--profile", "--profile-step-start", "1",
-                                  "--profile-step-end", "4", "--profile-dir", str(prof))))
+    pretrain(
+        parse_args(
+            tiny_args(
+                sample_data,
+                4,
+                "--profile",
+                "--profile-step-start",
+                "1",
+                "--profile-step-end",
+                "4",
+                "--profile-dir",
+                str(prof),
+            )
+        )
+    )
     assert sorted(os.listdir(prof)) == ["trace_rank00000_iter1-4.json"]
     counts = _range_counts(trace_path(str(prof), 0, 1, 4))
     # 3 profiled iterations x 4 micro-batches x 1 MoE layer (tiny_args: 2 layers, MoE every 2nd)
     assert counts["train/step"] == 3
     for name in MOE_RANGES:
         assert counts[name] == 12, (name, counts)
-    assert counts["moe/all_to_all"] == 0          # one process: no all-to-all is issued
+    assert counts["moe/all_to_all"] == 0  # one process: no all-to-all is issued
 
 
 def _profile_on_rank(rank, world, argv):
@@ -40,8 +54,22 @@ def _profile_on_rank(rank, world, argv):
 
 def test_two_ranks_each_write_their_trace_with_all_to_all(sample_data, tmp_path):
     prof = tmp_path / "prof"
-    argv = tiny_args(sample_data, 2, "--expert-model-parallel-size", "2", "--profile", "--profile-step-start", "0",
-                     "--profile-step-end", "1", "--profile-ranks", "0", "1", "--profile-dir", str(prof))
+    argv = tiny_args(
+        sample_data,
+        2,
+        "--expert-model-parallel-size",
+        "2",
+        "--profile",
+        "--profile-step-start",
+        "0",
+        "--profile-step-end",
+        "1",
+        "--profile-ranks",
+        "0",
+        "1",
+        "--profile-dir",
+        str(prof),
+    )
     spawn(_profile_on_rank, 2, argv, timeout=300)
     assert sorted(os.listdir(prof)) == ["trace_rank00000_iter0-1.json", "trace_rank00001_iter0-1.json"]
     for rank in (0, 1):
@@ -53,8 +81,9 @@ def test_two_ranks_each_write_their_trace_with_all_to_all(sample_data, tmp_path)
 
 def test_profile_without_a_directory_names_the_flags(sample_data):
     with pytest.raises(ValueError, match="--profile needs --profile-dir DIR or --save DIR"):
-        pretrain(parse_args(tiny_args(sample_data, 2, "--profile", "--profile-step-start", "0",
-                                      "--profile-step-end", "1")))
+        pretrain(
+            parse_args(tiny_args(sample_data, 2, "--profile", "--profile-step-start", "0", "--profile-step-end", "1"))
+        )
 
 
 def test_profile_window_must_not_be_empty():
@@ -76,5 +105,5 @@ def test_annotate_as_decorator_and_context_nests_ranges():
     assert names["outer/fn"] == 2 and names["inner/block"] == 2
     outer = [e for e in p.events() if e.name == "outer/fn"]
     inner = [e for e in p.events() if e.name == "inner/block"]
-    for o, i in zip(outer, inner):                # each inner range lies inside its outer range
+    for o, i in zip(outer, inner):  # each inner range lies inside its outer range
         assert o.time_range.start <= i.time_range.start and i.time_range.end <= o.time_range.end

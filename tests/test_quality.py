@@ -1,5 +1,6 @@
 """tools/bench_quality.py: our GPT-2 trains exactly like transformers' GPT2LMHeadModel, and the
 moe-vs-dense comparison runs end to end with equal tokens and equal active parameters."""
+
 import json
 import math
 import os
@@ -13,8 +14,9 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS
 
 
 def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, TOOL, *args], check=False, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, TOOL, *args], check=False, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_reference_curve_matches_transformers_within_1e4_per_step(tmp_path):
@@ -40,10 +42,35 @@ def test_moe_vs_dense_end_to_end_on_a_tiny_budget(tmp_path):
         shutil.copy(os.path.join(ROOT, "data", "wikitext-sample", f), wt / f)
     out = tmp_path / "mvd.json"
     L, M = 2, 32
-    res = _run("moe-vs-dense", "--wikitext-dir", str(wt), "--work-dir", str(tmp_path / "work"), "--seeds", "3",
-               "--vocab-size", "300", "--num-layers", str(L), "--hidden-size", str(M), "--num-attention-heads", "2",
-               "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "3", "--eval-iters", "1",
-               "--log-interval", "1", "--json", str(out))
+    res = _run(
+        "moe-vs-dense",
+        "--wikitext-dir",
+        str(wt),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--seeds",
+        "3",
+        "--vocab-size",
+        "300",
+        "--num-layers",
+        str(L),
+        "--hidden-size",
+        str(M),
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "3",
+        "--eval-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--json",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == ["dense", "top1-e4", "top1-e8", "top2-e8-half"]
@@ -69,10 +96,19 @@ def test_moe_vs_dense_end_to_end_on_a_tiny_budget(tmp_path):
 
 def test_moe_vs_dense_without_wikitext_says_what_is_missing(tmp_path):
     out = tmp_path / "mvd.json"
-    res = _run("moe-vs-dense", "--wikitext-dir", str(tmp_path / "absent"), "--work-dir", str(tmp_path / "work"),
-               "--json", str(out), timeout=120)
+    res = _run(
+        "moe-vs-dense",
+        "--wikitext-dir",
+        str(tmp_path / "absent"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+        timeout=120,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: --wikitext-dir {tmp_path / 'absent'}: wiki.test.tokens, wiki.valid.tokens not found (the real "
-        f"WikiText-2 validation and test files; skipping moe-vs-dense)")
+        f"WikiText-2 validation and test files; skipping moe-vs-dense)"
+    )
     assert not out.exists()

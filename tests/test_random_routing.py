@@ -1,5 +1,6 @@
 """Random routing: draws depend on (seed, layer, call, routing group) -- they differ across
 routing groups and across calls, and repeat exactly for the same seed, group and call."""
+
 import torch
 
 from equivalence import tiny_config
@@ -9,7 +10,7 @@ from megatron_moe.testing import spawn
 
 
 def _layer(routing_groups: int, seed: int = 7):
-    cfg = tiny_config(k=2, policy="random", cf=4.0)      # no drops: every choice is visible
+    cfg = tiny_config(k=2, policy="random", cf=4.0)  # no drops: every choice is visible
     cfg.train.seed = seed
     return GPT2MoE(cfg, local_state(), routing_groups=routing_groups).moe_layers()[0]
 
@@ -36,15 +37,15 @@ def test_draws_differ_across_calls_and_repeat_for_the_same_seed_group_call():
     a, b = _layer(routing_groups=1), _layer(routing_groups=1)
     x = _same_tokens(1)
     first = _experts(a, x)[0]
-    assert torch.equal(first, _experts(b, x)[0])          # same seed, group and call: same draw
+    assert torch.equal(first, _experts(b, x)[0])  # same seed, group and call: same draw
     other_seed = _experts(_layer(routing_groups=1, seed=8), x)[0]
     assert not torch.equal(first, other_seed), "the run seed does not change the draw"
     with torch.no_grad():
-        a(x.view(2, 32, 32))                              # one forward: the layer's next call
+        a(x.view(2, 32, 32))  # one forward: the layer's next call
         b(x.view(2, 32, 32))
     second = _experts(a, x)[0]
     assert not torch.equal(first, second), "the next call drew the same experts"
-    assert torch.equal(second, _experts(b, x)[0])         # reproducible on the next call too
+    assert torch.equal(second, _experts(b, x)[0])  # reproducible on the next call too
 
 
 def _dp_draws(rank, world):

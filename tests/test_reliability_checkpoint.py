@@ -1,6 +1,7 @@
 """Checkpoints that cannot be lost or poisoned (issue 11 items 2-5, 7): crash injection at every
 step of the save sequence, retention and leftovers, `latest` fallback, SHA-256 per shard, the
 config compared before any tensor is read, --use-checkpoint-args and the tokenizer a checkpoint carries."""
+
 import json
 import os
 import shutil
@@ -70,8 +71,9 @@ def two_iterations(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- crash injection
-REACHED = [(p, "resave") for p in ck.FAULT_POINTS] + \
-          [(p, "new") for p in ck.FAULT_POINTS if p not in ("after_old_aside", "after_old_removed")]
+REACHED = [(p, "resave") for p in ck.FAULT_POINTS] + [
+    (p, "new") for p in ck.FAULT_POINTS if p not in ("after_old_aside", "after_old_removed")
+]
 
 
 @pytest.mark.parametrize("point,kind", REACHED, ids=[f"{p}-{k}" for p, k in REACHED])
@@ -81,9 +83,9 @@ def test_a_crash_at_any_step_of_a_save_leaves_a_loadable_latest(two_iterations, 
     shutil.copytree(src, root)
     cfg, model, opt = tiny()
     ck.load_checkpoint(root, model, opt, local_state(), cfg)
-    step(model, opt)                                  # a state different from both saved ones
+    step(model, opt)  # a state different from both saved ones
     new_state = params(model)
-    it = 2 if kind == "resave" else 3                 # re-running a finished job saves iter 2 again
+    it = 2 if kind == "resave" else 3  # re-running a finished job saves iter 2 again
     monkeypatch.setenv(ck.FAULT_ENV, point)
     with pytest.raises(ck.CheckpointFault, match=point):
         save(root, it, cfg, model, opt)
@@ -92,22 +94,22 @@ def test_a_crash_at_any_step_of_a_save_leaves_a_loadable_latest(two_iterations, 
         warnings.simplefilter("always")
         got, meta = load_params(root)
     fell_back = [w for w in caught if "newest complete iteration" in str(w.message)]
-    assert len(fell_back) == (point == "after_old_aside")   # latest names the directory moved aside
+    assert len(fell_back) == (point == "after_old_aside")  # latest names the directory moved aside
     committed = point in ("after_latest", "after_old_removed") or (point == "after_new_in" and kind == "resave")
     assert meta["iteration"] == (it if committed else 2)
     expect = new_state if committed else states[2]
     assert all(torch.equal(got[n], expect[n]) for n in got), f"{point}: loaded neither the old nor the new state"
     # the next save cleans every leftover and the result loads
     save(root, 4, cfg, model, opt)
-    assert sorted(os.listdir(root)) == sorted(["latest", "iter_0000001", "iter_0000002", "iter_0000004"] +
-                                              (["iter_0000003"] if kind == "new" and point != "after_shards"
-                                               and point != "after_metadata" else []))
+    assert sorted(os.listdir(root)) == sorted(
+        ["latest", "iter_0000001", "iter_0000002", "iter_0000004"]
+        + (["iter_0000003"] if kind == "new" and point != "after_shards" and point != "after_metadata" else [])
+    )
     got, meta = load_params(root)
     assert meta["iteration"] == 4 and all(torch.equal(got[n], new_state[n]) for n in got)
 
 
-def test_leftover_temporaries_are_removed_by_the_next_save_unless_a_live_process_writes_them(two_iterations,
-                                                                                             tmp_path):
+def test_leftover_temporaries_are_removed_by_the_next_save_unless_a_live_process_writes_them(two_iterations, tmp_path):
     root = str(tmp_path / "run")
     shutil.copytree(two_iterations[0], root)
     dead, live = "iter_0000005.tmp-999999999", f"iter_0000006.tmp-{os.getppid()}"
@@ -129,7 +131,7 @@ def test_keep_last_retains_only_the_newest_iterations(tmp_path):
 def test_dangling_or_garbage_latest_falls_back_to_the_newest_complete_iteration(two_iterations, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(two_iterations[0], root)
-    os.remove(root / "iter_0000002" / "rank_00000.safetensors")       # newest is incomplete
+    os.remove(root / "iter_0000002" / "rank_00000.safetensors")  # newest is incomplete
     (root / "latest").write_text("garbage")
     with pytest.warns(UserWarning, match=r"latest is unreadable: 'garbage'.*newest complete iteration 1"):
         got, meta = load_params(str(root))
@@ -150,7 +152,7 @@ def test_flipped_bytes_in_a_shard_are_refused_naming_the_file(two_iterations, tm
     meta = json.loads((root / "iter_0000002" / "metadata.json").read_text())
     assert meta["checksums"]["sha256"]["rank_00000.safetensors"] == ck.sha256_file(str(shard))
     data = bytearray(shard.read_bytes())
-    data[-100:-96] = bytes(b ^ 0xFF for b in data[-100:-96])          # inside the tensor data
+    data[-100:-96] = bytes(b ^ 0xFF for b in data[-100:-96])  # inside the tensor data
     shard.write_bytes(bytes(data))
     cfg, model, opt = tiny()
     before = params(model)
@@ -182,12 +184,16 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
 
 # ----------------------------------------------------------------------------- config before tensors
-@pytest.mark.parametrize("flags,named,with_optimizer", [
-    (["--num-layers", "4"], "--num-layers: checkpoint 2, this run 4", True),
-    (["--num-layers", "4"], "--num-layers: checkpoint 2, this run 4", False),
-    (["--optimizer", "sgd"], "--optimizer: checkpoint adamw (its optimizer state), this run sgd", True),
-    (["--num-experts", "8"], "--num-experts: checkpoint 4, this run 8", True),
-], ids=["layers-optim", "layers-no-optim", "adamw-sgd", "experts-4-8"])
+@pytest.mark.parametrize(
+    "flags,named,with_optimizer",
+    [
+        (["--num-layers", "4"], "--num-layers: checkpoint 2, this run 4", True),
+        (["--num-layers", "4"], "--num-layers: checkpoint 2, this run 4", False),
+        (["--optimizer", "sgd"], "--optimizer: checkpoint adamw (its optimizer state), this run sgd", True),
+        (["--num-experts", "8"], "--num-experts: checkpoint 4, this run 8", True),
+    ],
+    ids=["layers-optim", "layers-no-optim", "adamw-sgd", "experts-4-8"],
+)
 def test_a_config_mismatch_is_refused_before_any_tensor_is_read(tmp_path, flags, named, with_optimizer):
     cfg, model, opt = tiny()
     if with_optimizer:
@@ -196,21 +202,30 @@ def test_a_config_mismatch_is_refused_before_any_tensor_is_read(tmp_path, flags,
     save(root, 1, cfg, model, opt)
     shard = os.path.join(root, "iter_0000001", "rank_00000.safetensors")
     assert any(k.startswith("optim/") for k in ck.read_shard(shard, {})) == with_optimizer
-    with open(shard, "wb") as f:                         # reading any tensor would fail differently
+    with open(shard, "wb") as f:  # reading any tensor would fail differently
         f.write(b"garbage")
     cfg2, model2, opt2 = tiny(*flags)
     before = params(model2)
     with pytest.raises(ValueError, match="does not match this run") as e:
         ck.load_checkpoint(root, model2, opt2, local_state(), cfg2)
     assert named in str(e.value) and "--use-checkpoint-args" in str(e.value)
-    assert len(str(e.value).splitlines()) == 3           # header, exactly one differing field, advice
+    assert len(str(e.value).splitlines()) == 3  # header, exactly one differing field, advice
     assert all(torch.equal(before[n], p) for n, p in model2.named_parameters())
     assert sorted(os.listdir(root)) == ["iter_0000001", "latest"]
 
 
 # ----------------------------------------------------------------------------- end to end
-MODEL_FLAGS = {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--num-experts",
-               "--moe-router-topk", "--moe-expert-capacity-factor", "--moe-min-capacity", "--moe-schedule"}
+MODEL_FLAGS = {
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--seq-length",
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-expert-capacity-factor",
+    "--moe-min-capacity",
+    "--moe-schedule",
+}
 
 
 def without_model_flags(argv: list) -> list:
@@ -225,14 +240,16 @@ def without_model_flags(argv: list) -> list:
     return out
 
 
-def test_resume_with_use_checkpoint_args_and_no_model_flags_equals_the_uninterrupted_curve(sample_data, tmp_path,
-                                                                                          monkeypatch):
+def test_resume_with_use_checkpoint_args_and_no_model_flags_equals_the_uninterrupted_curve(
+    sample_data, tmp_path, monkeypatch
+):
     from megatron_moe.generation import carried_tokenizer, tokenizer_path
     from megatron_moe.training import pretrain
+
     ckpt = str(tmp_path / "ckpt")
     straight = pretrain(parse_args(tiny_args(sample_data, 8)))
     first = pretrain(parse_args(tiny_args(sample_data, 8, "--save", ckpt, "--exit-interval", "4")))
-    monkeypatch.chdir(tmp_path)                          # nothing may depend on the working directory
+    monkeypatch.chdir(tmp_path)  # nothing may depend on the working directory
     argv = without_model_flags(tiny_args(sample_data, 8, "--load", ckpt, "--use-checkpoint-args"))
     assert "--num-layers" not in argv and "--num-experts" not in argv
     second = pretrain(parse_args(argv))
@@ -245,6 +262,7 @@ def test_resume_with_use_checkpoint_args_and_no_model_flags_equals_the_uninterru
     assert tokenizer_path(cfg, carried=carried_tokenizer(ckpt)) == os.path.join(it_dir, "tokenizer")
     # generate from another directory while the tokenizer beside the data is gone: the carried one is used
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("gen", os.path.join(ROOT, "tools", "generate.py"))
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
@@ -257,10 +275,19 @@ def test_resume_with_use_checkpoint_args_and_no_model_flags_equals_the_uninterru
 
 def test_lr_1e30_stops_with_the_nan_error_and_latest_loads_finite(sample_data, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"),
-           *tiny_args(sample_data, 20, "--lr", "1e30", "--save", ckpt, "--save-interval", "1")]
-    out = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "pretrain_gpt_moe.py"),
+        *tiny_args(sample_data, 20, "--lr", "1e30", "--save", ckpt, "--save-interval", "1"),
+    ]
+    out = subprocess.run(
+        cmd,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 1, out.stderr[-2000:]
     errors = [ln for ln in out.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "Traceback" not in out.stderr
@@ -274,6 +301,7 @@ def test_lr_1e30_stops_with_the_nan_error_and_latest_loads_finite(sample_data, t
 # ----------------------------------------------------------------------------- convert_checkpoint.py (item 10)
 def convert_tool():
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("cc", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -283,8 +311,9 @@ def convert_tool():
 def test_import_hf_of_a_missing_directory_says_no_such_directory(tmp_path, capsys):
     missing, out = tmp_path / "no" / "gpt2", tmp_path / "out"
     assert convert_tool().main(["import-hf", "--no-progress", "--hf", str(missing), "--save", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"convert_checkpoint.py import-hf: error: --hf {missing}: " \
-                                              f"no such directory"
+    assert (
+        capsys.readouterr().err.strip() == f"convert_checkpoint.py import-hf: error: --hf {missing}: no such directory"
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -303,9 +332,9 @@ def test_another_optimizer_may_start_from_a_checkpoint_without_optimizer_state(t
     cfg, model, opt = tiny()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.5)                                  # differs from a fresh model's init
+            p.add_(0.5)  # differs from a fresh model's init
     root = str(tmp_path / "run")
-    save(root, 1, cfg, model, opt)                       # no step yet: no optimizer state saved
+    save(root, 1, cfg, model, opt)  # no step yet: no optimizer state saved
     cfg2, model2, opt2 = tiny("--optimizer", "sgd")
     ck.load_checkpoint(root, model2, opt2, local_state(), cfg2)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))

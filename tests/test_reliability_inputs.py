@@ -1,6 +1,7 @@
 """Bad input is refused with one clear error (issue 11 items 4, 6, 7): every numeric flag is checked
 beside its dataclass field, the trainer prints one `error:` line and exits 2, and indexed datasets
 are validated when opened (cached beside the index, rechecked when the files change)."""
+
 import json
 import os
 import subprocess
@@ -45,16 +46,38 @@ def test_each_bad_flag_is_refused_naming_it(argv, message):
 
 def test_the_defaults_and_edge_values_pass():
     cfg = parse_args(["--lr", "0", "--min-lr", "0", "--clip-grad", "0", "--save-interval", "0", "--eval-iters", "0"])
-    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.train.keep_last, cfg.train.check_for_nan_in_loss_and_grad) == \
-        (0.0, 0.0, 0, True)
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.train.keep_last, cfg.train.check_for_nan_in_loss_and_grad) == (
+        0.0,
+        0.0,
+        0,
+        True,
+    )
     assert parse_args(["--no-check-for-nan-in-loss-and-grad"]).train.check_for_nan_in_loss_and_grad is False
 
 
 def run_trainer(argv, cwd, nproc=1):
-    launch = [sys.executable, TRAINER] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0", TRAINER]
-    return subprocess.run(launch + argv, cwd=str(cwd), capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
+    launch = (
+        [sys.executable, TRAINER]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            "0",
+            TRAINER,
+        ]
+    )
+    return subprocess.run(
+        launch + argv,
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"),
+    )
 
 
 @pytest.mark.parametrize("argv,message", [BAD_FLAGS[0], BAD_FLAGS[10]], ids=["min-lr", "esp"])
@@ -62,22 +85,36 @@ def test_the_trainer_prints_one_error_line_and_exits_2(tmp_path, argv, message):
     out = run_trainer(argv, tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"pretrain_gpt_moe.py: error: {message}"]
-    assert os.listdir(tmp_path) == []                    # nothing written (no data preprocessed)
+    assert os.listdir(tmp_path) == []  # nothing written (no data preprocessed)
 
 
 def test_two_ranks_report_a_bad_flag_once(tmp_path):
     out = run_trainer(["--micro-batch-size", "0"], tmp_path, nproc=2)
     assert out.returncode != 0
-    assert [ln for ln in (out.stdout + out.stderr).splitlines() if "pretrain_gpt_moe.py: error:" in ln] == \
-        ["pretrain_gpt_moe.py: error: --micro-batch-size must be >= 1, got 0"]
+    assert [ln for ln in (out.stdout + out.stderr).splitlines() if "pretrain_gpt_moe.py: error:" in ln] == [
+        "pretrain_gpt_moe.py: error: --micro-batch-size must be >= 1, got 0"
+    ]
 
 
 def test_the_trainer_names_a_garbage_latest_and_exits_2(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "latest").write_text("not-a-number")
-    out = run_trainer(["--data-path", str(tmp_path / "none"), "--vocab-size", "512", "--num-layers", "2",
-                       "--hidden-size", "32", "--load", str(ckpt)], tmp_path)
+    out = run_trainer(
+        [
+            "--data-path",
+            str(tmp_path / "none"),
+            "--vocab-size",
+            "512",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--load",
+            str(ckpt),
+        ],
+        tmp_path,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     err = [ln for ln in out.stderr.splitlines() if "error:" in ln]
     assert len(err) == 1
@@ -103,21 +140,34 @@ def patch_idx(idx: str, offset: int, values, dtype) -> None:
     with open(idx, "r+b") as f:
         f.seek(offset)
         f.write(np.asarray(values, dtype=dtype).tobytes())
-    os.utime(idx, ns=(st.st_atime_ns, st.st_mtime_ns))      # only the hash tells the change
+    os.utime(idx, ns=(st.st_atime_ns, st.st_mtime_ns))  # only the hash tells the change
 
 
 HEADER, N = 34, len(DOCS)
 
 
-@pytest.mark.parametrize("offset,values,dtype,message", [
-    (HEADER, [5, -2, 6], "<i4", "sequence 1 has negative size -2"),                   # shifted, same total
-    (HEADER + 4 * N + 8 * 2, [8], "<i8", "pointer of sequence 2 is 8, but the sizes before it and the token "
-                                         "dtype uint16 put it at 10"),
-    (HEADER + 12 * N, [0, 2, 1, 3], "<i8", "the document index must start at 0, never decrease and end at the "
-                                           "number of sequences 3"),
-], ids=["negative-size", "pointer", "doc-index"])
-def test_a_bad_index_is_refused_naming_the_file_even_after_it_was_cached_valid(tmp_path, offset, values, dtype,
-                                                                               message):
+@pytest.mark.parametrize(
+    "offset,values,dtype,message",
+    [
+        (HEADER, [5, -2, 6], "<i4", "sequence 1 has negative size -2"),  # shifted, same total
+        (
+            HEADER + 4 * N + 8 * 2,
+            [8],
+            "<i8",
+            "pointer of sequence 2 is 8, but the sizes before it and the token dtype uint16 put it at 10",
+        ),
+        (
+            HEADER + 12 * N,
+            [0, 2, 1, 3],
+            "<i8",
+            "the document index must start at 0, never decrease and end at the number of sequences 3",
+        ),
+    ],
+    ids=["negative-size", "pointer", "doc-index"],
+)
+def test_a_bad_index_is_refused_naming_the_file_even_after_it_was_cached_valid(
+    tmp_path, offset, values, dtype, message
+):
     idx = build(tmp_path / "ds")
     assert MMapIndexedDataset(tmp_path / "ds").max_token_id == 9
     cache = json.loads(open(idx + ".valid").read())
@@ -138,10 +188,30 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_bin(tmp_path):
 
 def test_the_trainer_refuses_data_tokenized_beyond_its_vocabulary(tmp_path):
     from megatron_moe.training import Trainer
+
     for split in ("train", "valid", "test"):
         build(tmp_path / f"d_{split}_text_document", [list(range(600))] * 4)
-    argv = ["--data-path", str(tmp_path / "d"), "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "32",
-            "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters", "1"]
-    with pytest.raises(ValueError, match=r"d_train_text_document.bin: token id 599 is outside the vocabulary "
-                                         r"of 512"):
+    argv = [
+        "--data-path",
+        str(tmp_path / "d"),
+        "--vocab-size",
+        "512",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--eval-iters",
+        "1",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"d_train_text_document.bin: token id 599 is outside the vocabulary "
+        r"of 512",
+    ):
         Trainer(parse_args(argv))

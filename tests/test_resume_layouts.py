@@ -1,6 +1,7 @@
 """Trainer checkpoints under MP and ESP: 6 iterations == 3 + save + load + 3, bitwise (AdamW state,
 data position, RNG), on MP2 x EP2 and EP2 x ESP2; and an MP2 x EP2 checkpoint resharded to
 EP2 x ESP2 by tools/convert_checkpoint.py resumes for three iterations on the uninterrupted curve."""
+
 import importlib.util
 import os
 
@@ -19,20 +20,43 @@ ITERS, SPLIT = 6, 3
 
 def _layout_args(layout):
     mp, ep, esp = LAYOUTS[layout]
-    return ["--tensor-model-parallel-size", mp, "--expert-model-parallel-size", ep,
-            "--expert-sharding-parallel-size", esp]
+    return [
+        "--tensor-model-parallel-size",
+        mp,
+        "--expert-model-parallel-size",
+        ep,
+        "--expert-sharding-parallel-size",
+        esp,
+    ]
 
 
 def _reshard(src: str, dst: str) -> int:
     """tools/convert_checkpoint.py reshard SRC -> EP2 x ESP2 (world 4), with --verify."""
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool",
-                                                  os.path.join(ROOT, "tools", "convert_checkpoint.py"))
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint_tool", os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     mp, ep, esp = LAYOUTS["EP2xESP2"]
-    return tool.main(["reshard", "--no-progress", "--load", src, "--save", dst, "--target-tensor-model-parallel-size",
-                      mp, "--target-expert-model-parallel-size", ep, "--target-expert-sharding-parallel-size", esp,
-                      "--target-world-size", "4", "--verify"])
+    return tool.main(
+        [
+            "reshard",
+            "--no-progress",
+            "--load",
+            src,
+            "--save",
+            dst,
+            "--target-tensor-model-parallel-size",
+            mp,
+            "--target-expert-model-parallel-size",
+            ep,
+            "--target-expert-sharding-parallel-size",
+            esp,
+            "--target-world-size",
+            "4",
+            "--verify",
+        ]
+    )
 
 
 def _curve(hist):
@@ -66,7 +90,7 @@ def test_resume_under_the_layout_is_bitwise_the_uninterrupted_run(runs, layout):
         straight, first, second = res[layout]
         assert [it for it, _, _ in first] == list(range(1, SPLIT + 1))
         assert [it for it, _, _ in second] == list(range(SPLIT + 1, ITERS + 1))
-        assert first + second == straight       # loss and grad norm of every iteration, bitwise
+        assert first + second == straight  # loss and grad norm of every iteration, bitwise
 
 
 def test_three_iterations_after_a_reshard_follow_the_uninterrupted_curve(runs):

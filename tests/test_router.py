@@ -1,4 +1,5 @@
 """Router semantics (docs/DESIGN.md): hand-checked examples, drops, and dispatch/combine identity."""
+
 import math
 
 import torch
@@ -19,8 +20,8 @@ def logits_for(expert_rows, E, strength=4.0):
 def test_capacity_formula():
     assert capacity(16, 4, 1, 1.0, 1) == 4
     assert capacity(16, 4, 2, 1.0, 1) == 8
-    assert capacity(10, 4, 1, 1.0, 1) == 3          # ceil(2.5)
-    assert capacity(10, 4, 1, 0.1, 4) == 4          # min capacity wins
+    assert capacity(10, 4, 1, 1.0, 1) == 3  # ceil(2.5)
+    assert capacity(10, 4, 1, 0.1, 4) == 4  # min capacity wins
 
 
 def test_top1_keeps_first_tokens_in_token_order():
@@ -48,7 +49,7 @@ def test_top2_second_choice_slots_follow_all_first_choices():
     # expert 0: first choices tokens 0,1 -> slots 0,1 ; second choice token 2 -> 0 + 2 first choices = 2
     # expert 1: first choice token 2 -> 0 ; second choices tokens 0,1 -> 0+1, 1+1
     assert r.slot.tolist() == [[0, 1], [1, 2], [0, 2]]
-    assert torch.allclose(r.weight.sum(1), torch.ones(3))       # nothing dropped: weights sum to 1
+    assert torch.allclose(r.weight.sum(1), torch.ones(3))  # nothing dropped: weights sum to 1
     g = torch.softmax(logits, -1)
     me, ce = g.mean(0), torch.tensor([2 / 3, 1 / 3])
     assert math.isclose(r.aux_loss.item(), (2 * 2 * (me * ce).mean()).item(), rel_tol=1e-6)
@@ -117,17 +118,17 @@ def test_dispatch_then_combine_is_identity_times_weights_without_drops():
         y = combine(buf, idx, S)
         assert torch.allclose(y, x * r.weight.sum(1, keepdim=True), atol=1e-6)
         if k == 2:
-            assert torch.allclose(y, x, atol=1e-6)     # renormalized weights sum to 1
+            assert torch.allclose(y, x, atol=1e-6)  # renormalized weights sum to 1
 
 
 def test_dispatch_places_tokens_at_expert_slot_rows_and_drops_zero():
     logits = logits_for([0, 0, 0, 1], 2)
-    r = route(logits, 1, 0.5, 1)                      # C = ceil(0.5*4/2) = 1
+    r = route(logits, 1, 0.5, 1)  # C = ceil(0.5*4/2) = 1
     x = torch.arange(4.0)[:, None].repeat(1, 3)
     buf = dispatch(x, dispatch_index(r), 2 * r.capacity).view(2, 1, 3)
     assert buf[0, 0].tolist() == [0.0] * 3 and buf[1, 0].tolist() == [3.0] * 3
     y = combine(buf.view(2, 3), dispatch_index(r), 4)
-    assert y[1].abs().sum() == 0 and y[2].abs().sum() == 0   # dropped tokens get zero output
+    assert y[1].abs().sum() == 0 and y[2].abs().sum() == 0  # dropped tokens get zero output
 
 
 def _mask_cumsum_reference(logits, k, cf, min_cap):

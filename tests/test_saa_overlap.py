@@ -9,7 +9,7 @@ from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_moe.testing import spawn
 
-CHUNKS = SAA_CHUNKS     # the slot dim (8 slots per expert and MP rank here) splits into this many
+CHUNKS = SAA_CHUNKS  # the slot dim (8 slots per expert and MP rank here) splits into this many
 
 
 def _overlapped(log: CommLog) -> tuple[int, int]:
@@ -44,4 +44,4 @@ def test_s2_all_gather_of_chunk_i_starts_while_chunk_i_plus_1_all_to_all_is_in_f
         # forwarded to the MP peers while the next chunk's all-to-all travels
         assert gathers == 2 * CHUNKS
         assert overlapped == 2 * (CHUNKS - 1), f"SAA: {overlapped} of {gathers} all-gathers overlapped"
-        assert res[False] == (0, 2)          # AAS: one all-gather after each all-to-all completed
+        assert res[False] == (0, 2)  # AAS: one all-gather after each all-to-all completed

@@ -1,5 +1,6 @@
 """Stopping cleanly before a Slurm time limit: SIGUSR1 and --exit-duration-in-mins save and exit 0,
 all ranks stop at the same iteration, and a rerun with --load ends on the uninterrupted loss."""
+
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from megatron_moe.training import pretrain
 from tiny_run import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = "import sys; from megatron_moe.arguments import parse_args; " \
-        "from megatron_moe.training import pretrain; pretrain(parse_args(sys.argv[1:]))"
+TRAIN = (
+    "import sys; from megatron_moe.arguments import parse_args; "
+    "from megatron_moe.training import pretrain; pretrain(parse_args(sys.argv[1:]))"
+)
 ITERS = 12
 
 
@@ -36,14 +39,19 @@ def _latest(ckpt) -> int:
 def test_sigusr1_saves_exits_zero_and_a_rerun_reaches_the_uninterrupted_loss(sample_data, tmp_path):
     ckpt, straight_log, cut_log = tmp_path / "ckpt", tmp_path / "straight.jsonl", tmp_path / "cut.jsonl"
     base = tiny_args(sample_data, ITERS, "--log-interval", "1")
-    straight = subprocess.run([sys.executable, "-c", TRAIN, *base, "--log-json", str(straight_log)],
-                              env=_env(), capture_output=True, text=True, timeout=300)
+    straight = subprocess.run(
+        [sys.executable, "-c", TRAIN, *base, "--log-json", str(straight_log)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     cmd = [sys.executable, "-c", TRAIN, *base, "--save", str(ckpt), "--log-json", str(cut_log)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = []
-    for line in proc.stdout:                      # signal once iteration 2 is logged
+    for line in proc.stdout:  # signal once iteration 2 is logged
         out.append(line)
         if f" iteration      2/{ITERS}" in line:
             proc.send_signal(signal.SIGUSR1)
@@ -53,14 +61,14 @@ def test_sigusr1_saves_exits_zero_and_a_rerun_reaches_the_uninterrupted_loss(sam
     stopped = _latest(ckpt)
     assert 2 <= stopped < ITERS, text[-3000:]
     assert f"> SIGUSR1: stopping after iteration {stopped}, saving to {ckpt}" in text
-    assert max(_losses(cut_log)) == stopped      # nothing ran past the saved iteration
+    assert max(_losses(cut_log)) == stopped  # nothing ran past the saved iteration
 
     rerun = subprocess.run([*cmd, "--load", str(ckpt)], env=_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _latest(ckpt) == ITERS
     resumed, full = _losses(cut_log), _losses(straight_log)
     assert sorted(resumed) == list(range(1, ITERS + 1))
-    assert resumed[ITERS] == full[ITERS]          # bitwise: the same final loss
+    assert resumed[ITERS] == full[ITERS]  # bitwise: the same final loss
     assert resumed == full
 
 
@@ -83,10 +91,11 @@ def _poll_on_rank(rank, world, flag_rank):
     from megatron_moe.parallel_state import initialize_model_parallel
     from megatron_moe.training import StopControl
     import torch
+
     ps = initialize_model_parallel(1, 1, 1, "gloo")
     stop = StopControl(0.0, handle_signal=True, ps=ps, device=torch.device("cpu"))
     first = stop.poll()
-    if rank == flag_rank:                          # as if only this rank had received SIGUSR1
+    if rank == flag_rank:  # as if only this rank had received SIGUSR1
         os.kill(os.getpid(), signal.SIGUSR1)
     second = stop.poll()
     stop.restore()
@@ -102,9 +111,21 @@ def test_usr1_to_the_launch_wrapper_reaches_the_trainer_under_torchrun(sample_da
     signalled (as when Slurm signals the task's process group); torchrun must survive, the trainer save."""
     ckpt = tmp_path / "ckpt"
     common = os.path.join(ROOT, "scripts", "common.sh")
-    cmd = ["bash", "-c", 'source "$0" && mm_usr1_to_workers "$@"', common,
-           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "tests_launch_target", *tiny_args(sample_data, 60, "--log-interval", "1", "--save", str(ckpt))]
+    cmd = [
+        "bash",
+        "-c",
+        'source "$0" && mm_usr1_to_workers "$@"',
+        common,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "tests_launch_target",
+        *tiny_args(sample_data, 60, "--log-interval", "1", "--save", str(ckpt)),
+    ]
     (tmp_path / "tests_launch_target.py").write_text(TRAIN.replace("; ", "\n"))
     env = dict(_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -112,7 +133,7 @@ def test_usr1_to_the_launch_wrapper_reaches_the_trainer_under_torchrun(sample_da
     for line in proc.stdout:
         out.append(line)
         if " iteration      2/60" in line:
-            proc.send_signal(signal.SIGUSR1)      # the wrapper's pid only
+            proc.send_signal(signal.SIGUSR1)  # the wrapper's pid only
     rc = proc.wait(timeout=300)
     text = "".join(out)
     assert rc == 0, text[-3000:]

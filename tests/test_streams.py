@@ -1,5 +1,6 @@
 """The stream abstraction on the CPU: the order it enforces (an operation waited on is complete
 before its consumer runs), and the CUDA-only calls are no-ops on the CPU."""
+
 import threading
 from concurrent.futures import Future
 
@@ -8,8 +9,16 @@ import torch.distributed as dist
 
 from megatron_moe.distributed import streams
 from megatron_moe.distributed.collectives import all_gather_raw, all_to_all_raw
-from megatron_moe.distributed.observer import (CommEvent, CommLog, CudaTiming, completed, launched_during, resolve,
-                                               resolve_times, stamp_finish)
+from megatron_moe.distributed.observer import (
+    CommEvent,
+    CommLog,
+    CudaTiming,
+    completed,
+    launched_during,
+    resolve,
+    resolve_times,
+    stamp_finish,
+)
 from megatron_moe.testing import spawn
 
 
@@ -32,8 +41,12 @@ def _slow_fill(out: torch.Tensor, gate: threading.Event, order: list) -> torch.T
     """Fill `out` element by element, once the gate opens (the consumer would see zeros if it ran early)."""
     gate.wait()
     for i in range(out.numel()):
-        out[i] = torch.mm(torch.full((32, 32), 1.0 / 32, device=out.device),
-                          torch.full((32, 32), float(i + 1), device=out.device)).sum() / 32
+        out[i] = (
+            torch.mm(
+                torch.full((32, 32), 1.0 / 32, device=out.device), torch.full((32, 32), float(i + 1), device=out.device)
+            ).sum()
+            / 32
+        )
     order.append("produced")
     return out
 
@@ -46,7 +59,7 @@ def test_lane_consumer_sees_the_complete_result_after_wait():
         gate = threading.Event()
         out = torch.zeros(64, device=cpu)
         pending = lane.submit(lambda: _slow_fill(out, gate, order))
-        order.append("submitted")                # the lane's work has not started: the gate is shut
+        order.append("submitted")  # the lane's work has not started: the gate is shut
         gate.set()
         result = pending.wait()
         order.append("consumed")
@@ -64,7 +77,7 @@ def test_a_lane_waits_for_another_lanes_marker():
         order: list = []
         gate = threading.Event()
         first = a.submit(lambda: (gate.wait(), order.append("a"))[1])
-        b.after(first.marker)                     # b's next work starts after a's
+        b.after(first.marker)  # b's next work starts after a's
         second = b.submit(lambda: order.append("b"))
         gate.set()
         second.wait()
@@ -123,16 +136,16 @@ def test_cuda_timed_events_take_launch_and_finish_from_their_markers_once_comple
     ev_run = CommEvent(1, "all_to_all", "ep", 8, "", "bwd", 100.5, info={"cuda": t_run})
     ev_cpu = CommEvent(2, "all_reduce", "dp", 4, "grad", "bwd", 3.0, finish=4.0)
     ms = {id(t_done.start): 2.0, id(t_done.end): 5.0, id(t_run.start): 6.0, id(t_run.end): 9.0}
-    stamp_finish(ev_run)                                   # the host-side end: enqueue, not completion
+    stamp_finish(ev_run)  # the host-side end: enqueue, not completion
     assert ev_run.finish is None and "host_end" in ev_run.info
     assert resolve_times([ev_done, ev_run, ev_cpu], 50.0, lambda m: ms[id(m)]) == 1
     assert (ev_done.launch, ev_done.finish, ev_done.info["enqueued"]) == (50.0 + 2e-3, 50.0 + 5e-3, 100.0)
     assert ev_run.finish is None and ev_run.launch == 100.5 and (ev_cpu.launch, ev_cpu.finish) == (3.0, 4.0)
     assert [completed(e) for e in (ev_done, ev_run, ev_cpu, None)] == [True, False, True, False]
     grad = CommEvent(3, "all_reduce", "dp", 4, "lina", "bwd", 1e6, finish=1e6 + 1)
-    assert launched_during([grad], [ev_done, ev_run]) == [grad]     # ev_run is still in flight
+    assert launched_during([grad], [ev_done, ev_run]) == [grad]  # ev_run is still in flight
     t_run.end.future.set_result(None)
-    assert resolve_times([ev_done, ev_run], 50.0, lambda m: ms[id(m)]) == 1    # ev_done is not redone
+    assert resolve_times([ev_done, ev_run], 50.0, lambda m: ms[id(m)]) == 1  # ev_done is not redone
     assert (ev_run.launch, ev_run.finish) == (50.0 + 6e-3, 50.0 + 9e-3)
     assert launched_during([grad], [ev_done, ev_run]) == []
 

@@ -2,6 +2,7 @@
 --eval-iters counts global batches, convert's subcommands show their defaults, the markers of
 tests/conftest.py name real tests and cover every test that spawns processes, and no tool or
 test edits sys.path."""
+
 import ast
 import dataclasses
 import re
@@ -49,7 +50,7 @@ def test_pretrain_help_states_every_default_once_and_never_none():
                 assert f"(default: {value})" in entry, entry
             checked += 1
     assert "(default: None)" not in build_parser().format_help()
-    assert checked == len(entries) - 1        # every flag but -h
+    assert checked == len(entries) - 1  # every flag but -h
     assert entries["--ffn-hidden-size"].endswith("MLP hidden size H (default 4 * hidden size)")
 
 
@@ -58,10 +59,16 @@ def test_eval_iters_help_counts_global_batches():
     assert "global batches" in entry and "micro-batch" not in entry
 
 
-@pytest.mark.parametrize("command,flag,default", [
-    ("import-hf", "--moe-layer-freq", "2"), ("import-hf", "--seed", "1234"),
-    ("import-hf", "--moe-expert-capacity-factor", "1.0"), ("reshard", "--target-expert-model-parallel-size", "1"),
-    ("import", "--target-tensor-model-parallel-size", "1")])
+@pytest.mark.parametrize(
+    "command,flag,default",
+    [
+        ("import-hf", "--moe-layer-freq", "2"),
+        ("import-hf", "--seed", "1234"),
+        ("import-hf", "--moe-expert-capacity-factor", "1.0"),
+        ("reshard", "--target-expert-model-parallel-size", "1"),
+        ("import", "--target-tensor-model-parallel-size", "1"),
+    ],
+)
 def test_convert_subcommand_help_shows_defaults(command, flag, default, capsys):
     with pytest.raises(SystemExit) as exit_:
         convert.build_parser().parse_args([command, "--help"])
@@ -118,7 +125,11 @@ def test_no_tool_or_test_edits_sys_path():
     offenders = []
     for path in [*(ROOT / "tools").glob("*.py"), *(ROOT / "tests").glob("*.py"), ROOT / "pretrain_gpt_moe.py"]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
-                    and node.value.id == "sys"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
                 offenders.append(path.name)
     assert not offenders, offenders

@@ -1,4 +1,5 @@
 """End-to-end training: golden loss curves across layouts, exact resume, the main job, wandb offline."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,16 @@ def test_golden_curve_matches_one_process(sample_data, layout):
     iters = 30
     ref = _train_on_rank(0, 1, tiny_args(sample_data, iters))
     mp, ep, esp = layout
-    argv = tiny_args(sample_data, iters, "--tensor-model-parallel-size", mp, "--expert-model-parallel-size", ep,
-                     "--expert-sharding-parallel-size", esp)
+    argv = tiny_args(
+        sample_data,
+        iters,
+        "--tensor-model-parallel-size",
+        mp,
+        "--expert-model-parallel-size",
+        ep,
+        "--expert-sharding-parallel-size",
+        esp,
+    )
     per_rank = spawn(_train_on_rank, 4, argv, timeout=600)
     assert ref[-1][0] < ref[0][0] - 0.3, "loss must fall"
     assert any(d > 0 for _, _, d in ref), "tokens must be dropped"
@@ -54,7 +63,7 @@ def test_resume_reproduces_the_uninterrupted_curve_exactly(sample_data, tmp_path
         results = spawn(_resume_on_rank, world, sample_data, ckpt, policy, timeout=600)
     for straight, resumed in results:
         assert len(straight) == 20 and len(resumed) == 20
-        assert straight == resumed          # bitwise: same data, RNG, optimizer state, router counters
+        assert straight == resumed  # bitwise: same data, RNG, optimizer state, router counters
     assert open(os.path.join(ckpt, "latest")).read().strip() == "10"
     assert not [d for d in os.listdir(ckpt) if ".tmp" in d]
 
@@ -69,9 +78,21 @@ def test_loading_under_another_layout_names_the_conversion_tool(sample_data, tmp
 def test_main_job_smoke_with_wandb_offline_and_json_log(sample_data, tmp_path):
     log_json = tmp_path / "log.jsonl"
     wandb_dir = tmp_path / "wb"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *tiny_args(sample_data, 6),
-           "--log-interval", "2", "--eval-interval", "3", "--log-json", str(log_json),
-           "--wandb-project", "smoke", "--wandb-save-dir", str(wandb_dir)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "pretrain_gpt_moe.py"),
+        *tiny_args(sample_data, 6),
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "3",
+        "--log-json",
+        str(log_json),
+        "--wandb-project",
+        "smoke",
+        "--wandb-save-dir",
+        str(wandb_dir),
+    ]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_API_KEY="secret-key-must-not-leak")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,21 +114,25 @@ def test_main_job_smoke_with_wandb_offline_and_json_log(sample_data, tmp_path):
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(sample_data):
     from megatron_moe.training import Trainer
+
     fp32 = pretrain(parse_args(tiny_args(sample_data, 5)))
     trainer = Trainer(parse_args(tiny_args(sample_data, 5, "--bf16")))
     bf16 = trainer.train()
     assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in trainer.model.parameters())
     for a, b in zip(fp32, bf16):
-        assert abs(a["loss"] - b["loss"]) < 2e-3, (a["loss"], b["loss"])   # measured max 8.4e-4 (test_bf16.py)
-    assert abs(bf16[0]["loss"] - fp32[0]["loss"]) > 1e-4      # bf16 really ran (measured 2.2e-4)
+        assert abs(a["loss"] - b["loss"]) < 2e-3, (a["loss"], b["loss"])  # measured max 8.4e-4 (test_bf16.py)
+    assert abs(bf16[0]["loss"] - fp32[0]["loss"]) > 1e-4  # bf16 really ran (measured 2.2e-4)
 
 
 def test_every_optimization_switch_keeps_the_training_curve(sample_data):
     """Trainer-level: Parm S1/S2, Lina and Lancet (dW + partition) on MP2xEP2 give the plain curve."""
     base = tiny_args(sample_data, 10, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
     plain = spawn(_train_on_rank, 4, base, timeout=600)[0]
-    for extra in (["--moe-schedule", "s1", "--lina"], ["--moe-schedule", "s2", "--lancet-wgrad"],
-                  ["--lancet-partition", "--lancet-wgrad", "--lina"]):
+    for extra in (
+        ["--moe-schedule", "s1", "--lina"],
+        ["--moe-schedule", "s2", "--lancet-wgrad"],
+        ["--lancet-partition", "--lancet-wgrad", "--lina"],
+    ):
         curve = spawn(_train_on_rank, 4, base + extra, timeout=600)[0]
         for i, ((l0, n0, d0), (l1, n1, d1)) in enumerate(zip(plain, curve)):
             assert abs(l1 - l0) < 1e-4, f"{extra} iteration {i + 1}: loss {l1} vs {l0}"

@@ -33,6 +33,7 @@ Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_me
 layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, popularity_skew,
 phase_ms_median, phase2_rate, world_size, rows_max_over_mean).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,7 @@ def corpus_ids(split: str, encode) -> list[int]:
 def windows(ids: list[int], length: int, count: int, offset: int) -> list[list[int]]:
     """`count` windows of `length` ids starting at window `offset` (wrapping around the text)."""
     n = len(ids) // length
-    return [ids[((offset + j) % n) * length:((offset + j) % n + 1) * length] for j in range(count)]
+    return [ids[((offset + j) % n) * length : ((offset + j) % n + 1) * length] for j in range(count)]
 
 
 def zipf_targets(num_layers: int, num_experts: int, skew: float) -> list[torch.Tensor]:
@@ -94,8 +95,9 @@ def layer_counts(runner: ScheduledMoE, n_moe: int) -> list[torch.Tensor]:
     return [torch.tensor(runner.actual[m::n_moe], dtype=torch.float64, device="cpu").sum(dim=0) for m in range(n_moe)]
 
 
-def calibrate_skew(engine: InferenceEngine, prompts: list[list[int]], skew: float, iters: int,
-                   max_per_rank: int) -> list[torch.Tensor]:
+def calibrate_skew(
+    engine: InferenceEngine, prompts: list[list[int]], skew: float, iters: int, max_per_rank: int
+) -> list[torch.Tensor]:
     """A gate bias per MoE layer under which the choice counts follow the Zipf shares of `zipf_targets`:
     start from -S * ln(i + 1) and correct by the log ratio of target to measured shares, `iters` times
     (each a prefill of this rank's `prompts` with the counts summed over ranks)."""
@@ -148,12 +150,13 @@ def main() -> int:
             engine = load_engine(args.load, ps)
             from megatron_moe.data.tokenizer import load_tokenizer
             from megatron_moe.generation import carried_tokenizer, tokenizer_path
+
             tok = load_tokenizer(tokenizer_path(engine.cfg, None, carried_tokenizer(args.load)))
             encode = tok.encode
         else:
             cfg = bench_config(args)
             engine = InferenceEngine(GPT2MoE(inference_config(cfg, ps), ps).eval())
-            with torch.no_grad():              # a random gate routes almost alike for every token: spread it
+            with torch.no_grad():  # a random gate routes almost alike for every token: spread it
                 for b in engine.moe_blocks:
                     engine.model.blocks[b].moe.router.gate_w.mul_(args.gate_scale)
             encode = lambda s: list(s.encode("utf-8"))  # noqa: E731
@@ -167,9 +170,9 @@ def main() -> int:
         profile = PathProfile(gate_fingerprint(engine), args.path_length, E, engine.cfg.moe.moe_router_topk)
         recorder = ScheduledMoE(engine, None, "none", args.max_experts_per_rank, bias, record_into=profile)
         engine.set_ffn_runner(recorder)
-        for j in range(args.calib_batches):      # every rank profiles all windows, one batch per call
+        for j in range(args.calib_batches):  # every rank profiles all windows, one batch per call
             for r in range(world):
-                mine = calib[j * args.batch_size:(j + 1) * args.batch_size] if r == rank else []
+                mine = calib[j * args.batch_size : (j + 1) * args.batch_size] if r == rank else []
                 engine.generate(mine, 1)
         runners = {mode: ScheduledMoE(engine, profile, mode, args.max_experts_per_rank, bias) for mode in MODES}
         valid = corpus_ids("valid", encode)
@@ -202,24 +205,38 @@ def main() -> int:
             busy = [r_ for r_ in r.rows if sum(r_)]
             imbalance = statistics.fmean(max(r_) * len(r_) / sum(r_) for r_ in busy) if busy else 1.0
             fired = [f for f, est in zip(r.phase2_triggered, r.estimated) if est is not None]
-            rows.append({"mode": mode, "layer_ms_median": statistics.median(calls.tolist()) * 1e3,
-                         "layer_ms_p95": pct(calls.tolist(), 0.95) * 1e3,
-                         "batch_ms_median": statistics.median(lat[mode]), "batch_ms_p95": pct(lat[mode], 0.95),
-                         "estimation_accuracy": float(hits[0] / hits[1]) if hits[1] else None,
-                         "skew": args.skew, "popularity_skew": statistics.fmean(ratios),
-                         "phase_ms_median": statistics.median(r.plan_s) * 1e3,
-                         "phase2_rate": sum(fired) / len(fired) if fired else 0.0, "world_size": world,
-                         "rows_max_over_mean": imbalance})
+            rows.append(
+                {
+                    "mode": mode,
+                    "layer_ms_median": statistics.median(calls.tolist()) * 1e3,
+                    "layer_ms_p95": pct(calls.tolist(), 0.95) * 1e3,
+                    "batch_ms_median": statistics.median(lat[mode]),
+                    "batch_ms_p95": pct(lat[mode], 0.95),
+                    "estimation_accuracy": float(hits[0] / hits[1]) if hits[1] else None,
+                    "skew": args.skew,
+                    "popularity_skew": statistics.fmean(ratios),
+                    "phase_ms_median": statistics.median(r.plan_s) * 1e3,
+                    "phase2_rate": sum(fired) / len(fired) if fired else 0.0,
+                    "world_size": world,
+                    "rows_max_over_mean": imbalance,
+                }
+            )
         if rank == 0:
-            print(f"world {world}, skew {args.skew}, {args.batches} batches x {args.batch_size} requests per rank, "
-                  f"prompt {args.prompt_len} + {args.new_tokens} new tokens")
-            print(f"{'mode':<9} {'layer ms med':>12} {'p95':>7} {'batch ms med':>12} {'p95':>8} {'est acc':>7} "
-                  f"{'pop skew':>8} {'phase ms':>8} {'phase2':>6} {'rows max/mean':>13}")
+            print(
+                f"world {world}, skew {args.skew}, {args.batches} batches x {args.batch_size} requests per rank, "
+                f"prompt {args.prompt_len} + {args.new_tokens} new tokens"
+            )
+            print(
+                f"{'mode':<9} {'layer ms med':>12} {'p95':>7} {'batch ms med':>12} {'p95':>8} {'est acc':>7} "
+                f"{'pop skew':>8} {'phase ms':>8} {'phase2':>6} {'rows max/mean':>13}"
+            )
             for x in rows:
                 acc = "-" if x["estimation_accuracy"] is None else f"{x['estimation_accuracy']:.2f}"
-                print(f"{x['mode']:<9} {x['layer_ms_median']:12.2f} {x['layer_ms_p95']:7.2f} "
-                      f"{x['batch_ms_median']:12.1f} {x['batch_ms_p95']:8.1f} {acc:>7} {x['popularity_skew']:8.2f} "
-                      f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f} {x['rows_max_over_mean']:13.2f}")
+                print(
+                    f"{x['mode']:<9} {x['layer_ms_median']:12.2f} {x['layer_ms_p95']:7.2f} "
+                    f"{x['batch_ms_median']:12.1f} {x['batch_ms_p95']:8.1f} {acc:>7} {x['popularity_skew']:8.2f} "
+                    f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f} {x['rows_max_over_mean']:13.2f}"
+                )
             if args.json:
                 tmp = args.json + ".tmp"
                 with open(tmp, "w") as f:

@@ -24,6 +24,7 @@ The all-to-alls come from the library's collective observer (`distributed/observ
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
 iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms, fitted_ms, chosen, selection (and details).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,13 @@ from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
-MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True),
-         "auto": (True, True)}
+MODES = {
+    "none": (False, False),
+    "dw": (True, False),
+    "partition": (False, True),
+    "both": (True, True),
+    "auto": (True, True),
+}
 
 
 def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
@@ -141,7 +147,7 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     setups = {m: prepare(m, cfg, ps, costs, comm, B, T) for m in modes}
     samples: dict = {m: [] for m in modes}
     for it in range(args.warmup + args.iters):
-        for j in range(len(modes)):                     # rotate the order: no mode always runs first
+        for j in range(len(modes)):  # rotate the order: no mode always runs first
             m = modes[(it + j) % len(modes)]
             model, _, ctl = setups[m]
             r = step(model, ctl, ids, labels)
@@ -150,23 +156,33 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     rows = []
     for m in modes:
         model, plan, ctl = setups[m]
-        med = torch.tensor([statistics.median(s[j] for s in samples[m]) for j in range(3)]
-                           + [min(s[0] for s in samples[m])], dtype=torch.float64, device=ps.device)
+        med = torch.tensor(
+            [statistics.median(s[j] for s in samples[m]) for j in range(3)] + [min(s[0] for s in samples[m])],
+            dtype=torch.float64,
+            device=ps.device,
+        )
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         med = med.cpu()
         if cfg.opts.lancet_report and ctl.plan is not None:
             ctl.write_report(f"{cfg.opts.lancet_report}.{m}.json", measured_iter_ms=float(med[0]))
         ctl.remove()
-        rows.append({"mode": m, "iter_ms_median": round(float(med[0]), 3), "iter_ms_min": round(float(med[3]), 3),
-                     "a2a_ms": round(float(med[1]), 3),
-                     "a2a_exposed_ms": round(float(med[2]), 3),
-                     "predicted_ms": round(plan.predicted["iteration_ms"], 3),
-                     "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
-                     "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
-                     "dw_assigned": sum(len(v) for v in plan.assignment.values()),
-                     "chosen": plan.selection.get("chosen"), "selection": plan.selection or None})
+        rows.append(
+            {
+                "mode": m,
+                "iter_ms_median": round(float(med[0]), 3),
+                "iter_ms_min": round(float(med[3]), 3),
+                "a2a_ms": round(float(med[1]), 3),
+                "a2a_exposed_ms": round(float(med[2]), 3),
+                "predicted_ms": round(plan.predicted["iteration_ms"], 3),
+                "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
+                "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
+                "dw_assigned": sum(len(v) for v in plan.assignment.values()),
+                "chosen": plan.selection.get("chosen"),
+                "selection": plan.selection or None,
+            }
+        )
     fit = next((r["selection"]["contention"] for r in rows if r["selection"]), None)
-    for r, m in zip(rows, modes):                 # the planner's contention fit applied to every mode's plan
+    for r, m in zip(rows, modes):  # the planner's contention fit applied to every mode's plan
         r["fitted_ms"] = round(fitted_ms(setups[m][1], fit), 3) if fit is not None else None
     return rows
 
@@ -175,23 +191,32 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
     """The rows as a readable table, with prediction error and speedup over `none`."""
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
-    print(f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
-          f"{'pred err':>9} {'fitted err':>10} {'speedup':>8}  ranges")
+    print(
+        f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
+        f"{'pred err':>9} {'fitted err':>10} {'speedup':>8}  ranges"
+    )
     for r in rows:
         err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
-        ferr = f"{(r['fitted_ms'] - r['iter_ms_median']) / r['iter_ms_median']:>+10.0%}" if r["fitted_ms"] else \
-            f"{'-':>10}"
+        ferr = (
+            f"{(r['fitted_ms'] - r['iter_ms_median']) / r['iter_ms_median']:>+10.0%}"
+            if r["fitted_ms"]
+            else f"{'-':>10}"
+        )
         chosen = f" (kept {r['chosen']})" if r["chosen"] else ""
-        print(f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['iter_ms_min']:>8.1f} {r['a2a_ms']:>9.1f} "
-              f"{r['a2a_exposed_ms']:>15.1f} "
-              f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
-              f"{', '.join(r['ranges']) or '-'}{chosen}")
+        print(
+            f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['iter_ms_min']:>8.1f} {r['a2a_ms']:>9.1f} "
+            f"{r['a2a_exposed_ms']:>15.1f} "
+            f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
+            f"{', '.join(r['ranges']) or '-'}{chosen}"
+        )
     sel = next((r["selection"] for r in rows if r["selection"]), None)
     if sel:
         fit = sel["contention"]
         times = ", ".join(f"{n} {c['measured_ms']:.1f}" for n, c in sel["candidates"].items())
-        print(f"auto: measured {times} ms; kept {sel['chosen']}; contention fit scale {fit['scale']:.3f}, {fit['contention']:.3f} ms per "
-              f"overlapped ms")
+        print(
+            f"auto: measured {times} ms; kept {sel['chosen']}; contention fit scale {fit['scale']:.3f}, {fit['contention']:.3f} ms per "
+            f"overlapped ms"
+        )
 
 
 def main(argv=None) -> None:
@@ -202,7 +227,7 @@ def main(argv=None) -> None:
         run(args)
         shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
-        time.sleep(2.0)     # let the other nodes' torchrun agents reach their exit barrier on our store first
+        time.sleep(2.0)  # let the other nodes' torchrun agents reach their exit barrier on our store first
 
 
 def run(args: argparse.Namespace) -> None:
@@ -214,21 +239,35 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()
     cfg = build_config(args, world)
-    ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                   cfg.parallel.expert_model_parallel_size,
-                                   cfg.parallel.expert_sharding_parallel_size, backend, device=device)
+    ps = initialize_model_parallel(
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.expert_model_parallel_size,
+        cfg.parallel.expert_sharding_parallel_size,
+        backend,
+        device=device,
+    )
     m, moe = cfg.model, cfg.moe
     B, T = cfg.train.micro_batch_size, m.seq_length
-    g = torch.Generator(device="cpu").manual_seed(100 + ps.rank("dp"))      # host draws: same ids on every device
+    g = torch.Generator(device="cpu").manual_seed(100 + ps.rank("dp"))  # host draws: same ids on every device
     ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g, device="cpu").to(device)
     probe = GPT2MoE(cfg, ps)
     costs = profile_costs(probe, ps, B, T)
     comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
-    head = {"world": world, "mp": ps.size("mp"), "ep": ps.size("ep"), "esp": ps.size("esp"),
-            "layers": m.num_layers, "hidden": m.hidden_size, "experts": moe.num_experts,
-            "topk": moe.moe_router_topk, "micro_batch": B, "seq": T, "backend": backend}
+    head = {
+        "world": world,
+        "mp": ps.size("mp"),
+        "ep": ps.size("ep"),
+        "esp": ps.size("esp"),
+        "layers": m.num_layers,
+        "hidden": m.hidden_size,
+        "experts": moe.num_experts,
+        "topk": moe.moe_router_topk,
+        "micro_batch": B,
+        "seq": T,
+        "backend": backend,
+    }
     if dist.get_rank() == 0:
         print_table(rows, head, args.iters)
         if args.json:

@@ -46,6 +46,7 @@ a2a_share, speedup_vs_no_lina, pipelining_efficiency_median, experts_per_rank (p
 a2a_total_ms_median, a2a_bwd_raw_ms_median, overlap_ms_median, model, world_size,
 load_avg_1min).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,7 @@ from megatron_moe.parallel_state import device_and_backend, initialize_model_par
 
 MODELS = ("representative", "heavy_allreduce")
 ALL_MODES = ("alone", "no_lina", "lina_priority", "lina_partition", "lina_pipeline", "lina")
-WHOLE_TENSORS_MB = 1024.0      # lina_priority: a micro-op is one whole gradient tensor (no partitioning)
+WHOLE_TENSORS_MB = 1024.0  # lina_priority: a micro-op is one whole gradient tensor (no partitioning)
 
 
 def bench_defaults(model: str = "representative") -> Config:
@@ -104,20 +105,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     pre.add_argument("--model", default="representative")
     model = pre.parse_known_args(argv)[0].model
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="representative", choices=MODELS,
-                   help="the default model / MoE flags (module docstring); explicit flags override them")
+    p.add_argument(
+        "--model",
+        default="representative",
+        choices=MODELS,
+        help="the default model / MoE flags (module docstring); explicit flags override them",
+    )
     add_config_flags(p, ("model", "moe", "parallel", "train"), bench_defaults(model if model in MODELS else MODELS[0]))
     p.add_argument("--iters", type=int, default=4, help="measured iterations per mode and round")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="times every mode runs, in turn")
-    p.add_argument("--partitions", default="1",
-                   help="micro-op sizes in MB of the partitioned Lina modes, comma-separated (each runs once per size)")
-    p.add_argument("--bucket-mb", type=float, default=4.0,
-                   help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)")
+    p.add_argument(
+        "--partitions",
+        default="1",
+        help="micro-op sizes in MB of the partitioned Lina modes, comma-separated (each runs once per size)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=4.0,
+        help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)",
+    )
     p.add_argument("--max-in-flight", type=int, default=4, help="--lina-max-in-flight of the partitioned Lina modes")
     p.add_argument("--pipeline-chunks", type=int, default=4, help="--lina-pipeline-chunks of lina_pipeline and lina")
-    p.add_argument("--modes", default="alone,no_lina,lina",
-                   help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})")
+    p.add_argument(
+        "--modes", default="alone,no_lina,lina", help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})"
+    )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     a = p.parse_args(argv)
     try:
@@ -176,10 +189,12 @@ class ExpertClock:
         self._hooks = []
         for layer in model.moe_layers():
             e = layer.experts
-            self._hooks += [e.register_forward_pre_hook(lambda m, i: self._begin(("f", id(m)))),
-                            e.register_forward_hook(lambda m, i, o: self._end(("f", id(m)))),
-                            e.register_full_backward_pre_hook(lambda m, g: self._begin(("b", id(m)))),
-                            e.register_full_backward_hook(lambda m, gi, go: self._end(("b", id(m))))]
+            self._hooks += [
+                e.register_forward_pre_hook(lambda m, i: self._begin(("f", id(m)))),
+                e.register_forward_hook(lambda m, i, o: self._end(("f", id(m)))),
+                e.register_full_backward_pre_hook(lambda m, g: self._begin(("b", id(m)))),
+                e.register_full_backward_hook(lambda m, gi, go: self._end(("b", id(m)))),
+            ]
 
     def _begin(self, key) -> None:
         self._t[key] = time.perf_counter()
@@ -216,13 +231,14 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         layer.set_pipeline_chunks(chunks)
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
-    gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))   # host draws: same ids on every device
+    gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()
     clock = ExpertClock(model)
     steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
     for it in range(a.warmup + a.iters):
-        ids = torch.randint(0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen,
-                            device="cpu").to(ps.device)
+        ids = torch.randint(
+            0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"
+        ).to(ps.device)
         dist.barrier()
         log.clear()
         clock.intervals.clear()
@@ -242,8 +258,14 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             steps.append(1e3 * step)
             syncs.append(1e3 * (t2 - t1))
             a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
-            bwd_union.append(1e3 * observer.total_length(observer.union(
-                [(e.launch, e.finish) for e in log.of("all_to_all", phase="bwd") if e.finish is not None])))
+            bwd_union.append(
+                1e3
+                * observer.total_length(
+                    observer.union(
+                        [(e.launch, e.finish) for e in log.of("all_to_all", phase="bwd") if e.finish is not None]
+                    )
+                )
+            )
             a2a_all.append([1e3 * e.duration for e in log.of("all_to_all")])
             overlap.append(log.summary()["overlap_ms"])
             eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
@@ -253,27 +275,37 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     if sync is not None:
         sync.remove()
     if stats and ps.rank("dp") == 0 and dist.get_rank() == 0:
-        print(f"    {mode}: at most {stats['max_in_flight_seen']} micro-ops in flight, link "
-              f"{stats['link_mb_s'] / 2 ** 20:.1f} MB/s measured", flush=True)
+        print(
+            f"    {mode}: at most {stats['max_in_flight_seen']} micro-ops in flight, link "
+            f"{stats['link_mb_s'] / 2**20:.1f} MB/s measured",
+            flush=True,
+        )
     world = dist.get_world_size()
     step_max = torch.tensor(steps, dtype=torch.float64, device=ps.device)
     dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
-    calls = torch.tensor(a2a_calls, dtype=torch.float64, device=ps.device)      # [iters, backward a2a calls]
+    calls = torch.tensor(a2a_calls, dtype=torch.float64, device=ps.device)  # [iters, backward a2a calls]
     calls_min, calls_sum = calls.clone(), calls.clone()
     dist.all_reduce(calls_min, op=dist.ReduceOp.MIN)
     dist.all_reduce(calls_sum)
-    every = torch.tensor(a2a_all, dtype=torch.float64, device=ps.device)        # [iters, all a2a calls]
+    every = torch.tensor(a2a_all, dtype=torch.float64, device=ps.device)  # [iters, all a2a calls]
     dist.all_reduce(every, op=dist.ReduceOp.MIN)
     in_flight = torch.tensor(bwd_union, dtype=torch.float64, device=ps.device)  # [iters]
     dist.all_reduce(in_flight, op=dist.ReduceOp.MIN)
     ov = torch.tensor([overlap, eff, syncs], dtype=torch.float64, device=ps.device)
     dist.all_reduce(ov)
-    step_max, calls_min, calls_sum, every, ov, in_flight = (t.cpu() for t in (step_max, calls_min, calls_sum, every, ov,
-                                                                               in_flight))
-    return {"step_ms": step_max.tolist(), "a2a_bwd_ms": in_flight.tolist(), "a2a_bwd_calls_ms": calls_min.sum(1).tolist(),
-            "a2a_total_ms": every.sum(1).tolist(),
-            "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(), "overlap_ms": (ov[0] / world).tolist(),
-            "pipelining_efficiency": (ov[1] / world).tolist(), "sync_after_backward_ms": (ov[2] / world).tolist()}
+    step_max, calls_min, calls_sum, every, ov, in_flight = (
+        t.cpu() for t in (step_max, calls_min, calls_sum, every, ov, in_flight)
+    )
+    return {
+        "step_ms": step_max.tolist(),
+        "a2a_bwd_ms": in_flight.tolist(),
+        "a2a_bwd_calls_ms": calls_min.sum(1).tolist(),
+        "a2a_total_ms": every.sum(1).tolist(),
+        "a2a_bwd_raw_ms": (calls_sum.sum(1) / world).tolist(),
+        "overlap_ms": (ov[0] / world).tolist(),
+        "pipelining_efficiency": (ov[1] / world).tolist(),
+        "sync_after_backward_ms": (ov[2] / world).tolist(),
+    }
 
 
 def write_json(path: str, rows: list[dict]) -> None:
@@ -287,14 +319,18 @@ def write_json(path: str, rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} " \
-           f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s}"
+    head = (
+        f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} "
+        f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         part = "-" if r["partition_mb"] is None else f"{r['partition_mb']:g}"
-        lines.append(f"{r['mode']:14s} {part:>8s} {r['step_ms_median']:9.1f} {r['speedup_vs_no_lina']:9.2f}x "
-                     f"{r['a2a_bwd_ms_median']:11.2f} {r['a2a_slowdown']:8.2f}x {r['a2a_share']:9.2f} "
-                     f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f}")
+        lines.append(
+            f"{r['mode']:14s} {part:>8s} {r['step_ms_median']:9.1f} {r['speedup_vs_no_lina']:9.2f}x "
+            f"{r['a2a_bwd_ms_median']:11.2f} {r['a2a_slowdown']:8.2f}x {r['a2a_share']:9.2f} "
+            f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -322,40 +358,52 @@ def run(a: argparse.Namespace) -> None:
         sys.exit(f"bench_lina.py: {e}")
     ps = initialize_model_parallel(1, cfg.parallel.expert_model_parallel_size, 1, backend, device=device)
     probe = GPT2MoE(cfg, ps)
-    dense_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "dp") / 2 ** 20
-    expert_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "expert_dp") / 2 ** 20
+    dense_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "dp") / 2**20
+    expert_mb = sum(p.numel() * 4 for p in probe.parameters() if grad_group_kind(p) == "expert_dp") / 2**20
     del probe
     if rank == 0:
-        print(f"bench_lina: world {world}, EP {ps.size('ep')}, expert-DP {ps.size('expert_dp')}, "
-              f"model {a.model}, dense gradients {dense_mb:.1f} MB, expert gradients {expert_mb:.1f} MB per rank",
-              flush=True)
+        print(
+            f"bench_lina: world {world}, EP {ps.size('ep')}, expert-DP {ps.size('expert_dp')}, "
+            f"model {a.model}, dense gradients {dense_mb:.1f} MB, expert gradients {expert_mb:.1f} MB per rank",
+            flush=True,
+        )
     plan = [(m, None) for m in ("alone", "no_lina", "lina_priority") if m in a.modes]
     plan += [(m, p) for m in ("lina_partition", "lina_pipeline", "lina") if m in a.modes for p in a.partitions]
     pooled = {key: {} for key in plan}
-    for rnd in range(a.rounds):        # modes take turns, so a change in machine load hits all of them
+    for rnd in range(a.rounds):  # modes take turns, so a change in machine load hits all of them
         for mode, part in plan:
             r = run_mode(cfg, ps, a, mode, part)
             for k, v in r.items():
                 pooled[(mode, part)].setdefault(k, []).extend(v)
             if rank == 0:
-                print(f"  round {rnd} {mode} {'' if part is None else part}: step "
-                      f"{statistics.median(r['step_ms']):.1f} ms, bwd a2a {statistics.median(r['a2a_bwd_ms']):.2f} ms",
-                      flush=True)
-    results = [{"mode": mode, "partition_mb": part,
-                **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items()}}
-               for mode, part in plan]
+                print(
+                    f"  round {rnd} {mode} {'' if part is None else part}: step "
+                    f"{statistics.median(r['step_ms']):.1f} ms, bwd a2a {statistics.median(r['a2a_bwd_ms']):.2f} ms",
+                    flush=True,
+                )
+    results = [
+        {
+            "mode": mode,
+            "partition_mb": part,
+            **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items()},
+        }
+        for mode, part in plan
+    ]
     alone = next((r for r in results if r["mode"] == "alone"), None)
     base = next((r["step_ms_median"] for r in results if r["mode"] == "no_lina"), float("nan"))
     for r in results:
         r["a2a_alone_ms_median"] = alone["a2a_bwd_ms_median"] if alone else float("nan")
-        r["a2a_slowdown"] = r["a2a_bwd_ms_median"] / r["a2a_alone_ms_median"] if alone and alone["a2a_bwd_ms_median"] > 0 \
+        r["a2a_slowdown"] = (
+            r["a2a_bwd_ms_median"] / r["a2a_alone_ms_median"]
+            if alone and alone["a2a_bwd_ms_median"] > 0
             else float("nan")
+        )
         r["a2a_share"] = r["a2a_total_ms_median"] / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
         r["speedup_vs_no_lina"] = base / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
         r["experts_per_rank"] = cfg.moe.num_experts // ps.size("ep")
         r["model"] = a.model
         r["world_size"] = world
-        r["load_avg_1min"] = os.getloadavg()[0]       # other work on the machine makes timings noisy
+        r["load_avg_1min"] = os.getloadavg()[0]  # other work on the machine makes timings noisy
     if rank == 0:
         print(table(results), flush=True)
         if a.json:

@@ -17,6 +17,7 @@ collective observer's "sent" per collective@group, averaged over ranks (S1's une
 all-to-all sends differ per rank). Prints a table on rank 0; --json writes a
 list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,6 +86,7 @@ def init_distributed(backend: str) -> None:
     """Join the torchrun job (or make a one-process group when run without torchrun)."""
     if "RANK" not in os.environ:
         from megatron_moe.testing import free_port
+
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group(backend)
 
@@ -121,15 +123,20 @@ def run(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ps = initialize_model_parallel(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                                   par.expert_sharding_parallel_size, backend, device=device)
+    ps = initialize_model_parallel(
+        par.tensor_model_parallel_size,
+        par.expert_model_parallel_size,
+        par.expert_sharding_parallel_size,
+        backend,
+        device=device,
+    )
     # inputs drawn on the host (same numbers on every device), then placed
-    g = torch.Generator(device="cpu").manual_seed(t.seed + ps.rank("dp"))   # same tokens on the MP ranks of a group
+    g = torch.Generator(device="cpu").manual_seed(t.seed + ps.rank("dp"))  # same tokens on the MP ranks of a group
     x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g, device="cpu").to(device)
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
     layers = {s: MoELayer(make_config(args, s), ps, t.seed, "bench.moe", 1, device=device) for s in args.schedule_list}
-    if "auto" in layers:                     # Parm's Algorithm 1 on the real groups, as optimizations.apply does
+    if "auto" in layers:  # Parm's Algorithm 1 on the real groups, as optimizations.apply does
         choice = choose_for_layer(make_config(args, "auto"), ps, 1)
         layers["auto"].use_schedule(choice.schedule, choice.saa_chunks, choice)
     times = {s: [] for s in layers}
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     for s, layer in layers.items():
         t = torch.tensor(times[s], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)                  # the layer takes as long as its slowest rank
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the layer takes as long as its slowest rank
         t = t.cpu()
         with CommLog() as tr:
             one_iteration(layer, x, gy, device)
@@ -152,10 +159,17 @@ def run(args: argparse.Namespace) -> None:
         kinds = sorted({k for d in every for k in d})
         bytes_per_rank = {k: sum(d.get(k, 0) for d in every) // world for k in kinds}
         ms = torch.sort(t).values * 1e3
-        p90 = float(ms[max(0, -(-9 * len(ms) // 10) - 1)])                 # nearest-rank 90th percentile
-        rows.append({"schedule": s, "ms_median": float(ms.median()), "ms_p90": p90,
-                     "bytes": bytes_per_rank, "speedup_vs_baseline": None,
-                     "chosen": layer.schedule if s == "auto" else None})
+        p90 = float(ms[max(0, -(-9 * len(ms) // 10) - 1)])  # nearest-rank 90th percentile
+        rows.append(
+            {
+                "schedule": s,
+                "ms_median": float(ms.median()),
+                "ms_p90": p90,
+                "bytes": bytes_per_rank,
+                "speedup_vs_baseline": None,
+                "chosen": layer.schedule if s == "auto" else None,
+            }
+        )
     base = next((r["ms_median"] for r in rows if r["schedule"] == "baseline"), None)
     for r in rows:
         r["speedup_vs_baseline"] = None if base is None else base / r["ms_median"]
@@ -170,10 +184,12 @@ def run(args: argparse.Namespace) -> None:
 
 def print_table(args, world: int, rows: list, layers: dict) -> None:
     m, moe, par = args.cfg.model, args.cfg.moe, args.cfg.parallel
-    print(f"MoE layer fwd+bwd: P={world} MP{par.tensor_model_parallel_size} EP{par.expert_model_parallel_size} "
-          f"ESP{par.expert_sharding_parallel_size} B={args.cfg.train.micro_batch_size} L={m.seq_length} "
-          f"M={m.hidden_size} H={m.ffn_hidden_size} E={moe.num_experts} k={moe.moe_router_topk} "
-          f"f={moe.moe_expert_capacity_factor}; {args.iters} iters after {args.warmup} warmup")
+    print(
+        f"MoE layer fwd+bwd: P={world} MP{par.tensor_model_parallel_size} EP{par.expert_model_parallel_size} "
+        f"ESP{par.expert_sharding_parallel_size} B={args.cfg.train.micro_batch_size} L={m.seq_length} "
+        f"M={m.hidden_size} H={m.ffn_hidden_size} E={moe.num_experts} k={moe.moe_router_topk} "
+        f"f={moe.moe_expert_capacity_factor}; {args.iters} iters after {args.warmup} warmup"
+    )
     print(f"{'schedule':<12}{'median ms':>11}{'p90 ms':>10}{'speedup':>9}  bytes sent per rank (MB)")
     for r in rows:
         sp = "" if r["speedup_vs_baseline"] is None else f"{r['speedup_vs_baseline']:.2f}x"

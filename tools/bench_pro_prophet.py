@@ -35,6 +35,7 @@ Prints a table and, with --json PATH, writes a list of objects (one per mode and
 mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, predicted_ms,
 trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
 MODES = ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
-GATE_NOISE = 1.3          # std of the unbiased gate logits (Gumbel noise's is pi / sqrt(6) = 1.28)
+GATE_NOISE = 1.3  # std of the unbiased gate logits (Gumbel noise's is pi / sqrt(6) = 1.28)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,7 +128,7 @@ class BenchModel(nn.Module):
         M, E, nb = cfg.model.hidden_size, cfg.moe.num_experts, cfg.model.num_layers // 2
         dev = ps.device
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        torch.manual_seed(seed)                      # the dense layers: the same weights in every mode
+        torch.manual_seed(seed)  # the dense layers: the same weights in every mode
         self.norms = nn.ModuleList([nn.LayerNorm(M, device=dev) for _ in range(2 * nb)])
         self.fc1 = nn.ModuleList([nn.Linear(M, 4 * M, device=dev) for _ in range(nb)])
         self.fc2 = nn.ModuleList([nn.Linear(4 * M, M, device=dev) for _ in range(nb)])
@@ -137,11 +138,11 @@ class BenchModel(nn.Module):
         log_p = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32, device=dev))
         with torch.no_grad():
             for moe in self.moes:
-                w = torch.randn(E, M, generator=gen, device="cpu").to(dev) * (GATE_NOISE / M ** 0.5)
-                w -= (w @ self.u)[:, None] * self.u[None, :] / self.u.dot(self.u)    # u . w_e = 0: no hidden bias
+                w = torch.randn(E, M, generator=gen, device="cpu").to(dev) * (GATE_NOISE / M**0.5)
+                w -= (w @ self.u)[:, None] * self.u[None, :] / self.u.dot(self.u)  # u . w_e = 0: no hidden bias
                 moe.router.gate_w.copy_(w + log_p[:, None] * self.u[None, :] / self.u.dot(self.u))
-        self.moe_s: list[float] = []            # forward seconds per MoE layer call
-        self.moe_bwd: list[list[float]] = []     # per MoE layer call: backward [start, end] stamps
+        self.moe_s: list[float] = []  # forward seconds per MoE layer call
+        self.moe_bwd: list[list[float]] = []  # per MoE layer call: backward [start, end] stamps
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         for i, moe in enumerate(self.moes):
@@ -163,8 +164,9 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[Pr
     if mode == "heaviest_to_all":
         return ProProphet(layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas)
     model_kind = "overlap" if mode == "pro_prophet" else "plain"
-    return ProProphet(layers, ps, schedule=mode == "pro_prophet",
-                      planner=lambda c: plan(c, perf[model_kind], a.alpha, a.n).replicas)
+    return ProProphet(
+        layers, ps, schedule=mode == "pro_prophet", planner=lambda c: plan(c, perf[model_kind], a.alpha, a.n).replicas
+    )
 
 
 def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
@@ -192,12 +194,12 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
         step = time.perf_counter() - t0
         moe = sum(model.moe_s) + sum(b[1] - b[0] for b in model.moe_bwd if len(b) == 2)
         sent = {op: sum(e.sent for e in log.of(op)) for op in ("trans", "agg")}
-        counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))    # [L, N_EP, E]
+        counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))  # [L, N_EP, E]
         if runtime is not None:
             runtime.end_iteration(it + 1, counts)
         if it < a.warmup:
             continue
-        std = lambda v: statistics.pstdev(float(x) for x in v)      # noqa: E731
+        std = lambda v: statistics.pstdev(float(x) for x in v)  # noqa: E731
         rows["step"].append(1e3 * step)
         rows["moe"].append(1e3 * moe)
         rows["std_before"].append(statistics.mean(std(plain.computed_tokens(c.tolist())) for c in counts))
@@ -222,8 +224,10 @@ def measure_perf(cfg: Config, ps, a) -> dict:
     M, H = cfg.model.hidden_size, cfg.model.ffn_hidden_size
     expert = 2 * H * M + H + M
     constants = measure_constants(ps, M, expert, H, a.tokens * a.topk)
-    return {"plain": PerfModel(constants, M, expert, expert),
-            "overlap": PerfModel(constants, M, expert, expert, overlap=True)}
+    return {
+        "plain": PerfModel(constants, M, expert, expert),
+        "overlap": PerfModel(constants, M, expert, expert, overlap=True),
+    }
 
 
 def write_json(path: str, rows: list[dict]) -> None:
@@ -237,21 +241,27 @@ def write_json(path: str, rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-            f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s}")
+    head = (
+        f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
-                     f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
-                     f"{r['trans_bytes'] / 2 ** 20:8.2f} {r['agg_bytes'] / 2 ** 20:7.2f} {r['top_expert_share']:9.3f}")
+        lines.append(
+            f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
+            f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
+            f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
     if "RANK" not in os.environ:
-        print("error: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_pro_prophet.py)",
-              file=sys.stderr)
+        print(
+            "error: run it under torchrun (e.g. torchrun --nproc-per-node 2 tools/bench_pro_prophet.py)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     with exit_on_comm_error():
         run(a)
@@ -274,24 +284,40 @@ def run(a: argparse.Namespace) -> None:
     perf = measure_perf(cfg, ps, a)
     if rank == 0:
         c = perf["plain"].constants
-        print(f"bench_pro_prophet: world {world}, EP {world}, {cfg.moe.num_experts} experts, top-{a.topk}, "
-              f"{a.tokens} tokens/rank, M {a.hidden_size}, H {a.ffn_hidden_size}; constants: a2a "
-              f"{c.a2a_alpha * 1e3:.3f} ms + {c.a2a_beta * 1e9:.3f} ns/elem, trans {c.bcast_alpha * 1e3:.3f} ms + "
-              f"{c.bcast_beta * 1e9:.3f} ns/elem, expert {c.expert_alpha * 1e3:.3f} ms + "
-              f"{c.expert_beta * 1e6:.3f} us/token", flush=True)
+        print(
+            f"bench_pro_prophet: world {world}, EP {world}, {cfg.moe.num_experts} experts, top-{a.topk}, "
+            f"{a.tokens} tokens/rank, M {a.hidden_size}, H {a.ffn_hidden_size}; constants: a2a "
+            f"{c.a2a_alpha * 1e3:.3f} ms + {c.a2a_beta * 1e9:.3f} ns/elem, trans {c.bcast_alpha * 1e3:.3f} ms + "
+            f"{c.bcast_beta * 1e9:.3f} ns/elem, expert {c.expert_alpha * 1e3:.3f} ms + "
+            f"{c.expert_beta * 1e6:.3f} us/token",
+            flush=True,
+        )
     results = []
     for skew in a.skew:
         for mode in a.modes:
             r = run_mode(a, cfg, ps, mode, skew, perf)
             med = {k: statistics.median(v) for k, v in r.items()}
-            row = {"mode": mode, "skew": skew, "step_ms_median": med["step"], "moe_ms_median": med["moe"],
-                   "load_std_before": statistics.mean(r["std_before"]), "load_std_after": statistics.mean(r["std_after"]),
-                   "predicted_ms": med["predicted"], "trans_bytes": med["trans"], "agg_bytes": med["agg"],
-                   "world_size": world, "top_expert_share": med["top"], "load_avg_1min": os.getloadavg()[0]}
+            row = {
+                "mode": mode,
+                "skew": skew,
+                "step_ms_median": med["step"],
+                "moe_ms_median": med["moe"],
+                "load_std_before": statistics.mean(r["std_before"]),
+                "load_std_after": statistics.mean(r["std_after"]),
+                "predicted_ms": med["predicted"],
+                "trans_bytes": med["trans"],
+                "agg_bytes": med["agg"],
+                "world_size": world,
+                "top_expert_share": med["top"],
+                "load_avg_1min": os.getloadavg()[0],
+            }
             results.append(row)
             if rank == 0:
-                print(f"  skew {skew:g} {mode}: step {row['step_ms_median']:.1f} ms, moe {row['moe_ms_median']:.1f} ms, "
-                      f"predicted {row['predicted_ms']:.1f} ms", flush=True)
+                print(
+                    f"  skew {skew:g} {mode}: step {row['step_ms_median']:.1f} ms, moe {row['moe_ms_median']:.1f} ms, "
+                    f"predicted {row['predicted_ms']:.1f} ms",
+                    flush=True,
+                )
     if rank == 0:
         print(table(results), flush=True)
         if a.json:

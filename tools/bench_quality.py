@@ -28,6 +28,7 @@ moe-vs-dense  WikiText-2's validation split as the training data and its test sp
               tokens, valid_ppl, tokens_per_s, dropped_fraction, load_imbalance_final,
               params_total, params_active.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,22 +68,61 @@ def write_json(path: str, obj) -> None:
 # ============================================================================ reference
 def reference_flags(args, data_prefix: str) -> list[str]:
     """Trainer flags of the reference run: dense, dropout 0, fp32, AdamW, warmup + cosine, clipping."""
-    return ["--data-path", data_prefix, "--num-experts", "0", "--num-layers", str(args.num_layers),
-            "--hidden-size", str(args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
-            "--seq-length", str(args.seq_length), "--make-vocab-size-divisible-by", str(args.vocab_divisor),
-            "--hidden-dropout", "0", "--no-bf16", "--optimizer", "adamw", "--lr", str(args.lr),
-            "--min-lr", str(args.lr / 10), "--lr-warmup-iters", str(max(1, args.steps // 4)),
-            "--lr-decay-style", "cosine", "--weight-decay", str(args.weight_decay),
-            "--clip-grad", str(args.clip_grad), "--micro-batch-size", str(args.micro_batch_size),
-            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps),
-            "--eval-interval", "0", "--eval-iters", "0", "--log-interval", str(10 ** 9), "--seed", str(args.seed)]
+    return [
+        "--data-path",
+        data_prefix,
+        "--num-experts",
+        "0",
+        "--num-layers",
+        str(args.num_layers),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-attention-heads",
+        str(args.num_attention_heads),
+        "--seq-length",
+        str(args.seq_length),
+        "--make-vocab-size-divisible-by",
+        str(args.vocab_divisor),
+        "--hidden-dropout",
+        "0",
+        "--no-bf16",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        str(args.lr),
+        "--min-lr",
+        str(args.lr / 10),
+        "--lr-warmup-iters",
+        str(max(1, args.steps // 4)),
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        str(args.weight_decay),
+        "--clip-grad",
+        str(args.clip_grad),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--train-iters",
+        str(args.steps),
+        "--eval-interval",
+        "0",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        str(10**9),
+        "--seed",
+        str(args.seed),
+    ]
 
 
 def hf_twin(trainer, work_dir: str):
     """A GPT2LMHeadModel (train mode, fp32) with the trainer model's current weights, made by our
     HF export (`export_hf`) and loaded back with `from_pretrained`."""
     from megatron_moe.convert import FullCheckpoint, export_hf, load_hf_model, structure_specs
-    full = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}   # one process: full shapes
+
+    full = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}  # one process: full shapes
     ckpt = FullCheckpoint(trainer.cfg, full, structure_specs(trainer.cfg))
     out = os.path.join(work_dir, "hf_initial")
     if os.path.exists(out):
@@ -97,9 +137,12 @@ def hf_optimizer(model, optim_cfg) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and name != "transformer.wpe.weight" else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=optim_cfg.lr,
-                             betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2), eps=optim_cfg.adam_eps)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
+        eps=optim_cfg.adam_eps,
+    )
 
 
 def hf_train(model, loader, num_micro: int, optim_cfg, steps: int) -> list[float]:
@@ -134,12 +177,13 @@ def run_reference(args) -> dict:
     """Both curves on the bundled sample corpus; returns the --json object."""
     from megatron_moe.data.preprocess import prepare_sample_data
     from megatron_moe.training import Trainer, build_loaders
+
     os.makedirs(args.work_dir, exist_ok=True)
     prefix = os.path.join(args.work_dir, "sample")
     prepare_sample_data(prefix)
     torch.manual_seed(args.seed)
     trainer = Trainer(parse_train_args(reference_flags(args, prefix)))
-    hf = hf_twin(trainer, args.work_dir)                # before training: the same initial weights
+    hf = hf_twin(trainer, args.work_dir)  # before training: the same initial weights
     # the same loader function over the same files and seed: the same batches in the same order
     hf_loader, _, _ = build_loaders(trainer.cfg, trainer.ps, 0)
     ours = [h["loss"] for h in trainer.train()]
@@ -156,12 +200,12 @@ def print_reference(res: dict) -> None:
 
 
 # ============================================================================ moe vs dense
-MODELS = {   # name -> (num_experts, top-k, FFN multiple of M, dropless); every block MoE when experts > 0
+MODELS = {  # name -> (num_experts, top-k, FFN multiple of M, dropless); every block MoE when experts > 0
     "dense": (0, 1, 4, False),
     "top1-e4": (4, 1, 4, False),
     "top1-e8": (8, 1, 4, False),
     "top2-e8-half": (8, 2, 2, False),
-    "top1-e4-dropless": (4, 1, 4, True),        # --moe-dropless: no capacity, nothing dropped
+    "top1-e4-dropless": (4, 1, 4, True),  # --moe-dropless: no capacity, nothing dropped
     "top2-e8-half-dropless": (8, 2, 2, True),
 }
 DEFAULT_MODELS = ("dense", "top1-e4", "top1-e8", "top2-e8-half")
@@ -172,11 +216,14 @@ def prepare_wikitext(wikitext_dir: str, work_dir: str, vocab_size: int) -> str:
     with a BPE trained on the training split, once per vocab size; returns the data prefix.
     The text is read through symlinks in a scratch directory, never copied."""
     from megatron_moe.data.preprocess import output_prefix_for, preprocess
+
     src = {"train": "wiki.valid.tokens", "valid": "wiki.test.tokens", "test": "wiki.test.tokens"}
     missing = [f for f in set(src.values()) if not os.path.isfile(os.path.join(wikitext_dir, f))]
     if missing:
-        raise BenchError(f"--wikitext-dir {wikitext_dir}: {', '.join(sorted(missing))} not found (the real "
-                         f"WikiText-2 validation and test files; skipping moe-vs-dense)")
+        raise BenchError(
+            f"--wikitext-dir {wikitext_dir}: {', '.join(sorted(missing))} not found (the real "
+            f"WikiText-2 validation and test files; skipping moe-vs-dense)"
+        )
     prefix = os.path.join(work_dir, f"wikitext2_v{vocab_size}", "wt2")
     if all(os.path.isfile(output_prefix_for(prefix, s) + ".idx") for s in src) and os.path.isdir(prefix + "_tokenizer"):
         return prefix
@@ -184,24 +231,66 @@ def prepare_wikitext(wikitext_dir: str, work_dir: str, vocab_size: int) -> str:
     with tempfile.TemporaryDirectory(dir=work_dir) as links:
         for ours, theirs in src.items():
             os.symlink(os.path.abspath(os.path.join(wikitext_dir, theirs)), os.path.join(links, f"wiki.{ours}.tokens"))
-        preprocess(prefix, input_path=links, train_tokenizer=True, vocab_size=vocab_size, append_eod=True,
-                   progress=False)
+        preprocess(
+            prefix, input_path=links, train_tokenizer=True, vocab_size=vocab_size, append_eod=True, progress=False
+        )
     return prefix
 
 
 def model_flags(args, name: str, seed: int, data_prefix: str, log_json: str) -> list[str]:
     """Trainer flags of one (model, seed) run; all models share everything but the MoE settings."""
     experts, topk, ffn_mult, dropless = MODELS[name]
-    return [*(["--moe-dropless"] if dropless else []),"--data-path", data_prefix, "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
-            "--ffn-hidden-size", str(ffn_mult * args.hidden_size), "--num-experts", str(experts),
-            "--moe-layer-freq", "1", "--moe-router-topk", str(topk),
-            "--moe-expert-capacity-factor", str(args.capacity_factor), "--moe-min-capacity", "4",
-            "--moe-schedule", "baseline", "--micro-batch-size", str(args.micro_batch_size),
-            "--global-batch-size", str(args.micro_batch_size), "--train-iters", str(args.train_iters),
-            "--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--lr-warmup-iters", str(max(1, args.train_iters // 20)),
-            "--hidden-dropout", "0", "--eval-interval", "0", "--eval-iters", str(args.eval_iters),
-            "--log-interval", str(args.log_interval), "--log-json", log_json, "--seed", str(seed)]
+    return [
+        *(["--moe-dropless"] if dropless else []),
+        "--data-path",
+        data_prefix,
+        "--num-layers",
+        str(args.num_layers),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-attention-heads",
+        str(args.num_attention_heads),
+        "--seq-length",
+        str(args.seq_length),
+        "--ffn-hidden-size",
+        str(ffn_mult * args.hidden_size),
+        "--num-experts",
+        str(experts),
+        "--moe-layer-freq",
+        "1",
+        "--moe-router-topk",
+        str(topk),
+        "--moe-expert-capacity-factor",
+        str(args.capacity_factor),
+        "--moe-min-capacity",
+        "4",
+        "--moe-schedule",
+        "baseline",
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--global-batch-size",
+        str(args.micro_batch_size),
+        "--train-iters",
+        str(args.train_iters),
+        "--lr",
+        str(args.lr),
+        "--min-lr",
+        str(args.lr / 10),
+        "--lr-warmup-iters",
+        str(max(1, args.train_iters // 20)),
+        "--hidden-dropout",
+        "0",
+        "--eval-interval",
+        "0",
+        "--eval-iters",
+        str(args.eval_iters),
+        "--log-interval",
+        str(args.log_interval),
+        "--log-json",
+        log_json,
+        "--seed",
+        str(seed),
+    ]
 
 
 def final_imbalance(history: list[dict], last: int = 10) -> float:
@@ -217,10 +306,11 @@ def final_imbalance(history: list[dict], last: int = 10) -> float:
 def run_one(args, name: str, seed: int, data_prefix: str) -> dict:
     """Train one model with one seed; the evaluation-split perplexity after the last step."""
     from megatron_moe.training import Trainer
+
     log_json = os.path.join(args.work_dir, "logs", f"{name}_seed{seed}.jsonl")
     os.makedirs(os.path.dirname(log_json), exist_ok=True)
     if os.path.exists(log_json):
-        os.remove(log_json)                           # the log is appended to: start it fresh
+        os.remove(log_json)  # the log is appended to: start it fresh
     cfg = parse_train_args(model_flags(args, name, seed, data_prefix, log_json))
     trainer = Trainer(cfg)
     t0 = time.perf_counter()
@@ -235,12 +325,21 @@ def run_one(args, name: str, seed: int, data_prefix: str) -> dict:
     n_active = n_total - expert_params + (expert_params * topk // experts if experts else 0)
     tokens = len(history) * cfg.train.global_batch_size * m.seq_length
     train_s = sum(h["ms_per_iter"] for h in history) / 1e3
-    return {"model": name, "seed": seed, "tokens": tokens, "valid_ppl": evals[-1]["ppl"],
-            "valid_loss": evals[-1]["loss"], "train_loss_final": statistics.fmean(h["loss"] for h in history[-10:]),
-            "tokens_per_s": tokens / train_s, "wall_s": wall,
-            "dropped_fraction": statistics.fmean(h["dropped_frac"] for h in history),
-            "load_imbalance_final": final_imbalance(history), "params_total": n_total,
-            "params_active": n_active, "log_json": os.path.relpath(log_json, ROOT)}
+    return {
+        "model": name,
+        "seed": seed,
+        "tokens": tokens,
+        "valid_ppl": evals[-1]["ppl"],
+        "valid_loss": evals[-1]["loss"],
+        "train_loss_final": statistics.fmean(h["loss"] for h in history[-10:]),
+        "tokens_per_s": tokens / train_s,
+        "wall_s": wall,
+        "dropped_fraction": statistics.fmean(h["dropped_frac"] for h in history),
+        "load_imbalance_final": final_imbalance(history),
+        "params_total": n_total,
+        "params_active": n_active,
+        "log_json": os.path.relpath(log_json, ROOT),
+    }
 
 
 def run_moe_vs_dense(args) -> list[dict]:
@@ -264,11 +363,15 @@ def run_moe_vs_dense(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':<14} {'seed':>4} {'tokens':>9} {'valid ppl':>10} {'tokens/s':>9} {'dropped':>8} "
-          f"{'imbalance':>9} {'active params':>13}")
+    print(
+        f"{'model':<14} {'seed':>4} {'tokens':>9} {'valid ppl':>10} {'tokens/s':>9} {'dropped':>8} "
+        f"{'imbalance':>9} {'active params':>13}"
+    )
     for r in rows:
-        print(f"{r['model']:<14} {r['seed']:4d} {r['tokens']:9d} {r['valid_ppl']:10.2f} {r['tokens_per_s']:9.0f} "
-              f"{100 * r['dropped_fraction']:7.2f}% {r['load_imbalance_final']:9.2f} {r['params_active']:13d}")
+        print(
+            f"{r['model']:<14} {r['seed']:4d} {r['tokens']:9d} {r['valid_ppl']:10.2f} {r['tokens_per_s']:9.0f} "
+            f"{100 * r['dropped_fraction']:7.2f}% {r['load_imbalance_final']:9.2f} {r['params_active']:13d}"
+        )
     by_model: dict[str, list[float]] = {}
     for r in rows:
         by_model.setdefault(r["model"], []).append(r["valid_ppl"])
@@ -278,7 +381,9 @@ def print_table(rows: list[dict]) -> None:
 
 # ============================================================================ command line
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="mode", required=True)
     ref = sub.add_parser("reference", help="our dense GPT-2 vs transformers.GPT2LMHeadModel, step by step")
     ref.add_argument("--steps", type=int, default=20)
@@ -286,8 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("--hidden-size", type=int, default=64)
     ref.add_argument("--num-attention-heads", type=int, default=4)
     ref.add_argument("--seq-length", type=int, default=64)
-    ref.add_argument("--vocab-divisor", type=int, default=100,
-                     help="--make-vocab-size-divisible-by (100: the 512 ids pad to 600, exercising the mask)")
+    ref.add_argument(
+        "--vocab-divisor",
+        type=int,
+        default=100,
+        help="--make-vocab-size-divisible-by (100: the 512 ids pad to 600, exercising the mask)",
+    )
     ref.add_argument("--micro-batch-size", type=int, default=4)
     ref.add_argument("--global-batch-size", type=int, default=8)
     ref.add_argument("--lr", type=float, default=3e-3)
@@ -295,8 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("--clip-grad", type=float, default=0.5)
     ref.add_argument("--seed", type=int, default=1234)
     mvd = sub.add_parser("moe-vs-dense", help="dense vs MoE at equal active parameters on WikiText-2")
-    mvd.add_argument("--wikitext-dir", default=DEFAULT_WIKITEXT,
-                     help="folder with wiki.valid.tokens and wiki.test.tokens (default ../shared/wikitext-2)")
+    mvd.add_argument(
+        "--wikitext-dir",
+        default=DEFAULT_WIKITEXT,
+        help="folder with wiki.valid.tokens and wiki.test.tokens (default ../shared/wikitext-2)",
+    )
     mvd.add_argument("--seeds", default="1,2", help="comma-separated seeds")
     mvd.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     mvd.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary trained on the training split")

@@ -20,6 +20,7 @@ slowest rank's):
 and prints the ops by self CPU time. Prints a table on rank 0; --json writes
 {config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor}], kept_rows, padded_rows}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters must be >= 1, --warmup and --profile >= 0")
     par = args.cfg.parallel
     if par.tensor_model_parallel_size * par.expert_sharding_parallel_size != 1:
-        p.error("--tensor-model-parallel-size and --expert-sharding-parallel-size must be 1 "
-                "(DeepSpeed's MoE layer has expert parallelism only)")
+        p.error(
+            "--tensor-model-parallel-size and --expert-sharding-parallel-size must be 1 "
+            "(DeepSpeed's MoE layer has expert parallelism only)"
+        )
     if args.cfg.moe.moe_dropless:
         p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; compare capacity-padded layers")
     return args
@@ -89,17 +92,29 @@ def deepspeed_layer(cfg: Config, ep: int):
     try:
         import deepspeed
         from deepspeed.moe.layer import MoE
-    except ImportError as e:                   # a benchmark peer only
+    except ImportError as e:  # a benchmark peer only
         if dist.get_rank() == 0:
             print(f"deepspeed: skipped (not importable: {e})")
         return None
-    deepspeed.init_distributed("gloo")        # wraps the process group torchrun already made
+    deepspeed.init_distributed("gloo")  # wraps the process group torchrun already made
     m, moe = cfg.model, cfg.moe
-    expert = nn.Sequential(nn.Linear(m.hidden_size, m.ffn_hidden_size), nn.GELU(approximate="tanh"),
-                           nn.Linear(m.ffn_hidden_size, m.hidden_size))
-    layer = MoE(m.hidden_size, expert, num_experts=moe.num_experts, ep_size=ep, k=moe.moe_router_topk,
-                capacity_factor=moe.moe_expert_capacity_factor, eval_capacity_factor=moe.moe_expert_capacity_factor,
-                min_capacity=moe.moe_min_capacity, drop_tokens=True, use_rts=False)
+    expert = nn.Sequential(
+        nn.Linear(m.hidden_size, m.ffn_hidden_size),
+        nn.GELU(approximate="tanh"),
+        nn.Linear(m.ffn_hidden_size, m.hidden_size),
+    )
+    layer = MoE(
+        m.hidden_size,
+        expert,
+        num_experts=moe.num_experts,
+        ep_size=ep,
+        k=moe.moe_router_topk,
+        capacity_factor=moe.moe_expert_capacity_factor,
+        eval_capacity_factor=moe.moe_expert_capacity_factor,
+        min_capacity=moe.moe_min_capacity,
+        drop_tokens=True,
+        use_rts=False,
+    )
     layer.set_deepspeed_parallelism()
     return layer
 
@@ -110,12 +125,13 @@ class Floor:
     def __init__(self, layer: MoELayer, cfg: Config, x: torch.Tensor, ps, device: torch.device):
         x_GSM = x.detach().reshape(1, -1, x.size(-1))
         routes, _, _ = layer.route(x_GSM, split=False)
-        plan = layer.dispatcher.plan(routes)              # collective: every rank takes part
+        plan = layer.dispatcher.plan(routes)  # collective: every rank takes part
         self.counts = plan.kept.counts
         self.padded = layer.dispatcher.num_local * layer.dispatcher.n_ep * plan.groups * plan.slots
         m = cfg.model
-        self.experts = Experts(cfg.moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, cfg.train.seed,
-                               "bench.floor", device=device)
+        self.experts = Experts(
+            cfg.moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, cfg.train.seed, "bench.floor", device=device
+        )
         g = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1)
         rows = sum(self.counts)
         self.x = torch.randn(rows, m.hidden_size, generator=g, device="cpu").to(device).requires_grad_()
@@ -141,6 +157,7 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
             y, aux = layer(x)
             ((y * gy).sum() + aux).backward()
             layer.zero_grad(set_to_none=True)
+
         if name in args.variant_list:
             steps[name] = ours
         if name == "ours" and "floor" in args.variant_list:
@@ -156,6 +173,7 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
                 y, aux, _ = ds(xs)
                 ((y * gy.reshape(y.shape)).sum() + aux).backward()
                 ds.zero_grad(set_to_none=True)
+
             steps["deepspeed"] = deepspeed_step
     return {v: steps[v] for v in VARIANTS if v in steps}, info
 
@@ -180,6 +198,7 @@ def run(args: argparse.Namespace) -> None:
     cfg, par = args.cfg, args.cfg.parallel
     if "RANK" not in os.environ:
         from megatron_moe.testing import free_port
+
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     device = torch.device("cpu")
     dist.init_process_group("gloo")
@@ -200,10 +219,11 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     for v in steps:
         ts = torch.tensor(times[v], dtype=torch.float64, device=device)
-        dist.all_reduce(ts, op=dist.ReduceOp.MAX)                 # the slowest rank's time
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX)  # the slowest rank's time
         ms = torch.sort(ts).values * 1e3
-        rows.append({"variant": v, "ms_median": float(ms.median()),
-                     "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)])})
+        rows.append(
+            {"variant": v, "ms_median": float(ms.median()), "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)])}
+        )
     ref = {r["variant"]: r["ms_median"] for r in rows}
     for r in rows:
         r["ratio_vs_deepspeed"] = r["ms_median"] / ref["deepspeed"] if "deepspeed" in ref else None
@@ -213,8 +233,12 @@ def run(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         print_table(args, rows, every)
         if args.json:
-            out = {"config": describe(args), "rows": rows, "kept_rows": [i.get("kept_rows") for i in every],
-                   "padded_rows": [i.get("padded_rows") for i in every]}
+            out = {
+                "config": describe(args),
+                "rows": rows,
+                "kept_rows": [i.get("kept_rows") for i in every],
+                "padded_rows": [i.get("padded_rows") for i in every],
+            }
             tmp = f"{args.json}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(out, f, indent=1)
@@ -225,10 +249,12 @@ def run(args: argparse.Namespace) -> None:
 
 def describe(args) -> str:
     m, moe, t = args.cfg.model, args.cfg.moe, args.cfg.train
-    return (f"EP{args.cfg.parallel.expert_model_parallel_size} on {dist.get_world_size()} gloo processes, "
-            f"E={moe.num_experts} top-{moe.moe_router_topk} cf={moe.moe_expert_capacity_factor} "
-            f"{t.micro_batch_size * m.seq_length} tokens/rank M={m.hidden_size} H={m.ffn_hidden_size}; "
-            f"{args.iters} iters after {args.warmup} warmup")
+    return (
+        f"EP{args.cfg.parallel.expert_model_parallel_size} on {dist.get_world_size()} gloo processes, "
+        f"E={moe.num_experts} top-{moe.moe_router_topk} cf={moe.moe_expert_capacity_factor} "
+        f"{t.micro_batch_size * m.seq_length} tokens/rank M={m.hidden_size} H={m.ffn_hidden_size}; "
+        f"{args.iters} iters after {args.warmup} warmup"
+    )
 
 
 def print_table(args, rows: list, info: list) -> None:
@@ -248,6 +274,7 @@ def profile(args, steps: dict) -> None:
     run the same steps so the collectives match)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
     for v, step in steps.items():
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.profile):

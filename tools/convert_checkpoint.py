@@ -1,4 +1,5 @@
 """Convert checkpoints between layouts and formats: same as `mmoe-convert` (megatron_moe/cli/convert.py)."""
+
 import os
 import sys
 

@@ -1,4 +1,5 @@
 """Sample text from a checkpoint: same as `mmoe-generate` (megatron_moe/cli/generate.py)."""
+
 import os
 import sys
 

@@ -29,6 +29,7 @@ Usage:
     python tools/mutation_check.py --only clip_inverted,lr_warmup_off_by_one --json out.json
 It is run by hand or nightly, not in .ci/run (docs/TESTING.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-T = "tests/test_mutation_targets.py::"     # the focused tests written for this check
+T = "tests/test_mutation_targets.py::"  # the focused tests written for this check
 
 
 @dataclass(frozen=True)
@@ -53,236 +54,306 @@ class Mutation:
     """One semantic mutation: replace `original` (exactly once in `path`) by `replacement`."""
 
     name: str
-    doc: str                 # the behaviour it breaks
-    path: str                # file relative to the repository root
+    doc: str  # the behaviour it breaks
+    path: str  # file relative to the repository root
     original: str
     replacement: str
-    tests: tuple[str, ...]   # pytest entries that must fail
+    tests: tuple[str, ...]  # pytest entries that must fail
 
 
 M = Mutation
 MUTATIONS: tuple[Mutation, ...] = (
     # ------------------------------------------------------------------ the five of issue 20
-    M("saa_sequential",
-      "SAA made sequential: chunk i's MP all-gather is started and waited for before chunk i+1's "
-      "all-to-all is issued (AAS in chunks; same values, no overlap)",
-      "megatron_moe/distributed/saa.py",
-      "                pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...\n"
-      "            gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers",
-      "                gathers.append((start_gather(recv, a, b), a, b))\n"
-      "                _wait(gathers[-1][0][1], \"all_gather\", mp_group)\n"
-      "                pending = start_a2a(*bounds[i + 1])\n"
-      "            else:\n"
-      "                gathers.append((start_gather(recv, a, b), a, b))",
-      (T + "test_saa_sends_the_next_chunk_before_gathering_the_previous_one", "tests/test_saa_overlap.py")),
-    M("lina_imminent_ignored",
-      "Lina: an imminent all-to-all (backward reached the combine step) no longer closes the gate",
-      "megatron_moe/distributed/lina.py",
-      "self._imminent = True",
-      "self._imminent = False",
-      (T + "test_lina_launches_nothing_once_an_all_to_all_is_imminent", "tests/test_lina_gate.py")),
-    M("random_seed_drops_group",
-      "random routing's seed drops the routing-group id: every data-parallel group draws the same experts",
-      "megatron_moe/moe/router.py",
-      "self.calls * 101 + gid)",
-      "self.calls * 101)",
-      (T + "test_random_routing_draws_differ_across_routing_groups_and_calls", "tests/test_random_routing.py")),
-    M("gate_under_bf16",
-      "the gate's matmul runs under bf16 autocast instead of fp32",
-      "megatron_moe/moe/router.py",
-      "with torch.autocast(device_type=x_SM.device.type, enabled=False):",
-      "with torch.autocast(device_type=x_SM.device.type, dtype=torch.bfloat16):",
-      (T + "test_gate_logits_are_fp32_under_bf16_autocast", "tests/test_bf16.py")),
-    M("clip_inverted",
-      "gradient clipping inverted: gradients are scaled by norm / max_norm instead of max_norm / norm",
-      "megatron_moe/optim.py",
-      "scale = max_norm / (norm + 1e-6)",
-      "scale = (norm + 1e-6) / max_norm",
-      (T + "test_clipping_scales_the_gradients_to_max_norm", "tests/test_clipping.py")),
+    M(
+        "saa_sequential",
+        "SAA made sequential: chunk i's MP all-gather is started and waited for before chunk i+1's "
+        "all-to-all is issued (AAS in chunks; same values, no overlap)",
+        "megatron_moe/distributed/saa.py",
+        "                pending = start_a2a(*bounds[i + 1])  # chunk i+1 travels while ...\n"
+        "            gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers",
+        "                gathers.append((start_gather(recv, a, b), a, b))\n"
+        '                _wait(gathers[-1][0][1], "all_gather", mp_group)\n'
+        "                pending = start_a2a(*bounds[i + 1])\n"
+        "            else:\n"
+        "                gathers.append((start_gather(recv, a, b), a, b))",
+        (T + "test_saa_sends_the_next_chunk_before_gathering_the_previous_one", "tests/test_saa_overlap.py"),
+    ),
+    M(
+        "lina_imminent_ignored",
+        "Lina: an imminent all-to-all (backward reached the combine step) no longer closes the gate",
+        "megatron_moe/distributed/lina.py",
+        "self._imminent = True",
+        "self._imminent = False",
+        (T + "test_lina_launches_nothing_once_an_all_to_all_is_imminent", "tests/test_lina_gate.py"),
+    ),
+    M(
+        "random_seed_drops_group",
+        "random routing's seed drops the routing-group id: every data-parallel group draws the same experts",
+        "megatron_moe/moe/router.py",
+        "self.calls * 101 + gid)",
+        "self.calls * 101)",
+        (T + "test_random_routing_draws_differ_across_routing_groups_and_calls", "tests/test_random_routing.py"),
+    ),
+    M(
+        "gate_under_bf16",
+        "the gate's matmul runs under bf16 autocast instead of fp32",
+        "megatron_moe/moe/router.py",
+        "with torch.autocast(device_type=x_SM.device.type, enabled=False):",
+        "with torch.autocast(device_type=x_SM.device.type, dtype=torch.bfloat16):",
+        (T + "test_gate_logits_are_fp32_under_bf16_autocast", "tests/test_bf16.py"),
+    ),
+    M(
+        "clip_inverted",
+        "gradient clipping inverted: gradients are scaled by norm / max_norm instead of max_norm / norm",
+        "megatron_moe/optim.py",
+        "scale = max_norm / (norm + 1e-6)",
+        "scale = (norm + 1e-6) / max_norm",
+        (T + "test_clipping_scales_the_gradients_to_max_norm", "tests/test_clipping.py"),
+    ),
     # ------------------------------------------------------------------ router
-    M("router_capacity_ignores_k",
-      "capacity forgets the factor k (top-2 gets the top-1 capacity)",
-      "megatron_moe/moe/router.py",
-      "math.ceil(k * capacity_factor * num_tokens / num_experts)",
-      "math.ceil(capacity_factor * num_tokens / num_experts)",
-      ("tests/test_router.py::test_capacity_formula",)),
-    M("router_second_choice_not_after_first",
-      "top-2: second-choice slots no longer start after all first choices of that expert",
-      "megatron_moe/moe/router.py",
-      "pos_ordered[:, 1] += first_total_E.to(dev)[ordered[:, 1]]",
-      "pos_ordered[:, 1] += 0",
-      ("tests/test_router.py::test_top2_second_choice_slots_follow_all_first_choices",)),
-    M("router_no_renormalize",
-      "top-2: kept combine weights are not renormalized to sum to 1",
-      "megatron_moe/moe/router.py",
-      "        g = g / denom",
-      "        g = g",
-      ("tests/test_router.py::test_top2_drop_renormalizes_the_kept_choice",
-       "tests/test_router.py::test_top2_one_choice_dropped_gets_weight_one")),
-    M("router_bpr_ascending",
-      "batch-prioritized routing serves the least confident tokens first",
-      "megatron_moe/moe/router.py",
-      "torch.sort(-importance, stable=True)",
-      "torch.sort(importance, stable=True)",
-      ("tests/test_router.py::test_batch_prioritized_keeps_the_most_confident_tokens",)),
+    M(
+        "router_capacity_ignores_k",
+        "capacity forgets the factor k (top-2 gets the top-1 capacity)",
+        "megatron_moe/moe/router.py",
+        "math.ceil(k * capacity_factor * num_tokens / num_experts)",
+        "math.ceil(capacity_factor * num_tokens / num_experts)",
+        ("tests/test_router.py::test_capacity_formula",),
+    ),
+    M(
+        "router_second_choice_not_after_first",
+        "top-2: second-choice slots no longer start after all first choices of that expert",
+        "megatron_moe/moe/router.py",
+        "pos_ordered[:, 1] += first_total_E.to(dev)[ordered[:, 1]]",
+        "pos_ordered[:, 1] += 0",
+        ("tests/test_router.py::test_top2_second_choice_slots_follow_all_first_choices",),
+    ),
+    M(
+        "router_no_renormalize",
+        "top-2: kept combine weights are not renormalized to sum to 1",
+        "megatron_moe/moe/router.py",
+        "        g = g / denom",
+        "        g = g",
+        (
+            "tests/test_router.py::test_top2_drop_renormalizes_the_kept_choice",
+            "tests/test_router.py::test_top2_one_choice_dropped_gets_weight_one",
+        ),
+    ),
+    M(
+        "router_bpr_ascending",
+        "batch-prioritized routing serves the least confident tokens first",
+        "megatron_moe/moe/router.py",
+        "torch.sort(-importance, stable=True)",
+        "torch.sort(importance, stable=True)",
+        ("tests/test_router.py::test_batch_prioritized_keeps_the_most_confident_tokens",),
+    ),
     # ------------------------------------------------------------------ dispatch / combine
-    M("combine_ignores_weights",
-      "combine sums the expert outputs without the gate weights",
-      "megatron_moe/moe/dispatcher.py",
-      "rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)",
-      "rows = buf_RM.index_select(0, idx.row)",
-      ("tests/test_router.py::test_dispatch_then_combine_is_identity_times_weights_without_drops",)),
-    M("groups_share_slots",
-      "PaddedDispatcher.plan puts every routing group at the same slots of the buffer (groups overwrite each other)",
-      "megatron_moe/moe/dispatcher.py",
-      "slot_base=g * Cs)",
-      "slot_base=0)",
-      (T + "test_two_routing_groups_equal_two_separate_calls",)),
-    M("baseline_expert_grad_unscaled",
-      "baseline schedule: expert weight gradients not scaled by 1/N_MP (MP ranks duplicate the work)",
-      "megatron_moe/moe/dispatcher.py",
-      'super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)',
-      "super().__init__(ps, num_experts, layer_idx, 1.0)",
-      (T + "test_two_process_layout_matches_one_process[baseline-MP2xEP2]",)),
+    M(
+        "combine_ignores_weights",
+        "combine sums the expert outputs without the gate weights",
+        "megatron_moe/moe/dispatcher.py",
+        "rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)",
+        "rows = buf_RM.index_select(0, idx.row)",
+        ("tests/test_router.py::test_dispatch_then_combine_is_identity_times_weights_without_drops",),
+    ),
+    M(
+        "groups_share_slots",
+        "PaddedDispatcher.plan puts every routing group at the same slots of the buffer (groups overwrite each other)",
+        "megatron_moe/moe/dispatcher.py",
+        "slot_base=g * Cs)",
+        "slot_base=0)",
+        (T + "test_two_routing_groups_equal_two_separate_calls",),
+    ),
+    M(
+        "baseline_expert_grad_unscaled",
+        "baseline schedule: expert weight gradients not scaled by 1/N_MP (MP ranks duplicate the work)",
+        "megatron_moe/moe/dispatcher.py",
+        'super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)',
+        "super().__init__(ps, num_experts, layer_idx, 1.0)",
+        (T + "test_two_process_layout_matches_one_process[baseline-MP2xEP2]",),
+    ),
     # ------------------------------------------------------------------ Parm
-    M("parm_s1_no_slot_offsets",
-      "Parm S1: an MP rank's slots no longer start after the tokens of the MP ranks before it",
-      "megatron_moe/moe/parm.py",
-      "offset, first, total = every[:r].sum(dim=0), every[:, :, 0].sum(dim=0)",
-      "offset, first, total = every[:0].sum(dim=0), every[:, :, 0].sum(dim=0)",
-      (T + "test_two_process_layout_matches_one_process[s1-MP2xEP2]",)),
-    M("parm_s1_gate_grad_not_summed",
-      "Parm S1: the gate weight's gradient is not summed over MP when MP ranks gate different tokens",
-      "megatron_moe/moe/router.py",
-      'w = copy_to_group(self.gate_w, self.ps.group("mp")) if split_over_mp else self.gate_w',
-      "w = self.gate_w",
-      (T + "test_two_process_layout_matches_one_process[s1-MP2xEP2]",)),
-    M("parm_s2_all_ranks_take_first_slots",
-      "Parm S2: every MP rank keeps the first 1/N_MP of the slots instead of its own share",
-      "megatron_moe/moe/dispatcher.py",
-      "return s2.dump_a2a(buf_EGnCM[:, :, s2.r])",
-      "return s2.dump_a2a(buf_EGnCM[:, :, 0])",
-      (T + "test_two_process_layout_matches_one_process[s2-MP2xESP2]",)),
-    M("saa_no_local_combine",
-      "SAA/S2 return path: the N_ESP partial outputs are not summed (only ESP shard 0's is kept)",
-      "megatron_moe/distributed/saa.py",
-      ".sum(dim=1).reshape(n_ep * E_l, b - a, M)",
-      "[:, 0].reshape(n_ep * E_l, b - a, M)",
-      (T + "test_two_process_layout_matches_one_process[s2-MP2xESP2]",)),
+    M(
+        "parm_s1_no_slot_offsets",
+        "Parm S1: an MP rank's slots no longer start after the tokens of the MP ranks before it",
+        "megatron_moe/moe/parm.py",
+        "offset, first, total = every[:r].sum(dim=0), every[:, :, 0].sum(dim=0)",
+        "offset, first, total = every[:0].sum(dim=0), every[:, :, 0].sum(dim=0)",
+        (T + "test_two_process_layout_matches_one_process[s1-MP2xEP2]",),
+    ),
+    M(
+        "parm_s1_gate_grad_not_summed",
+        "Parm S1: the gate weight's gradient is not summed over MP when MP ranks gate different tokens",
+        "megatron_moe/moe/router.py",
+        'w = copy_to_group(self.gate_w, self.ps.group("mp")) if split_over_mp else self.gate_w',
+        "w = self.gate_w",
+        (T + "test_two_process_layout_matches_one_process[s1-MP2xEP2]",),
+    ),
+    M(
+        "parm_s2_all_ranks_take_first_slots",
+        "Parm S2: every MP rank keeps the first 1/N_MP of the slots instead of its own share",
+        "megatron_moe/moe/dispatcher.py",
+        "return s2.dump_a2a(buf_EGnCM[:, :, s2.r])",
+        "return s2.dump_a2a(buf_EGnCM[:, :, 0])",
+        (T + "test_two_process_layout_matches_one_process[s2-MP2xESP2]",),
+    ),
+    M(
+        "saa_no_local_combine",
+        "SAA/S2 return path: the N_ESP partial outputs are not summed (only ESP shard 0's is kept)",
+        "megatron_moe/distributed/saa.py",
+        ".sum(dim=1).reshape(n_ep * E_l, b - a, M)",
+        "[:, 0].reshape(n_ep * E_l, b - a, M)",
+        (T + "test_two_process_layout_matches_one_process[s2-MP2xESP2]",),
+    ),
     # ------------------------------------------------------------------ Lancet
-    M("lancet_best_fit_farthest",
-      "Lancet Algorithm 1: takes the dW farthest from the remaining time instead of the closest",
-      "megatron_moe/lancet/wgrad_schedule.py",
-      "return min(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))",
-      "return max(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))",
-      ("tests/test_lancet_alg1.py::test_issue_counter_example_hides_both_all_to_alls",)),
-    M("lancet_no_capacity_passing",
-      "Lancet partitions: a part's slots no longer start after the earlier parts' tokens (no capacity passing)",
-      "megatron_moe/lancet/partitioned_moe.py",
-      "self.offsets += choice_counts(expert, router.num_experts).cpu()",
-      "self.offsets += 0",
-      ("tests/test_lancet_runtime_units.py::test_chained_ranges_in_consecutive_moe_blocks_match_plain",)),
+    M(
+        "lancet_best_fit_farthest",
+        "Lancet Algorithm 1: takes the dW farthest from the remaining time instead of the closest",
+        "megatron_moe/lancet/wgrad_schedule.py",
+        "return min(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))",
+        "return max(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))",
+        ("tests/test_lancet_alg1.py::test_issue_counter_example_hides_both_all_to_alls",),
+    ),
+    M(
+        "lancet_no_capacity_passing",
+        "Lancet partitions: a part's slots no longer start after the earlier parts' tokens (no capacity passing)",
+        "megatron_moe/lancet/partitioned_moe.py",
+        "self.offsets += choice_counts(expert, router.num_experts).cpu()",
+        "self.offsets += 0",
+        ("tests/test_lancet_runtime_units.py::test_chained_ranges_in_consecutive_moe_blocks_match_plain",),
+    ),
     # ------------------------------------------------------------------ Lina, gradient sync
-    M("lina_forward_parameter_order",
-      "Lina/GradSync: gradients are handed over in registration order, not in the reverse order backward "
-      "produces them",
-      "megatron_moe/distributed/grad_sync.py",
-      "self._order = [(p, grad_group_kind(p)) for p in reversed(params)]",
-      "self._order = [(p, grad_group_kind(p)) for p in params]",
-      (T + "test_lina_micro_ops_follow_reverse_parameter_order",)),
-    M("lina_lifo_queue",
-      "Lina: the launcher takes the newest micro-op instead of the oldest (order no longer the submission order)",
-      "megatron_moe/distributed/lina.py",
-      "op = self._queue.popleft()",
-      "op = self._queue.pop()",
-      (T + "test_lina_micro_ops_follow_reverse_parameter_order",)),
-    M("grad_sync_no_dp_average",
-      "GradSync (bucketed): gradients are summed over data-parallel ranks, not averaged",
-      "megatron_moe/distributed/grad_sync.py",
-      "                flat.div_(self.dp)\n            off = 0",
-      "                pass\n            off = 0",
-      (T + "test_two_process_layout_matches_one_process[hooks-DP2]",)),
-    M("sync_gradients_no_dp_average",
-      "sync_gradients (blocking): gradients are summed over data-parallel ranks, not averaged",
-      "megatron_moe/distributed/grad_sync.py",
-      "            p.grad.div_(dp)",
-      "            pass",
-      (T + "test_two_process_layout_matches_one_process[baseline-EP2]",)),
-    M("expert_grads_over_dp",
-      "expert parameters are all-reduced over the dense DP group instead of expert-DP",
-      "megatron_moe/distributed/grad_sync.py",
-      'return "expert_dp" if getattr(p, "_shard", None) is not None and p._shard.expert else "dp"',
-      'return "dp"',
-      (T + "test_two_process_layout_matches_one_process[baseline-EP2]",)),
+    M(
+        "lina_forward_parameter_order",
+        "Lina/GradSync: gradients are handed over in registration order, not in the reverse order backward "
+        "produces them",
+        "megatron_moe/distributed/grad_sync.py",
+        "self._order = [(p, grad_group_kind(p)) for p in reversed(params)]",
+        "self._order = [(p, grad_group_kind(p)) for p in params]",
+        (T + "test_lina_micro_ops_follow_reverse_parameter_order",),
+    ),
+    M(
+        "lina_lifo_queue",
+        "Lina: the launcher takes the newest micro-op instead of the oldest (order no longer the submission order)",
+        "megatron_moe/distributed/lina.py",
+        "op = self._queue.popleft()",
+        "op = self._queue.pop()",
+        (T + "test_lina_micro_ops_follow_reverse_parameter_order",),
+    ),
+    M(
+        "grad_sync_no_dp_average",
+        "GradSync (bucketed): gradients are summed over data-parallel ranks, not averaged",
+        "megatron_moe/distributed/grad_sync.py",
+        "                flat.div_(self.dp)\n            off = 0",
+        "                pass\n            off = 0",
+        (T + "test_two_process_layout_matches_one_process[hooks-DP2]",),
+    ),
+    M(
+        "sync_gradients_no_dp_average",
+        "sync_gradients (blocking): gradients are summed over data-parallel ranks, not averaged",
+        "megatron_moe/distributed/grad_sync.py",
+        "            p.grad.div_(dp)",
+        "            pass",
+        (T + "test_two_process_layout_matches_one_process[baseline-EP2]",),
+    ),
+    M(
+        "expert_grads_over_dp",
+        "expert parameters are all-reduced over the dense DP group instead of expert-DP",
+        "megatron_moe/distributed/grad_sync.py",
+        'return "expert_dp" if getattr(p, "_shard", None) is not None and p._shard.expert else "dp"',
+        'return "dp"',
+        (T + "test_two_process_layout_matches_one_process[baseline-EP2]",),
+    ),
     # ------------------------------------------------------------------ clipping, optimizer
-    M("grad_norm_counts_replicas",
-      "global grad norm counts every replica of a shard (DP / MP copies) instead of each element once",
-      "megatron_moe/optim.py",
-      "            return False\n    return True",
-      "            return True\n    return True",
-      (T + "test_global_grad_norm_counts_every_element_once",)),
-    M("weight_decay_on_vectors",
-      "weight decay also applied to biases and LayerNorm parameters",
-      "megatron_moe/optim.py",
-      'return p.dim() >= 2 and name',
-      'return p.dim() >= 1 and name',
-      (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",)),
-    M("weight_decay_on_expert_biases",
-      "weight decay applied to expert biases [E, H] (2-D, but one vector per expert)",
-      "megatron_moe/optim.py",
-      'name != "wpe" and not expert_bias',
-      'name != "wpe"',
-      (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",)),
-    M("weight_decay_on_wpe",
-      "weight decay also applied to the position table",
-      "megatron_moe/optim.py",
-      'and name != "wpe" and',
-      'and',
-      (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",)),
-    M("lr_warmup_off_by_one",
-      "LR warmup starts at 0 (iteration / warmup) instead of lr / warmup at the first iteration",
-      "megatron_moe/optim.py",
-      "return lr * (iteration + 1) / warm",
-      "return lr * iteration / warm",
-      (T + "test_lr_schedule_warmup_then_decay_to_min_lr",)),
-    M("lr_cosine_ignores_min_lr",
-      "cosine decay ends at 0 instead of --min-lr",
-      "megatron_moe/optim.py",
-      "return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))",
-      "return 0.5 * lr * (1 + math.cos(math.pi * frac))",
-      (T + "test_lr_schedule_warmup_then_decay_to_min_lr",)),
+    M(
+        "grad_norm_counts_replicas",
+        "global grad norm counts every replica of a shard (DP / MP copies) instead of each element once",
+        "megatron_moe/optim.py",
+        "            return False\n    return True",
+        "            return True\n    return True",
+        (T + "test_global_grad_norm_counts_every_element_once",),
+    ),
+    M(
+        "weight_decay_on_vectors",
+        "weight decay also applied to biases and LayerNorm parameters",
+        "megatron_moe/optim.py",
+        "return p.dim() >= 2 and name",
+        "return p.dim() >= 1 and name",
+        (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",),
+    ),
+    M(
+        "weight_decay_on_expert_biases",
+        "weight decay applied to expert biases [E, H] (2-D, but one vector per expert)",
+        "megatron_moe/optim.py",
+        'name != "wpe" and not expert_bias',
+        'name != "wpe"',
+        (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",),
+    ),
+    M(
+        "weight_decay_on_wpe",
+        "weight decay also applied to the position table",
+        "megatron_moe/optim.py",
+        'and name != "wpe" and',
+        "and",
+        (T + "test_weight_decay_skips_biases_layernorms_and_the_position_table",),
+    ),
+    M(
+        "lr_warmup_off_by_one",
+        "LR warmup starts at 0 (iteration / warmup) instead of lr / warmup at the first iteration",
+        "megatron_moe/optim.py",
+        "return lr * (iteration + 1) / warm",
+        "return lr * iteration / warm",
+        (T + "test_lr_schedule_warmup_then_decay_to_min_lr",),
+    ),
+    M(
+        "lr_cosine_ignores_min_lr",
+        "cosine decay ends at 0 instead of --min-lr",
+        "megatron_moe/optim.py",
+        "return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))",
+        "return 0.5 * lr * (1 + math.cos(math.pi * frac))",
+        (T + "test_lr_schedule_warmup_then_decay_to_min_lr",),
+    ),
     # ------------------------------------------------------------------ checkpointing
-    M("ckpt_rng_not_restored",
-      "loading a checkpoint does not restore the torch RNG state",
-      "megatron_moe/checkpointing.py",
-      'torch.set_rng_state(tensors["rng/torch"])',
-      "pass",
-      (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",)),
-    M("ckpt_optimizer_state_not_restored",
-      "loading a checkpoint drops the optimizer state (Adam moments, SGD momentum)",
-      "megatron_moe/checkpointing.py",
-      "optimizer.state[p][state_key] = t.to(p.device) if on_device else t.clone()",
-      "pass",
-      (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",)),
-    M("ckpt_router_calls_not_restored",
-      "loading a checkpoint does not restore the per-layer router call counters (random routing redraws)",
-      "megatron_moe/checkpointing.py",
-      "layer.router.calls = calls",
-      "pass",
-      (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",)),
+    M(
+        "ckpt_rng_not_restored",
+        "loading a checkpoint does not restore the torch RNG state",
+        "megatron_moe/checkpointing.py",
+        'torch.set_rng_state(tensors["rng/torch"])',
+        "pass",
+        (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",),
+    ),
+    M(
+        "ckpt_optimizer_state_not_restored",
+        "loading a checkpoint drops the optimizer state (Adam moments, SGD momentum)",
+        "megatron_moe/checkpointing.py",
+        "optimizer.state[p][state_key] = t.to(p.device) if on_device else t.clone()",
+        "pass",
+        (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",),
+    ),
+    M(
+        "ckpt_router_calls_not_restored",
+        "loading a checkpoint does not restore the per-layer router call counters (random routing redraws)",
+        "megatron_moe/checkpointing.py",
+        "layer.router.calls = calls",
+        "pass",
+        (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",),
+    ),
     # ------------------------------------------------------------------ data sampler
-    M("sampler_same_shard_everywhere",
-      "every data-parallel rank gets rank 0's samples (shards no longer disjoint)",
-      "megatron_moe/data/sampler.py",
-      "yield ids[j, self.dp_rank].tolist()",
-      "yield ids[j, 0].tolist()",
-      ("tests/test_data_sampler.py -k test_dp_shards_are_disjoint_and_cover_each_global_batch",)),
-    M("sampler_resume_from_zero",
-      "the sampler ignores consumed samples: a resumed run starts the data again from the beginning",
-      "megatron_moe/data/sampler.py",
-      "start = self.consumed_samples + t * self.global_batch_size",
-      "start = t * self.global_batch_size",
-      ("tests/test_data_sampler.py::test_resume_continues_the_exact_sequence",)),
+    M(
+        "sampler_same_shard_everywhere",
+        "every data-parallel rank gets rank 0's samples (shards no longer disjoint)",
+        "megatron_moe/data/sampler.py",
+        "yield ids[j, self.dp_rank].tolist()",
+        "yield ids[j, 0].tolist()",
+        ("tests/test_data_sampler.py -k test_dp_shards_are_disjoint_and_cover_each_global_batch",),
+    ),
+    M(
+        "sampler_resume_from_zero",
+        "the sampler ignores consumed samples: a resumed run starts the data again from the beginning",
+        "megatron_moe/data/sampler.py",
+        "start = self.consumed_samples + t * self.global_batch_size",
+        "start = t * self.global_batch_size",
+        ("tests/test_data_sampler.py::test_resume_continues_the_exact_sequence",),
+    ),
 )
 del M
 
@@ -305,8 +376,7 @@ def apply_to_text(text: str, m: Mutation) -> str:
     """`text` with the mutation's snippet replaced; NotApplicable unless it occurs exactly once."""
     n = text.count(m.original)
     if n != 1:
-        raise NotApplicable(f"{m.name}: snippet found {n} times in {m.path} (must be exactly once): "
-                            f"{m.original!r}")
+        raise NotApplicable(f"{m.name}: snippet found {n} times in {m.path} (must be exactly once): {m.original!r}")
     return text.replace(m.original, m.replacement)
 
 
@@ -341,27 +411,46 @@ def entry_file(entry: str) -> str:
 
 def copy_tree(src: str, dst: str) -> None:
     """Copy the repository's files (no .git, caches, run outputs) to `dst`."""
-    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".pytest_cache", ".venv", "runs",
-                                    "checkpoints", "wandb", ".mypy_cache", ".ruff_cache")
+    ignore = shutil.ignore_patterns(
+        ".git",
+        "__pycache__",
+        "*.pyc",
+        ".pytest_cache",
+        ".venv",
+        "runs",
+        "checkpoints",
+        "wandb",
+        ".mypy_cache",
+        ".ruff_cache",
+    )
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 
 
 def _env(copy: str) -> dict:
     env = dict(os.environ)
-    env.update(PYTHONPATH=copy, PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=copy, PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1"
+    )
     return env
 
 
 def check_import_resolves(copy: str) -> str:
     """`import megatron_moe` run inside the copy must load the copy's package; returns its path."""
-    out = subprocess.run([sys.executable, "-c", "import megatron_moe, os; print(os.path.realpath(megatron_moe.__file__))"],
-                         cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", "import megatron_moe, os; print(os.path.realpath(megatron_moe.__file__))"],
+        cwd=copy,
+        env=_env(copy),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     where = out.stdout.strip()
     want = os.path.realpath(os.path.join(copy, "megatron_moe", "__init__.py"))
     if out.returncode != 0 or where != want:
-        raise RuntimeError(f"import megatron_moe inside the copy resolved to {where!r} (want {want}): "
-                           f"{out.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"import megatron_moe inside the copy resolved to {where!r} (want {want}): {out.stderr.strip()[-500:]}"
+        )
     return where
 
 
@@ -374,8 +463,15 @@ def run_pytest(copy: str, args: list[str], timeout: float) -> tuple[str, float, 
     """
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=copy, env=_env(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=copy,
+        env=_env(copy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -417,8 +513,17 @@ def sanity(copy: str, mutations: list[Mutation], timeout: float) -> tuple[bool, 
 
 def check_one(copy: str, m: Mutation, timeout: float) -> dict:
     """Apply `m` to the copy, run its tests, restore the file; returns the result record."""
-    rec = {"name": m.name, "path": m.path, "doc": m.doc, "tests": list(m.tests), "pending": [],
-           "status": "", "seconds": 0.0, "failed": [], "detail": ""}
+    rec = {
+        "name": m.name,
+        "path": m.path,
+        "doc": m.doc,
+        "tests": list(m.tests),
+        "pending": [],
+        "status": "",
+        "seconds": 0.0,
+        "failed": [],
+        "detail": "",
+    }
     ready, rec["pending"] = runnable_entries(copy, m)
     if not ready:
         rec.update(status="error", detail="none of its test files exists")
@@ -438,8 +543,12 @@ def check_one(copy: str, m: Mutation, timeout: float) -> dict:
     finally:
         _write(os.path.join(copy, m.path), original)
     result = {"failed": "caught", "passed": "missed"}.get(status, status)
-    rec.update(status=result, seconds=round(dt, 1), failed=failures(tail),
-               detail="" if result in ("caught", "missed") else tail)
+    rec.update(
+        status=result,
+        seconds=round(dt, 1),
+        failed=failures(tail),
+        detail="" if result in ("caught", "missed") else tail,
+    )
     return rec
 
 
@@ -494,27 +603,42 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(ROOT, copy)
         print(f"copy of {ROOT} in {copy}; megatron_moe from {check_import_resolves(copy)}", flush=True)
         applicable = []
-        for m in chosen:                               # fail loudly before spending time on tests
+        for m in chosen:  # fail loudly before spending time on tests
             try:
                 with open(os.path.join(copy, m.path), encoding="utf-8") as f:
                     apply_to_text(f.read(), m)
                 applicable.append(m)
             except (NotApplicable, OSError) as e:
-                records.append({"name": m.name, "path": m.path, "doc": m.doc, "tests": list(m.tests),
-                                "pending": [], "status": "not-applicable", "seconds": 0.0, "failed": [],
-                                "detail": str(e)})
+                records.append(
+                    {
+                        "name": m.name,
+                        "path": m.path,
+                        "doc": m.doc,
+                        "tests": list(m.tests),
+                        "pending": [],
+                        "status": "not-applicable",
+                        "seconds": 0.0,
+                        "failed": [],
+                        "detail": str(e),
+                    }
+                )
                 print(f"NOT APPLICABLE: {e}", flush=True)
         ok, report = sanity(copy, applicable, args.timeout)
         print(report, flush=True)
         if not ok:
-            print("error: the unmutated copy fails its mapped tests; no mutation result would mean anything",
-                  file=sys.stderr)
+            print(
+                "error: the unmutated copy fails its mapped tests; no mutation result would mean anything",
+                file=sys.stderr,
+            )
             return 1
         for m in applicable:
             rec = check_one(copy, m, args.timeout)
             records.append(rec)
-            print(f"{rec['name']:<40} {rec['status']:<14} {rec['seconds']:6.1f} s"
-                  + (f"  pending: {', '.join(rec['pending'])}" if rec["pending"] else ""), flush=True)
+            print(
+                f"{rec['name']:<40} {rec['status']:<14} {rec['seconds']:6.1f} s"
+                + (f"  pending: {', '.join(rec['pending'])}" if rec["pending"] else ""),
+                flush=True,
+            )
             if rec["failed"]:
                 print(f"    {rec['failed'][0][:160]}", flush=True)
             if rec["detail"] and rec["status"] not in ("caught", "missed"):
@@ -526,8 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in records if r["status"] != "caught"]
     print(f"\n{len(records) - len(bad)} of {len(records)} mutations caught ({started})")
     if args.json:
-        out = {"date": started, "command": "python tools/mutation_check.py " + " ".join(argv or sys.argv[1:]),
-               "caught": len(records) - len(bad), "total": len(records), "results": records}
+        out = {
+            "date": started,
+            "command": "python tools/mutation_check.py " + " ".join(argv or sys.argv[1:]),
+            "caught": len(records) - len(bad),
+            "total": len(records),
+            "results": records,
+        }
         tmp_path = f"{args.json}.tmp-{os.getpid()}"
         with open(tmp_path, "w") as f:
             json.dump(out, f, indent=1)

@@ -17,6 +17,7 @@ Tokens seen = iteration x tokens per iteration, where tokens per iteration is
 `error: ...` and exit status 2; nothing is written then. The PNG is written to a temporary
 name and renamed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,10 @@ def read_run(path: str, label: str) -> Run:
         elif all(isinstance(rec.get(k), (int, float)) for k in TRAIN_KEYS):
             run.train.append(rec)
     if not run.train:
-        raise NotARunLog(f"{path} is not a run log (no training records with {', '.join(TRAIN_KEYS)}; "
-                         f"write one with pretrain_gpt_moe.py --log-json)")
+        raise NotARunLog(
+            f"{path} is not a run log (no training records with {', '.join(TRAIN_KEYS)}; "
+            f"write one with pretrain_gpt_moe.py --log-json)"
+        )
     first = run.train[0]
     run.tokens_per_iter = first["tokens_per_s"] * first["ms_per_iter"] / 1e3
     return run
@@ -101,6 +104,7 @@ def load_matrix(run: Run):
 def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
     """Draw the figure described in the module docstring and write it to `out` (PNG)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -112,23 +116,35 @@ def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
     grid = fig.add_gridspec(1 + nrows_heat, 3 * ncols)
     span = 3 * ncols // 3
     ax_loss = fig.add_subplot(grid[0, 0:span])
-    ax_tps = fig.add_subplot(grid[0, span:2 * span])
-    ax_drop = fig.add_subplot(grid[0, 2 * span:3 * span])
+    ax_tps = fig.add_subplot(grid[0, span : 2 * span])
+    ax_drop = fig.add_subplot(grid[0, 2 * span : 3 * span])
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
         x = [run.tokens(r["iteration"]) for r in run.train]
         ax_loss.plot(x, [r["loss"] for r in run.train], color=c, lw=1.2, label=f"{run.label} train")
         if run.valid:
-            ax_loss.plot([run.tokens(r["iteration"]) for r in run.valid], [r["loss"] for r in run.valid],
-                         color=c, ls="--", marker="o", ms=4, label=f"{run.label} valid")
+            ax_loss.plot(
+                [run.tokens(r["iteration"]) for r in run.valid],
+                [r["loss"] for r in run.valid],
+                color=c,
+                ls="--",
+                marker="o",
+                ms=4,
+                label=f"{run.label} valid",
+            )
         ax_tps.plot(x, [r["tokens_per_s"] for r in run.train], color=c, lw=1.0, label=run.label)
         ax_drop.plot(x, [100 * r.get("dropped_frac", 0.0) for r in run.train], color=c, lw=1.0, label=run.label)
     from matplotlib.ticker import FuncFormatter
-    short = FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v / 1e3:g}k" if abs(v) >= 1e3
-                          else f"{v:g}")
-    for ax, title, ylabel in ((ax_loss, "loss", "lm loss"), (ax_tps, "throughput", "tokens/s"),
-                              (ax_drop, "dropped by capacity", "% of routed choices")):
+
+    short = FuncFormatter(
+        lambda v, _: f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v / 1e3:g}k" if abs(v) >= 1e3 else f"{v:g}"
+    )
+    for ax, title, ylabel in (
+        (ax_loss, "loss", "lm loss"),
+        (ax_tps, "throughput", "tokens/s"),
+        (ax_drop, "dropped by capacity", "% of routed choices"),
+    ):
         ax.xaxis.set_major_formatter(short)
         ax.set_title(title)
         ax.set_xlabel("tokens seen")
@@ -138,10 +154,17 @@ def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
     ax_tps.legend(fontsize=7)
     for k, (run, (rows, iters, matrix)) in enumerate(heat):
         r, c = 1 + k // ncols, (k % ncols) * 3
-        ax = fig.add_subplot(grid[r, c:c + 3])
+        ax = fig.add_subplot(grid[r, c : c + 3])
         data = np.array(matrix, dtype=float)
-        im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=2.0,
-                       extent=(iters[0] - 0.5, iters[-1] + 0.5, len(rows) - 0.5, -0.5))
+        im = ax.imshow(
+            data,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            vmin=0.0,
+            vmax=2.0,
+            extent=(iters[0] - 0.5, iters[-1] + 0.5, len(rows) - 0.5, -0.5),
+        )
         for b in range(1, len(rows)):
             if rows[b][0] != rows[b - 1][0]:
                 ax.axhline(b - 0.5, color="white", lw=1.5)
@@ -150,7 +173,7 @@ def plot(runs: list[Run], out: str, dpi: int = 80) -> None:
         ax.set_xlabel("iteration")
         ax.set_ylabel("experts of each MoE layer", fontsize=8)
         ax.set_title(f"{run.label}: expert load / layer mean", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01, extend="max")   # same scale for every run
+        fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01, extend="max")  # same scale for every run
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}.png"

@@ -1,4 +1,5 @@
 """Tokenize WikiText or jsonl into indexed datasets: same as `mmoe-preprocess` (megatron_moe/cli/preprocess.py)."""
+
 import sys
 
 from megatron_moe.cli.preprocess import main

@@ -14,6 +14,7 @@ pickle), written under a temporary name and renamed, and carries a fingerprint o
 with the checkpoint's tokenizer (an end-of-document id after each document), cut into windows of
 --seq-length tokens (default: the model's context).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if os.path.isdir(args.output):
             raise ValueError(f"--output {args.output} is a directory")
         engine = load_engine(args.load, local_state(), args.iteration)
-        tok = load_tokenizer(tokenizer_path(engine.cfg, args.tokenizer_name_or_path,
-                                            carried_tokenizer(args.load, args.iteration)))
+        tok = load_tokenizer(
+            tokenizer_path(engine.cfg, args.tokenizer_name_or_path, carried_tokenizer(args.load, args.iteration))
+        )
         with open(args.input, encoding="utf-8") as f:
             docs = list(split_wikitext_documents(f))
         ids: list[int] = []
@@ -71,8 +73,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         profile = collect_profile(engine.model, batches, args.path_length, gate_fingerprint(engine))
         save_profile(profile, args.output)
         paths = sum(len(c) for c in profile.counts)
-        print(f"profiled {sum(b.numel() for b in batches)} tokens, {profile.num_layers} MoE layers, {paths} paths "
-              f"(path length {args.path_length}) -> {args.output}", flush=True)
+        print(
+            f"profiled {sum(b.numel() for b in batches)} tokens, {profile.num_layers} MoE layers, {paths} paths "
+            f"(path length {args.path_length}) -> {args.output}",
+            flush=True,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"profile_expert_paths.py: error: {e}", file=sys.stderr)
         return 2

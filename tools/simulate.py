@@ -32,6 +32,7 @@ Trans/Agg) and --tflops (expert FFN: 4 M F flops per token forward).
 
   python tools/simulate.py pro-prophet --devices 4 --experts 4 --skew 0 0.6 1.2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,17 @@ import json
 import os
 import sys
 
-from megatron_moe.moe.cost_model import (OVERLAP_KEY, PAPER_GRID, TABLE_IV, TABLE_IV_COLUMNS, TESTBEDS, AlphaBeta,
-                                         CommModel, simulate_grid, uniform_model)
+from megatron_moe.moe.cost_model import (
+    OVERLAP_KEY,
+    PAPER_GRID,
+    TABLE_IV,
+    TABLE_IV_COLUMNS,
+    TESTBEDS,
+    AlphaBeta,
+    CommModel,
+    simulate_grid,
+    uniform_model,
+)
 from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
@@ -60,12 +70,15 @@ def parm_model(args, testbed: str | None = None) -> CommModel:
             raise ValueError(f"--profile {args.profile}: not a readable --comm-profile cache ({e})") from None
     else:
         preset = TESTBEDS[testbed or args.testbed]
-        base = AlphaBeta(args.alpha if args.alpha is not None else preset.alpha,
-                         args.beta if args.beta is not None else preset.beta)
+        base = AlphaBeta(
+            args.alpha if args.alpha is not None else preset.alpha, args.beta if args.beta is not None else preset.beta
+        )
         over = {}
         if args.a2a_alpha is not None or args.a2a_beta is not None:
-            over["all_to_all"] = AlphaBeta(base.alpha if args.a2a_alpha is None else args.a2a_alpha,
-                                           base.beta if args.a2a_beta is None else args.a2a_beta)
+            over["all_to_all"] = AlphaBeta(
+                base.alpha if args.a2a_alpha is None else args.a2a_alpha,
+                base.beta if args.a2a_beta is None else args.a2a_beta,
+            )
         model = uniform_model(base, **over)
     if (args.overlap_alpha is None) != (args.overlap_beta is None):
         raise ValueError("--overlap-alpha and --overlap-beta go together")
@@ -94,16 +107,28 @@ def _describe(model: CommModel) -> str:
 def run_parm(args) -> list:
     """The plain table over the whole grid; returns its rows."""
     model = parm_model(args)
-    rows = simulate_grid(model, k=args.topk, saa=not args.no_saa, s1=args.s1, paper_baseline=not args.runtime_baseline,
-                         flops_per_s=_flops(args.tflops))
-    print(f"Parm simulation, top-{args.topk}, SAA {'off' if args.no_saa else 'on'}, S1 {args.s1}, "
-          f"compute {args.tflops:g} TFLOP/s; model: {_describe(model)}")
-    print(f"{'N_MP':>5}{'N_ESP':>6}{'configs':>9}{'S1':>8}{'S2':>8}{'Parm':>8}{'auto':>8}{'picks S1':>10}"
-          f"{'auto=base':>11}")
+    rows = simulate_grid(
+        model,
+        k=args.topk,
+        saa=not args.no_saa,
+        s1=args.s1,
+        paper_baseline=not args.runtime_baseline,
+        flops_per_s=_flops(args.tflops),
+    )
+    print(
+        f"Parm simulation, top-{args.topk}, SAA {'off' if args.no_saa else 'on'}, S1 {args.s1}, "
+        f"compute {args.tflops:g} TFLOP/s; model: {_describe(model)}"
+    )
+    print(
+        f"{'N_MP':>5}{'N_ESP':>6}{'configs':>9}{'S1':>8}{'S2':>8}{'Parm':>8}{'auto':>8}{'picks S1':>10}"
+        f"{'auto=base':>11}"
+    )
     out = []
     for (n_mp, n_esp), r in sorted(rows.items()):
-        print(f"{n_mp:>5}{n_esp:>6}{r['configs']:>9}{r['s1']:>7.2f}x{r['s2']:>7.2f}x{r['parm']:>7.2f}x"
-              f"{r['auto']:>7.2f}x{r['picked_s1']:>9.0%}{r['picked_baseline']:>11.0%}")
+        print(
+            f"{n_mp:>5}{n_esp:>6}{r['configs']:>9}{r['s1']:>7.2f}x{r['s2']:>7.2f}x{r['parm']:>7.2f}x"
+            f"{r['auto']:>7.2f}x{r['picked_s1']:>9.0%}{r['picked_baseline']:>11.0%}"
+        )
         out.append({"n_mp": n_mp, "n_esp": n_esp, **r})
     return out
 
@@ -114,8 +139,15 @@ def run_table_iv(args) -> list:
     for col, testbed, P in TABLE_IV_RUNS:
         model = parm_model(args, testbed)
         tflops = args.tflops_a if testbed == "A" else args.tflops_b
-        sims[col] = simulate_grid(model, k=args.topk, saa=not args.no_saa, grid=dict(PAPER_GRID, P=(P,)),
-                                  s1=args.s1, paper_baseline=not args.runtime_baseline, flops_per_s=_flops(tflops))
+        sims[col] = simulate_grid(
+            model,
+            k=args.topk,
+            saa=not args.no_saa,
+            grid=dict(PAPER_GRID, P=(P,)),
+            s1=args.s1,
+            paper_baseline=not args.runtime_baseline,
+            flops_per_s=_flops(tflops),
+        )
         print(f"{col}: P={P}, compute {tflops:g} TFLOP/s, model: {_describe(model)}")
     print(f"top-{args.topk}, SAA {'off' if args.no_saa else 'on'}, S1 {args.s1}; each cell: simulated / Table IV")
     print(f"{'schedule':>9}{'N_MP':>5}{'N_ESP':>6}" + "".join(f"{c:>15}" for c in TABLE_IV_COLUMNS))
@@ -140,7 +172,7 @@ def zipf_counts(devices: int, experts: int, tokens: int, skew: float) -> list[li
     w = [1.0 / (e + 1) ** skew for e in range(experts)]
     exact = [tokens * x / sum(w) for x in w]
     row = [int(x) for x in exact]
-    for e in sorted(range(experts), key=lambda j: (-(exact[j] - row[j]), j))[:tokens - sum(row)]:
+    for e in sorted(range(experts), key=lambda j: (-(exact[j] - row[j]), j))[: tokens - sum(row)]:
         row[e] += 1
     return [list(row) for _ in range(devices)]
 
@@ -152,13 +184,26 @@ def pro_prophet_model(args, overlap: bool) -> PerfModel:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.latency_us < 0:
         raise ValueError(f"--latency-us must be >= 0, got {args.latency_us}")
-    beta = 4 * 8 / (args.bandwidth_gbps * 1e9)          # seconds per fp32 element
+    beta = 4 * 8 / (args.bandwidth_gbps * 1e9)  # seconds per fp32 element
     alpha = args.latency_us * 1e-6
-    c = PerfConstants(a2a_alpha=alpha, a2a_beta=beta, bcast_alpha=alpha, bcast_beta=beta, expert_alpha=0.0,
-                      expert_beta=4 * args.hidden * args.ffn_hidden / (args.tflops * 1e12))
+    c = PerfConstants(
+        a2a_alpha=alpha,
+        a2a_beta=beta,
+        bcast_alpha=alpha,
+        bcast_beta=beta,
+        expert_alpha=0.0,
+        expert_beta=4 * args.hidden * args.ffn_hidden / (args.tflops * 1e12),
+    )
     params = 2 * args.hidden * args.ffn_hidden
-    return PerfModel(c, token_elements=args.hidden, param_elements=params, grad_elements=params,
-                     fnec_s=args.fnec_ms * 1e-3, bnec_s=args.bnec_ms * 1e-3, overlap=overlap)
+    return PerfModel(
+        c,
+        token_elements=args.hidden,
+        param_elements=params,
+        grad_elements=params,
+        fnec_s=args.fnec_ms * 1e-3,
+        bnec_s=args.bnec_ms * 1e-3,
+        overlap=overlap,
+    )
 
 
 def run_pro_prophet(args) -> list:
@@ -168,27 +213,42 @@ def run_pro_prophet(args) -> list:
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     blocking, scheduled = pro_prophet_model(args, False), pro_prophet_model(args, True)
-    print(f"Pro-Prophet model: D={args.devices} E={args.experts} tokens/rank={args.tokens} M={args.hidden} "
-          f"F={args.ffn_hidden} alpha={args.alpha} n={args.n}; {blocking.constants}")
-    print(f"{'skew':>5} {'mode':>22}{'predicted_ms':>14}{'speedup':>9}{'std_before':>12}{'std_after':>11}"
-          f"{'moved':>7}{'copies':>8}")
+    print(
+        f"Pro-Prophet model: D={args.devices} E={args.experts} tokens/rank={args.tokens} M={args.hidden} "
+        f"F={args.ffn_hidden} alpha={args.alpha} n={args.n}; {blocking.constants}"
+    )
+    print(
+        f"{'skew':>5} {'mode':>22}{'predicted_ms':>14}{'speedup':>9}{'std_before':>12}{'std_after':>11}"
+        f"{'moved':>7}{'copies':>8}"
+    )
     rows = []
     for skew in args.skew:
         counts = zipf_counts(args.devices, args.experts, args.tokens, skew)
-        plans = {"none": (heaviest_to_all(counts, k=0, model=blocking), blocking),
-                 "heaviest_to_all": (heaviest_to_all(counts, k=min(2, args.experts), model=blocking), blocking),
-                 "pro_prophet_plan_only": (plan(counts, blocking, alpha=args.alpha, n=args.n), blocking),
-                 "pro_prophet": (plan(counts, scheduled, alpha=args.alpha, n=args.n), scheduled)}
+        plans = {
+            "none": (heaviest_to_all(counts, k=0, model=blocking), blocking),
+            "heaviest_to_all": (heaviest_to_all(counts, k=min(2, args.experts), model=blocking), blocking),
+            "pro_prophet_plan_only": (plan(counts, blocking, alpha=args.alpha, n=args.n), blocking),
+            "pro_prophet": (plan(counts, scheduled, alpha=args.alpha, n=args.n), scheduled),
+        }
         base = plans["none"][0].predicted_s
         for mode, (p, model) in plans.items():
-            row = {"mode": mode, "skew": skew, "predicted_ms": p.predicted_s * 1e3, "speedup": base / p.predicted_s,
-                   "load_std_before": p.load_std_before, "load_std_after": p.load_std_after,
-                   "moved": len(p.order), "copies": p.num_transfers,
-                   "trans_bytes": 4 * p.num_transfers * model.param_elements,
-                   "agg_bytes": 4 * p.num_transfers * model.grad_elements}
+            row = {
+                "mode": mode,
+                "skew": skew,
+                "predicted_ms": p.predicted_s * 1e3,
+                "speedup": base / p.predicted_s,
+                "load_std_before": p.load_std_before,
+                "load_std_after": p.load_std_after,
+                "moved": len(p.order),
+                "copies": p.num_transfers,
+                "trans_bytes": 4 * p.num_transfers * model.param_elements,
+                "agg_bytes": 4 * p.num_transfers * model.grad_elements,
+            }
             rows.append(row)
-            print(f"{skew:>5g} {mode:>22}{row['predicted_ms']:>14.3f}{row['speedup']:>9.2f}"
-                  f"{row['load_std_before']:>12.1f}{row['load_std_after']:>11.1f}{row['moved']:>7}{row['copies']:>8}")
+            print(
+                f"{skew:>5g} {mode:>22}{row['predicted_ms']:>14.3f}{row['speedup']:>9.2f}"
+                f"{row['load_std_before']:>12.1f}{row['load_std_after']:>11.1f}{row['moved']:>7}{row['copies']:>8}"
+            )
     return rows
 
 
@@ -196,33 +256,57 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     pp = sub.add_parser("parm", help="Parm: S1 / S2 / Parm speedups over the baseline on the paper's grid")
-    pp.add_argument("--testbed", choices=sorted(TESTBEDS), default="A",
-                    help="the paper's MP all-gather fit used for every collective (A: "
-                    f"{TESTBEDS['A'].alpha}s, {TESTBEDS['A'].beta}s/el; B: {TESTBEDS['B'].alpha}s, "
-                    f"{TESTBEDS['B'].beta}s/el)")
+    pp.add_argument(
+        "--testbed",
+        choices=sorted(TESTBEDS),
+        default="A",
+        help="the paper's MP all-gather fit used for every collective (A: "
+        f"{TESTBEDS['A'].alpha}s, {TESTBEDS['A'].beta}s/el; B: {TESTBEDS['B'].alpha}s, "
+        f"{TESTBEDS['B'].beta}s/el)",
+    )
     pp.add_argument("--alpha", type=float, default=None, help="alpha [s] of every collective (default: --testbed)")
-    pp.add_argument("--beta", type=float, default=None, help="beta [s/element] of every collective (default: "
-                    "--testbed)")
+    pp.add_argument(
+        "--beta", type=float, default=None, help="beta [s/element] of every collective (default: --testbed)"
+    )
     pp.add_argument("--a2a-alpha", type=float, default=None, help="alpha of the all-to-alls (default --alpha)")
     pp.add_argument("--a2a-beta", type=float, default=None, help="beta of the all-to-alls (default --beta)")
-    pp.add_argument("--overlap-alpha", type=float, default=None,
-                    help="alpha_o [s] of eq. (14) (fitted SAA overlap; default: chunk-pipeline model)")
+    pp.add_argument(
+        "--overlap-alpha",
+        type=float,
+        default=None,
+        help="alpha_o [s] of eq. (14) (fitted SAA overlap; default: chunk-pipeline model)",
+    )
     pp.add_argument("--overlap-beta", type=float, default=None, help="beta_o [s/element] of eq. (14)")
     pp.add_argument("--profile", default=None, help="take alpha/beta from a --comm-profile cache file")
     pp.add_argument("--topk", type=int, default=1, choices=[1, 2])
     pp.add_argument("--no-saa", action="store_true", help="S2 without the all-to-all/all-gather overlap")
-    pp.add_argument("--s1", choices=("padded", "kept"), default="padded",
-                    help="S1's all-to-all: the paper's padded buffers (default) or kept tokens only (this runtime)")
-    pp.add_argument("--runtime-baseline", action="store_true",
-                    help="price the baseline as this project runs it (ESP all-gather of the dispatch buffer), "
-                    "not by eq. (1)")
-    pp.add_argument("--tflops", type=float, default=0.0,
-                    help="expert compute throughput [TFLOP/s] (0: communication only)")
+    pp.add_argument(
+        "--s1",
+        choices=("padded", "kept"),
+        default="padded",
+        help="S1's all-to-all: the paper's padded buffers (default) or kept tokens only (this runtime)",
+    )
+    pp.add_argument(
+        "--runtime-baseline",
+        action="store_true",
+        help="price the baseline as this project runs it (ESP all-gather of the dispatch buffer), not by eq. (1)",
+    )
+    pp.add_argument(
+        "--tflops", type=float, default=0.0, help="expert compute throughput [TFLOP/s] (0: communication only)"
+    )
     pp.add_argument("--table-iv", action="store_true", help="print the simulation beside Parm's Table IV")
-    pp.add_argument("--tflops-a", type=float, default=TESTBED_TFLOPS["A"],
-                    help="--table-iv: testbed A's throughput [TFLOP/s] (default RTX 4090 fp32 peak)")
-    pp.add_argument("--tflops-b", type=float, default=TESTBED_TFLOPS["B"],
-                    help="--table-iv: testbed B's throughput [TFLOP/s] (default RTX 2080 Ti fp32 peak)")
+    pp.add_argument(
+        "--tflops-a",
+        type=float,
+        default=TESTBED_TFLOPS["A"],
+        help="--table-iv: testbed A's throughput [TFLOP/s] (default RTX 4090 fp32 peak)",
+    )
+    pp.add_argument(
+        "--tflops-b",
+        type=float,
+        default=TESTBED_TFLOPS["B"],
+        help="--table-iv: testbed B's throughput [TFLOP/s] (default RTX 2080 Ti fp32 peak)",
+    )
     pp.add_argument("--json", default=None, help="write the table as JSON here")
     pq = sub.add_parser("pro-prophet", help="Pro-Prophet: modelled MoE-layer time and load std under Zipf skew")
     pq.add_argument("--devices", type=int, default=4, help="expert-parallel ranks D")

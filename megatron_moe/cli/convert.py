@@ -18,6 +18,7 @@ the repository root (docs/TOOLS.md has more):
 Every output is staged under a temporary name and renamed when complete. --verify compares the
 logits of a fixed batch (one-process models on the consolidated tensors) before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,14 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     """--target-* layout flags of the output (each default 1)."""
     p.add_argument("--target-tensor-model-parallel-size", type=int, default=1, help="MP degree of the output")
     p.add_argument("--target-expert-model-parallel-size", type=int, default=1, help="EP degree of the output")
-    p.add_argument("--target-expert-sharding-parallel-size", type=int, default=1,
-                   help="ESP degree of the output")
-    p.add_argument("--target-world-size", type=int, default=None,
-                   help="ranks of the output (default: the smallest that holds the layout, "
-                        "lcm(MP, EP x ESP); data parallel is world / MP)")
+    p.add_argument("--target-expert-sharding-parallel-size", type=int, default=1, help="ESP degree of the output")
+    p.add_argument(
+        "--target-world-size",
+        type=int,
+        default=None,
+        help="ranks of the output (default: the smallest that holds the layout, "
+        "lcm(MP, EP x ESP); data parallel is world / MP)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,19 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verify", action="store_true",
-                        help=f"check that logits of a fixed batch are equal before and after (within {TOLERANCE})")
+    common.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"check that logits of a fixed batch are equal before and after (within {TOLERANCE})",
+    )
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    p = sub.add_parser("reshard", parents=[common], formatter_class=HelpFormatter,
-                       help="a sharded checkpoint to another parallel layout")
+    p = sub.add_parser(
+        "reshard",
+        parents=[common],
+        formatter_class=HelpFormatter,
+        help="a sharded checkpoint to another parallel layout",
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (uses its 'latest') or an iter_* directory")
     p.add_argument("--iteration", type=int, help="convert this iteration instead of the latest")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser("import-hf", parents=[common], formatter_class=HelpFormatter,
-                       help="Hugging Face GPT-2 -> our format (iteration 0)")
+    p = sub.add_parser(
+        "import-hf",
+        parents=[common],
+        formatter_class=HelpFormatter,
+        help="Hugging Face GPT-2 -> our format (iteration 0)",
+    )
     p.add_argument("--hf", required=True, help="a save_pretrained directory or a hub name such as gpt2")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     p.add_argument("--num-experts", type=int, default=0, help="0: dense; else experts per MoE block")
@@ -69,20 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the gate initialization (and of the run)")
     add_target_flags(p)
 
-    p = sub.add_parser("export", parents=[common], formatter_class=HelpFormatter,
-                       help="a checkpoint -> one safetensors file + .json")
+    p = sub.add_parser(
+        "export", parents=[common], formatter_class=HelpFormatter, help="a checkpoint -> one safetensors file + .json"
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (any layout)")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="FILE.safetensors (FILE.json is written beside it)")
 
-    p = sub.add_parser("import", parents=[common], formatter_class=HelpFormatter,
-                       help="a consolidated safetensors file -> our format")
+    p = sub.add_parser(
+        "import", parents=[common], formatter_class=HelpFormatter, help="a consolidated safetensors file -> our format"
+    )
     p.add_argument("--input", required=True, help="FILE.safetensors written by `export` (FILE.json beside it)")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser("export-hf", parents=[common], formatter_class=HelpFormatter,
-                       help="a dense checkpoint -> GPT2LMHeadModel directory")
+    p = sub.add_parser(
+        "export-hf",
+        parents=[common],
+        formatter_class=HelpFormatter,
+        help="a dense checkpoint -> GPT2LMHeadModel directory",
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or consolidated file")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="output directory (must not exist)")
@@ -92,17 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
 def check(name: str, diff: float) -> None:
     """Print a --verify result; raise when it is over the tolerance (the output is then not committed)."""
     ok = diff <= TOLERANCE
-    print(f"verify {name}: max |logit difference| = {diff:.3e} (tolerance {TOLERANCE:g}) -> "
-          f"{'OK' if ok else 'FAILED'}", flush=True)
+    print(
+        f"verify {name}: max |logit difference| = {diff:.3e} (tolerance {TOLERANCE:g}) -> {'OK' if ok else 'FAILED'}",
+        flush=True,
+    )
     if not ok:
         raise RuntimeError(f"--verify failed for {name}: max |logit difference| {diff:.3e} > {TOLERANCE:g}")
 
 
 def targets(args, cfg) -> tuple:
     """(target config, world size) from the --target-* flags, validated against the model."""
-    cfg, world = cv.target_config(cfg, args.target_tensor_model_parallel_size,
-                                  args.target_expert_model_parallel_size,
-                                  args.target_expert_sharding_parallel_size, args.target_world_size)
+    cfg, world = cv.target_config(
+        cfg,
+        args.target_tensor_model_parallel_size,
+        args.target_expert_model_parallel_size,
+        args.target_expert_sharding_parallel_size,
+        args.target_world_size,
+    )
     note = cv.batch_warning(cfg, world)
     if note:
         print(note, flush=True)
@@ -125,9 +152,11 @@ def write_with_verify(src: cv.FullCheckpoint, args, cfg, world: int, compare_opt
 
     path = cv.write_sharded(src, args.save, cfg, world, progress, verify if args.verify else None)
     p = cfg.parallel
-    print(f"wrote {path}: world {world} MP{p.tensor_model_parallel_size} EP{p.expert_model_parallel_size} "
-          f"ESP{p.expert_sharding_parallel_size} DP{world // p.tensor_model_parallel_size}, "
-          f"iteration {src.meta.get('iteration', 0)}")
+    print(
+        f"wrote {path}: world {world} MP{p.tensor_model_parallel_size} EP{p.expert_model_parallel_size} "
+        f"ESP{p.expert_sharding_parallel_size} DP{world // p.tensor_model_parallel_size}, "
+        f"iteration {src.meta.get('iteration', 0)}"
+    )
     return path
 
 
@@ -139,8 +168,15 @@ def cmd_reshard(args) -> None:
 
 def cmd_import_hf(args) -> None:
     hf = cv.load_hf_model(args.hf)
-    src = cv.import_hf(hf, args.hf, args.num_experts, args.moe_layer_freq, args.moe_router_topk,
-                       args.moe_expert_capacity_factor, args.seed)
+    src = cv.import_hf(
+        hf,
+        args.hf,
+        args.num_experts,
+        args.moe_layer_freq,
+        args.moe_router_topk,
+        args.moe_expert_capacity_factor,
+        args.seed,
+    )
     cfg, world = targets(args, src.cfg)
     if args.verify:
         moe = any(src.cfg.is_moe_layer(i) for i in range(src.cfg.model.num_layers))
@@ -148,8 +184,10 @@ def cmd_import_hf(args) -> None:
         if not moe or src.cfg.moe.moe_router_topk == 2:
             check("Hugging Face vs imported" + (" (top-2, no drops)" if moe else ""), diff)
         else:
-            print(f"verify: Hugging Face vs upcycled top-1 model differ by {diff:.3e}: expected, a top-1 "
-                  f"expert's output is scaled by its gate probability (see docs/TOOLS.md); not checked")
+            print(
+                f"verify: Hugging Face vs upcycled top-1 model differ by {diff:.3e}: expected, a top-1 "
+                f"expert's output is scaled by its gate probability (see docs/TOOLS.md); not checked"
+            )
     write_with_verify(src, args, cfg, world, compare_optimizer=False)
 
 
@@ -180,8 +218,13 @@ def cmd_export_hf(args) -> None:
     print(f"wrote {args.output} (GPT2LMHeadModel); {note}")
 
 
-COMMANDS = {"reshard": cmd_reshard, "import-hf": cmd_import_hf, "export": cmd_export, "import": cmd_import,
-            "export-hf": cmd_export_hf}
+COMMANDS = {
+    "reshard": cmd_reshard,
+    "import-hf": cmd_import_hf,
+    "export": cmd_export,
+    "import": cmd_import,
+    "export-hf": cmd_export_hf,
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -21,6 +21,7 @@ keeps the old one-process path with the training router's capacity (tokens may b
 The tokenizer is --tokenizer-name-or-path, else the one the checkpoint carries (ITER_DIR/tokenizer,
 copied at save), else the one recorded in its config, else the one beside its training data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_moe.arguments import HelpFormatter
-from megatron_moe.generation import (carried_tokenizer, check_sampling, generate, load_model,
-                                     tokenizer_path)
+from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
 from megatron_moe.inference.scheduled import use_lina
 from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or FILE.safetensors")
     p.add_argument("--iteration", type=int, help="use this iteration instead of the latest")
-    p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch; empty: start a new "
-                                                      "document)")
+    p.add_argument(
+        "--prompt", action="append", help="text to continue (repeat for a batch; empty: start a new document)"
+    )
     p.add_argument("--prompts-file", help="a file of prompts, one per line (added after the --prompt ones)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
@@ -54,17 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds seed, seed+1, ...)")
     p.add_argument("--tokenizer-name-or-path", help="tokenizer directory or hub name (default: from the checkpoint)")
-    p.add_argument("--moe-expert-capacity-factor", type=float,
-                   help="one-process generation with the training router's capacity (tokens may be dropped) "
-                        "instead of the dropless engine")
+    p.add_argument(
+        "--moe-expert-capacity-factor",
+        type=float,
+        help="one-process generation with the training router's capacity (tokens may be dropped) "
+        "instead of the dropless engine",
+    )
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after an end-of-document token")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="MP degree (under torchrun)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP degree (under torchrun)")
     p.add_argument("--expert-sharding-parallel-size", type=int, default=1, help="ESP degree (under torchrun)")
-    p.add_argument("--lina-inference", metavar="PROFILE",
-                   help="Lina's two-phase expert scheduling from this profile (tools/profile_expert_paths.py)")
-    p.add_argument("--max-experts-per-rank", type=int, default=4,
-                   help="with --lina-inference: unpopular experts packed onto one rank at most")
+    p.add_argument(
+        "--lina-inference",
+        metavar="PROFILE",
+        help="Lina's two-phase expert scheduling from this profile (tools/profile_expert_paths.py)",
+    )
+    p.add_argument(
+        "--max-experts-per-rank",
+        type=int,
+        default=4,
+        help="with --lina-inference: unpopular experts packed onto one rank at most",
+    )
     return p
 
 
@@ -85,8 +96,10 @@ def _prompts(args, tok) -> list[tuple[str, list[int]]]:
 
 def _one_process_capacity(model, args, temperature: float, requests, eod) -> list[list[int]]:
     """The training router with --moe-expert-capacity-factor, one process, full recomputation."""
-    return [generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
-            for ids, seed in requests]
+    return [
+        generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
+        for ids, seed in requests
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -100,12 +113,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.max_new_tokens < 0 or args.num_samples < 1:
             raise ValueError("--max-new-tokens must be >= 0 and --num-samples >= 1")
         if args.moe_expert_capacity_factor is not None and (world > 1 or args.lina_inference):
-            raise ValueError("--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
-                             "and not with --lina-inference")
+            raise ValueError(
+                "--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
+                "and not with --lina-inference"
+            )
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo")
-        ps = (initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                                        args.expert_sharding_parallel_size) if world > 1 else local_state())
+        ps = (
+            initialize_model_parallel(
+                args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_sharding_parallel_size
+            )
+            if world > 1
+            else local_state()
+        )
         engine, cap_model = None, None
         if args.moe_expert_capacity_factor is None:
             engine = load_engine(args.load, ps, args.iteration)
@@ -113,8 +133,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             cap_model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
         from megatron_moe.data.tokenizer import load_tokenizer
-        tok = load_tokenizer(tokenizer_path(cfg, args.tokenizer_name_or_path,
-                                            carried_tokenizer(args.load, args.iteration)))
+
+        tok = load_tokenizer(
+            tokenizer_path(cfg, args.tokenizer_name_or_path, carried_tokenizer(args.load, args.iteration))
+        )
         prompts = _prompts(args, tok)
         requests = [(ids, args.seed + s) for _, ids in prompts for s in range(args.num_samples)]
         eod = None if args.no_stop_at_eod else tok.eod
@@ -123,8 +145,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             if args.lina_inference:
                 use_lina(engine, args.lina_inference, args.max_experts_per_rank)
-            new = serve(engine, [ids for ids, _ in requests], args.max_new_tokens, temperature, args.top_k,
-                        args.top_p, [seed for _, seed in requests], eod)
+            new = serve(
+                engine,
+                [ids for ids, _ in requests],
+                args.max_new_tokens,
+                temperature,
+                args.top_k,
+                args.top_p,
+                [seed for _, seed in requests],
+                eod,
+            )
         if rank == 0:
             for i, ((text, _), s) in enumerate((p, s) for p in prompts for s in range(args.num_samples)):
                 if args.num_samples > 1:

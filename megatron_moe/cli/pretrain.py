@@ -9,6 +9,7 @@ Installed as `mmoe-pretrain`; `python pretrain_gpt_moe.py` in the repository run
 Bad input (a flag, a data file, a checkpoint) ends with one `error: ...` line and exit status 2;
 a NaN/inf loss or gradient norm ends with one `error: ...` line and exit status 1.
 """
+
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ from megatron_moe.parallel_state import shutdown
 from megatron_moe.training import pretrain
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
-_claim = None   # keeps the socket that marks this process as the one that reported
+_claim = None  # keeps the socket that marks this process as the one that reported
 
 
 def first_to_report() -> bool:
@@ -51,14 +52,14 @@ def main(argv=None) -> int:
     try:
         # a collective stuck past --comm-timeout (or a lost peer): `error: ...` once, exit 1
         with exit_on_comm_error():
-            pretrain(parse_args(argv))     # returns with Lina's thread joined and the logger closed
-            shutdown()                     # barrier, destroy every group, join the backends' threads
+            pretrain(parse_args(argv))  # returns with Lina's thread joined and the logger closed
+            shutdown()  # barrier, destroy every group, join the backends' threads
     except (*BAD_INPUT, NonFiniteError) as e:
         if first_to_report():
             print(f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, NonFiniteError) else 2
     finally:
-        if dist.is_initialized():          # an error left the groups up
+        if dist.is_initialized():  # an error left the groups up
             shutdown(barrier=False)
     return 0
 

@@ -5,6 +5,7 @@
   consolidated FILE.safetensors (full parameters, our names) + FILE.json (config, counters, specs)
 Both go through `FullCheckpoint` (megatron_moe.convert.sharded); outputs are staged and renamed.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,27 @@ from safetensors.torch import save_file
 from megatron_moe.arguments import config_from_dict, config_to_dict
 from megatron_moe.checkpointing import FORMAT_VERSION
 from megatron_moe.config import Config
-from megatron_moe.convert.sharded import (CONSOLIDATED_FORMAT, FullCheckpoint, _get, _open_shard, _read_json,
-                                          fixed_batch, model_logits, read_sharded, spec_from_json, specs_to_json,
-                                          staged_dir, structure_specs)
+from megatron_moe.convert.sharded import (
+    CONSOLIDATED_FORMAT,
+    FullCheckpoint,
+    _get,
+    _open_shard,
+    _read_json,
+    fixed_batch,
+    model_logits,
+    read_sharded,
+    spec_from_json,
+    specs_to_json,
+    staged_dir,
+    structure_specs,
+)
 
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2
 def load_hf_model(name_or_path: str):
     """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode)."""
     from transformers import GPT2LMHeadModel
+
     if not os.path.isdir(name_or_path) and _looks_like_path(name_or_path):
         raise FileNotFoundError(f"--hf {name_or_path}: no such directory")
     try:
@@ -42,12 +55,20 @@ def _looks_like_path(name: str) -> bool:
     return "/" in name and os.path.exists(name.split("/")[0])
 
 
-def import_hf(hf_model, source: str, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1,
-              capacity_factor: float = 1.0, seed: int = 0) -> FullCheckpoint:
+def import_hf(
+    hf_model,
+    source: str,
+    num_experts: int = 0,
+    moe_layer_freq: int = 2,
+    topk: int = 1,
+    capacity_factor: float = 1.0,
+    seed: int = 0,
+) -> FullCheckpoint:
     """Our full checkpoint (iteration 0, no optimizer state) of a GPT2LMHeadModel; with
     num_experts > 0 every `moe_layer_freq`-th block becomes an MoE block whose experts all
     start as the block's MLP and whose gate is small and random (seeded by `seed`)."""
     from megatron_moe.model.hf_import import config_from_hf, full_state_from_hf
+
     cfg = config_from_hf(hf_model.config, num_experts, moe_layer_freq, topk)
     cfg.moe.moe_expert_capacity_factor, cfg.train.seed = capacity_factor, seed
     tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
@@ -55,8 +76,13 @@ def import_hf(hf_model, source: str, num_experts: int = 0, moe_layer_freq: int =
         cfg.data.tokenizer_name_or_path = source
     full = full_state_from_hf(hf_model.state_dict(), cfg, seed=seed)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
-    meta = {"iteration": 0, "consumed_samples": 0, "optimizer": None, "router_calls": [0] * n_moe,
-            "source": {"hf": source}}
+    meta = {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "optimizer": None,
+        "router_calls": [0] * n_moe,
+        "source": {"hf": source},
+    }
     return FullCheckpoint(cfg, full, structure_specs(cfg), meta=meta)
 
 
@@ -69,21 +95,31 @@ def hf_logit_diff(hf_model, ckpt: FullCheckpoint, no_drop: bool = False) -> floa
 
 def _hf_config(cfg: Config):
     from transformers import GPT2Config
+
     m = cfg.model
-    return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings or m.seq_length, n_embd=m.hidden_size,
-                      n_layer=m.num_layers, n_head=m.num_attention_heads,
-                      n_inner=None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
-                      activation_function="gelu_new", layer_norm_epsilon=m.layernorm_epsilon,
-                      resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
-                      # GPT-2's 50256 only where it exists; `_copy_tokenizer` sets the real one
-                      bos_token_id=50256 if m.vocab_size > 50256 else None,
-                      eos_token_id=50256 if m.vocab_size > 50256 else None)
+    return GPT2Config(
+        vocab_size=m.vocab_size,
+        n_positions=m.max_position_embeddings or m.seq_length,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_attention_heads,
+        n_inner=None if m.ffn_hidden_size == 4 * m.hidden_size else m.ffn_hidden_size,
+        activation_function="gelu_new",
+        layer_norm_epsilon=m.layernorm_epsilon,
+        resid_pdrop=m.dropout,
+        embd_pdrop=m.dropout,
+        attn_pdrop=m.dropout,
+        # GPT-2's 50256 only where it exists; `_copy_tokenizer` sets the real one
+        bos_token_id=50256 if m.vocab_size > 50256 else None,
+        eos_token_id=50256 if m.vocab_size > 50256 else None,
+    )
 
 
 def _copy_tokenizer(cfg: Config, directory: str, hf_config) -> str:
     """Save the checkpoint's tokenizer (config's --tokenizer-name-or-path, or the one beside the
     data) into `directory`; returns what happened, in words. Best effort: never an error."""
     from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer
+
     src = cfg.data.tokenizer_name_or_path
     if not src and cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):
         src = f"{cfg.data.data_path}_tokenizer"
@@ -106,9 +142,12 @@ def export_hf(ckpt: FullCheckpoint, output: str, before_commit: Optional[Callabl
     note on the tokenizer. `before_commit(staged_dir)` runs before the rename."""
     from transformers import GPT2LMHeadModel
     from megatron_moe.model.hf_import import hf_state_from_full
+
     if any(ckpt.cfg.is_moe_layer(i) for i in range(ckpt.cfg.model.num_layers)):
-        raise ValueError("export-hf: the model has MoE layers, which GPT2LMHeadModel cannot hold; "
-                         "use `export` (consolidated safetensors) instead")
+        raise ValueError(
+            "export-hf: the model has MoE layers, which GPT2LMHeadModel cannot hold; "
+            "use `export` (consolidated safetensors) instead"
+        )
     sd = hf_state_from_full(ckpt.model, ckpt.cfg)
     hf_config = _hf_config(ckpt.cfg)
     with staged_dir(output) as tmp:
@@ -129,8 +168,9 @@ def json_path_of(path: str) -> str:
     return os.path.splitext(path)[0] + ".json"
 
 
-def export_file(ckpt: FullCheckpoint, output: str,
-                before_commit: Optional[Callable[[str, str], None]] = None) -> tuple[str, str]:
+def export_file(
+    ckpt: FullCheckpoint, output: str, before_commit: Optional[Callable[[str, str], None]] = None
+) -> tuple[str, str]:
     """Write the full parameters to `output` (safetensors, our names) and config/counters/specs
     to its .json; both staged and renamed. Returns (safetensors path, json path)."""
     js = json_path_of(output)
@@ -141,10 +181,15 @@ def export_file(ckpt: FullCheckpoint, output: str,
             raise FileExistsError(f"{p} already exists; remove it or choose another --output")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp, tmp_js = f"{output}.tmp-{os.getpid()}", f"{js}.tmp-{os.getpid()}"
-    info = {"format": CONSOLIDATED_FORMAT, "format_version": FORMAT_VERSION, "config": config_to_dict(ckpt.cfg),
-            "iteration": int(ckpt.meta.get("iteration", 0)),
-            "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
-            "router_calls": ckpt.meta.get("router_calls", []), "shard_specs": specs_to_json(ckpt.model, ckpt.specs)}
+    info = {
+        "format": CONSOLIDATED_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": config_to_dict(ckpt.cfg),
+        "iteration": int(ckpt.meta.get("iteration", 0)),
+        "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
+        "router_calls": ckpt.meta.get("router_calls", []),
+        "shard_specs": specs_to_json(ckpt.model, ckpt.specs),
+    }
     try:
         save_file({n: t.contiguous() for n, t in ckpt.model.items()}, tmp, metadata={"format": CONSOLIDATED_FORMAT})
         with open(tmp_js, "w") as f:
@@ -170,19 +215,31 @@ def read_file(path: str, json_path: Optional[str] = None) -> FullCheckpoint:
     cfg = config_from_dict(info["config"])
     with _open_shard(path) as f:
         model = {k: _get(f, path, k) for k in f.keys()}
-    specs = ({n: spec_from_json(s) for n, s in info["shard_specs"].items()} if "shard_specs" in info
-             else structure_specs(cfg))
+    specs = (
+        {n: spec_from_json(s) for n, s in info["shard_specs"].items()}
+        if "shard_specs" in info
+        else structure_specs(cfg)
+    )
     if set(specs) != set(model):
         raise ValueError(f"{path}: tensors {sorted(set(specs) ^ set(model))} do not match the model in {js}")
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
-    meta = {"iteration": 0, "consumed_samples": 0, "optimizer": None, "router_calls": [0] * n_moe,
-            "source": {"file": os.path.abspath(path), "iteration": info.get("iteration"),
-                       "consumed_samples": info.get("consumed_samples")}}
+    meta = {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "optimizer": None,
+        "router_calls": [0] * n_moe,
+        "source": {
+            "file": os.path.abspath(path),
+            "iteration": info.get("iteration"),
+            "consumed_samples": info.get("consumed_samples"),
+        },
+    }
     return FullCheckpoint(cfg, model, specs, meta=meta)
 
 
-def read_any(load: str, iteration: Optional[int] = None, with_optimizer: bool = True,
-             progress: bool = True) -> FullCheckpoint:
+def read_any(
+    load: str, iteration: Optional[int] = None, with_optimizer: bool = True, progress: bool = True
+) -> FullCheckpoint:
     """A sharded checkpoint directory (any layout) or a consolidated .safetensors file."""
     if os.path.isfile(load):
         return read_file(load)

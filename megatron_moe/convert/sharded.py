@@ -14,6 +14,7 @@ Formats (see docs/TOOLS.md):
   Hugging Face a GPT2LMHeadModel `save_pretrained` directory (dense models only)
 Every output is written under a temporary name and renamed when complete.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,11 +32,27 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megatron_moe.arguments import config_from_dict, validate
-from megatron_moe.checkpointing import (FORMAT_VERSION, TOKENIZER_DIR, copy_tokenizer, iter_dir, portable_config,
-                                        resolve, sha256_file, shard_name, tokenizer_source)
+from megatron_moe.checkpointing import (
+    FORMAT_VERSION,
+    TOKENIZER_DIR,
+    copy_tokenizer,
+    iter_dir,
+    portable_config,
+    resolve,
+    sha256_file,
+    shard_name,
+    tokenizer_source,
+)
 from megatron_moe.config import Config
-from megatron_moe.layers.sharding import (ShardSpec, coords_key, coords_of, local_shape, shard_spec, shard_tensor,
-                                          unshard_tensor)
+from megatron_moe.layers.sharding import (
+    ShardSpec,
+    coords_key,
+    coords_of,
+    local_shape,
+    shard_spec,
+    shard_tensor,
+    unshard_tensor,
+)
 
 CONSOLIDATED_FORMAT = "megatron_moe.consolidated"
 
@@ -76,8 +93,10 @@ def spec_from_json(d: dict) -> ShardSpec:
 
 def specs_to_json(model: dict, specs: dict) -> dict:
     """metadata.json form of the shard specs (with each parameter's full shape)."""
-    return {n: {"dims": [list(d) for d in specs[n].dims], "expert": specs[n].expert,
-                "full_shape": list(model[n].shape)} for n in model}
+    return {
+        n: {"dims": [list(d) for d in specs[n].dims], "expert": specs[n].expert, "full_shape": list(model[n].shape)}
+        for n in model
+    }
 
 
 def structure_specs(cfg: Config) -> dict:
@@ -89,6 +108,7 @@ def structure_specs(cfg: Config) -> dict:
     """
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import local_state
+
     tiny = copy.deepcopy(cfg)
     m = tiny.model
     m.hidden_size, m.ffn_hidden_size = m.num_attention_heads, 1
@@ -128,7 +148,7 @@ def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--load {load} --iteration {iteration}: {path} does not exist")
         return path
-    return resolve(load)      # DIR/latest, falling back to the newest complete iteration
+    return resolve(load)  # DIR/latest, falling back to the newest complete iteration
 
 
 def verify_checksum(shard: str, meta: dict) -> None:
@@ -159,8 +179,12 @@ def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
     """((world, mp, ep, esp), {name: ShardSpec}, {name: full shape}, Config) from metadata.json."""
     try:
         lay = meta["layout"]
-        layout = (lay["world_size"], lay["tensor_model_parallel_size"], lay["expert_model_parallel_size"],
-                  lay["expert_sharding_parallel_size"])
+        layout = (
+            lay["world_size"],
+            lay["tensor_model_parallel_size"],
+            lay["expert_model_parallel_size"],
+            lay["expert_sharding_parallel_size"],
+        )
         specs = {n: spec_from_json(s) for n, s in meta["shard_specs"].items()}
         shapes = {n: tuple(s["full_shape"]) for n, s in meta["shard_specs"].items()}
         return layout, specs, shapes, config_from_dict(meta["config"])
@@ -168,8 +192,9 @@ def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
         raise ValueError(f"{meta_path} is corrupt or from another format ({type(e).__name__}: {e})") from e
 
 
-def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: bool = True,
-                 progress: bool = True) -> FullCheckpoint:
+def read_sharded(
+    load: str, iteration: Optional[int] = None, with_optimizer: bool = True, progress: bool = True
+) -> FullCheckpoint:
     """Consolidate a sharded checkpoint (any layout) into full tensors.
 
     Each slice is read once, from the first rank that holds it (replicas over data
@@ -181,7 +206,7 @@ def read_sharded(load: str, iteration: Optional[int] = None, with_optimizer: boo
     meta_path = os.path.join(path, "metadata.json")
     meta = _read_json(meta_path)
     (world, mp, ep, esp), specs, shapes, cfg = _layout_and_specs(meta, meta_path)
-    pieces: dict = {}                              # (name, state or None) -> {coords key: slice}
+    pieces: dict = {}  # (name, state or None) -> {coords key: slice}
     rngs = []
     for rank in tqdm(range(world), desc="reading shards", unit="shard", disable=None if progress else True):
         shard = os.path.join(path, shard_name(rank))
@@ -251,8 +276,9 @@ def target_config(cfg: Config, mp: int, ep: int, esp: int, world: Optional[int] 
     p = out.parallel
     p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size = mp, ep, esp
     if out.padded_vocab_size % max(mp, 1):
-        raise ValueError(f"padded vocabulary {out.padded_vocab_size} is not divisible by "
-                         f"--target-tensor-model-parallel-size {mp}")
+        raise ValueError(
+            f"padded vocabulary {out.padded_vocab_size} is not divisible by --target-tensor-model-parallel-size {mp}"
+        )
     try:
         validate(copy.deepcopy(out), world)
     except ValueError as e:
@@ -266,8 +292,10 @@ def batch_warning(cfg: Config, world: int) -> Optional[str]:
     t = cfg.train
     dp = world // cfg.parallel.tensor_model_parallel_size
     if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dp):
-        return (f"note: the saved --global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
-                f"{t.micro_batch_size} x data-parallel size {dp}; pass compatible batch flags when resuming")
+        return (
+            f"note: the saved --global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp}; pass compatible batch flags when resuming"
+        )
     return None
 
 
@@ -283,8 +311,14 @@ def _rank_tensors(ckpt: FullCheckpoint, coords: dict, rank: int) -> dict:
     return out
 
 
-def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, progress: bool = True,
-                  before_commit: Optional[Callable[[str], None]] = None) -> str:
+def write_sharded(
+    ckpt: FullCheckpoint,
+    save: str,
+    cfg: Config,
+    world: int,
+    progress: bool = True,
+    before_commit: Optional[Callable[[str], None]] = None,
+) -> str:
     """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under `save`.
 
     `save` is a checkpoint root: a new one is staged whole and renamed; into an existing
@@ -300,13 +334,23 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
     iteration = int(ckpt.meta.get("iteration", 0))
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
     meta = {k: v for k, v in ckpt.meta.items() if k != "source"}
-    meta.update({"format_version": FORMAT_VERSION, "iteration": iteration,
-                 "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
-                 "layout": {"world_size": world, "tensor_model_parallel_size": mp,
-                            "expert_model_parallel_size": ep, "expert_sharding_parallel_size": esp},
-                 "config": portable_config(cfg), "optimizer": ckpt.meta.get("optimizer"),
-                 "router_calls": list(ckpt.meta.get("router_calls") or [0] * n_moe),
-                 "shard_specs": specs_to_json(ckpt.model, ckpt.specs)})
+    meta.update(
+        {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
+            "layout": {
+                "world_size": world,
+                "tensor_model_parallel_size": mp,
+                "expert_model_parallel_size": ep,
+                "expert_sharding_parallel_size": esp,
+            },
+            "config": portable_config(cfg),
+            "optimizer": ckpt.meta.get("optimizer"),
+            "router_calls": list(ckpt.meta.get("router_calls") or [0] * n_moe),
+            "shard_specs": specs_to_json(ckpt.model, ckpt.specs),
+        }
+    )
     if "source" in ckpt.meta:
         meta["converted_from"] = ckpt.meta["source"]
 
@@ -342,8 +386,10 @@ def write_sharded(ckpt: FullCheckpoint, save: str, cfg: Config, world: int, prog
         raise FileExistsError(f"--save {save} exists and is not a directory")
     held = sorted(n for n in os.listdir(save) if n == "latest" or n.startswith("iter_"))
     if held:
-        raise FileExistsError(f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
-                              f"writing into it would move its 'latest': choose a new directory")
+        raise FileExistsError(
+            f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
+            f"writing into it would move its 'latest': choose a new directory"
+        )
     with staged_dir(final) as staged:
         fill(staged)
     with open(os.path.join(save, "latest.tmp"), "w") as f:
@@ -362,11 +408,12 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.layers.sharding import load_full_state
     from megatron_moe.parallel_state import local_state
+
     one = copy.deepcopy(cfg)
     one.parallel.tensor_model_parallel_size = one.parallel.expert_model_parallel_size = 1
     one.parallel.expert_sharding_parallel_size = 1
     one.moe.comm_profile = None
-    if no_drop:                            # dropless routing: every choice is kept
+    if no_drop:  # dropless routing: every choice is kept
         one.moe.moe_dropless, one.moe.moe_schedule = True, "baseline"
     model = GPT2MoE(one, local_state(), routing_groups=1).eval()
     load_full_state(model, full, local_state())
@@ -376,14 +423,15 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
 def fixed_batch(cfg: Config, batch: int = 2, length: int = 16) -> torch.Tensor:
     """The --verify batch: token ids [batch, T] (T = min(length, seq length)) from a seed-0 generator."""
     T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings or cfg.model.seq_length)
-    return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator(device="cpu").manual_seed(0),
-                         device="cpu")     # the one-process CPU reference of --verify
+    return torch.randint(
+        0, cfg.model.vocab_size, (batch, T), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu"
+    )  # the one-process CPU reference of --verify
 
 
 @torch.no_grad()
 def model_logits(cfg: Config, full: dict, ids: torch.Tensor, no_drop: bool = False) -> torch.Tensor:
     """Logits [B, T, V] over the real (unpadded) vocabulary of the model `full` on `ids` [B, T]."""
-    return build_model(cfg, full, no_drop)(ids)[..., :cfg.model.vocab_size]
+    return build_model(cfg, full, no_drop)(ids)[..., : cfg.model.vocab_size]
 
 
 def max_logit_diff(a: FullCheckpoint, b: FullCheckpoint) -> float:

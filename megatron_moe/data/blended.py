@@ -9,6 +9,7 @@ of size N' > N are the blend of size N (the index does not depend on the size
 asked for beyond its prefix), so resuming at `consumed_samples` is exact.
 Dataset k supplies its own samples 0, 1, 2, ... in the order the blend visits it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,7 @@ class DocumentRange:
 
     def __init__(self, indexed: MMapIndexedDataset, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= len(indexed):
-            raise ValueError(f"document range [{start}, {stop}) outside {indexed.prefix} "
-                             f"({len(indexed)} documents)")
+            raise ValueError(f"document range [{start}, {stop}) outside {indexed.prefix} ({len(indexed)} documents)")
         self.indexed, self.start, self.stop = indexed, start, stop
         self.sizes = indexed.sizes[start:stop]
         # the sample-index cache is keyed by this name, so each range gets its own file
@@ -57,11 +57,11 @@ def blend_index(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray
     counts = [0] * len(wl)
     ks = range(len(wl))
     ds_index, sample_index = [0] * size, [0] * size
-    for i in range(size):            # plain Python: about 1-2 s per million items for a few datasets
+    for i in range(size):  # plain Python: about 1-2 s per million items for a few datasets
         k, best = 0, wl[0] * (i + 1) - counts[0]
         for j in ks:
             d = wl[j] * (i + 1) - counts[j]
-            if d > best:                 # strictly greater: ties go to the lower index
+            if d > best:  # strictly greater: ties go to the lower index
                 k, best = j, d
         ds_index[i], sample_index[i] = k, counts[k]
         counts[k] += 1
@@ -96,16 +96,25 @@ def split_source(prefix: str, split: str, split_weights: str):
     if prefix_kind(prefix) == "splits":
         path = split_prefix(prefix, split)
         if not os.path.isfile(index_file_path(path)):
-            raise FileNotFoundError(f"--data-path {prefix}: {index_file_path(path)} not found (run "
-                                    f"tools/preprocess_data.py --output-prefix {prefix} first)")
+            raise FileNotFoundError(
+                f"--data-path {prefix}: {index_file_path(path)} not found (run "
+                f"tools/preprocess_data.py --output-prefix {prefix} first)"
+            )
         return path
     indexed = MMapIndexedDataset(prefix)
     start, stop = split_ranges(len(indexed), split_weights)[split]
     return DocumentRange(indexed, start, stop) if stop > start else None
 
 
-def build_split_dataset(data_path: DataPath, split: str, num_samples: int, seq_length: int, seed: int,
-                        split_weights: str = "969,30,1", cache_dir: str | None = None):
+def build_split_dataset(
+    data_path: DataPath,
+    split: str,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    split_weights: str = "969,30,1",
+    cache_dir: str | None = None,
+):
     """The `num_samples`-sample dataset of `split` ("train", "valid" or "test") for --data-path.
 
     One prefix: a GPTDataset over its split. A blend: a BlendedDataset whose part k is a
@@ -117,8 +126,10 @@ def build_split_dataset(data_path: DataPath, split: str, num_samples: int, seq_l
     sources = [split_source(p, split, split_weights) for _, p in blend]
     for (_, p), src in zip(blend, sources):
         if src is None:
-            raise ValueError(f"--split {split_weights} leaves the {split} split of --data-path {p} "
-                             f"no documents, but {num_samples} {split} samples are needed")
+            raise ValueError(
+                f"--split {split_weights} leaves the {split} split of --data-path {p} "
+                f"no documents, but {num_samples} {split} samples are needed"
+            )
     if len(blend) == 1:
         return GPTDataset(sources[0], num_samples, seq_length, seed, cache_dir=cache_dir)
     weights = [w for w, _ in blend]

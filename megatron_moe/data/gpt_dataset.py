@@ -16,6 +16,7 @@ The index (doc_idx, sample_idx, shuffle_idx) is cached next to the data as
 `PREFIX_{N}ns_{L}sl_{seed}s_sample_index.npz`, written to a temporary name and renamed, so ranks
 that build it at the same time never read a half-written file.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def _epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, stream])
 
 
-def build_sample_index(sizes: np.ndarray, seq_length: int, num_samples: int,
-                       seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_sample_index(
+    sizes: np.ndarray, seq_length: int, num_samples: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Build the sample index for documents of the given sizes.
 
     Args: sizes [D] tokens per document; seq_length L; num_samples N; seed >= 0.
@@ -50,8 +52,7 @@ def build_sample_index(sizes: np.ndarray, seq_length: int, num_samples: int,
     if total == 0:
         raise ValueError("cannot build GPT samples from a dataset with no tokens")
     if seq_length < 1 or num_samples < 0 or seed < 0:
-        raise ValueError(f"need seq_length >= 1, num_samples >= 0, seed >= 0; got "
-                         f"{seq_length}, {num_samples}, {seed}")
+        raise ValueError(f"need seq_length >= 1, num_samples >= 0, seed >= 0; got {seq_length}, {num_samples}, {seed}")
     L, n_docs = seq_length, len(sizes)
     # Epochs of samples: the smallest E with ceil(E*T/L) >= N, i.e. E*T > (N-1)*L.
     epochs = (num_samples - 1) * L // total + 1 if num_samples else 0
@@ -59,8 +60,9 @@ def build_sample_index(sizes: np.ndarray, seq_length: int, num_samples: int,
     n_stream = first[-1]
     # Documents must cover the last sample's final token at position n_stream*L.
     doc_epochs = -(-(n_stream * L + 1) // total) if n_stream else 0
-    doc_idx = np.concatenate([_epoch_rng(seed, e, 0).permutation(n_docs)
-                              for e in range(doc_epochs)] or [np.zeros(0, np.int64)])
+    doc_idx = np.concatenate(
+        [_epoch_rng(seed, e, 0).permutation(n_docs) for e in range(doc_epochs)] or [np.zeros(0, np.int64)]
+    )
     doc_idx = doc_idx.astype(np.int64)
     ends = np.cumsum(sizes[doc_idx])
     starts = np.arange(n_stream, dtype=np.int64) * L
@@ -69,13 +71,13 @@ def build_sample_index(sizes: np.ndarray, seq_length: int, num_samples: int,
     offset = starts - (ends[pos] - sizes[doc_idx[pos]])
     sample_idx = np.stack([pos, offset], axis=1).astype(np.int64)
     shuffle_idx = np.concatenate(
-        [_epoch_rng(seed, e, 1).permutation(first[e + 1] - first[e]) + first[e]
-         for e in range(epochs)] or [np.zeros(0, np.int64)])[:num_samples].astype(np.int64)
+        [_epoch_rng(seed, e, 1).permutation(first[e + 1] - first[e]) + first[e] for e in range(epochs)]
+        or [np.zeros(0, np.int64)]
+    )[:num_samples].astype(np.int64)
     return doc_idx, sample_idx, shuffle_idx
 
 
-def sample_index_path(prefix: str, num_samples: int, seq_length: int, seed: int,
-                      cache_dir: str | None = None) -> str:
+def sample_index_path(prefix: str, num_samples: int, seq_length: int, seed: int, cache_dir: str | None = None) -> str:
     """Where the cached index of (prefix, N, L, seed) lives: next to the data or in cache_dir."""
     name = f"{Path(prefix).name}_{num_samples}ns_{seq_length}sl_{seed}s_sample_index.npz"
     return str(Path(cache_dir) / name if cache_dir else Path(prefix).parent / name)
@@ -84,13 +86,17 @@ def sample_index_path(prefix: str, num_samples: int, seq_length: int, seed: int,
 def _fingerprint(sizes: np.ndarray) -> np.ndarray:
     """[3] int64 that changes when the data changes: documents, tokens, crc32 of the sizes."""
     sizes = np.ascontiguousarray(sizes, dtype=np.int32)
-    return np.array([len(sizes), int(sizes.sum(dtype=np.int64)), zlib.crc32(sizes.tobytes())],
-                    dtype=np.int64)
+    return np.array([len(sizes), int(sizes.sum(dtype=np.int64)), zlib.crc32(sizes.tobytes())], dtype=np.int64)
 
 
-def load_or_build_sample_index(dataset: MMapIndexedDataset, num_samples: int, seq_length: int,
-                               seed: int, cache_dir: str | None = None,
-                               use_cache: bool = True) -> tuple[np.ndarray, ...]:
+def load_or_build_sample_index(
+    dataset: MMapIndexedDataset,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+) -> tuple[np.ndarray, ...]:
     """`build_sample_index` for a dataset, read from / written to the on-disk cache.
 
     A cache file built from different data (other sizes) is ignored and rebuilt; a directory
@@ -111,8 +117,7 @@ def load_or_build_sample_index(dataset: MMapIndexedDataset, num_samples: int, se
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                np.savez(f, doc_idx=arrays[0], sample_idx=arrays[1], shuffle_idx=arrays[2],
-                         fingerprint=fp)
+                np.savez(f, doc_idx=arrays[0], sample_idx=arrays[1], shuffle_idx=arrays[2], fingerprint=fp)
             os.replace(tmp, path)
         except OSError as e:
             warnings.warn(f"could not cache the sample index at {path}: {e}")
@@ -129,14 +134,16 @@ class GPTDataset(torch.utils.data.Dataset):
     is `{"tokens": LongTensor [micro_batch_size, seq_length + 1]}`.
     """
 
-    def __init__(self, data, num_samples: int, seq_length: int,
-                 seed: int, cache_dir: str | None = None, use_cache: bool = True) -> None:
+    def __init__(
+        self, data, num_samples: int, seq_length: int, seed: int, cache_dir: str | None = None, use_cache: bool = True
+    ) -> None:
         # a prefix, an open dataset, or anything read like one (blended.DocumentRange)
         self.indexed = MMapIndexedDataset(data) if isinstance(data, (str, os.PathLike)) else data
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.doc_idx, self.sample_idx, self.shuffle_idx = load_or_build_sample_index(
-            self.indexed, num_samples, seq_length, seed, cache_dir, use_cache)
+            self.indexed, num_samples, seq_length, seed, cache_dir, use_cache
+        )
 
     def __len__(self) -> int:
         """Number of samples N."""
@@ -151,7 +158,7 @@ class GPTDataset(torch.utils.data.Dataset):
         while filled < need:  # walk documents until the window is full
             doc = int(self.doc_idx[pos])
             take = min(int(self.indexed.sizes[doc]) - offset, need - filled)
-            out[filled:filled + take] = self.indexed.get(doc, offset, take)
+            out[filled : filled + take] = self.indexed.get(doc, offset, take)
             filled, pos, offset = filled + take, pos + 1, 0
         return out
 

@@ -21,6 +21,7 @@ non-negative. The result (with the largest token id, which `check_vocab` compare
 model's vocabulary) is cached in `PREFIX.idx.valid`, keyed by the size, mtime and SHA-256 of
 the `.idx` and the size and mtime of the `.bin`; a changed file is checked again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,16 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 # Megatron's codes for the token dtype (megatron/core/datasets/indexed_dataset.py, DType enum).
-DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                                6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D: 34 bytes
 
 
@@ -91,8 +100,10 @@ class IndexedDatasetBuilder:
         if arr.size and arr.dtype != self.dtype and np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)  # type: ignore[type-var]  # an integer dtype (checked above)
             if arr.min() < info.min or arr.max() > info.max:
-                raise ValueError(f"token ids in [{arr.min()}, {arr.max()}] do not fit "
-                                 f"{self.dtype}; choose a wider dtype (see best_dtype)")
+                raise ValueError(
+                    f"token ids in [{arr.min()}, {arr.max()}] do not fit "
+                    f"{self.dtype}; choose a wider dtype (see best_dtype)"
+                )
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self.sizes.append(int(arr.size))
 
@@ -167,8 +178,9 @@ class MMapIndexedDataset:
         with open(idx_path, "rb") as f:
             head = f.read(_HEADER.size)
         if len(head) < _HEADER.size or head[:9] != MAGIC:
-            raise ValueError(f"{idx_path} is not a Megatron indexed dataset index "
-                             f"(magic {head[:9]!r}, expected {MAGIC!r})")
+            raise ValueError(
+                f"{idx_path} is not a Megatron indexed dataset index (magic {head[:9]!r}, expected {MAGIC!r})"
+            )
         _, version, code, n, d = _HEADER.unpack(head)
         if version != VERSION:
             raise ValueError(f"{idx_path}: unsupported index version {version}")
@@ -177,8 +189,10 @@ class MMapIndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _HEADER.size + 4 * n + 8 * n + 8 * d
         if idx_size != expected:
-            raise ValueError(f"{idx_path}: {idx_size} bytes, expected {expected} for "
-                             f"{n} sequences and {d} document boundaries (truncated?)")
+            raise ValueError(
+                f"{idx_path}: {idx_size} bytes, expected {expected} for "
+                f"{n} sequences and {d} document boundaries (truncated?)"
+            )
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = _HEADER.size
         self.sizes = np.frombuffer(self._idx, dtype="<i4", count=n, offset=off)
@@ -186,11 +200,9 @@ class MMapIndexedDataset:
         self.doc_idx = np.frombuffer(self._idx, dtype="<i8", count=d, offset=off + 12 * n)
         total = int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize
         if os.path.getsize(bin_path) != total:
-            raise ValueError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} "
-                             f"indexes {total}")
+            raise ValueError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} indexes {total}")
         # np.memmap refuses empty files; an empty dataset gets an empty array instead.
-        self._bin = (np.memmap(bin_path, mode="r", dtype=self.dtype) if total
-                     else np.zeros(0, dtype=self.dtype))
+        self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype) if total else np.zeros(0, dtype=self.dtype)
         self.max_token_id = self._validated()
 
     # ------------------------------------------------------------------ validation
@@ -201,8 +213,13 @@ class MMapIndexedDataset:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         si, sb = os.stat(idx_path), os.stat(bin_path)
-        return {"idx_size": si.st_size, "idx_mtime_ns": si.st_mtime_ns, "idx_sha256": h.hexdigest(),
-                "bin_size": sb.st_size, "bin_mtime_ns": sb.st_mtime_ns}
+        return {
+            "idx_size": si.st_size,
+            "idx_mtime_ns": si.st_mtime_ns,
+            "idx_sha256": h.hexdigest(),
+            "bin_size": sb.st_size,
+            "bin_mtime_ns": sb.st_mtime_ns,
+        }
 
     def _validated(self) -> int:
         """Validate the index and the tokens (or trust the cache); returns the largest token id (-1: none)."""
@@ -221,7 +238,7 @@ class MMapIndexedDataset:
             with open(tmp, "w") as f:
                 json.dump({"key": key, "max_token_id": max_id}, f)
             os.replace(tmp, cache)
-        except OSError:            # a read-only dataset directory: check again next time
+        except OSError:  # a read-only dataset directory: check again next time
             if os.path.exists(tmp):
                 os.remove(tmp)
         return max_id
@@ -239,12 +256,15 @@ class MMapIndexedDataset:
             np.cumsum(self.sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=expect[1:])
         if not np.array_equal(self.pointers, expect):
             i = int(np.argmax(self.pointers != expect))
-            raise ValueError(f"{idx_path}: pointer of sequence {i} is {int(self.pointers[i])}, but the sizes "
-                             f"before it and the token dtype {self.dtype} put it at {int(expect[i])}")
+            raise ValueError(
+                f"{idx_path}: pointer of sequence {i} is {int(self.pointers[i])}, but the sizes "
+                f"before it and the token dtype {self.dtype} put it at {int(expect[i])}"
+            )
         d = self.doc_idx
         if len(d) == 0 or int(d[0]) != 0 or int(d[-1]) != n or (len(d) > 1 and bool((np.diff(d) < 0).any())):
-            raise ValueError(f"{idx_path}: the document index must start at 0, never decrease and end at "
-                             f"the number of sequences {n}")
+            raise ValueError(
+                f"{idx_path}: the document index must start at 0, never decrease and end at the number of sequences {n}"
+            )
         if not self._bin.size:
             return -1
         if not np.issubdtype(self.dtype, np.integer):
@@ -257,9 +277,11 @@ class MMapIndexedDataset:
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the .bin when a token id is >= `vocab_size`."""
         if self.max_token_id >= vocab_size:
-            raise ValueError(f"{data_file_path(self.prefix)}: token id {self.max_token_id} is outside the "
-                             f"vocabulary of {vocab_size} (--vocab-size / the tokenizer); was it tokenized "
-                             f"with another tokenizer?")
+            raise ValueError(
+                f"{data_file_path(self.prefix)}: token id {self.max_token_id} is outside the "
+                f"vocabulary of {vocab_size} (--vocab-size / the tokenizer); was it tokenized "
+                f"with another tokenizer?"
+            )
 
     def __getstate__(self) -> str:
         # DataLoader workers started by spawn get the prefix and map the files again,
@@ -285,10 +307,9 @@ class MMapIndexedDataset:
         size = int(self.sizes[i])
         length = size - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"slice [{offset}, {offset + length}) out of range for sequence "
-                             f"{i} of {size} tokens")
+            raise IndexError(f"slice [{offset}, {offset + length}) out of range for sequence {i} of {size} tokens")
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
-        return self._bin[start:start + length]
+        return self._bin[start : start + length]
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Sequence i, 1-D array of `dtype`."""

@@ -23,6 +23,7 @@ Without `--data-path` the trainer preprocesses the bundled sample corpus once
 into `default_data_dir()`: never the current directory, so a run started from
 anywhere finds (or builds) the same files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,6 +60,7 @@ def default_data_dir() -> Path:
     if env:
         return Path(env).expanduser().resolve()
     from .preprocess import SAMPLE_CORPUS_DIR
+
     beside = SAMPLE_CORPUS_DIR.resolve().parent / "processed"
     probe = beside if beside.is_dir() else beside.parent
     if probe.is_dir() and os.access(probe, os.W_OK):
@@ -82,15 +84,17 @@ def parse_data_path(data_path: DataPath) -> list[tuple[float, str]]:
     if len(words) == 1:
         return [(1.0, words[0])]
     if len(words) % 2:
-        raise ValueError(f"--data-path with several words must alternate WEIGHT PREFIX, got {len(words)} "
-                         f"words: {' '.join(words)}")
+        raise ValueError(
+            f"--data-path with several words must alternate WEIGHT PREFIX, got {len(words)} words: {' '.join(words)}"
+        )
     pairs = []
     for w, prefix in zip(words[0::2], words[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ValueError(f"--data-path: '{w}' is not a weight (blends are 'WEIGHT PREFIX WEIGHT PREFIX ...')"
-                             ) from None
+            raise ValueError(
+                f"--data-path: '{w}' is not a weight (blends are 'WEIGHT PREFIX WEIGHT PREFIX ...')"
+            ) from None
         if not weight >= 0:
             raise ValueError(f"--data-path: weight {w} of {prefix} must be >= 0")
         pairs.append((weight, prefix))
@@ -114,7 +118,8 @@ def prefix_kind(prefix: str) -> str:
     raise FileNotFoundError(
         f"--data-path {prefix}: neither {index_file_path(prefix)} (a Megatron prefix) nor "
         f"{index_file_path(split_prefix(prefix, 'train'))} (per-split files) exists; run "
-        f"tools/preprocess_data.py --output-prefix {prefix} first")
+        f"tools/preprocess_data.py --output-prefix {prefix} first"
+    )
 
 
 def parse_split(split: str) -> list[float]:
@@ -124,8 +129,9 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         w = []
     if len(w) != 3 or any(x < 0 for x in w) or sum(w) <= 0:
-        raise ValueError(f"--split must be three non-negative weights 'train,valid,test' with a positive "
-                         f"sum, got '{split}'")
+        raise ValueError(
+            f"--split must be three non-negative weights 'train,valid,test' with a positive sum, got '{split}'"
+        )
     return [x / sum(w) for x in w]
 
 
@@ -150,7 +156,7 @@ def tokenizer_dir_for(data_path: DataPath) -> str:
     if os.path.exists(here) or not prefix.endswith("_text_document"):
         return here
     stem = prefix[: -len("_text_document")]
-    for s in SPLITS:                       # PREFIX_train_text_document -> PREFIX_tokenizer
+    for s in SPLITS:  # PREFIX_train_text_document -> PREFIX_tokenizer
         if stem.endswith("_" + s):
             stem = stem[: -len(s) - 1]
             break
@@ -160,15 +166,20 @@ def tokenizer_dir_for(data_path: DataPath) -> str:
 # ---- raw WikiText named by --data-path ----
 WIKITEXT_ALIASES = {"wikitext-2": "wikitext-2-raw-v1", "wikitext-103": "wikitext-103-raw-v1"}
 WIKITEXT_NAMES = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1", "wikitext-103-v1")
-WIKITEXT_VOCAB_SIZE = 8192      # the BPE trained on the train split when --vocab-size is not given
-_UNZIPPED = {"wikitext-2-raw-v1": "wikitext-2-raw", "wikitext-103-raw-v1": "wikitext-103-raw",
-             "wikitext-2-v1": "wikitext-2", "wikitext-103-v1": "wikitext-103"}   # the zips' folders
+WIKITEXT_VOCAB_SIZE = 8192  # the BPE trained on the train split when --vocab-size is not given
+_UNZIPPED = {
+    "wikitext-2-raw-v1": "wikitext-2-raw",
+    "wikitext-103-raw-v1": "wikitext-103-raw",
+    "wikitext-2-v1": "wikitext-2",
+    "wikitext-103-v1": "wikitext-103",
+}  # the zips' folders
 
 
 @dataclass(frozen=True)
 class WikiTextSource:
     """Raw WikiText named by `--data-path`: a hub dataset name or a local directory (one is None).
     `word` is what the user wrote, for messages."""
+
     word: str
     dataset: Optional[str] = None
     directory: Optional[Path] = None
@@ -185,8 +196,7 @@ def wikitext_local_dir(dataset: str) -> Path:
 
 
 def _has_prefix_files(word: str) -> bool:
-    return (os.path.isfile(index_file_path(word))
-            or os.path.isfile(index_file_path(split_prefix(word, "train"))))
+    return os.path.isfile(index_file_path(word)) or os.path.isfile(index_file_path(split_prefix(word, "train")))
 
 
 def wikitext_source(word: str) -> Optional[WikiTextSource]:
@@ -229,8 +239,11 @@ def wikitext_cache_prefix(source: WikiTextSource, tokenizer: Optional[str], voca
         src = str(source.dataset)
     else:
         d = source.directory
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.iterdir()
-                       if f.is_file() and f.name.startswith("wiki."))
+        files = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in d.iterdir()
+            if f.is_file() and f.name.startswith("wiki.")
+        )
         src = f"wikitext-{_slug(d.name)}-{_digest(d, files)}"
     if tokenizer is None:
         tok = f"bpe{vocab_size}"

@@ -20,6 +20,7 @@ Nothing is written until every input is checked; all files go to a temporary dir
 the output and are renamed into place only when every split has been written, so a failure
 leaves no partial output.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,6 +89,7 @@ def _wikitext_file(path: Path) -> Records:
         with open(path, encoding="utf-8") as f:
             for doc in split_wikitext_documents(f):
                 yield {"text": doc}
+
     return records
 
 
@@ -105,6 +107,7 @@ def _jsonl_file(path: Path, keys: Sequence[str]) -> Records:
                 if missing:
                     raise ValueError(f"{path}:{n}: no text field {missing} (--json-keys)")
                 yield {k: obj[k] for k in keys}
+
     return records
 
 
@@ -115,20 +118,23 @@ class HubUnavailable(ValueError):
 def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
     """The three splits of WikiText from the HF hub (never used by tests: no network there)."""
     import datasets
+
     try:
         ds = datasets.load_dataset("wikitext", name)
     except Exception as e:  # offline, hub down, ...: name the flag and say why
-        raise HubUnavailable(f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') "
-                             f"failed ({type(e).__name__}: {e})") from e
+        raise HubUnavailable(
+            f"--dataset {name}: datasets.load_dataset('wikitext', '{name}') failed ({type(e).__name__}: {e})"
+        ) from e
     out: dict[str, tuple[str, Records]] = {}
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
+
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
             # rows are the file's lines, newline kept, except blank lines which are "": put
             # back the " \n" of the released files so both routes give the same documents.
-            lines = (" \n" if r == "" else r if r.endswith("\n") else r + "\n"
-                     for r in rows["text"])
+            lines = (" \n" if r == "" else r if r.endswith("\n") else r + "\n" for r in rows["text"])
             for doc in split_wikitext_documents(lines):
                 yield {"text": doc}
+
         out[split] = (f"--dataset {name} ({hf_split})", records)
     return out
 
@@ -146,8 +152,9 @@ def _directory_sources(d: Path, keys: Sequence[str]) -> dict[str, tuple[str, Rec
         cands = [d / f"wiki.{split}.raw", d / f"wiki.{split}.tokens", d / f"{split}.jsonl"]
         found = next((c for c in cands if c.exists()), None)
         if found is None:
-            raise FileNotFoundError(f"--input {d}: found none of "
-                                    f"{', '.join(c.name for c in cands)} for the {split} split")
+            raise FileNotFoundError(
+                f"--input {d}: found none of {', '.join(c.name for c in cands)} for the {split} split"
+            )
         _check_file(found)
         recs = _jsonl_file(found, keys) if found.suffix == ".jsonl" else _wikitext_file(found)
         out[split] = (str(found), recs)
@@ -159,14 +166,12 @@ def _slice_of(recs: Records, lo: int, hi: int) -> Iterator[dict[str, str]]:
     return islice(recs(), lo, hi)
 
 
-def _single_file_sources(path: Path, keys: Sequence[str],
-                         split: Sequence[float]) -> dict[str, tuple[str, Records]]:
+def _single_file_sources(path: Path, keys: Sequence[str], split: Sequence[float]) -> dict[str, tuple[str, Records]]:
     """Cut one file's documents into contiguous train/valid/test blocks by percentage."""
     _check_file(path)
     if len(split) != 3 or min(split) < 0 or split[0] <= 0:
         raise ValueError(f"--split {split}: need three non-negative weights, train > 0")
-    recs = (_jsonl_file(path, keys) if path.suffix in (".jsonl", ".json")
-            else _wikitext_file(path))
+    recs = _jsonl_file(path, keys) if path.suffix in (".jsonl", ".json") else _wikitext_file(path)
     n = sum(1 for _ in recs())
     cum = np.cumsum(np.asarray(split, dtype=np.float64)) / float(sum(split))
     bounds = [0] + [int(round(c * n)) for c in cum]
@@ -176,15 +181,14 @@ def _single_file_sources(path: Path, keys: Sequence[str],
         if split[i] == 0:
             continue  # this split is not written
         if hi <= lo:
-            raise ValueError(f"--split {split}: the {s} split of {path} gets no documents "
-                             f"({n} in the file)")
-        out[s] = (f"{path} [{s}: documents {lo}..{hi - 1}]",
-                  partial(_slice_of, recs, lo, hi))
+            raise ValueError(f"--split {split}: the {s} split of {path} gets no documents ({n} in the file)")
+        out[s] = (f"{path} [{s}: documents {lo}..{hi - 1}]", partial(_slice_of, recs, lo, hi))
     return out
 
 
-def resolve_sources(input_path: str | None, dataset: str | None, json_keys: Sequence[str],
-                    split: Sequence[float]) -> dict[str, tuple[str, Records]]:
+def resolve_sources(
+    input_path: str | None, dataset: str | None, json_keys: Sequence[str], split: Sequence[float]
+) -> dict[str, tuple[str, Records]]:
     """Check the input flags and files; map split -> (label for messages, record source)."""
     if (input_path is None) == (dataset is None):
         raise ValueError("give exactly one of --input and --dataset")
@@ -221,9 +225,15 @@ def _chunks(it: Iterator, n: int) -> Iterator[list]:
         yield chunk
 
 
-def encode_records(records: Iterator[dict[str, str]], tok: Tokenizer, keys: Sequence[str],
-                   append_eod: bool, dtype: type, workers: int = 1,
-                   chunk_docs: int = 64) -> Iterator[dict[str, np.ndarray]]:
+def encode_records(
+    records: Iterator[dict[str, str]],
+    tok: Tokenizer,
+    keys: Sequence[str],
+    append_eod: bool,
+    dtype: type,
+    workers: int = 1,
+    chunk_docs: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
     """Encode records in order, in this process (workers=1) or in a pool of `workers`."""
     args = (tok, tuple(keys), append_eod, dtype)
     if workers <= 1:
@@ -253,12 +263,13 @@ class PreprocessResult:
     """What `preprocess` wrote: dataset prefixes per (split, key), the tokenizer used (a
     directory for a trained one), its vocabulary size and EOD id, and documents/tokens per
     (split, key)."""
+
     output_prefix: str
     tokenizer: str
     vocab_size: int
     eod: int
     dtype: str
-    prefixes: dict[str, str] = field(default_factory=dict)       # "train/text" -> prefix
+    prefixes: dict[str, str] = field(default_factory=dict)  # "train/text" -> prefix
     documents: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
 
@@ -268,12 +279,20 @@ def output_prefix_for(output_prefix: str, split: str, key: str = "text") -> str:
     return f"{output_prefix}_{split}_{key}_document"
 
 
-def preprocess(output_prefix: str, *, input_path: str | None = None,
-               dataset: str | None = None, tokenizer_name_or_path: str | None = None,
-               train_tokenizer: bool = False,
-               vocab_size: int | None = None, append_eod: bool = False, workers: int = 1,
-               json_keys: Sequence[str] = ("text",), split: Sequence[float] = (90, 5, 5),
-               progress: bool = True) -> PreprocessResult:
+def preprocess(
+    output_prefix: str,
+    *,
+    input_path: str | None = None,
+    dataset: str | None = None,
+    tokenizer_name_or_path: str | None = None,
+    train_tokenizer: bool = False,
+    vocab_size: int | None = None,
+    append_eod: bool = False,
+    workers: int = 1,
+    json_keys: Sequence[str] = ("text",),
+    split: Sequence[float] = (90, 5, 5),
+    progress: bool = True,
+) -> PreprocessResult:
     """Tokenize the input's splits into Megatron indexed datasets (see module docstring)."""
     if (tokenizer_name_or_path is None) == (not train_tokenizer):
         raise ValueError("give exactly one of --tokenizer-name-or-path and --train-tokenizer")
@@ -282,8 +301,9 @@ def preprocess(output_prefix: str, *, input_path: str | None = None,
     if workers < 1:
         raise ValueError(f"--workers {workers}: must be >= 1")
     sources = resolve_sources(input_path, dataset, json_keys, split)
-    tok = (load_tokenizer(tokenizer_name_or_path) if tokenizer_name_or_path is not None
-           else None)  # load before writing anything: a bad name fails early
+    tok = (
+        load_tokenizer(tokenizer_name_or_path) if tokenizer_name_or_path is not None else None
+    )  # load before writing anything: a bad name fails early
     out = Path(output_prefix)
     created = not out.parent.exists()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -296,12 +316,27 @@ def preprocess(output_prefix: str, *, input_path: str | None = None,
             tok = train_bpe(texts, int(vocab_size or 0))  # checked above: given with --train-tokenizer
             save_tokenizer(tok, tmp / f"{out.name}_tokenizer")
         dtype = best_dtype(tok.vocab_size)
-        result = PreprocessResult(str(out), tok.name if tokenizer_name_or_path else
-                                  f"{out}_tokenizer", tok.vocab_size, tok.eod,
-                                  np.dtype(dtype).name)
+        result = PreprocessResult(
+            str(out),
+            tok.name if tokenizer_name_or_path else f"{out}_tokenizer",
+            tok.vocab_size,
+            tok.eod,
+            np.dtype(dtype).name,
+        )
         for split_name, (label, records) in sources.items():
-            _write_split(tmp / out.name, split_name, label, records(), tok, json_keys,
-                         append_eod, dtype, workers, progress, result)
+            _write_split(
+                tmp / out.name,
+                split_name,
+                label,
+                records(),
+                tok,
+                json_keys,
+                append_eod,
+                dtype,
+                workers,
+                progress,
+                result,
+            )
         # Everything is complete: move it into place, index files last (a reader needs both).
         for f in sorted(tmp.iterdir(), key=lambda f: (f.suffix == ".idx", f.name)):
             dest = out.parent / f.name
@@ -319,11 +354,20 @@ def preprocess(output_prefix: str, *, input_path: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_split(tmp_prefix: Path, split: str, label: str, records: Iterator[dict[str, str]],
-                 tok: Tokenizer, keys: Sequence[str], append_eod: bool, dtype: type,
-                 workers: int, progress: bool, result: PreprocessResult) -> None:
-    builders = {k: IndexedDatasetBuilder(output_prefix_for(str(tmp_prefix), split, k), dtype)
-                for k in keys}
+def _write_split(
+    tmp_prefix: Path,
+    split: str,
+    label: str,
+    records: Iterator[dict[str, str]],
+    tok: Tokenizer,
+    keys: Sequence[str],
+    append_eod: bool,
+    dtype: type,
+    workers: int,
+    progress: bool,
+    result: PreprocessResult,
+) -> None:
+    builders = {k: IndexedDatasetBuilder(output_prefix_for(str(tmp_prefix), split, k), dtype) for k in keys}
     n_docs, n_tok = 0, {k: 0 for k in keys}
     bar = tqdm(desc=f"{split}", unit="doc", disable=not progress)
     try:
@@ -349,8 +393,7 @@ def _write_split(tmp_prefix: Path, split: str, label: str, records: Iterator[dic
         bar.close()
 
 
-def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
-                        progress: bool = False) -> PreprocessResult:
+def prepare_sample_data(output_prefix: str, vocab_size: int = 512, progress: bool = False) -> PreprocessResult:
     """Preprocess the bundled sample corpus (`sample_corpus_dir()`) with a byte-level BPE of
     `vocab_size` trained on its train split and --append-eod, unless `output_prefix` already
     holds the result. Call it on one rank and barrier: ranks racing would do the work twice."""
@@ -359,17 +402,24 @@ def prepare_sample_data(output_prefix: str, vocab_size: int = 512,
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and os.path.isdir(tok_dir):
         tok = load_tokenizer(tok_dir)
         if tok.vocab_size == vocab_size:
-            res = PreprocessResult(output_prefix, tok_dir, tok.vocab_size, tok.eod,
-                                   np.dtype(best_dtype(tok.vocab_size)).name, prefixes)
+            res = PreprocessResult(
+                output_prefix, tok_dir, tok.vocab_size, tok.eod, np.dtype(best_dtype(tok.vocab_size)).name, prefixes
+            )
             for key, p in prefixes.items():
                 ds = MMapIndexedDataset(p)
                 res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
             return res
-    return preprocess(output_prefix, input_path=str(sample_corpus_dir()), train_tokenizer=True,
-                      vocab_size=vocab_size, append_eod=True, progress=progress)
+    return preprocess(
+        output_prefix,
+        input_path=str(sample_corpus_dir()),
+        train_tokenizer=True,
+        vocab_size=vocab_size,
+        append_eod=True,
+        progress=progress,
+    )
 
 
-WIKITEXT_URL = "https://wikitext.smerity.com"     # the publishers' release zips
+WIKITEXT_URL = "https://wikitext.smerity.com"  # the publishers' release zips
 
 
 def wikitext_split_files(directory: Path) -> dict[str, Path | None]:
@@ -385,18 +435,25 @@ def wikitext_split_files(directory: Path) -> dict[str, Path | None]:
 def _download_hint(dataset: str) -> str:
     """What to download for `dataset` and where to put it (see paths.wikitext_local_dir)."""
     from .paths import default_data_dir, wikitext_local_dir
+
     raw = "raw" in dataset
     ext = "raw" if raw else "tokens"
     title = "WikiText-103" if "103" in dataset else "WikiText-2"
-    return (f"download {title} ({WIKITEXT_URL}/{dataset}.zip) and unzip it into {default_data_dir()} so "
-            f"that {wikitext_local_dir(dataset)}/ holds wiki.train.{ext}, wiki.valid.{ext} and "
-            f"wiki.test.{ext} (then this --data-path finds it), or pass --data-path DIR naming any "
-            f"directory that holds those three files (wiki.*.tokens work too)")
+    return (
+        f"download {title} ({WIKITEXT_URL}/{dataset}.zip) and unzip it into {default_data_dir()} so "
+        f"that {wikitext_local_dir(dataset)}/ holds wiki.train.{ext}, wiki.valid.{ext} and "
+        f"wiki.test.{ext} (then this --data-path finds it), or pass --data-path DIR naming any "
+        f"directory that holds those three files (wiki.*.tokens work too)"
+    )
 
 
-def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_name_or_path: str | None = None,
-                          vocab_size: int | None = None,
-                          progress: bool = False) -> tuple[PreprocessResult, bool]:
+def prepare_wikitext_data(
+    source: WikiTextSource,
+    output_prefix: str,
+    tokenizer_name_or_path: str | None = None,
+    vocab_size: int | None = None,
+    progress: bool = False,
+) -> tuple[PreprocessResult, bool]:
     """Preprocess raw WikiText (`paths.WikiTextSource`: a directory or a hub name) into
     `output_prefix` (see `paths.wikitext_cache_prefix`) with --append-eod, unless it already
     holds the result; returns (result, whether it was reused).
@@ -417,29 +474,44 @@ def prepare_wikitext_data(source: WikiTextSource, output_prefix: str, tokenizer_
             raise FileNotFoundError(
                 f"{flag}: {source.directory} has no {names}: the {', '.join(missing)} split"
                 f"{'s are' if len(missing) > 1 else ' is'} missing; a WikiText directory needs "
-                f"wiki.train, wiki.valid and wiki.test")
+                f"wiki.train, wiki.valid and wiki.test"
+            )
         for f in files.values():
             if f is not None:
                 _check_file(f, flag)
     prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
     tok_dir = f"{output_prefix}_tokenizer"
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and (
-            tokenizer_name_or_path is not None or os.path.isdir(tok_dir)):
+        tokenizer_name_or_path is not None or os.path.isdir(tok_dir)
+    ):
         tok = load_tokenizer(tokenizer_name_or_path or tok_dir)
-        res = PreprocessResult(output_prefix, tokenizer_name_or_path or tok_dir, tok.vocab_size,
-                               tok.eod, np.dtype(best_dtype(tok.vocab_size)).name, prefixes)
+        res = PreprocessResult(
+            output_prefix,
+            tokenizer_name_or_path or tok_dir,
+            tok.vocab_size,
+            tok.eod,
+            np.dtype(best_dtype(tok.vocab_size)).name,
+            prefixes,
+        )
         for key, p in prefixes.items():
             ds = MMapIndexedDataset(p)
             res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
         return res, True
     try:
-        res = preprocess(output_prefix,
-                         input_path=str(source.directory) if source.directory else None,
-                         dataset=source.dataset, tokenizer_name_or_path=tokenizer_name_or_path,
-                         train_tokenizer=tokenizer_name_or_path is None, vocab_size=vocab_size,
-                         append_eod=True, progress=progress)
+        res = preprocess(
+            output_prefix,
+            input_path=str(source.directory) if source.directory else None,
+            dataset=source.dataset,
+            tokenizer_name_or_path=tokenizer_name_or_path,
+            train_tokenizer=tokenizer_name_or_path is None,
+            vocab_size=vocab_size,
+            append_eod=True,
+            progress=progress,
+        )
     except HubUnavailable as e:
-        raise ValueError(f"{flag}: cannot load {source.dataset} from the Hugging Face hub "
-                         f"({e.__cause__.__class__.__name__}: {e.__cause__}); "
-                         f"{_download_hint(str(source.dataset))}") from e
+        raise ValueError(
+            f"{flag}: cannot load {source.dataset} from the Hugging Face hub "
+            f"({e.__cause__.__class__.__name__}: {e.__cause__}); "
+            f"{_download_hint(str(source.dataset))}"
+        ) from e
     return res, False

@@ -12,6 +12,7 @@ samples. Starting at `consumed_samples` (= iterations done * G) resumes exactly 
 stopped. A trailing partial global batch is dropped so that every rank runs the same number of
 micro-steps.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -26,36 +27,44 @@ from .paths import SPLITS, DataPath, split_prefix  # noqa: F401  (split_prefix: 
 def check_batch_sizes(micro_batch_size: int, global_batch_size: int, dp_size: int) -> int:
     """Validate the batch sizes; return micro-steps per global batch, G / (B * P)."""
     if micro_batch_size < 1 or global_batch_size < 1 or dp_size < 1:
-        raise ValueError(f"--micro-batch-size ({micro_batch_size}), --global-batch-size "
-                         f"({global_batch_size}) and the data-parallel size ({dp_size}) must "
-                         f"be positive")
+        raise ValueError(
+            f"--micro-batch-size ({micro_batch_size}), --global-batch-size "
+            f"({global_batch_size}) and the data-parallel size ({dp_size}) must "
+            f"be positive"
+        )
     if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(f"--global-batch-size ({global_batch_size}) must be a multiple of "
-                         f"--micro-batch-size ({micro_batch_size}) x data-parallel size "
-                         f"({dp_size})")
+        raise ValueError(
+            f"--global-batch-size ({global_batch_size}) must be a multiple of "
+            f"--micro-batch-size ({micro_batch_size}) x data-parallel size "
+            f"({dp_size})"
+        )
     return global_batch_size // (micro_batch_size * dp_size)
 
 
-def global_batch_indices(start: int, global_batch_size: int, micro_batch_size: int,
-                         dp_size: int) -> np.ndarray:
+def global_batch_indices(start: int, global_batch_size: int, micro_batch_size: int, dp_size: int) -> np.ndarray:
     """Sample ids of the global batch starting at `start`, int64 [M, P, B]:
     [j, r] is what data-parallel rank r gets at micro-step j."""
     m = check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
-    return start + np.arange(global_batch_size, dtype=np.int64).reshape(m, dp_size,
-                                                                      micro_batch_size)
+    return start + np.arange(global_batch_size, dtype=np.int64).reshape(m, dp_size, micro_batch_size)
 
 
 class PretrainingSampler(torch.utils.data.Sampler):
     """Yields this data-parallel rank's micro-batches (lists of B dataset indices), in order."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
         self.micro_steps = check_batch_sizes(micro_batch_size, global_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for data-parallel size {dp_size}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed samples ({consumed_samples}) must be in "
-                             f"[0, {total_samples}], the dataset size")
+            raise ValueError(f"consumed samples ({consumed_samples}) must be in [0, {total_samples}], the dataset size")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -74,8 +83,7 @@ class PretrainingSampler(torch.utils.data.Sampler):
         """Each call starts again from `consumed_samples`."""
         for t in range(self.num_global_batches()):
             start = self.consumed_samples + t * self.global_batch_size
-            ids = global_batch_indices(start, self.global_batch_size, self.micro_batch_size,
-                                       self.dp_size)
+            ids = global_batch_indices(start, self.global_batch_size, self.micro_batch_size, self.dp_size)
             for j in range(self.micro_steps):
                 yield ids[j, self.dp_rank].tolist()
 
@@ -90,26 +98,38 @@ class HostDataLoader(torch.utils.data.DataLoader):
             return super().__iter__()
 
 
-def build_pretraining_data_loader(dataset: torch.utils.data.Dataset, consumed_samples: int,
-                                  micro_batch_size: int, global_batch_size: int, dp_rank: int,
-                                  dp_size: int, num_workers: int = 0
-                                  ) -> HostDataLoader:
+def build_pretraining_data_loader(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+) -> HostDataLoader:
     """A DataLoader over `dataset` driven by `PretrainingSampler`; each batch is the default
     collation of B items, e.g. {"tokens": int64 [B, seq_length + 1]} for a GPTDataset."""
     num_samples = len(dataset)  # type: ignore[arg-type]  # a map-style dataset: sized
-    sampler = PretrainingSampler(num_samples, consumed_samples, micro_batch_size,
-                                 global_batch_size, dp_rank, dp_size)
-    return HostDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                          persistent_workers=num_workers > 0)
+    sampler = PretrainingSampler(num_samples, consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size)
+    return HostDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0)
 
 
 def build_train_valid_test_data_loaders(
-        data_path: DataPath, seq_length: int, seed: int, micro_batch_size: int,
-        global_batch_size: int, dp_rank: int, dp_size: int, train_samples: int,
-        valid_samples: int = 0, test_samples: int = 0, consumed_train_samples: int = 0,
-        num_workers: int = 0, cache_dir: str | None = None, split: str = "969,30,1",
-) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None,
-           torch.utils.data.DataLoader | None]:
+    data_path: DataPath,
+    seq_length: int,
+    seed: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    train_samples: int,
+    valid_samples: int = 0,
+    test_samples: int = 0,
+    consumed_train_samples: int = 0,
+    num_workers: int = 0,
+    cache_dir: str | None = None,
+    split: str = "969,30,1",
+) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader | None, torch.utils.data.DataLoader | None]:
     """Loaders for `--data-path` (a per-split PREFIX, a Megatron PREFIX cut by `split`, or a
     weighted blend of those; `megatron_moe.data.paths`).
 
@@ -129,13 +149,17 @@ def build_train_valid_test_data_loaders(
             loaders.append(None)
             continue
         if wanted[name] < global_batch_size:
-            raise ValueError(f"{name} samples ({wanted[name]}) are fewer than one global batch "
-                             f"(--global-batch-size {global_batch_size})")
+            raise ValueError(
+                f"{name} samples ({wanted[name]}) are fewer than one global batch "
+                f"(--global-batch-size {global_batch_size})"
+            )
         ds = build_split_dataset(data_path, name, wanted[name], seq_length, seed + i, split, cache_dir)
         consumed = consumed_train_samples if name == "train" else 0
-        loaders.append(build_pretraining_data_loader(ds, consumed, micro_batch_size,
-                                                     global_batch_size, dp_rank, dp_size,
-                                                     num_workers))
+        loaders.append(
+            build_pretraining_data_loader(
+                ds, consumed, micro_batch_size, global_batch_size, dp_rank, dp_size, num_workers
+            )
+        )
     train = loaders[0]
-    assert train is not None               # train_samples > 0 was checked above
+    assert train is not None  # train_samples > 0 was checked above
     return train, loaders[1], loaders[2]

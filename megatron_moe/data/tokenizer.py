@@ -13,6 +13,7 @@ Both give the same ids as `Tokenizer.encode`. Our byte-level BPE splits text the
 (same pre-tokenizer, no prefix space) and reserves id 0 for the end-of-document token
 `<|endoftext|>` (GPT-2 itself has it at id 50256; always ask `.eod`).
 """
+
 from __future__ import annotations
 
 import json
@@ -76,17 +77,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most `vocab_size` ids (256 bytes + <|endoftext|> + merges)
     on `texts`; deterministic for the same texts."""
     if vocab_size < 258:
-        raise ValueError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs "
-                         f"256 byte tokens + {EOD_TOKEN} + at least one merge (>= 258)")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs "
+            f"256 byte tokens + {EOD_TOKEN} + at least one merge (>= 258)"
+        )
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     eod = tok.token_to_id(EOD_TOKEN)
-    assert eod is not None                 # a special token of the trainer
+    assert eod is not None  # a special token of the trainer
     return Tokenizer(tok, eod, name="trained byte-level BPE")
 
 
@@ -98,11 +104,19 @@ def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> None:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok.backend.save(str(d / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN,
-              "bos_token": EOD_TOKEN, "unk_token": EOD_TOKEN, "add_prefix_space": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOD_TOKEN,
+        "bos_token": EOD_TOKEN,
+        "unk_token": EOD_TOKEN,
+        "add_prefix_space": False,
+    }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    marker = {"eod_token": EOD_TOKEN, "vocab_size": tok.vocab_size,
-              "kind": "byte-level BPE trained by megatron_moe.data.tokenizer"}
+    marker = {
+        "eod_token": EOD_TOKEN,
+        "vocab_size": tok.vocab_size,
+        "kind": "byte-level BPE trained by megatron_moe.data.tokenizer",
+    }
     (d / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
@@ -115,19 +129,23 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(str(p / "tokenizer.json"))
         eod = tok.token_to_id(marker["eod_token"])
         if eod is None:
-            raise ValueError(f"--tokenizer-name-or-path {p}: {marker['eod_token']} is not in "
-                             f"the vocabulary")
+            raise ValueError(f"--tokenizer-name-or-path {p}: {marker['eod_token']} is not in the vocabulary")
         return Tokenizer(tok, eod, name=str(p))
     try:
         from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as e:  # hub unreachable, bad directory, ...: say which flag and why
-        raise ValueError(f"--tokenizer-name-or-path {name_or_path}: could not load it with "
-                         f"transformers.AutoTokenizer ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"--tokenizer-name-or-path {name_or_path}: could not load it with "
+            f"transformers.AutoTokenizer ({type(e).__name__}: {e})"
+        ) from e
     hf_eod: Any = hf.eos_token_id
     if hf_eod is None:
         hf_eod = hf.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in hf.get_vocab() else None
     if hf_eod is None:
-        raise ValueError(f"--tokenizer-name-or-path {name_or_path}: the tokenizer has no "
-                         f"end-of-document token (no eos_token and no {EOD_TOKEN})")
+        raise ValueError(
+            f"--tokenizer-name-or-path {name_or_path}: the tokenizer has no "
+            f"end-of-document token (no eos_token and no {EOD_TOKEN})"
+        )
     return Tokenizer(hf, int(hf_eod), name=str(name_or_path))

@@ -14,6 +14,7 @@ NCCL (CUDA) alike. Autograd functions wrap them:
 
 A group of size 1 is a no-op and records nothing.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -53,6 +54,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # ----------------------------------------------------------------------------- raw
+
 
 def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "sum"):
     """Reduce `t` in place over `group` (op 'sum' or 'max'); the work handle when async_op."""
@@ -108,8 +110,13 @@ def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
 
 
 @annotate("moe/all_to_all")
-def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
-                   in_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+def all_to_all_raw(
+    t: torch.Tensor,
+    group,
+    out_splits: Optional[Sequence[int]] = None,
+    in_splits: Optional[Sequence[int]] = None,
+    async_op: bool = False,
+):
     """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.
 
     Returns the output [sum(out_splits), ...] (and the work handle if async_op).
@@ -119,7 +126,7 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
     if n == 1:
         return (t, None) if async_op else t
     t = t.contiguous()
-    row = t.element_size() * (int(torch.Size(t.shape[1:]).numel()))   # bytes per dim-0 row
+    row = t.element_size() * (int(torch.Size(t.shape[1:]).numel()))  # bytes per dim-0 row
     if out_splits is None:
         out = torch.empty_like(t)
         remote = _nbytes(t) - _nbytes(t) // n
@@ -129,16 +136,22 @@ def all_to_all_raw(t: torch.Tensor, group, out_splits: Optional[Sequence[int]] =
     # the observer also tells a2a listeners (Lina holds gradient all-reduce micro-ops back)
     token = observer.begin("all_to_all", group, _nbytes(t), _nbytes(out), remote)
     with guard("all_to_all", group):
-        work = dist.all_to_all_single(out, t, output_split_sizes=None if out_splits is None else list(out_splits),
-                                      input_split_sizes=None if in_splits is None else list(in_splits),
-                                      group=group, async_op=async_op)
+        work = dist.all_to_all_single(
+            out,
+            t,
+            output_split_sizes=None if out_splits is None else list(out_splits),
+            input_split_sizes=None if in_splits is None else list(in_splits),
+            group=group,
+            async_op=async_op,
+        )
     if async_op:
-        return out, observer.Work(work, token)      # in flight until wait()
+        return out, observer.Work(work, token)  # in flight until wait()
     observer.end(token)
     return out
 
 
 # ----------------------------------------------------------------------------- autograd
+
 
 def _identity(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return t
@@ -213,13 +226,15 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return x if group_size(group) == 1 else _Collective.apply(x, group, dim, reduce_scatter_raw, all_gather_raw)
 
 
-def all_to_all(x: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None,
-               in_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, group, out_splits: Optional[Sequence[int]] = None, in_splits: Optional[Sequence[int]] = None
+) -> torch.Tensor:
     """All-to-all along dim 0 (even or uneven splits); backward is the reverse all-to-all."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, None if out_splits is None else list(out_splits),
-                           None if in_splits is None else list(in_splits))
+    return _AllToAll.apply(
+        x, group, None if out_splits is None else list(out_splits), None if in_splits is None else list(in_splits)
+    )
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:

@@ -18,6 +18,7 @@ in `exit_on_comm_error()`: the error is printed once per rank as
 `error: ...` and the process exits with status 1 right away (no traceback,
 no teardown that could block on a dead peer).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ from megatron_moe.distributed.observer import group_name
 EXIT_COMM_FAILURE = 1
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
-_TIMEOUTS: dict[int, float] = {}        # id(group) -> seconds it was created with
+_TIMEOUTS: dict[int, float] = {}  # id(group) -> seconds it was created with
 
 
 class _UnknownGroup:
@@ -64,7 +65,7 @@ def set_group_timeout(group, seconds: float) -> None:
 
 
 def describe_group(group) -> str:
-    """"group 'ep' (global ranks [0, 1])"; the ranks are left out when torch cannot tell them."""
+    """ "group 'ep' (global ranks [0, 1])"; the ranks are left out when torch cannot tell them."""
     if group is UNKNOWN_GROUP:
         return "a process group"
     name = group_name(group)
@@ -94,12 +95,17 @@ def translate(exc: BaseException, collective: str, group) -> Optional[CommError]
         return CommTimeoutError(
             f"{where} did not finish within {limit}: a peer rank is stalled or dead, or the ranks issued "
             f"collectives in different orders (raise --comm-timeout if a step legitimately takes longer; "
-            f"backend said: {backend})", collective, group_name(group))
+            f"backend said: {backend})",
+            collective,
+            group_name(group),
+        )
     if any(m in low for m in _PEER_LOST_MARKERS):
         return CommPeerLostError(
             f"{where} failed: a peer rank closed its connection (it crashed, or stopped after its own "
             f"--comm-timeout error; see that rank's error; backend said: {backend})",
-            collective, group_name(group))
+            collective,
+            group_name(group),
+        )
     return None
 
 

@@ -20,6 +20,7 @@ over, so the collectives of every group are issued in the same order on all
 ranks whatever the hook timing. Code that writes a gradient outside autograd
 (deferred weight gradients) calls `mark_ready(p)` when it is final.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -61,13 +62,19 @@ class GradSync:
     attached to the model (`scheduler.attach(model)`) and drained in `finish()`.
     """
 
-    def __init__(self, model: torch.nn.Module, ps: "ParallelState", bucket_mb: float = 25.0, scheduler=None,
-                 enabled_hooks: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ps: "ParallelState",
+        bucket_mb: float = 25.0,
+        scheduler=None,
+        enabled_hooks: bool = True,
+    ):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[dict] = []
-        limit = int(bucket_mb * 2 ** 20)
+        limit = int(bucket_mb * 2**20)
         for kind in ("dp", "expert_dp"):
             cur, size = [], 0
             for p in reversed(params):
@@ -93,7 +100,7 @@ class GradSync:
         if enabled_hooks:
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self.accumulating = False     # True on micro-batches that only accumulate
+        self.accumulating = False  # True on micro-batches that only accumulate
         self.reset()
 
     def set_scheduler(self, scheduler, model: torch.nn.Module) -> None:
@@ -105,8 +112,8 @@ class GradSync:
         self._ready = [0] * len(self.buckets)
         self._launched: list[Optional[tuple]] = [None] * len(self.buckets)
         self._param_ready = [False] * len(self._order)
-        self._next = 0                                   # first parameter not handed over yet
-        self._submitted: list[tuple] = []                # (param, flat reduced in place, handle)
+        self._next = 0  # first parameter not handed over yet
+        self._submitted: list[tuple] = []  # (param, flat reduced in place, handle)
 
     def mark_ready(self, p: torch.nn.Parameter) -> None:
         """`p.grad` is final for this iteration (what the grad-ready hook calls)."""
@@ -144,14 +151,14 @@ class GradSync:
             self._next += 1
 
     def _finish_scheduled(self) -> None:
-        self._param_ready = [True] * len(self._order)    # unused parameters: zero gradients
+        self._param_ready = [True] * len(self._order)  # unused parameters: zero gradients
         self._submit_in_order()
         self.scheduler.drain()
         for p, flat, handle in self._submitted:
             handle.wait()
             if self.dp > 1:
                 flat.div_(self.dp)
-            if flat.data_ptr() != p.grad.data_ptr():      # reduced a contiguous copy
+            if flat.data_ptr() != p.grad.data_ptr():  # reduced a contiguous copy
                 p.grad.copy_(flat.view_as(p.grad))
         self.reset()
 
@@ -173,7 +180,7 @@ class GradSync:
                 n = p.numel()
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[off:off + n].view_as(p))
+                p.grad.copy_(flat[off : off + n].view_as(p))
                 off += n
         self.reset()
 

@@ -52,6 +52,7 @@ returns the all-to-all time in backward and how long gradient all-reduce
 overlapped an all-to-all. Micro-ops do not change any value: each element is
 summed over the same ranks as in a bucketed all-reduce.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,11 +73,11 @@ from megatron_moe.distributed.observer import group_name
 from megatron_moe.profiling import annotate
 
 log = logging.getLogger("megatron_moe.lina")
-MB = 2 ** 20
-HISTORY = 3               # iterations whose all-to-all offsets predict the next one's
-RATE_ALPHA = 0.3          # decay of the link-rate and all-to-all-time averages per new sample
+MB = 2**20
+HISTORY = 3  # iterations whose all-to-all offsets predict the next one's
+RATE_ALPHA = 0.3  # decay of the link-rate and all-to-all-time averages per new sample
 AUTO_DRAIN_FRACTION = 0.1  # drain_ms = 0: this fraction of the measured backward all-to-all time
-DEVICE_POLL_S = 2e-4      # how often the launcher polls a CUDA all-to-all's end event while it gates
+DEVICE_POLL_S = 2e-4  # how often the launcher polls a CUDA all-to-all's end event while it gates
 
 
 def launch_budget(rate_bps: Optional[float], horizon_s: float, drain_s: float) -> float:
@@ -103,13 +104,13 @@ class MicroOp:
     place), or with coalescing several consecutive slices copied into one buffer (`pieces`:
     (view, handle) of each, copied back when the op finished)."""
 
-    index: int                 # position in this iteration's queue (= launch order)
-    kind: str                  # 'dp' or 'expert_dp'
-    chunk: torch.Tensor        # a contiguous 1-D view into the gradient, or the coalesced buffer
+    index: int  # position in this iteration's queue (= launch order)
+    kind: str  # 'dp' or 'expert_dp'
+    chunk: torch.Tensor  # a contiguous 1-D view into the gradient, or the coalesced buffer
     group: object
-    part: int                  # chunk number of its first piece within that piece's tensor
-    parts: int                 # chunks of that tensor
-    queued: float              # perf_counter when submitted
+    part: int  # chunk number of its first piece within that piece's tensor
+    parts: int  # chunks of that tensor
+    queued: float  # perf_counter when submitted
     pieces: list = field(default_factory=list)
     work: object = None
     event: Optional[observer.CommEvent] = None
@@ -150,9 +151,17 @@ class LinaScheduler:
     `close()` logs them.
     """
 
-    def __init__(self, partition_mb: float = 30.0, timeout_s: float = 600.0, *, prioritize: bool = True,
-                 log_events: Optional[observer.CommLog] = None, max_in_flight: int = 4, drain_ms: float = 0.0,
-                 coalesce: bool = False):
+    def __init__(
+        self,
+        partition_mb: float = 30.0,
+        timeout_s: float = 600.0,
+        *,
+        prioritize: bool = True,
+        log_events: Optional[observer.CommLog] = None,
+        max_in_flight: int = 4,
+        drain_ms: float = 0.0,
+        coalesce: bool = False,
+    ):
         if not partition_mb > 0:
             raise ValueError(f"--lina-partition-mb must be positive, got {partition_mb}")
         if not timeout_s > 0:
@@ -167,7 +176,7 @@ class LinaScheduler:
         self._cv = threading.Condition()
         self._queue: deque[MicroOp] = deque()
         self._open_kind: tuple = ("", None)
-        self._open: list = []          # coalescing: (view, handle, part, parts) of the micro-op being filled
+        self._open: list = []  # coalescing: (view, handle, part, parts) of the micro-op being filled
         self._inflight: deque[MicroOp] = deque()
         self._inflight_bytes = 0
         self._a2a_in_flight = 0
@@ -176,8 +185,8 @@ class LinaScheduler:
         # the host-side end is only the enqueue; `observer.completed` reads their end events)
         self._device_pending: list[observer.CommEvent] = []
         self._draining = False
-        self._pending = 0              # micro-ops submitted and not finished
-        self._count = 0                # micro-ops submitted this iteration
+        self._pending = 0  # micro-ops submitted and not finished
+        self._count = 0  # micro-ops submitted this iteration
         self._error: Optional[BaseException] = None
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -187,14 +196,14 @@ class LinaScheduler:
         self._last_finish = 0.0
         self._rate_bytes = self._rate_time = 0.0
         self._a2a_busy_since: Optional[float] = None
-        self.a2a_ms: Optional[float] = None          # EWMA of backward all-to-all busy periods
-        self._anchor: Optional[float] = None         # first submit of this iteration
-        self._offsets: list[float] = []              # all-to-all starts after the anchor, this iteration
+        self.a2a_ms: Optional[float] = None  # EWMA of backward all-to-all busy periods
+        self._anchor: Optional[float] = None  # first submit of this iteration
+        self._offsets: list[float] = []  # all-to-all starts after the anchor, this iteration
         self._history: deque[list[float]] = deque(maxlen=HISTORY)
-        self.max_concurrent = 0                      # most micro-ops in flight at once (reporting)
+        self.max_concurrent = 0  # most micro-ops in flight at once (reporting)
         self.log = (log_events or observer.CommLog(max_events=20_000)).start()
         self._totals: dict = {}
-        self._folded_seq = -1          # events up to this seq are in _totals
+        self._folded_seq = -1  # events up to this seq are in _totals
         self.iterations = 0
         observer.add_a2a_listener(self)
 
@@ -246,10 +255,13 @@ class LinaScheduler:
             self._cv.notify_all()
 
     def _gate_open(self) -> bool:
-        if self._device_pending:               # drop the all-to-alls the device has completed
+        if self._device_pending:  # drop the all-to-alls the device has completed
             self._device_pending = [e for e in self._device_pending if not observer.completed(e)]
-        return self._draining or not self.prioritize or (
-            self._a2a_in_flight == 0 and not self._imminent and not self._device_pending)
+        return (
+            self._draining
+            or not self.prioritize
+            or (self._a2a_in_flight == 0 and not self._imminent and not self._device_pending)
+        )
 
     def drain_s(self) -> float:
         """The drain bound in seconds: --lina-drain-ms, or a tenth of the measured all-to-all time."""
@@ -270,11 +282,11 @@ class LinaScheduler:
         if not self._gate_open():
             return False
         if not self._inflight:
-            return True                            # one micro-op may always be on the wire
+            return True  # one micro-op may always be on the wire
         if len(self._inflight) >= self.max_in_flight:
             return False
         if self._draining or not self.prioritize:
-            return True                            # no all-to-all is coming / the ablation
+            return True  # no all-to-all is coming / the ablation
         budget = launch_budget(self.rate_bps, self.horizon_s(time.perf_counter()), self.drain_s())
         return self._inflight_bytes + op.nbytes <= budget
 
@@ -292,7 +304,7 @@ class LinaScheduler:
         n = flat.numel()
         parts = -(-n // per) if group_size(group) > 1 else 0
         handle = GradHandle(self, 0)
-        if parts == 0:                          # nothing to reduce (group of one, empty tensor)
+        if parts == 0:  # nothing to reduce (group of one, empty tensor)
             handle.done_event.set()
             return handle
         now = time.perf_counter()
@@ -306,7 +318,7 @@ class LinaScheduler:
             while off < n:
                 room = per - sum(v.numel() for v, *_ in self._open)
                 take = min(room, n - off)
-                self._open.append((flat[off:off + take], handle, j, parts))
+                self._open.append((flat[off : off + take], handle, j, parts))
                 handle.remaining += 1
                 off, j = off + take, j + 1
                 if take == room:
@@ -314,8 +326,10 @@ class LinaScheduler:
             if not self.coalesce:
                 self._close_open(now)
             if not self._threads:
-                self._threads = [threading.Thread(target=self._run, name="lina-launcher", daemon=True),
-                                 threading.Thread(target=self._reap, name="lina-reaper", daemon=True)]
+                self._threads = [
+                    threading.Thread(target=self._run, name="lina-launcher", daemon=True),
+                    threading.Thread(target=self._reap, name="lina-reaper", daemon=True),
+                ]
                 for t in self._threads:
                     t.start()
             self._cv.notify_all()
@@ -329,8 +343,9 @@ class LinaScheduler:
         chunk = views[0] if len(views) == 1 else torch.cat(views)
         _, _, part, parts = self._open[0]
         kind, group = self._open_kind
-        self._queue.append(MicroOp(self._count, kind, chunk, group, part, parts, now,
-                                   [(v, h) for v, h, *_ in self._open]))
+        self._queue.append(
+            MicroOp(self._count, kind, chunk, group, part, parts, now, [(v, h) for v, h, *_ in self._open])
+        )
         self._count += 1
         self._pending += 1
         self._open = []
@@ -345,7 +360,9 @@ class LinaScheduler:
         """Launcher thread: launch the queue head whenever the gate and the budget allow it."""
         while True:
             with self._cv:
-                while not self._closed and self._error is None and not (self._queue and self._may_launch(self._queue[0])):
+                while (
+                    not self._closed and self._error is None and not (self._queue and self._may_launch(self._queue[0]))
+                ):
                     # a device-side completion notifies nobody: poll while one is awaited
                     self._cv.wait(DEVICE_POLL_S if self._device_pending else None)
                 if self._closed or self._error is not None:
@@ -353,12 +370,22 @@ class LinaScheduler:
                 op = self._queue.popleft()
                 # launch under the lock: a2a_start cannot slip between the gate check and the launch
                 try:
-                    with annotate("lina/micro_op"), observer.tagged("lina", queued=op.queued, index=op.index, part=op.part, parts=op.parts,
-                                       pieces=len(op.pieces), self_timed=True):
+                    with (
+                        annotate("lina/micro_op"),
+                        observer.tagged(
+                            "lina",
+                            queued=op.queued,
+                            index=op.index,
+                            part=op.part,
+                            parts=op.parts,
+                            pieces=len(op.pieces),
+                            self_timed=True,
+                        ),
+                    ):
                         op.launched = time.perf_counter()
                         op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = observer.last_event()
-                except Exception as e:            # noqa: BLE001  (reported by drain on the main thread)
+                except Exception as e:  # noqa: BLE001  (reported by drain on the main thread)
                     self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
                     self._cv.notify_all()
                     return
@@ -378,17 +405,23 @@ class LinaScheduler:
                 op = self._inflight[0]
             try:
                 op.work.wait(timeout=timedelta(seconds=self.timeout_s))
-            except Exception as e:                # noqa: BLE001  (gloo raises RuntimeError on timeout)
-                what = (f"Lina: gradient all_reduce micro-op #{op.index} on {describe_group(op.group)} "
-                        f"({op.nbytes} bytes, chunk {op.part + 1}/{op.parts} of its tensor)")
+            except Exception as e:  # noqa: BLE001  (gloo raises RuntimeError on timeout)
+                what = (
+                    f"Lina: gradient all_reduce micro-op #{op.index} on {describe_group(op.group)} "
+                    f"({op.nbytes} bytes, chunk {op.part + 1}/{op.parts} of its tensor)"
+                )
                 lost = translate(e, "all_reduce", op.group)
                 if isinstance(lost, CommPeerLostError):
                     self._fail(CommPeerLostError(f"{what}: {lost}", "all_reduce", group_name(op.group)))
-                else:                             # the wait above has the scheduler's own limit
-                    self._fail(CommTimeoutError(
-                        f"{what} did not finish within --comm-timeout {self.timeout_s:g} s: a peer rank is "
-                        f"stalled or dead, or the ranks issued collectives in different orders ({e})",
-                        "all_reduce", group_name(op.group)))
+                else:  # the wait above has the scheduler's own limit
+                    self._fail(
+                        CommTimeoutError(
+                            f"{what} did not finish within --comm-timeout {self.timeout_s:g} s: a peer rank is "
+                            f"stalled or dead, or the ranks issued collectives in different orders ({e})",
+                            "all_reduce",
+                            group_name(op.group),
+                        )
+                    )
                 return
             observer.stamp_finish(op.event)
             now = time.perf_counter()
@@ -407,8 +440,8 @@ class LinaScheduler:
                 self._pending -= 1
                 off = 0
                 for view, handle in op.pieces:
-                    if len(op.pieces) > 1:           # a coalesced buffer: back into the gradients
-                        view.copy_(op.chunk[off:off + view.numel()])
+                    if len(op.pieces) > 1:  # a coalesced buffer: back into the gradients
+                        view.copy_(op.chunk[off : off + view.numel()])
                         off += view.numel()
                     handle.remaining -= 1
                     if handle.remaining == 0:
@@ -430,19 +463,24 @@ class LinaScheduler:
                 while self._pending and self._error is None:
                     # the reaper's own wait times out first; this bounds a wedged launcher
                     before = self._pending
-                    if not self._cv.wait(timeout=self.timeout_s + 5.0) and self._pending == before \
-                            and self._error is None:
+                    if (
+                        not self._cv.wait(timeout=self.timeout_s + 5.0)
+                        and self._pending == before
+                        and self._error is None
+                    ):
                         head = self._queue[0] if self._queue else None
                         where = f" on {describe_group(head.group)}" if head is not None else ""
                         self._error = CommTimeoutError(
                             f"Lina: {self._pending} gradient all_reduce micro-ops{where} made no progress in "
-                            f"--comm-timeout {self.timeout_s:g} s", "all_reduce",
-                            group_name(head.group) if head is not None else "other")
+                            f"--comm-timeout {self.timeout_s:g} s",
+                            "all_reduce",
+                            group_name(head.group) if head is not None else "other",
+                        )
             finally:
                 self._draining = False
                 self._imminent = False
                 self._count = 0
-                if self._anchor is not None:          # this iteration's schedule predicts the next ones
+                if self._anchor is not None:  # this iteration's schedule predicts the next ones
                     self._history.append(list(self._offsets))
                 self._anchor, self._offsets = None, []
         self._raise_if_failed()
@@ -463,17 +501,20 @@ class LinaScheduler:
         size, the number of iterations, the most micro-ops in flight at once and the measured
         link rate (MB/s, None before a micro-op finished)."""
         base = observer.summarize([])
-        return {"partition_mb": self.partition_mb, "iterations": self.iterations,
-                "max_in_flight_seen": self.max_concurrent,
-                "link_mb_s": None if self.rate_bps is None else self.rate_bps / MB,
-                **{k: self._totals.get(k, v) for k, v in base.items()}}
+        return {
+            "partition_mb": self.partition_mb,
+            "iterations": self.iterations,
+            "max_in_flight_seen": self.max_concurrent,
+            "link_mb_s": None if self.rate_bps is None else self.rate_bps / MB,
+            **{k: self._totals.get(k, v) for k, v in base.items()},
+        }
 
     def close(self) -> dict:
         """Stop the threads, remove hooks and listeners, log and return the summary."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        for t in self._threads:          # idle, they exit at once; in a wait, within the timeout
+        for t in self._threads:  # idle, they exit at once; in a wait, within the timeout
             t.join(timeout=self.timeout_s + 5.0)
             if t.is_alive():
                 log.warning(f"lina: the {t.name} thread did not stop within --comm-timeout {self.timeout_s:g} s")
@@ -484,6 +525,8 @@ class LinaScheduler:
         observer.remove_a2a_listener(self)
         self.log.stop()
         s = self.summary()
-        log.info(f"lina (micro-ops of {self.partition_mb:g} MB, up to {self.max_in_flight} in flight): "
-                 f"{observer.format_summary(s)}")
+        log.info(
+            f"lina (micro-ops of {self.partition_mb:g} MB, up to {self.max_in_flight} in flight): "
+            f"{observer.format_summary(s)}"
+        )
         return s

@@ -59,6 +59,7 @@ the micro-ops of dp and expert-dp from queuing behind each other.
 Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync
 bucket), '' (anything else). A thread sets them with `with tagged('lina', ...)`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -75,13 +76,13 @@ import torch.distributed as dist
 
 from megatron_moe.distributed import streams
 
-ACTIVE = False                      # a log or a listener is registered
+ACTIVE = False  # a log or a listener is registered
 _LOGS: list["CommLog"] = []
 _A2A_LISTENERS: list = []
 _SEQ = itertools.count()
 _local = threading.local()
 _QUEUED: list[Optional[float]] = [None]
-GRAD_TAGS = ("lina", "grad")        # tags of gradient all-reduces
+GRAD_TAGS = ("lina", "grad")  # tags of gradient all-reduces
 _GROUP_NAMES: dict[int, str] = {}
 
 
@@ -138,7 +139,7 @@ class CommLog:
 
     def __init__(self, max_events: int = 200_000):
         self.events: deque[CommEvent] = deque(maxlen=max_events)
-        self._lock = threading.Lock()       # other threads append while one reads
+        self._lock = threading.Lock()  # other threads append while one reads
 
     def start(self) -> "CommLog":
         """Begin receiving events (idempotent); returns self."""
@@ -182,13 +183,21 @@ class CommLog:
     def records(self) -> list[CommEvent]:
         return self.snapshot()
 
-    def of(self, op: Optional[str] = None, tags: Optional[Iterable[str]] = None,
-           phase: Optional[str] = None) -> list[CommEvent]:
+    def of(
+        self, op: Optional[str] = None, tags: Optional[Iterable[str]] = None, phase: Optional[str] = None
+    ) -> list[CommEvent]:
         """Events matching op, any of `tags` and phase (None matches all), in launch order."""
         tags = None if tags is None else tuple(tags)
-        return sorted((e for e in self.snapshot() if (op is None or e.op == op)
-                       and (tags is None or e.tag in tags) and (phase is None or e.phase == phase)),
-                      key=lambda e: e.seq)
+        return sorted(
+            (
+                e
+                for e in self.snapshot()
+                if (op is None or e.op == op)
+                and (tags is None or e.tag in tags)
+                and (phase is None or e.phase == phase)
+            ),
+            key=lambda e: e.seq,
+        )
 
     def totals(self, key: str = "sent") -> dict[tuple[str, str], int]:
         """Sum of `key` bytes per (op, group)."""
@@ -235,14 +244,17 @@ def summarize(evs: list[CommEvent]) -> dict:
 
 def format_summary(s: dict) -> str:
     """One readable line of `summarize`."""
-    return (f"comm events: all-to-all {s['n_a2a']} ({s['a2a_bwd_ms']:.1f} ms in backward, "
-            f"{s['a2a_fwd_ms']:.1f} ms in forward); gradient all-reduce {s['n_grad_allreduce']} ops, "
-            f"{s['grad_allreduce_bytes'] / 2 ** 20:.1f} MB, {s['grad_allreduce_ms']:.1f} ms busy, "
-            f"{s['overlap_ms']:.1f} ms overlapped with all-to-all, "
-            f"{s['launched_during_a2a']} launched during an all-to-all")
+    return (
+        f"comm events: all-to-all {s['n_a2a']} ({s['a2a_bwd_ms']:.1f} ms in backward, "
+        f"{s['a2a_fwd_ms']:.1f} ms in forward); gradient all-reduce {s['n_grad_allreduce']} ops, "
+        f"{s['grad_allreduce_bytes'] / 2**20:.1f} MB, {s['grad_allreduce_ms']:.1f} ms busy, "
+        f"{s['overlap_ms']:.1f} ms overlapped with all-to-all, "
+        f"{s['launched_during_a2a']} launched during an all-to-all"
+    )
 
 
 # ----------------------------------------------------------------------------- interval arithmetic
+
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted disjoint intervals covering the same points as `intervals`."""
@@ -277,8 +289,10 @@ def intersection_length(u: list[tuple[float, float]], v: list[tuple[float, float
 def launched_during(ops: list[CommEvent], a2as: list[CommEvent]) -> list[CommEvent]:
     """The ops of `ops` launched inside some all-to-all's [queued or launch, finish]
     (an unfinished all-to-all counts as still in flight)."""
-    spans = [(a.launch if a.queued is None else min(a.queued, a.launch),
-              a.finish if a.finish is not None else float("inf")) for a in a2as]
+    spans = [
+        (a.launch if a.queued is None else min(a.queued, a.launch), a.finish if a.finish is not None else float("inf"))
+        for a in a2as
+    ]
     return [e for e in ops if any(lo <= e.launch <= hi for lo, hi in spans)]
 
 
@@ -290,6 +304,7 @@ def overlapping(ops: list[CommEvent], a2a: CommEvent) -> list[CommEvent]:
 
 # ----------------------------------------------------------------------------- completion on CUDA
 
+
 @dataclass
 class CudaTiming:
     """The CUDA events of one NCCL collective: `start` on the caller's stream before the launch,
@@ -300,8 +315,8 @@ class CudaTiming:
     resolved: bool = False
 
 
-_ANCHOR: list = [None]              # (perf_counter seconds, Marker): one point on both clocks
-_NCCL: dict[int, bool] = {}         # id(group) -> runs on NCCL
+_ANCHOR: list = [None]  # (perf_counter seconds, Marker): one point on both clocks
+_NCCL: dict[int, bool] = {}  # id(group) -> runs on NCCL
 # with TORCH_NCCL_BLOCKING_WAIT, work.wait() blocks the host: no early wait on the observer stream
 _BLOCKING_WAIT = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true")
 
@@ -314,7 +329,7 @@ def _on_nccl(group) -> bool:
     if key not in _NCCL:
         try:
             _NCCL[key] = dist.get_backend(group) == "nccl"
-        except (RuntimeError, ValueError, TypeError, AttributeError):   # LOCAL_GROUP, a foreign object
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # LOCAL_GROUP, a foreign object
             _NCCL[key] = False
     return _NCCL[key]
 
@@ -346,17 +361,16 @@ def _record_completion(token: Optional["_Token"], works: Optional[list]) -> None
     if works is None:
         timing.end = streams.record_event(torch.cuda.current_stream(), timing=True)
         return
-    if _BLOCKING_WAIT:          # wait() would block the host here: the end is recorded at the caller's wait
+    if _BLOCKING_WAIT:  # wait() would block the host here: the end is recorded at the caller's wait
         return
     side = streams.side_stream(torch.device("cuda", torch.cuda.current_device()), f"observer-{token.group}")
     with streams.use(side):
         for w in works:
-            w.wait()                 # NCCL: the side stream waits for the collective; the host does not
+            w.wait()  # NCCL: the side stream waits for the collective; the host does not
         timing.end = streams.record_event(side, timing=True)
 
 
-def resolve_times(evs: Iterable[CommEvent], anchor_s: float,
-                  elapsed_ms: Callable[[streams.Marker], float]) -> int:
+def resolve_times(evs: Iterable[CommEvent], anchor_s: float, elapsed_ms: Callable[[streams.Marker], float]) -> int:
     """Set launch / finish of every CUDA-timed event of `evs` whose end marker has completed, to
     `anchor_s + elapsed_ms(marker) / 1e3`; returns how many were resolved."""
     n = 0
@@ -392,6 +406,7 @@ def completed(ev: Optional[CommEvent]) -> bool:
 
 
 # ----------------------------------------------------------------------------- hooks for collectives
+
 
 def _refresh() -> None:
     global ACTIVE
@@ -464,8 +479,19 @@ def begin(op: str, group, sent: int, recv: int = 0, remote_sent: int = 0) -> Opt
             queued, _QUEUED[0] = _QUEUED[0], None
         if _on_nccl(group):
             info["cuda"] = _cuda_start()
-        ev = CommEvent(next(_SEQ), op, name, int(sent), tag, "bwd" if _in_backward() else "fwd",
-                       time.perf_counter(), queued=queued, info=info, recv=int(recv), remote_sent=int(remote_sent))
+        ev = CommEvent(
+            next(_SEQ),
+            op,
+            name,
+            int(sent),
+            tag,
+            "bwd" if _in_backward() else "fwd",
+            time.perf_counter(),
+            queued=queued,
+            info=info,
+            recv=int(recv),
+            remote_sent=int(remote_sent),
+        )
         for log in list(_LOGS):
             with log._lock:
                 log.events.append(ev)
@@ -494,7 +520,7 @@ def end(token: Optional[_Token]) -> None:
     if token is None or token.ended:
         return
     token.ended = True
-    _record_completion(token, None)       # CUDA, synchronous: the caller's stream waited on it
+    _record_completion(token, None)  # CUDA, synchronous: the caller's stream waited on it
     stamp_finish(token.event)
     if token.op == "all_to_all":
         for listener in list(_A2A_LISTENERS):
@@ -509,11 +535,11 @@ def end_when_complete(token: Optional[_Token], work) -> None:
     if work is None:
         end(token)
     elif token.event is not None and isinstance(token.event.info.get("cuda"), CudaTiming):
-        _record_completion(token, [work])      # completion from CUDA events, not the future
+        _record_completion(token, [work])  # completion from CUDA events, not the future
     elif token.event is not None and not token.event.info.get("self_timed"):
         try:
             work.get_future().then(lambda _f: end(token))
-        except (RuntimeError, AttributeError):    # a backend without futures: the event stays unfinished
+        except (RuntimeError, AttributeError):  # a backend without futures: the event stays unfinished
             token.event.info["unfinished"] = True
 
 
@@ -524,13 +550,13 @@ class Work:
     def __init__(self, work, token: Optional[_Token]):
         self._works = work if isinstance(work, list) else [work]
         self._token = token
-        _record_completion(token, self._works)     # CUDA: the end event, recorded at launch time
+        _record_completion(token, self._works)  # CUDA: the end event, recorded at launch time
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()
         for w in self._works:
             w.wait(*args, **kwargs)
-        if self._token is not None and self._token.event is not None:   # when this thread was blocked
+        if self._token is not None and self._token.event is not None:  # when this thread was blocked
             self._token.event.info.setdefault("blocked", []).append((t0, time.perf_counter()))
         end(self._token)
         return True

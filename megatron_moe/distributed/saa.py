@@ -35,6 +35,7 @@ How the two operations run at once:
     caller's stream and read there only after that final wait.
 `p2p=True` forces the isend/irecv form on CPU too (tests use it to check it).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -47,7 +48,7 @@ from megatron_moe.distributed.collectives import all_to_all_raw, group_rank, gro
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.profiling import annotate
 
-SAA_CHUNKS = 4   # pipeline depth: enough to hide one operation behind the other, few extra latencies
+SAA_CHUNKS = 4  # pipeline depth: enough to hide one operation behind the other, few extra latencies
 
 
 def _wait(work, collective: str, group) -> None:
@@ -94,7 +95,7 @@ def all_to_all_p2p_start(t: torch.Tensor, group):
             ops.append(dist.P2POp(dist.isend, send[i], peer, group))
             ops.append(dist.P2POp(dist.irecv, recv[i], peer, group))
     token = observer.begin("all_to_all", group, nbytes, nbytes, nbytes - nbytes // n)
-    return out, observer.Work(dist.batch_isend_irecv(ops), token)     # one interval, ended after the last
+    return out, observer.Work(dist.batch_isend_irecv(ops), token)  # one interval, ended after the last
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
@@ -103,8 +104,15 @@ def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def a2a_combine_gather(send_DLNM: torch.Tensor, a2a_group, mp_group, n_esp: int, overlap: bool = True,
-                       chunks: int = SAA_CHUNKS, p2p: Optional[bool] = None) -> torch.Tensor:
+def a2a_combine_gather(
+    send_DLNM: torch.Tensor,
+    a2a_group,
+    mp_group,
+    n_esp: int,
+    overlap: bool = True,
+    chunks: int = SAA_CHUNKS,
+    p2p: Optional[bool] = None,
+) -> torch.Tensor:
     """[D, E_l, N, M] partials by destination -> [N_MP, E, N, M] combined, MP-gathered outputs.
 
     See the module docstring. `p2p` None: isend/irecv on CUDA, a collective on CPU.
@@ -137,12 +145,12 @@ def a2a_combine_gather(send_DLNM: torch.Tensor, a2a_group, mp_group, n_esp: int,
         gathers = []
         for i, (a, b) in enumerate(bounds):
             recv, work = pending
-            _wait(work, "all_to_all", a2a_group)          # on CUDA: the side stream waits, not the host
+            _wait(work, "all_to_all", a2a_group)  # on CUDA: the side stream waits, not the host
             if i + 1 < len(bounds):
-                pending = start_a2a(*bounds[i + 1])       # chunk i+1 travels while ...
+                pending = start_a2a(*bounds[i + 1])  # chunk i+1 travels while ...
             gathers.append((start_gather(recv, a, b), a, b))  # ... chunk i goes to the MP peers
         for (parts, work), a, b in gathers:
             _wait(work, "all_gather", mp_group)
             out[:, :, a:b] = torch.stack(parts)
-    streams.wait_stream(streams.current_stream(dev), side)     # the caller reads `out` after the pipeline
+    streams.wait_stream(streams.current_stream(dev), side)  # the caller reads `out` after the pipeline
     return out

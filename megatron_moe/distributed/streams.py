@@ -68,6 +68,7 @@ Who uses it and how:
     are waited (`Pending.wait()`) at the first use of the prefetched
     parameters / before the optimizer step.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -227,7 +228,7 @@ class Lane:
         if self.stream is not None:
             wait_event(self.stream, marker)
         elif marker.future is not None and self._cpu_thread:
-            self.submit(marker.future.result)      # the worker blocks on it, in the lane's order
+            self.submit(marker.future.result)  # the worker blocks on it, in the lane's order
         else:
             wait_event(None, marker)
 

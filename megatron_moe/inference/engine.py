@@ -17,6 +17,7 @@ flag per step), so the collectives of all ranks stay matched.
 Greedy output equals the one-process model's (`generation.generate` on the dropless model,
 full recomputation) token for token; logits agree to float round-off.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,15 +50,16 @@ def inference_config(cfg: Config, ps: ParallelState) -> Config:
     p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size = mp, ep, esp
     moe = out.moe
     H = out.model.ffn_hidden_size
-    assert H is not None                     # ModelConfig fills it in (4 * hidden size by default)
+    assert H is not None  # ModelConfig fills it in (4 * hidden size by default)
     if moe.num_experts and moe.num_experts % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the model's {moe.num_experts} experts")
     if moe.num_experts and H % esp:
-        raise ValueError(f"--expert-sharding-parallel-size {esp} does not divide the model's ffn hidden size "
-                         f"{H}")
+        raise ValueError(f"--expert-sharding-parallel-size {esp} does not divide the model's ffn hidden size {H}")
     if moe.num_experts and moe.moe_router_policy == "random":
-        raise ValueError("the checkpoint routes with --moe-router-policy random: inference needs a "
-                         "deterministic router (position or batch_prioritized)")
+        raise ValueError(
+            "the checkpoint routes with --moe-router-policy random: inference needs a "
+            "deterministic router (position or batch_prioritized)"
+        )
     moe.moe_dropless, moe.moe_schedule, moe.comm_profile = True, "baseline", None
     return out
 
@@ -68,12 +70,15 @@ def load_weights(model: GPT2MoE, full: dict, source: str) -> None:
     names = dict(model.named_parameters())
     missing, extra = sorted(set(names) - set(full)), sorted(set(full) - set(names))
     if missing or extra:
-        raise ValueError(f"{source} holds the parameters of another model (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]})")
+        raise ValueError(
+            f"{source} holds the parameters of another model (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for n, p in names.items():
         if tuple(full[n].shape) != full_shape(p):
-            raise ValueError(f"{source} holds the parameters of another model: {n} is {tuple(full[n].shape)}, "
-                             f"the model of its config needs {full_shape(p)}")
+            raise ValueError(
+                f"{source} holds the parameters of another model: {n} is {tuple(full[n].shape)}, "
+                f"the model of its config needs {full_shape(p)}"
+            )
     load_full_state(model, full, model.ps)
 
 
@@ -101,8 +106,10 @@ def check_prompts(prompts: list[list[int]], vocab: int, max_pos: int) -> None:
         if max(p) >= vocab or min(p) < 0:
             raise ValueError(f"prompt {i}: ids must be in [0, {vocab}): the tokenizer does not match the model")
         if len(p) > max_pos:
-            raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the model's context of {max_pos} "
-                             f"positions (--max-position-embeddings)")
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens, longer than the model's context of {max_pos} "
+                f"positions (--max-position-embeddings)"
+            )
 
 
 class InferenceEngine:
@@ -112,7 +119,7 @@ class InferenceEngine:
     def __init__(self, model: GPT2MoE, ffn_runner: Optional[FFNRunner] = None):
         self.model, self.ps, self.cfg = model, model.ps, model.cfg
         max_pos = model.cfg.model.max_position_embeddings
-        assert max_pos is not None           # ModelConfig fills it in (the sequence length by default)
+        assert max_pos is not None  # ModelConfig fills it in (the sequence length by default)
         self.vocab, self.max_pos = model.vocab_size, max_pos
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -160,8 +167,8 @@ class InferenceEngine:
             x = self._ffn(i, block, x, use_BT)
         cache.advance(T)
         h = m.ln_f(x[:, -1])
-        logits = all_gather_raw(F.linear(h, m.wte.weight), self.ps.group("mp"), dim=-1)   # [B, Vp]
-        return logits[:, :self.vocab]
+        logits = all_gather_raw(F.linear(h, m.wte.weight), self.ps.group("mp"), dim=-1)  # [B, Vp]
+        return logits[:, : self.vocab]
 
     def _any_active(self, active: bool) -> bool:
         """True while a request of any rank is unfinished (a collective over the world)."""
@@ -171,9 +178,17 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seeds: Optional[list[int]] = None, eod: Optional[int] = None,
-                 keep_logits: bool = False) -> list[Generated]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seeds: Optional[list[int]] = None,
+        eod: Optional[int] = None,
+        keep_logits: bool = False,
+    ) -> list[Generated]:
         """Extend each of this rank's prompts by up to `max_new_tokens` ids (stopping after `eod`,
         or when the context is full). Request b samples with a generator seeded `seeds[b]` (as
         `generation.generate` does). Collective: every rank of the world calls it, possibly with
@@ -192,8 +207,9 @@ class InferenceEngine:
         out = [Generated([], []) for _ in range(B)]
         lengths = [len(p) for p in prompts]
         done = [max_new_tokens == 0 or n >= self.max_pos for n in lengths]
-        ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long,
-                           device=self.device).view(B, P)
+        ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device).view(
+            B, P
+        )
         while self._any_active(not all(done)):
             if all(done):
                 self.idle_step()
@@ -211,15 +227,25 @@ class InferenceEngine:
                     out[b].logits.append(logits[b].clone())
                 lengths[b] += 1
                 nxt[b] = tok
-                done[b] = (len(out[b].tokens) >= max_new_tokens or (eod is not None and tok == eod)
-                           or lengths[b] >= self.max_pos)
+                done[b] = (
+                    len(out[b].tokens) >= max_new_tokens
+                    or (eod is not None and tok == eod)
+                    or lengths[b] >= self.max_pos
+                )
             ids = torch.tensor(nxt, dtype=torch.long, device=self.device).view(B, 1)
         return out
 
 
-def serve(engine: InferenceEngine, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-          top_k: int = 0, top_p: float = 1.0, seeds: Optional[list[int]] = None,
-          eod: Optional[int] = None) -> list[list[int]]:
+def serve(
+    engine: InferenceEngine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seeds: Optional[list[int]] = None,
+    eod: Optional[int] = None,
+) -> list[list[int]]:
     """Every request's new ids, on every rank. Collective: every rank passes the same requests;
     request i is generated by data-parallel rank i % DP (its MP group), then all are gathered."""
     if not prompts:
@@ -228,8 +254,9 @@ def serve(engine: InferenceEngine, prompts: list[list[int]], max_new_tokens: int
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     dp, r = engine.ps.size("dp"), engine.ps.rank("dp")
     mine = list(range(r, len(prompts), dp))
-    out = engine.generate([prompts[i] for i in mine], max_new_tokens, temperature, top_k, top_p,
-                          [seeds[i] for i in mine], eod)
+    out = engine.generate(
+        [prompts[i] for i in mine], max_new_tokens, temperature, top_k, top_p, [seeds[i] for i in mine], eod
+    )
     pairs = [(i, o.tokens) for i, o in zip(mine, out)]
     if engine.ps.size("world") > 1:
         gathered: list = [None] * engine.ps.size("world")

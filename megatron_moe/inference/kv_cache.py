@@ -8,6 +8,7 @@ out, so a row attends exactly to its own tokens (a padded query attends to itsel
 its output is never used). Every attention layer keeps its own k, v [B, h, Lmax, d];
 `KVCache.advance(T)` moves the shared length after a forward has passed every layer.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,14 +31,14 @@ class LayerCache:
         L, cap = self.owner.length, self.owner.capacity
         if L + T > cap:
             raise ValueError(f"KV cache of {cap} positions is full ({L} cached + {T} new)")
-        if self.k is None or self.v is None:   # both are made together
+        if self.k is None or self.v is None:  # both are made together
             self.k = k.new_zeros(B, h, cap, d)
             self.v = v.new_zeros(B, h, cap, d)
-        self.k[:, :, L:L + T] = k
-        self.v[:, :, L:L + T] = v
-        keys, values = self.k[:, :, :L + T], self.v[:, :, :L + T]
+        self.k[:, :, L : L + T] = k
+        self.v[:, :, L : L + T] = v
+        keys, values = self.k[:, :, : L + T], self.v[:, :, : L + T]
         mask = self.owner.mask(L, T)
-        if mask is None:                      # no padding: plain causal attention (T == 1: all keys)
+        if mask is None:  # no padding: plain causal attention (T == 1: all keys)
             return F.scaled_dot_product_attention(q, keys, values, is_causal=(L == 0 and T > 1))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
 
@@ -72,9 +73,9 @@ class KVCache:
         dev = self.pad.device
         key = torch.arange(L + T, device=dev)
         query = torch.arange(L, L + T, device=dev)
-        causal = key[None, :] <= query[:, None]                               # [T, L+T]
-        valid = key[None, :] >= self.pad[:, None]                             # [B, L+T]
-        own = key[None, :] == query[:, None]                                  # a padded query sees itself
+        causal = key[None, :] <= query[:, None]  # [T, L+T]
+        valid = key[None, :] >= self.pad[:, None]  # [B, L+T]
+        own = key[None, :] == query[:, None]  # a padded query sees itself
         return (causal[None] & valid[:, None, :]) | own[None]
 
     def advance(self, T: int) -> None:

@@ -24,6 +24,7 @@ by 25 % until it fits. Experts with no estimate are spread over the free devices
 to the device holding the fewest experts); free devices left over take extra replicas of the
 expert with the highest load per replica. A replica set splits its expert's tokens evenly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,16 +48,24 @@ def model_fingerprint(cfg: Config, gate_weights: list[torch.Tensor]) -> dict:
     for w in gate_weights:
         h.update(w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
     m, moe = cfg.model, cfg.moe
-    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
-            "num_experts": moe.num_experts, "moe_router_topk": moe.moe_router_topk,
-            "moe_layer_freq": moe.moe_layer_freq, "gates_sha256": h.hexdigest()}
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "vocab_size": m.vocab_size,
+        "num_experts": moe.num_experts,
+        "moe_router_topk": moe.moe_router_topk,
+        "moe_layer_freq": moe.moe_layer_freq,
+        "gates_sha256": h.hexdigest(),
+    }
 
 
 def unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(distinct rows [U, p], index of each row's distinct row [N]); p = 0: one empty row."""
     if rows.size(1) == 0:
-        return (torch.zeros((1, 0), dtype=torch.long, device=rows.device),
-                torch.zeros(rows.size(0), dtype=torch.long, device=rows.device))
+        return (
+            torch.zeros((1, 0), dtype=torch.long, device=rows.device),
+            torch.zeros(rows.size(0), dtype=torch.long, device=rows.device),
+        )
     return torch.unique(rows, dim=0, return_inverse=True)
 
 
@@ -103,8 +112,11 @@ class PathProfile:
         E = self.num_experts
         for m, exp in enumerate(experts):
             p = self.path_len(m)
-            hist = (torch.stack([first_choices[j].cpu() for j in range(m - p, m)], dim=1) if p
-                    else torch.zeros((exp.size(0), 0), dtype=torch.long, device="cpu"))
+            hist = (
+                torch.stack([first_choices[j].cpu() for j in range(m - p, m)], dim=1)
+                if p
+                else torch.zeros((exp.size(0), 0), dtype=torch.long, device="cpu")
+            )
             keys, inverse = unique_rows(hist)
             exp_cpu = exp.cpu()
             for u in range(keys.size(0)):
@@ -125,8 +137,7 @@ class PathProfile:
             return out
         keys, inverse = unique_rows(paths.cpu())
         for u in range(keys.size(0)):
-            dist = torch.tensor(self.distribution(m, tuple(int(x) for x in keys[u])), dtype=torch.float64,
-                                device="cpu")
+            dist = torch.tensor(self.distribution(m, tuple(int(x) for x in keys[u])), dtype=torch.float64, device="cpu")
             top = torch.topk(dist, k).indices
             row = torch.zeros(E, dtype=torch.float64, device="cpu")
             row[top] = dist[top]
@@ -190,7 +201,7 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
     E, N = len(n_e), num_devices
     if max_per_rank < 1:
         raise ValueError(f"--max-experts-per-rank must be >= 1, got {max_per_rank}")
-    max_per_rank = max(max_per_rank, -(-E // N))      # never fewer than the trained layout holds
+    max_per_rank = max(max_per_rank, -(-E // N))  # never fewer than the trained layout holds
     replicas = {e: max(1, int(math.floor(n + 0.5))) for e, n in enumerate(n_e) if n >= 1.0}
     small = [(e, n) for e, n in enumerate(n_e) if 0.0 < n < 1.0]
     bins = first_fit_decreasing(small, 1.0, max_per_rank)
@@ -198,7 +209,7 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         e = min((e for e, r in replicas.items() if r > 1), key=lambda e: (n_e[e] / (replicas[e] - 1), e))
         replicas[e] -= 1
     devices: list[list[int]] = []
-    if sum(replicas.values()) + len(bins) > N:          # one replica each and still too many: repack all
+    if sum(replicas.values()) + len(bins) > N:  # one replica each and still too many: repack all
         cap = 1.0
         items = [(e, n) for e, n in enumerate(n_e) if n > 0.0]
         while len(first_fit_decreasing(items, cap, max_per_rank)) > N:
@@ -221,7 +232,7 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
             target = min((d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (len(devices[d]), d))
         devices[target].append(e)
     count = {e: sum(e in d for d in devices) for e in range(E)}
-    for d in range(N):                                  # still empty: one more replica of the busiest
+    for d in range(N):  # still empty: one more replica of the busiest
         if not devices[d]:
             busiest = max((e for e in range(E) if n_e[e] > 0), key=lambda e: (n_e[e] / count[e], -e), default=None)
             if busiest is None:
@@ -239,12 +250,24 @@ def top_experts(load: list[float], n: int) -> set[int]:
 # ----------------------------------------------------------------------------- files
 def save_profile(profile: PathProfile, path: str) -> None:
     """Write the profile as JSON (temporary name, then rename)."""
-    doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": profile.fingerprint,
-           "path_length": profile.path_length, "num_experts": profile.num_experts, "top_k": profile.top_k,
-           "layers": [{"path_length": profile.path_len(m),
-                       "paths": {path_key(p): {"tokens": profile.tokens[m][p], "counts": c}
-                                 for p, c in sorted(profile.counts[m].items())}}
-                      for m in range(profile.num_layers)]}
+    doc = {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model": profile.fingerprint,
+        "path_length": profile.path_length,
+        "num_experts": profile.num_experts,
+        "top_k": profile.top_k,
+        "layers": [
+            {
+                "path_length": profile.path_len(m),
+                "paths": {
+                    path_key(p): {"tokens": profile.tokens[m][p], "counts": c}
+                    for p, c in sorted(profile.counts[m].items())
+                },
+            }
+            for m in range(profile.num_layers)
+        ],
+    }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -261,8 +284,10 @@ def load_profile(path: str) -> PathProfile:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--lina-inference {path} is not a JSON expert-path profile ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT or doc.get("version") != PROFILE_VERSION:
-        raise ValueError(f"--lina-inference {path} is not a {PROFILE_FORMAT} v{PROFILE_VERSION} file "
-                         f"(make one with tools/profile_expert_paths.py)")
+        raise ValueError(
+            f"--lina-inference {path} is not a {PROFILE_FORMAT} v{PROFILE_VERSION} file "
+            f"(make one with tools/profile_expert_paths.py)"
+        )
     prof = PathProfile(doc["model"], int(doc["path_length"]), int(doc["num_experts"]), int(doc["top_k"]))
     for layer in doc["layers"]:
         parse = lambda s: tuple(int(x) for x in s.split("-")) if s else ()  # noqa: E731
@@ -273,11 +298,14 @@ def load_profile(path: str) -> PathProfile:
 
 def check_profile(profile: PathProfile, fingerprint: dict, path: str, num_moe_layers: Optional[int] = None) -> None:
     """ValueError naming the file when `profile` was made for another model."""
-    diff = sorted(k for k in set(fingerprint) | set(profile.fingerprint)
-                  if fingerprint.get(k) != profile.fingerprint.get(k))
+    diff = sorted(
+        k for k in set(fingerprint) | set(profile.fingerprint) if fingerprint.get(k) != profile.fingerprint.get(k)
+    )
     if diff or (num_moe_layers is not None and profile.num_layers != num_moe_layers):
-        raise ValueError(f"--lina-inference {path} was profiled on another model (differs in {diff or 'MoE layers'}); "
-                         f"profile this checkpoint with tools/profile_expert_paths.py")
+        raise ValueError(
+            f"--lina-inference {path} was profiled on another model (differs in {diff or 'MoE layers'}); "
+            f"profile this checkpoint with tools/profile_expert_paths.py"
+        )
 
 
 @torch.no_grad()
@@ -297,14 +325,17 @@ def collect_profile(model, batches, path_length: int, fingerprint: dict) -> Path
     return prof
 
 
-def calibration_batches(ids: list[int], seq_length: int, batch_size: int, max_batches: int,
-                        device: torch.device) -> list[torch.Tensor]:
+def calibration_batches(
+    ids: list[int], seq_length: int, batch_size: int, max_batches: int, device: torch.device
+) -> list[torch.Tensor]:
     """Consecutive windows of `seq_length` ids, `batch_size` per batch, at most `max_batches` batches
     (the last partial batch is kept; a tail shorter than one window is dropped)."""
     if seq_length < 1 or batch_size < 1 or max_batches < 1:
         raise ValueError("--seq-length, --batch-size and --max-batches must be >= 1")
     n = min(len(ids) // seq_length, batch_size * max_batches)
     if n == 0:
-        raise ValueError(f"the calibration text holds {len(ids)} tokens, fewer than one --seq-length {seq_length} window")
-    rows = torch.tensor(ids[:n * seq_length], dtype=torch.long, device=device).view(n, seq_length)
+        raise ValueError(
+            f"the calibration text holds {len(ids)} tokens, fewer than one --seq-length {seq_length} window"
+        )
+    rows = torch.tensor(ids[: n * seq_length], dtype=torch.long, device=device).view(n, seq_length)
     return list(rows.split(batch_size))

@@ -25,6 +25,7 @@ any expert. Per MoE layer m:
 `gate_bias` (per MoE layer [E]; benchmarks only: a skewed popularity) is added to the router
 logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,9 +38,18 @@ from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.model.gpt2 import Block
 from megatron_moe.moe.router import route
 from megatron_moe.inference.engine import InferenceEngine
-from megatron_moe.inference.popularity import (Placement, PathProfile, check_profile, device_rows, devices_per_expert,
-                                               load_profile, model_fingerprint, plan_placement, static_placement,
-                                               top_experts)
+from megatron_moe.inference.popularity import (
+    Placement,
+    PathProfile,
+    check_profile,
+    device_rows,
+    devices_per_expert,
+    load_profile,
+    model_fingerprint,
+    plan_placement,
+    static_placement,
+    top_experts,
+)
 
 MODES = ("none", "phase1", "phase1_2")
 
@@ -47,9 +57,15 @@ MODES = ("none", "phase1", "phase1_2")
 class ScheduledMoE:
     """An `InferenceEngine.ffn_runner` running MoE blocks under a placement (module docstring)."""
 
-    def __init__(self, engine: InferenceEngine, profile: Optional[PathProfile], mode: str = "phase1_2",
-                 max_per_rank: int = 4, gate_bias: Optional[list[torch.Tensor]] = None,
-                 record_into: Optional[PathProfile] = None):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        profile: Optional[PathProfile],
+        mode: str = "phase1_2",
+        max_per_rank: int = 4,
+        gate_bias: Optional[list[torch.Tensor]] = None,
+        record_into: Optional[PathProfile] = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
         if mode != "none" and profile is None:
@@ -64,18 +80,22 @@ class ScheduledMoE:
         self.E = engine.cfg.moe.num_experts
         self.k = engine.cfg.moe.moe_router_topk
         self.gate_bias = gate_bias
-        self.record_into = record_into               # count this rank's paths into a profile (benchmarks)
+        self.record_into = record_into  # count this rank's paths into a profile (benchmarks)
         self._choices: list[torch.Tensor] = []
-        with torch.no_grad():                       # read-only copies of every expert (Trans, once)
+        with torch.no_grad():  # read-only copies of every expert (Trans, once)
             self.weights = []
             for b in self.blocks:
                 ex = engine.block(b).moe.experts
-                self.weights.append(tuple(all_gather_raw(t.detach(), self.group, dim=0).clone()
-                                          for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)))
+                self.weights.append(
+                    tuple(
+                        all_gather_raw(t.detach(), self.group, dim=0).clone()
+                        for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)
+                    )
+                )
         self.reset_stats()
-        self.history: list[torch.Tensor] = []        # first choices of this forward's earlier MoE layers
+        self.history: list[torch.Tensor] = []  # first choices of this forward's earlier MoE layers
         self.next_estimate: Optional[list[float]] = None
-        self._guess: Optional[torch.Tensor] = None   # estimated top expert of each token at the next layer
+        self._guess: Optional[torch.Tensor] = None  # estimated top expert of each token at the next layer
 
     def reset_stats(self) -> None:
         """Forget the per-call records (benchmarks: after the warm-up)."""
@@ -83,23 +103,26 @@ class ScheduledMoE:
         self.phase2_triggered: list[bool] = []
         self.estimated: list[Optional[list[float]]] = []
         self.actual: list[list[float]] = []
-        self.plan_s: list[float] = []                # time spent planning (phase overhead)
-        self.call_s: list[float] = []                # wall time of each MoE layer call
-        self.rows: list[list[int]] = []              # expert rows each rank computed, per call
-        self.hits = self.predicted = 0               # tokens whose estimated top expert was right
+        self.plan_s: list[float] = []  # time spent planning (phase overhead)
+        self.call_s: list[float] = []  # wall time of each MoE layer call
+        self.rows: list[list[int]] = []  # expert rows each rank computed, per call
+        self.hits = self.predicted = 0  # tokens whose estimated top expert was right
 
     # ------------------------------------------------------------------ estimation
     def _estimate_next(self, m: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token popularity [E] for layer m+1, each token's estimated top expert [R] or -1)."""
         R = first.size(0)
-        none = (torch.zeros(self.E, dtype=torch.float64, device="cpu"), torch.full((R,), -1, dtype=torch.long,
-                                                                                    device="cpu"))
+        none = (
+            torch.zeros(self.E, dtype=torch.float64, device="cpu"),
+            torch.full((R,), -1, dtype=torch.long, device="cpu"),
+        )
         if self.profile is None or m + 1 >= len(self.blocks):
             return none
         p = self.profile.path_len(m + 1)
-        hist = self.history[m + 1 - p:m + 1]
-        paths = torch.stack([h.cpu() for h in hist], dim=1) if p else torch.zeros((R, 0), dtype=torch.long,
-                                                                                    device="cpu")
+        hist = self.history[m + 1 - p : m + 1]
+        paths = (
+            torch.stack([h.cpu() for h in hist], dim=1) if p else torch.zeros((R, 0), dtype=torch.long, device="cpu")
+        )
         pop = self.profile.token_popularity(m + 1, paths)
         guess = pop.argmax(dim=1) if R else torch.zeros((0,), dtype=torch.long, device="cpu")
         return pop.sum(dim=0), guess
@@ -125,9 +148,10 @@ class ScheduledMoE:
         logits = layer.router.logits(h)
         if self.gate_bias is not None:
             logits = logits + self.gate_bias[m].to(logits.device)
-        r = route(logits, layer.router.k, layer.router.cf, layer.router.min_cap, layer.router.policy, None, 0.0,
-                  dropless=True)
-        expert, weight = r.expert, r.weight                               # [R, k]
+        r = route(
+            logits, layer.router.k, layer.router.cf, layer.router.min_cap, layer.router.policy, None, 0.0, dropless=True
+        )
+        expert, weight = r.expert, r.weight  # [R, k]
         first = expert[:, 0]
         if m == 0 and self.profile is not None and self.mode != "none":
             self.next_estimate = self._first_layer_estimate()
@@ -142,13 +166,16 @@ class ScheduledMoE:
         pop_next, self._guess = self._estimate_next(m, first)
         counts = torch.bincount(expert.reshape(-1), minlength=self.E).to(torch.float64).cpu()
         msg = torch.cat([counts, pop_next, torch.tensor([float(R)], dtype=torch.float64, device="cpu")])
-        table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()     # [D, 2E+1]
-        counts_DE = table[:, :self.E].round().long()
+        table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()  # [D, 2E+1]
+        counts_DE = table[:, : self.E].round().long()
         t0 = time.perf_counter()
         placement = self._placement(m, est_here, counts_DE)
         total_tokens = float(table[:, -1].sum())
-        self.next_estimate = (devices_per_expert(table[:, self.E:2 * self.E].sum(dim=0), int(total_tokens), self.D)
-                              if self.mode != "none" and m + 1 < len(self.blocks) else None)
+        self.next_estimate = (
+            devices_per_expert(table[:, self.E : 2 * self.E].sum(dim=0), int(total_tokens), self.D)
+            if self.mode != "none" and m + 1 < len(self.blocks)
+            else None
+        )
         self.plan_s.append(time.perf_counter() - t0)
         self.rows.append(device_rows(placement, counts_DE.sum(dim=0).tolist(), self.D))
         y = self._dispatch_compute_combine(m, x, h, expert, weight, counts_DE, placement)
@@ -176,42 +203,52 @@ class ScheduledMoE:
         return placement
 
     # ------------------------------------------------------------------ the all-to-alls
-    def _dispatch_compute_combine(self, m: int, x: torch.Tensor, h: torch.Tensor, expert: torch.Tensor,
-                                  weight: torch.Tensor, counts_DE: torch.Tensor, placement: Placement) -> torch.Tensor:
+    def _dispatch_compute_combine(
+        self,
+        m: int,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        expert: torch.Tensor,
+        weight: torch.Tensor,
+        counts_DE: torch.Tensor,
+        placement: Placement,
+    ) -> torch.Tensor:
         dev = x.device
         R, M = h.shape
         E, D, me = self.E, self.D, self.me
         total_E = counts_DE.sum(dim=0)
-        before_E = counts_DE[:me].sum(dim=0)                               # choices of earlier ranks
+        before_E = counts_DE[:me].sum(dim=0)  # choices of earlier ranks
         # this rank's choices sorted by (expert, token): global index of each within its expert
         flat_e = expert.reshape(-1)
-        order = torch.argsort(flat_e * max(R, 1) + torch.arange(R, device=dev)[:, None].expand_as(expert).reshape(-1),
-                              stable=True)
+        order = torch.argsort(
+            flat_e * max(R, 1) + torch.arange(R, device=dev)[:, None].expand_as(expert).reshape(-1), stable=True
+        )
         e_sorted = flat_e[order]
         token = order // expert.size(1)
         start = torch.cumsum(counts_DE[me], 0) - counts_DE[me]
         within = torch.arange(e_sorted.numel(), device="cpu") - start[e_sorted.cpu()]
-        gidx = before_E[e_sorted.cpu()] + within                            # index among expert e's choices
+        gidx = before_E[e_sorted.cpu()] + within  # index among expert e's choices
         dest = torch.empty_like(gidx)
         for e in range(E):
             sel = e_sorted.cpu() == e
             if not bool(sel.any()):
                 continue
             hosts = placement.hosts[e]
-            bounds = torch.tensor([(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)],
-                                  dtype=torch.long, device="cpu")
+            bounds = torch.tensor(
+                [(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)], dtype=torch.long, device="cpu"
+            )
             j = torch.searchsorted(bounds, gidx[sel], right=True) - 1
             dest[sel] = torch.tensor(hosts, dtype=torch.long, device="cpu")[j]
-        send_order = torch.argsort(dest * (E + 1) + e_sorted.cpu(), stable=True)    # by (dest, expert, token)
+        send_order = torch.argsort(dest * (E + 1) + e_sorted.cpu(), stable=True)  # by (dest, expert, token)
         send_tok = token.cpu()[send_order]
         send_counts = torch.bincount(dest, minlength=D).tolist()
         # what every source sends me, per expert: my replica's share of [before, before + count)
-        recv_blocks = []                                                      # (source, expert, rows)
+        recv_blocks = []  # (source, expert, rows)
         for s in range(D):
             lo_E = counts_DE[:s].sum(dim=0)
             for e in placement.experts_of(me):
                 hosts = placement.hosts[e]
-                rep = hosts.index(me)                                       # my replica of expert e
+                rep = hosts.index(me)  # my replica of expert e
                 c = int(total_E[e])
                 a, b = (rep * c) // len(hosts), ((rep + 1) * c) // len(hosts)
                 lo, hi = int(lo_E[e]), int(lo_E[e]) + int(counts_DE[s, e])
@@ -223,7 +260,7 @@ class ScheduledMoE:
         recv_x = all_to_all_raw(send_x, self.group, recv_counts, send_counts)
         recv_exp = torch.tensor([e for _, e, n in recv_blocks for _ in range(n)], dtype=torch.long, device="cpu")
         out = self._experts(m, recv_x, recv_exp)
-        back = all_to_all_raw(out, self.group, send_counts, recv_counts)          # in my send order
+        back = all_to_all_raw(out, self.group, send_counts, recv_counts)  # in my send order
         y = torch.zeros((R, M), dtype=h.dtype, device=dev)
         w = weight.reshape(-1)[order][send_order.to(dev)].to(h.dtype)
         return y.index_add(0, send_tok.to(dev), back * w[:, None])
@@ -251,8 +288,13 @@ def gate_fingerprint(engine: InferenceEngine) -> dict:
     return model_fingerprint(engine.cfg, gates)
 
 
-def use_lina(engine: InferenceEngine, profile_path: str, max_per_rank: int = 4, mode: str = "phase1_2",
-             gate_bias: Optional[list[torch.Tensor]] = None) -> ScheduledMoE:
+def use_lina(
+    engine: InferenceEngine,
+    profile_path: str,
+    max_per_rank: int = 4,
+    mode: str = "phase1_2",
+    gate_bias: Optional[list[torch.Tensor]] = None,
+) -> ScheduledMoE:
     """Load and check a profile and make the engine's MoE blocks run under Lina's scheduling."""
     profile = load_profile(profile_path)
     check_profile(profile, gate_fingerprint(engine), profile_path, len(engine.moe_blocks))

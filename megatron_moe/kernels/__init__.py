@@ -11,6 +11,7 @@ Otherwise the torch path runs. The kernels also run on CPU tensors under
 `TRITON_INTERPRET=1` (how the tests compare them with the torch path); never
 a hard requirement: `triton` is in requirements-gpu.txt only.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,10 @@ import torch
 try:
     from megatron_moe.kernels.gating import topk_gating
     from megatron_moe.kernels.permute import permute, unpermute
+
     HAVE_TRITON = True
     TRITON_ERROR = ""
-except Exception as e:             # noqa: BLE001  no (or a broken) triton here: the torch path only
+except Exception as e:  # noqa: BLE001  no (or a broken) triton here: the torch path only
     HAVE_TRITON = False
     TRITON_ERROR = f"{type(e).__name__}: {e}"
 

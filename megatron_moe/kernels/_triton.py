@@ -9,6 +9,7 @@ still selects the interpreter (the decorator reads it when it runs).
 This module needs `triton`; `megatron_moe.kernels` imports it only when
 triton is importable.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,7 @@ import triton
 import triton.language as tl
 
 
-def _copy_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M,
-               HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
+def _copy_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
     """dst[dst_idx[i], :] = src[src_idx[i], :] (* w[i]); one program per (i, block of M)."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,8 +32,7 @@ def _copy_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M,
     tl.store(dst_ptr + d * M + cols, v, mask=mask)
 
 
-def _add_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M,
-              HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
+def _add_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
     """dst[dst_idx[i], :] += src[src_idx[i], :] (* w[i]) in fp32 (dst fp32; atomics: a row of dst
     gets at most k <= 2 adds onto zero, and (0 + a) + b == (0 + b) + a, so the result is exact
     whatever the order)."""
@@ -53,8 +52,8 @@ def _row_dots(a_ptr, b_ptr, a_idx_ptr, b_idx_ptr, out_ptr, M, BLOCK_M: tl.conste
     i = tl.program_id(0)
     ra = tl.load(a_idx_ptr + i)
     rb = tl.load(b_idx_ptr + i)
-    acc = tl.arange(0, BLOCK_M).to(tl.float32) * 0.0       # (tl.zeros is a jit function the interpreter
-                                                           # cannot call when triton was imported first)
+    acc = tl.arange(0, BLOCK_M).to(tl.float32) * 0.0  # (tl.zeros is a jit function the interpreter
+    # cannot call when triton was imported first)
     for start in range(0, M, BLOCK_M):
         cols = start + tl.arange(0, BLOCK_M)
         mask = cols < M
@@ -64,8 +63,9 @@ def _row_dots(a_ptr, b_ptr, a_idx_ptr, b_idx_ptr, out_ptr, M, BLOCK_M: tl.conste
     tl.store(out_ptr + i, tl.sum(acc, axis=0))
 
 
-def _softmax_topk(logits_ptr, gates_ptr, expert_ptr, S, E,
-                  K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+def _softmax_topk(
+    logits_ptr, gates_ptr, expert_ptr, S, E, K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """gates = softmax(logits) in fp32; expert[:, 0] = argmax, expert[:, 1] = argmax with the first
     masked out (on the logits: softmax is monotone; ties go to the lowest index, as torch.argmax)."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -87,8 +87,7 @@ def _softmax_topk(logits_ptr, gates_ptr, expert_ptr, S, E,
         tl.store(expert_ptr + rows * K + 1, second.to(tl.int64), mask=rmask)
 
 
-def _capacity_slots(expert_ptr, slot_ptr, S, cap,
-                    K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+def _capacity_slots(expert_ptr, slot_ptr, S, cap, K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program scans the tokens in order: choice j of token s gets its position among choice-j
     tokens of its expert (plus, for j = 1, all first choices of that expert); slot >= cap -> -1."""
     cols = tl.arange(0, BLOCK_E)
@@ -99,7 +98,7 @@ def _capacity_slots(expert_ptr, slot_ptr, S, cap,
             rows = start + tl.arange(0, BLOCK_S)
             rmask = rows < S
             ex = tl.load(expert_ptr + rows * K + j, mask=rmask, other=-1)
-            onehot = (ex[:, None] == cols[None, :]).to(tl.int32)             # [BLOCK_S, BLOCK_E]
+            onehot = (ex[:, None] == cols[None, :]).to(tl.int32)  # [BLOCK_S, BLOCK_E]
             before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
             if j == 1:
                 before = before + first_total[None, :]
@@ -111,8 +110,7 @@ def _capacity_slots(expert_ptr, slot_ptr, S, cap,
             first_total = counts
 
 
-def _combine_weights(gates_ptr, expert_ptr, slot_ptr, weight_ptr, S, E, eps,
-                     K: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_weights(gates_ptr, expert_ptr, slot_ptr, weight_ptr, S, E, eps, K: tl.constexpr, BLOCK_S: tl.constexpr):
     """weight = gate of each kept choice (0 when dropped); top-2: renormalized to sum to 1."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     rmask = rows < S
@@ -138,8 +136,12 @@ def jitted() -> SimpleNamespace:
     """The kernels compiled with `triton.jit` (interpreted when TRITON_INTERPRET=1 at this call)."""
     key = os.environ.get("TRITON_INTERPRET", "0")
     if key not in _JITTED:
-        _JITTED[key] = SimpleNamespace(**{f.__name__.lstrip("_"): triton.jit(f) for f in (
-            _copy_rows, _add_rows, _row_dots, _softmax_topk, _capacity_slots, _combine_weights)})
+        _JITTED[key] = SimpleNamespace(
+            **{
+                f.__name__.lstrip("_"): triton.jit(f)
+                for f in (_copy_rows, _add_rows, _row_dots, _softmax_topk, _capacity_slots, _combine_weights)
+            }
+        )
     return _JITTED[key]
 
 

@@ -13,6 +13,7 @@ defines them), combine weights (parallel). Backward recomputes
 softmax -> gather -> renormalize with torch autograd from the saved logits and
 the (non-differentiable) expert / slot choices.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,9 @@ class _TopkGating(torch.autograd.Function):
             kern, block_e, blocks = tk.jitted(), tk.next_power_of_2(E), (-(-S // BLOCK_S),)
             kern.softmax_topk[blocks](logits_SE, gates, expert, S, E, K=k, BLOCK_S=BLOCK_S, BLOCK_E=block_e)
             kern.capacity_slots[(1,)](expert, slot, S, cap, K=k, BLOCK_S=BLOCK_S, BLOCK_E=block_e)
-            kern.combine_weights[blocks](gates, expert, slot, weight, S, E, torch.finfo(torch.float32).eps,
-                                         K=k, BLOCK_S=BLOCK_S)
+            kern.combine_weights[blocks](
+                gates, expert, slot, weight, S, E, torch.finfo(torch.float32).eps, K=k, BLOCK_S=BLOCK_S
+            )
         ctx.save_for_backward(logits_SE, expert, slot)
         ctx.mark_non_differentiable(expert, slot)
         return gates, expert, slot, weight

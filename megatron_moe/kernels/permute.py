@@ -14,6 +14,7 @@ token they are exact and deterministic (see `_add_rows`). The torch path
 (`moe/dispatcher.py`'s `dispatch` / `combine`) is the reference the tests
 compare with under TRITON_INTERPRET=1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,19 +28,23 @@ def _grid_rows(n: int, M: int) -> tuple[int, int]:
     return (n, -(-M // BLOCK_M))
 
 
-def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-          w: torch.Tensor | None) -> None:
+def _copy(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w: torch.Tensor | None
+) -> None:
     if src_idx.numel():
         tk.jitted().copy_rows[_grid_rows(src_idx.numel(), src.size(1))](
-            src, dst, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M)
+            src, dst, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M
+        )
 
 
-def _scatter_add(src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w: torch.Tensor | None,
-                 rows: int) -> torch.Tensor:
+def _scatter_add(
+    src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w: torch.Tensor | None, rows: int
+) -> torch.Tensor:
     out = torch.zeros((rows, src.size(1)), dtype=torch.float32, device=src.device)
     if src_idx.numel():
         tk.jitted().add_rows[_grid_rows(src_idx.numel(), src.size(1))](
-            src, out, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M)
+            src, out, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M
+        )
     return out.to(src.dtype)
 
 
@@ -79,8 +84,9 @@ class _Unpermute(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g_w = torch.zeros((token_K.numel(),), dtype=torch.float32, device=g_SM.device)
             if token_K.numel():
-                tk.jitted().row_dots[(token_K.numel(),)](g_SM, buf_RM, token_K, row_K, g_w, g_SM.size(1),
-                                                         BLOCK_M=BLOCK_M)
+                tk.jitted().row_dots[(token_K.numel(),)](
+                    g_SM, buf_RM, token_K, row_K, g_w, g_SM.size(1), BLOCK_M=BLOCK_M
+                )
             g_w = g_w.to(w.dtype).to(ctx.weight_dtype)
         return g_buf, g_w, None, None, None
 
@@ -90,8 +96,9 @@ def permute(x_SM: torch.Tensor, token_K: torch.Tensor, row_K: torch.Tensor, num_
     return _Permute.apply(x_SM, token_K.contiguous(), row_K.contiguous(), num_rows)
 
 
-def unpermute(buf_RM: torch.Tensor, token_K: torch.Tensor, row_K: torch.Tensor, weight_K: torch.Tensor,
-              num_tokens: int) -> torch.Tensor:
+def unpermute(
+    buf_RM: torch.Tensor, token_K: torch.Tensor, row_K: torch.Tensor, weight_K: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """y [num_tokens, M] = sum over kept i of weight[i] * buf[row[i]] at token[i] (differentiable in
     buf and weight)."""
     return _Unpermute.apply(buf_RM, weight_K, token_K.contiguous(), row_K.contiguous(), num_tokens)

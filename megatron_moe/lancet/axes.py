@@ -33,6 +33,7 @@ tensor of the op):
   experts          every tensor along attrs capacity_dim ("C")
   batch_mixing     shared minus attrs mixed (default ("B",)), e.g. batchnorm
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,9 +41,23 @@ from typing import Any, Callable, Mapping
 
 from ortools.sat.python import cp_model
 
-OP_KINDS = ("linear", "matmul", "layernorm", "softmax", "attention", "elementwise", "view",
-            "reshape", "transpose", "gate", "dispatch", "combine", "a2a", "experts",
-            "batch_mixing")
+OP_KINDS = (
+    "linear",
+    "matmul",
+    "layernorm",
+    "softmax",
+    "attention",
+    "elementwise",
+    "view",
+    "reshape",
+    "transpose",
+    "gate",
+    "dispatch",
+    "combine",
+    "a2a",
+    "experts",
+    "batch_mixing",
+)
 
 
 @dataclass(frozen=True)
@@ -127,8 +142,9 @@ def op_options(op: AxisOp, dims: Mapping[str, tuple[str, ...]]) -> list[dict[str
     raise AssertionError(op.kind)
 
 
-def solve_axes(rng: AxisRange, start: int = 0, end: int | None = None,
-               time_limit_s: float = 10.0) -> dict[str, str] | None:
+def solve_axes(
+    rng: AxisRange, start: int = 0, end: int | None = None, time_limit_s: float = 10.0
+) -> dict[str, str] | None:
     """Partition dim of every tensor of ops[start:end], or None if that range cannot be partitioned."""
     ops = rng.ops[start:end]
     if not ops:
@@ -178,9 +194,17 @@ def feasibility(rng: AxisRange) -> Callable[[int, int], bool]:
 
 def _attention(p: str, x: str, out: str, t: dict[str, tuple[str, ...]]) -> list[AxisOp]:
     """Pre-LN attention sub-block out = x + proj(attn(qkv(ln1(x)))) on [B,T,M] tensors."""
-    t.update({p + "ln1": ("B", "T", "M"), p + "qkv": ("B", "T", "Q"), p + "qkv_h": ("B", "H", "T", "D3"),
-              p + "ctx_h": ("B", "H", "T", "D"), p + "ctx": ("B", "T", "M"), p + "attn": ("B", "T", "M"),
-              out: ("B", "T", "M")})
+    t.update(
+        {
+            p + "ln1": ("B", "T", "M"),
+            p + "qkv": ("B", "T", "Q"),
+            p + "qkv_h": ("B", "H", "T", "D3"),
+            p + "ctx_h": ("B", "H", "T", "D"),
+            p + "ctx": ("B", "T", "M"),
+            p + "attn": ("B", "T", "M"),
+            out: ("B", "T", "M"),
+        }
+    )
     return [
         AxisOp(p + "ln1", "layernorm", (x,), (p + "ln1",), {"dim": "M"}),
         AxisOp(p + "qkv", "linear", (p + "ln1",), (p + "qkv",), {"contract": "M", "out_dim": "Q"}),
@@ -192,8 +216,9 @@ def _attention(p: str, x: str, out: str, t: dict[str, tuple[str, ...]]) -> list[
     ]
 
 
-def standard_moe_block_ops(batch_prioritized: bool = False, start_at_gate: bool = False,
-                           next_block: bool = True) -> AxisRange:
+def standard_moe_block_ops(
+    batch_prioritized: bool = False, start_at_gate: bool = False, next_block: bool = True
+) -> AxisRange:
     """The usual Lancet range: attention -> layernorm -> gate -> dispatch -> a2a -> experts
     -> a2a -> combine (-> the next block's attention when next_block).
 
@@ -203,9 +228,20 @@ def standard_moe_block_ops(batch_prioritized: bool = False, start_at_gate: bool 
     """
     t: dict[str, tuple[str, ...]] = {"x": ("B", "T", "M")}
     ops = _attention("attn.", "x", "h", t)
-    t.update({"ln2": ("B", "T", "M"), "tok": ("S", "M"), "gates": ("S", "E"), "disp": ("E", "C", "M"),
-              "disp_x": ("E", "C", "M"), "exp_out": ("E", "C", "M"), "exp_back": ("E", "C", "M"),
-              "moe_tok": ("S", "M"), "moe_out": ("B", "T", "M"), "y": ("B", "T", "M")})
+    t.update(
+        {
+            "ln2": ("B", "T", "M"),
+            "tok": ("S", "M"),
+            "gates": ("S", "E"),
+            "disp": ("E", "C", "M"),
+            "disp_x": ("E", "C", "M"),
+            "exp_out": ("E", "C", "M"),
+            "exp_back": ("E", "C", "M"),
+            "moe_tok": ("S", "M"),
+            "moe_out": ("B", "T", "M"),
+            "y": ("B", "T", "M"),
+        }
+    )
     ops += [
         AxisOp("ln2", "layernorm", ("h",), ("ln2",), {"dim": "M"}),
         AxisOp("flatten", "view", ("ln2",), ("tok",), {"dim_map": {"B": "S"}}),

@@ -36,6 +36,7 @@ The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, w
 them) are timed on the real model and the fastest measured is kept (never slower than
 the plain run, up to noise); or it is passed in (`plan=LancetPlan.manual(...)`).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,16 @@ from megatron_moe.distributed.collectives import group_size
 from megatron_moe.lancet.cost import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
 from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
-from megatron_moe.lancet.planner import (LancetPlan, candidate_plans, fit_contention, fitted_ms, make_plan,
-                                         overlapped_ms, pick_fastest, top_candidates)
+from megatron_moe.lancet.planner import (
+    LancetPlan,
+    candidate_plans,
+    fit_contention,
+    fitted_ms,
+    make_plan,
+    overlapped_ms,
+    pick_fastest,
+    top_candidates,
+)
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
@@ -70,7 +79,7 @@ def counts_group(ps: ParallelState):
         return group
     if not ps.has_group("ep_counts"):
         kinds = ps.layout.ep_groups if ps.size("esp") == 1 else ps.layout.ep_esp_groups
-        ps.new_groups("ep_counts", kinds, backend="gloo")    # with --comm-timeout, like the others
+        ps.new_groups("ep_counts", kinds, backend="gloo")  # with --comm-timeout, like the others
     return ps.group("ep_counts")
 
 
@@ -85,11 +94,11 @@ class LancetController:
     def __init__(self, model: GPT2MoE, ps: ParallelState, opts, plan: Optional[LancetPlan]):
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
-        self.timings: dict[int, deque] = {}          # MoE block -> forward ms of its partitioned range
+        self.timings: dict[int, deque] = {}  # MoE block -> forward ms of its partitioned range
         self.range_runners: dict[int, PartitionedRange] = {}
         self._handles: list = []
-        self._runners: list[int] = []                # blocks given a runner
-        self._queued: list = []                      # modules given the dW queue
+        self._runners: list[int] = []  # blocks given a runner
+        self._queued: list = []  # modules given the dW queue
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> "LancetController":
@@ -109,8 +118,14 @@ class LancetController:
         if layer.schedule == "s2":
             return layer.dispatcher
         ps, base = self.ps, layer.schedule == "baseline"
-        d = UnevenDispatcher(ps, layer.num_experts, layer.layer_idx, 1.0 / ps.size("mp") if base else 1.0,
-                             token_group_kind(ps) if base else "ep_esp", counts_group(ps))
+        d = UnevenDispatcher(
+            ps,
+            layer.num_experts,
+            layer.layer_idx,
+            1.0 / ps.size("mp") if base else 1.0,
+            token_group_kind(ps) if base else "ep_esp",
+            counts_group(ps),
+        )
         d.set_dw_queue(self.wgrad)
         return d
 
@@ -119,8 +134,8 @@ class LancetController:
         is_moe = [b.is_moe for b in blocks]
         if self.model.cfg.model.dropout and plan.ranges:
             raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
-        owner: dict[int, str] = {}                   # block -> what runs it: "range" / "whole"
-        skip: set[int] = set()                       # blocks whose attention half a range ran
+        owner: dict[int, str] = {}  # block -> what runs it: "range" / "whole"
+        skip: set[int] = set()  # blocks whose attention half a range ran
         cover = {}
         for r in sorted(plan.ranges, key=lambda r: r.layer):
             tail, attn_next = covered_blocks(r, is_moe)
@@ -135,16 +150,22 @@ class LancetController:
             if attn_next is not None:
                 skip.add(attn_next)
         ranged = {r.layer: r for r in plan.ranges}
-        axes = {l: range_axes(self.model, r) for l, r in ranged.items()}   # all solved before anything is set
+        axes = {l: range_axes(self.model, r) for l, r in ranged.items()}  # all solved before anything is set
         for l, block in enumerate(blocks):
             if l in ranged:
                 r = ranged[l]
                 tail, attn_next = cover[l]
                 self.timings[l] = deque(maxlen=1000)
                 self.range_runners[l] = runner = PartitionedRange(
-                    block, r, l in skip, self.part_dispatcher(block.moe), self.timings[l],
-                    [(j, blocks[j]) for j in tail], (attn_next, blocks[attn_next]) if attn_next is not None else None,
-                    axes[l])
+                    block,
+                    r,
+                    l in skip,
+                    self.part_dispatcher(block.moe),
+                    self.timings[l],
+                    [(j, blocks[j]) for j in tail],
+                    (attn_next, blocks[attn_next]) if attn_next is not None else None,
+                    axes[l],
+                )
                 self.model.set_block_runner(l, runner)
             elif owner.get(l) == "whole":
                 self.model.set_block_runner(l, _ranged_elsewhere)
@@ -202,8 +223,16 @@ class LancetController:
         out: dict = {"ranges": len(self.plan.ranges) if self.plan else 0}
         if self.wgrad is not None:
             s = self.wgrad.stats
-            out.update({"dw_runs": dict(s.runs), "dw_in_window": s.in_window, "dw_immediate": s.immediate,
-                        "dw_flushed": s.flushed, "dw_window_ms": s.window_ms, "a2a_windows": s.a2a_windows})
+            out.update(
+                {
+                    "dw_runs": dict(s.runs),
+                    "dw_in_window": s.in_window,
+                    "dw_immediate": s.immediate,
+                    "dw_flushed": s.flushed,
+                    "dw_window_ms": s.window_ms,
+                    "a2a_windows": s.a2a_windows,
+                }
+            )
         return out
 
     def report(self, measured_iter_ms: Optional[float] = None) -> dict:
@@ -214,10 +243,11 @@ class LancetController:
             t = self.timings.get(r["layer"], [])
             r["measured_forward_ms"] = statistics.median(t) if t else None
             runner = self.range_runners.get(r["layer"])
-            if runner is not None and runner.axes is not None:   # CP-SAT's dim and the runtime's, per op
-                r["axes"] = {op: {"tensor": t_, "dims": list(dims), "solved": dim,
-                                  "runtime": runner.used_axes.get(op)}
-                             for op, (t_, dims, dim) in runner.axes.ops.items()}
+            if runner is not None and runner.axes is not None:  # CP-SAT's dim and the runtime's, per op
+                r["axes"] = {
+                    op: {"tensor": t_, "dims": list(dims), "solved": dim, "runtime": runner.used_axes.get(op)}
+                    for op, (t_, dims, dim) in runner.axes.ops.items()
+                }
         d["measured_iteration_ms"] = measured_iter_ms
         d["stats"] = self.stats()
         return d
@@ -233,8 +263,9 @@ class LancetController:
         return d
 
 
-def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int,
-                  grad_sync=None) -> dict:
+def measure_plans(
+    model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int, grad_sync=None
+) -> dict:
     """name -> ms of forward + backward of `model` with each plan installed, one value per timed
     round (`iters` rounds after one untimed round; each the slowest rank's; collective, the same
     on every rank).
@@ -246,7 +277,7 @@ def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, 
     if iters < 1:
         raise ValueError(f"--lancet-measure-iters must be >= 1 to measure, got {iters}")
     dev = model.wte.weight.device
-    g = torch.Generator(device="cpu").manual_seed(4321)          # host draw: the same ids on every rank
+    g = torch.Generator(device="cpu").manual_seed(4321)  # host draw: the same ids on every rank
     ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
@@ -284,12 +315,21 @@ def measure_plans(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, 
             layer.router.calls = c
     per_round = torch.tensor([samples[n] for n in names], dtype=torch.float64, device=dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)       # each round's slowest rank
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)  # each round's slowest rank
     return {n: row for n, row in zip(names, per_round.cpu().tolist())}
 
 
-def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, *, grad_sync=None,
-                measured: Optional[dict] = None) -> LancetPlan:
+def choose_plan(
+    model: GPT2MoE,
+    ps: ParallelState,
+    opts,
+    plans: dict,
+    B: int,
+    T: int,
+    *,
+    grad_sync=None,
+    measured: Optional[dict] = None,
+) -> LancetPlan:
     """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
     return the fastest measured (smallest median ratio to "none" over the rounds), its `selection`
     recording every candidate's predicted, measured (median) and contention-fitted ms.
@@ -304,20 +344,38 @@ def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T:
     fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
     chosen = plans[best]
     chosen.selection = {
-        "chosen": best, "measure_iters": opts.lancet_measure_iters,
-        "candidates": {n: {"predicted_ms": plans[n].predicted["iteration_ms"], "measured_ms": table[n],
-                           "fitted_ms": fitted_ms(plans[n], fit), "overlapped_ms": overlapped_ms(plans[n]),
-                           "ratio_to_none": ratio[n],
-                           "source": "given" if n not in todo else "measured"} for n in names},
+        "chosen": best,
+        "measure_iters": opts.lancet_measure_iters,
+        "candidates": {
+            n: {
+                "predicted_ms": plans[n].predicted["iteration_ms"],
+                "measured_ms": table[n],
+                "fitted_ms": fitted_ms(plans[n], fit),
+                "overlapped_ms": overlapped_ms(plans[n]),
+                "ratio_to_none": ratio[n],
+                "source": "given" if n not in todo else "measured",
+            }
+            for n in names
+        },
         "contention": fit,
         "prediction_error": (chosen.predicted["iteration_ms"] - table[best]) / table[best],
-        "fitted_error": (fitted_ms(chosen, fit) - table[best]) / table[best]}
+        "fitted_error": (fitted_ms(chosen, fit) - table[best]) / table[best],
+    }
     return chosen
 
 
-def setup(model: GPT2MoE, ps: ParallelState, opts, *, plan: Optional[LancetPlan] = None,
-          micro_batch: Optional[int] = None, seq_length: Optional[int] = None, grad_sync=None,
-          measured: Optional[dict] = None, **plan_kwargs) -> LancetController:
+def setup(
+    model: GPT2MoE,
+    ps: ParallelState,
+    opts,
+    *,
+    plan: Optional[LancetPlan] = None,
+    micro_batch: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    grad_sync=None,
+    measured: Optional[dict] = None,
+    **plan_kwargs,
+) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 
     With --lancet-measure-iters > 0 (and no --lancet-force-partitions) the plan is the fastest

@@ -11,6 +11,7 @@ OpProfiler: measures a compute op once per (op key, shape), keeps the result
 in memory and in a JSON file (written to a temporary name, then renamed), so
 later runs and other planners reuse it.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,9 @@ class CommCostModel:
             raise ValueError(f"cannot read comm cost model from {path}: {e}") from e
 
 
-def _time_ms(fn: Callable[[], Any], warmup: int, iters: int,
-             clock: Callable[[], float], sync: Callable[[], None] | None) -> float:
+def _time_ms(
+    fn: Callable[[], Any], warmup: int, iters: int, clock: Callable[[], float], sync: Callable[[], None] | None
+) -> float:
     """Median wall time of fn() in ms over `iters` timed calls after `warmup` untimed ones."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters}, {warmup}")
@@ -106,8 +108,12 @@ class OpProfiler:
     called around each timed run so asynchronous kernels are counted.
     """
 
-    def __init__(self, cache_path: str | None, clock: Callable[[], float] = time.perf_counter,
-                 sync: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cache_path: str | None,
+        clock: Callable[[], float] = time.perf_counter,
+        sync: Callable[[], None] | None = None,
+    ) -> None:
         self.cache_path = cache_path
         self.clock = clock
         self.sync = sync
@@ -127,8 +133,7 @@ class OpProfiler:
             raise ValueError(f"op_key {op_key!r} must not contain '|'")
         return f"{op_key}|{'x'.join(str(int(s)) for s in shape)}"
 
-    def time(self, op_key: str, shape: Sequence[int], fn: Callable[[], Any],
-             warmup: int = 2, iters: int = 5) -> float:
+    def time(self, op_key: str, shape: Sequence[int], fn: Callable[[], Any], warmup: int = 2, iters: int = 5) -> float:
         """Median ms of fn() for (op_key, shape); measured on first request, then cached."""
         k = self.key(op_key, shape)
         if k not in self.cache:

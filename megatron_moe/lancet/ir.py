@@ -15,6 +15,7 @@ The weight-gradient scheduler (`wgrad_schedule.py`) asks which dW instructions
 may run while a given all-to-all is in flight: exactly those with no directed
 path to or from it (`overlappable_dw`).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -85,8 +86,8 @@ class Graph:
             for v in ins.inputs:
                 if v in producer and self._index[producer[v]] > self._index[ins.name]:
                     raise ValueError(
-                        f"instruction {ins.name!r} reads {v!r} before its producer "
-                        f"{producer[v]!r} in program order")
+                        f"instruction {ins.name!r} reads {v!r} before its producer {producer[v]!r} in program order"
+                    )
         self._producer = producer
 
     def __len__(self) -> int:

@@ -24,6 +24,7 @@ Approximations, stated: MP all-reduces inside attention/MLP are not timed
 (only the local GEMMs); an all-to-all moves the expected real tokens
 min(S*K, E*C) (times N_ESP copies).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +45,19 @@ from megatron_moe.moe.router import capacity
 from megatron_moe.parallel_state import ParallelState
 
 DENSE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2")
-MOE_OPS = ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "moe.gate", "moe.dispatch",
-           "moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine")
+MOE_OPS = (
+    "ln1",
+    "attn.qkv",
+    "attn.core",
+    "attn.proj",
+    "ln2",
+    "moe.gate",
+    "moe.dispatch",
+    "moe.a2a_dispatch",
+    "moe.experts",
+    "moe.a2a_combine",
+    "moe.combine",
+)
 COMM_OPS = ("moe.a2a_dispatch", "moe.a2a_combine")
 
 
@@ -59,12 +71,16 @@ def deferrable_dw_names(model) -> set[str]:
     out = set()
     for l, b in enumerate(model.blocks):
         out |= {f"L{l}.attn.qkv.dW", f"L{l}.attn.proj.dW"}
-        out |= ({f"L{l}.moe.expert.fc1.dW", f"L{l}.moe.expert.fc2.dW"} if b.is_moe
-                else {f"L{l}.mlp.fc1.dW", f"L{l}.mlp.fc2.dW"})
+        out |= (
+            {f"L{l}.moe.expert.fc1.dW", f"L{l}.moe.expert.fc2.dW"}
+            if b.is_moe
+            else {f"L{l}.mlp.fc1.dW", f"L{l}.mlp.fc2.dW"}
+        )
     return out
 
 
 # ---------------------------------------------------------------------- shapes and profiling
+
 
 @dataclass
 class Shapes:
@@ -74,7 +90,7 @@ class Shapes:
     T: int
     M: int
     H: int
-    heads: int          # attention heads on this MP rank
+    heads: int  # attention heads on this MP rank
     mp: int
     E: int
     E_l: int
@@ -101,15 +117,27 @@ def model_shapes(model: GPT2MoE, ps: ParallelState, B: int, T: int) -> Shapes:
     K = moe.moe_router_topk
     C = capacity(B * T, E, K, moe.moe_expert_capacity_factor, moe.moe_min_capacity)
     mp = ps.size("mp")
-    return Shapes(B, T, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads // mp, mp, E,
-                  E // ps.size("ep"), K, C, ps.size("ep") * ps.size("esp"), ps.size("esp"),
-                  model.padded_vocab // mp)
+    return Shapes(
+        B,
+        T,
+        m.hidden_size,
+        m.ffn_hidden_size,
+        m.num_attention_heads // mp,
+        mp,
+        E,
+        E // ps.size("ep"),
+        K,
+        C,
+        ps.size("ep") * ps.size("esp"),
+        ps.size("esp"),
+        model.padded_vocab // mp,
+    )
 
 
 def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     """name -> zero-argument callable running that forward op on random inputs of `batch` samples."""
     T, M = sh.T, sh.M
-    dev = block.attn.qkv.weight.device                 # the inputs live where the block's weights do
+    dev = block.attn.qkv.weight.device  # the inputs live where the block's weights do
     x = torch.randn(batch, T, M, device=dev)
     a = block.attn
     hd = M // (sh.heads * sh.mp)
@@ -118,8 +146,9 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     ops = {
         "ln1": lambda: block.ln1(x),
         "attn.qkv": lambda: F.linear(x, a.qkv.weight, a.qkv.bias),
-        "attn.core": lambda: F.scaled_dot_product_attention(qkv, qkv, qkv, is_causal=True).transpose(1, 2)
-        .reshape(batch, T, -1),
+        "attn.core": lambda: (
+            F.scaled_dot_product_attention(qkv, qkv, qkv, is_causal=True).transpose(1, 2).reshape(batch, T, -1)
+        ),
         "attn.proj": lambda: x + F.linear(ctx, a.proj.weight) + a.proj.bias,
         "ln2": lambda: block.ln2(x),
     }
@@ -173,8 +202,9 @@ class Costs:
     overhead_ms: float
 
 
-def profile_costs(model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: Optional[OpProfiler] = None,
-                  iters: int = 3) -> Costs:
+def profile_costs(
+    model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: Optional[OpProfiler] = None, iters: int = 3
+) -> Costs:
     """Measure this rank's op costs (no collectives). The overhead per op and part is the intercept
     a of t(b) = a + c*b fitted from batches B and 1, averaged over the compute ops."""
     prof = profiler or OpProfiler(None)
@@ -193,13 +223,15 @@ def profile_costs(model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: O
                 if one is not None:
                     t1 = prof.time(f"{kind}.{name}", (1, T, sh.M), one[name], warmup=1, iters=iters)
                     intercepts.append(max(0.0, (B * t1 - fwd[kind][name]) / (B - 1)))
-        dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters)
-              for k, fn in _dw_ops(model, sh).items()}
+        dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters) for k, fn in _dw_ops(model, sh).items()}
         h = torch.randn(B * T, sh.M, device=model.wte.weight.device)
         head_ms = prof.time("head", (B, T, sh.M), lambda: F.linear(h, model.wte.weight), warmup=1, iters=iters)
         ids = torch.randint(0, model.vocab_size, (B, T), device=model.wte.weight.device)
-        embed_ms = prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None],
-                             warmup=1, iters=iters) if ps.size("mp") == 1 else 0.0
+        embed_ms = (
+            prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None], warmup=1, iters=iters)
+            if ps.size("mp") == 1
+            else 0.0
+        )
     overhead = sum(intercepts) / len(intercepts) if intercepts else 0.0
     return Costs(fwd, dw, head_ms, embed_ms, overhead)
 
@@ -215,6 +247,7 @@ def profile_a2a_model(ps: ParallelState, max_bytes: int, path: Optional[str] = N
 
 
 # ---------------------------------------------------------------------- forward op list and CP-SAT IR
+
 
 @dataclass
 class ModelOps:
@@ -238,38 +271,64 @@ class ModelOps:
 
 def _block_axis_ops(p: str, x: str, out: str, moe: bool, whole_gate: bool, t: dict) -> dict:
     """AxisOps of one block, keyed by the sim op they belong to (prefix p, input x, output out)."""
-    t.update({p + "ln1": ("B", "T", "M"), p + "qkv": ("B", "T", "Q"), p + "qkv_h": ("B", "H", "T", "D3"),
-              p + "ctx_h": ("B", "H", "T", "D"), p + "ctx": ("B", "T", "M"), p + "h": ("B", "T", "M"),
-              p + "ln2": ("B", "T", "M"), out: ("B", "T", "M")})
+    t.update(
+        {
+            p + "ln1": ("B", "T", "M"),
+            p + "qkv": ("B", "T", "Q"),
+            p + "qkv_h": ("B", "H", "T", "D3"),
+            p + "ctx_h": ("B", "H", "T", "D"),
+            p + "ctx": ("B", "T", "M"),
+            p + "h": ("B", "T", "M"),
+            p + "ln2": ("B", "T", "M"),
+            out: ("B", "T", "M"),
+        }
+    )
     ops = {
         "ln1": [AxisOp(p + "ln1", "layernorm", (x,), (p + "ln1",), {"dim": "M"})],
         "attn.qkv": [AxisOp(p + "qkv", "linear", (p + "ln1",), (p + "qkv",), {"contract": "M", "out_dim": "Q"})],
-        "attn.core": [AxisOp(p + "split", "view", (p + "qkv",), (p + "qkv_h",), {"dim_map": {"B": "B", "T": "T"}}),
-                      AxisOp(p + "core", "attention", (p + "qkv_h",), (p + "ctx_h",)),
-                      AxisOp(p + "merge", "view", (p + "ctx_h",), (p + "ctx",), {"dim_map": {"B": "B", "T": "T"}})],
-        "attn.proj": [AxisOp(p + "proj", "linear", (p + "ctx",), (p + "attn",), {"contract": "M", "out_dim": "M"}),
-                      AxisOp(p + "res1", "elementwise", (x, p + "attn"), (p + "h",))],
+        "attn.core": [
+            AxisOp(p + "split", "view", (p + "qkv",), (p + "qkv_h",), {"dim_map": {"B": "B", "T": "T"}}),
+            AxisOp(p + "core", "attention", (p + "qkv_h",), (p + "ctx_h",)),
+            AxisOp(p + "merge", "view", (p + "ctx_h",), (p + "ctx",), {"dim_map": {"B": "B", "T": "T"}}),
+        ],
+        "attn.proj": [
+            AxisOp(p + "proj", "linear", (p + "ctx",), (p + "attn",), {"contract": "M", "out_dim": "M"}),
+            AxisOp(p + "res1", "elementwise", (x, p + "attn"), (p + "h",)),
+        ],
         "ln2": [AxisOp(p + "ln2", "layernorm", (p + "h",), (p + "ln2",), {"dim": "M"})],
     }
     t[p + "attn"] = ("B", "T", "M")
     if not moe:
         t.update({p + "fc1": ("B", "T", "F"), p + "fc2": ("B", "T", "M")})
         ops["mlp.fc1"] = [AxisOp(p + "fc1", "linear", (p + "ln2",), (p + "fc1",), {"contract": "M", "out_dim": "F"})]
-        ops["mlp.fc2"] = [AxisOp(p + "fc2", "linear", (p + "fc1",), (p + "fc2",), {"contract": "F", "out_dim": "M"}),
-                          AxisOp(p + "res2", "elementwise", (p + "h", p + "fc2"), (out,))]
+        ops["mlp.fc2"] = [
+            AxisOp(p + "fc2", "linear", (p + "fc1",), (p + "fc2",), {"contract": "F", "out_dim": "M"}),
+            AxisOp(p + "res2", "elementwise", (p + "h", p + "fc2"), (out,)),
+        ]
         return ops
-    t.update({p + "tok": ("S", "M"), p + "gates": ("S", "E"), p + "disp": ("E", "C", "M"),
-              p + "disp_x": ("E", "C", "M"), p + "exp": ("E", "C", "M"), p + "back": ("E", "C", "M"),
-              p + "moe_tok": ("S", "M"), p + "moe": ("B", "T", "M")})
+    t.update(
+        {
+            p + "tok": ("S", "M"),
+            p + "gates": ("S", "E"),
+            p + "disp": ("E", "C", "M"),
+            p + "disp_x": ("E", "C", "M"),
+            p + "exp": ("E", "C", "M"),
+            p + "back": ("E", "C", "M"),
+            p + "moe_tok": ("S", "M"),
+            p + "moe": ("B", "T", "M"),
+        }
+    )
     ops["ln2"].append(AxisOp(p + "flatten", "view", (p + "ln2",), (p + "tok",), {"dim_map": {"B": "S"}}))
     ops["moe.gate"] = [AxisOp(p + "gate", "gate", (p + "tok",), (p + "gates",), {"batch_prioritized": whole_gate})]
     ops["moe.dispatch"] = [AxisOp(p + "dispatch", "dispatch", (p + "tok", p + "gates"), (p + "disp",))]
     ops["moe.a2a_dispatch"] = [AxisOp(p + "a2a1", "a2a", (p + "disp",), (p + "disp_x",))]
     ops["moe.experts"] = [AxisOp(p + "experts", "experts", (p + "disp_x",), (p + "exp",))]
     ops["moe.a2a_combine"] = [AxisOp(p + "a2a2", "a2a", (p + "exp",), (p + "back",))]
-    ops["moe.combine"] = [AxisOp(p + "combine", "combine", (p + "back", p + "gates"), (p + "moe_tok",)),
-                          AxisOp(p + "unflatten", "view", (p + "moe_tok",), (p + "moe",), {"dim_map": {"S": "B"}}),
-                          AxisOp(p + "res2", "elementwise", (p + "h", p + "moe"), (out,))]
+    ops["moe.combine"] = [
+        AxisOp(p + "combine", "combine", (p + "back", p + "gates"), (p + "moe_tok",)),
+        AxisOp(p + "unflatten", "view", (p + "moe_tok",), (p + "moe",), {"dim_map": {"S": "B"}}),
+        AxisOp(p + "res2", "elementwise", (p + "h", p + "moe"), (out,)),
+    ]
     return ops
 
 
@@ -298,7 +357,7 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
         whole = moe and needs_whole_batch_gate(block.moe)
         per_op = _block_axis_ops(f"L{l}.", f"x{l}", f"x{l + 1}", moe, whole, tensors)
         kind = "moe" if moe else "dense"
-        for op in (MOE_OPS if moe else DENSE_OPS):
+        for op in MOE_OPS if moe else DENSE_OPS:
             j = len(sim)
             if op in ("ln1", "ln2", "moe.gate"):
                 if moe:
@@ -311,15 +370,15 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
             axis_ops += per_op[op]
         if moe:
             mo.ends.setdefault(l, {})[len(sim)] = "block"
-        if l > 0 and model.blocks[l - 1].is_moe:     # after this block's attn.proj: end of l-1's range
+        if l > 0 and model.blocks[l - 1].is_moe:  # after this block's attn.proj: end of l-1's range
             mo.ends.setdefault(l - 1, {})[j0 + 4] = "next_attn"
         prev = _last_moe_before(model, l)
-        if prev is not None and prev < l - 1:        # dense blocks prev+1..l-1 lie between two MoE blocks
+        if prev is not None and prev < l - 1:  # dense blocks prev+1..l-1 lie between two MoE blocks
             if moe:
                 mo.ends.setdefault(prev, {})[j0] = "dense"
                 mo.ends[prev][j0 + 4] = "dense_next_attn"
     prev = _last_moe_before(model, len(model.blocks))
-    if prev is not None and prev < len(model.blocks) - 1:   # dense blocks after the last MoE block
+    if prev is not None and prev < len(model.blocks) - 1:  # dense blocks after the last MoE block
         mo.ends.setdefault(prev, {})[len(sim)] = "dense"
     L = len(model.blocks)
     tensors["logits"] = ("B", "T", "V")
@@ -335,8 +394,10 @@ def op_span(mo: ModelOps, spec) -> tuple[int, int]:
     lo = next((j for j, n in mo.starts.get(spec.layer, {}).items() if n == spec.start), None)
     hi = next((j for j, n in mo.ends.get(spec.layer, {}).items() if n == spec.end), None)
     if lo is None or hi is None:
-        raise ValueError(f"Lancet range {spec}: the model has no such range (starts {mo.starts.get(spec.layer)}, "
-                         f"ends {mo.ends.get(spec.layer)})")
+        raise ValueError(
+            f"Lancet range {spec}: the model has no such range (starts {mo.starts.get(spec.layer)}, "
+            f"ends {mo.ends.get(spec.layer)})"
+        )
     return lo, hi
 
 
@@ -370,8 +431,10 @@ def runtime_range(mo: ModelOps, lo: int, hi: int) -> Optional[tuple[int, str, st
 
 def feasibility(mo: ModelOps, time_limit_s: float = 10.0):
     """feasible(lo, hi) for plan_ops: a runtime range whose tensors CP-SAT can split along the batch."""
+
     def feasible(lo: int, hi: int) -> bool:
         if runtime_range(mo, lo, hi) is None:
             return False
         return solve_axes(mo.axis, mo.axis_span[lo][0], mo.axis_span[hi - 1][1], time_limit_s) is not None
+
     return feasible

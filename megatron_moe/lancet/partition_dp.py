@@ -16,6 +16,7 @@ the smaller k (no partitioning overhead for nothing) and, for equal k, the
 range found first (the longest). Gains below 1e-9 relative count as ties, so
 float round-off in P never makes a pointless split look better.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,9 @@ def group_ops(costs: Sequence[float], group_ms: float, cuts: Collection[int] = (
     return groups
 
 
-def plan_partitions(num_groups: int, range_ms: Callable[[int, int, int], float],
-                    max_range: int, max_partitions: int = 8) -> PartitionPlan:
+def plan_partitions(
+    num_groups: int, range_ms: Callable[[int, int, int], float], max_range: int, max_partitions: int = 8
+) -> PartitionPlan:
     """Run the DP over `num_groups` groups.
 
     range_ms(i, n, k): P(i, n, k) for groups i..n-1 in k parts (math.inf if
@@ -100,10 +102,16 @@ def plan_partitions(num_groups: int, range_ms: Callable[[int, int, int], float],
     return PartitionPlan(best[num_groups], ranges[::-1])
 
 
-def plan_ops(ops: Sequence[SimOp], group_ms: float, max_range: int, max_partitions: int = 8,
-             cost_model: CommCostModel | None = None, overhead_ms: float = 0.0,
-             feasible: Callable[[int, int], bool] | None = None,
-             cuts: Collection[int] = ()) -> PartitionPlan:
+def plan_ops(
+    ops: Sequence[SimOp],
+    group_ms: float,
+    max_range: int,
+    max_partitions: int = 8,
+    cost_model: CommCostModel | None = None,
+    overhead_ms: float = 0.0,
+    feasible: Callable[[int, int], bool] | None = None,
+    cuts: Collection[int] = (),
+) -> PartitionPlan:
     """Group `ops`, run the DP with the timeline simulator as P, and return ranges over op indices.
 
     feasible(op_start, op_end): may ops op_start..op_end-1 be partitioned along
@@ -127,6 +135,5 @@ def plan_ops(ops: Sequence[SimOp], group_ms: float, max_range: int, max_partitio
         return memo[(i, n, k)]
 
     plan = plan_partitions(len(groups), range_ms, max_range, max_partitions)
-    plan.ranges = [PlannedRange(groups[r.start][0], groups[r.end - 1][1], r.k, r.ms)
-                   for r in plan.ranges]
+    plan.ranges = [PlannedRange(groups[r.start][0], groups[r.end - 1][1], r.k, r.ms) for r in plan.ranges]
     return plan

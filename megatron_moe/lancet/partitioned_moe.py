@@ -42,6 +42,7 @@ start at the gate (or the schedule routes the whole group). The aux loss uses th
 whole group's sums. Outputs and gradients equal the unpartitioned run to fp32
 round-off, drops and slots are identical. Dropout must be 0 (parts draw masks apart).
 """
+
 from __future__ import annotations
 
 import time
@@ -73,8 +74,10 @@ class RangeSpec:
 
     def __post_init__(self) -> None:
         if self.start not in STARTS or self.end not in ENDS:
-            raise ValueError(f"range of layer {self.layer}: start {self.start!r} must be one of {STARTS}, "
-                             f"end {self.end!r} one of {ENDS}")
+            raise ValueError(
+                f"range of layer {self.layer}: start {self.start!r} must be one of {STARTS}, "
+                f"end {self.end!r} one of {ENDS}"
+            )
         if self.k < 1:
             raise ValueError(f"range of layer {self.layer}: k must be >= 1 (--lancet-max-partitions), got {self.k}")
 
@@ -137,8 +140,9 @@ def needs_whole_batch_gate(layer) -> bool:
 
 def _rows(r: RouteResult, lo: int, hi: int) -> RouteResult:
     """Rows [lo, hi) of a route (slots keep their place in the whole group)."""
-    return RouteResult(r.expert[lo:hi], r.slot[lo:hi], r.weight[lo:hi], r.capacity, r.aux_loss, r.z_loss,
-                       r.counts, r.gates[lo:hi])
+    return RouteResult(
+        r.expert[lo:hi], r.slot[lo:hi], r.weight[lo:hi], r.capacity, r.aux_loss, r.z_loss, r.counts, r.gates[lo:hi]
+    )
 
 
 class _CapacityPassing:
@@ -179,9 +183,17 @@ class PartitionedRange:
     input along ("B", "S", "C", ...), for the report.
     """
 
-    def __init__(self, block: "Block", spec: RangeSpec, skip_attn: bool, dispatcher: TokenDispatcher,
-                 timings: Optional[list] = None, tail: tuple = (), attn_next: Optional[tuple] = None,
-                 axes: Optional[RangeAxes] = None):
+    def __init__(
+        self,
+        block: "Block",
+        spec: RangeSpec,
+        skip_attn: bool,
+        dispatcher: TokenDispatcher,
+        timings: Optional[list] = None,
+        tail: tuple = (),
+        attn_next: Optional[tuple] = None,
+        axes: Optional[RangeAxes] = None,
+    ):
         self.block, self.spec, self.skip_attn = block, spec, skip_attn
         self.dispatcher, self.timings = dispatcher, timings
         self.tail, self.attn_next, self.axes = list(tail), attn_next, axes
@@ -196,8 +208,10 @@ class PartitionedRange:
     def _check(self, op: str, runtime: str) -> None:
         """Record that the runtime split `op`'s input along `runtime`; it must be the solved dim."""
         if self.axes is not None and op in self.axes.ops and self.axes.axis(op) != runtime:
-            raise ValueError(f"Lancet range {self.spec}: CP-SAT partitions {op} along {self.axes.axis(op)!r}, "
-                             f"the runtime can only split it along {runtime!r}")
+            raise ValueError(
+                f"Lancet range {self.spec}: CP-SAT partitions {op} along {self.axes.axis(op)!r}, "
+                f"the runtime can only split it along {runtime!r}"
+            )
         self.used_axes[op] = runtime
 
     def __call__(self, x: torch.Tensor):
@@ -208,48 +222,54 @@ class PartitionedRange:
         B, T, M = x.shape
         p = f"L{spec.layer}."
         d, dname = self._stream_dim()
-        if dname != "B":      # the MoE layer's tokens are the batch's rows: only a batch split keeps S contiguous
-            raise ValueError(f"Lancet range {spec}: CP-SAT split the residual stream along {dname!r}; "
-                             "a range with an MoE layer must split it along the batch 'B'")
+        if dname != "B":  # the MoE layer's tokens are the batch's rows: only a batch split keeps S contiguous
+            raise ValueError(
+                f"Lancet range {spec}: CP-SAT split the residual stream along {dname!r}; "
+                "a range with an MoE layer must split it along the batch 'B'"
+            )
         k = min(spec.k, x.size(d))
         self.used_axes = {}
-        x = layer.dispatcher.track_input(x)            # Lina: the layer's backward ends here
-        if spec.start != "attn":                       # ops before the start run on the whole batch
+        x = layer.dispatcher.track_input(x)  # Lina: the layer's backward ends here
+        if spec.start != "attn":  # ops before the start run on the whole batch
             x = x if self.skip_attn else block.attn_residual(x)
         res = list(torch.tensor_split(x, k, dim=d))
         per_part = layer.schedule == "baseline" and spec.start != "gate"
         if per_part and needs_whole_batch_gate(layer):
-            raise ValueError(f"layer {layer.layer_idx}: top-{layer.router.k} {layer.router.policy} routing needs "
-                             "the whole batch's gate; a partitioned range must start at the gate")
+            raise ValueError(
+                f"layer {layer.layer_idx}: top-{layer.router.k} {layer.router.policy} routing needs "
+                "the whole batch's gate; a partitioned range must start at the gate"
+            )
         attn_ops = [p + o for o in ("ln1", "attn.qkv", "attn.core", "attn.proj")]
         for op in (attn_ops if spec.start == "attn" else []) + ([p + "ln2"] if spec.start != "gate" else []):
             self._check(op, dname)
         split, started = False, []
-        if per_part:                                   # stage A part by part: pre-ops, gate, launch
+        if per_part:  # stage A part by part: pre-ops, gate, launch
             cp = _CapacityPassing(layer.router, B * T)
             for i in range(k):
                 with annotate("lancet/part"):
                     res[i] = block.attn_residual(res[i]) if spec.start == "attn" else res[i]
-                    hi = block.ln2(res[i]).reshape(-1, M)          # part i's rows of S (B split, d == 0)
+                    hi = block.ln2(res[i]).reshape(-1, M)  # part i's rows of S (B split, d == 0)
                 started.append(self._start(hi, cp.part(hi)))
             layer.router.record([p_[1] for p_ in started])
             aux = cp.aux()
-        else:                                          # the layer's router stage on the whole group
+        else:  # the layer's router stage on the whole group
             with annotate("lancet/part"):
                 res = [block.attn_residual(xi) for xi in res] if spec.start == "attn" else res
                 h = torch.cat([block.ln2(xi) for xi in res], dim=d).view(1, B * T, M)
             split = layer.splits_tokens(B * T)
             if layer.schedule == "s1" and not split:
-                raise ValueError(f"--lancet-partition: layer {layer.layer_idx} cannot split {B * T} tokens over "
-                                 f"--tensor-model-parallel-size {layer.ps.size('mp')} for --moe-schedule s1")
+                raise ValueError(
+                    f"--lancet-partition: layer {layer.layer_idx} cannot split {B * T} tokens over "
+                    f"--tensor-model-parallel-size {layer.ps.size('mp')} for --moe-schedule s1"
+                )
             (route,), aux, flat = layer.route(h, split)
             sizes = [t.size(0) for t in torch.tensor_split(flat, k)] if split else [xi.numel() // M for xi in res]
-            bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()     # host-side row bounds
+            bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()  # host-side row bounds
             started = [self._start(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])]
-        for op in ("moe.gate", "moe.dispatch"):        # tokens: each part a run of rows of [S, M]
+        for op in ("moe.gate", "moe.dispatch"):  # tokens: each part a run of rows of [S, M]
             self._check(p + op, "S")
         for op in ("moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine"):
-            self._check(p + op, "C")                   # each part's own slots of the [E, C, M] buffers
+            self._check(p + op, "C")  # each part's own slots of the [E, C, M] buffers
         for l, _ in self.tail:
             for op in ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2"):
                 self._check(f"L{l}.{op}", dname)
@@ -257,14 +277,17 @@ class PartitionedRange:
             for op in ("ln1", "attn.qkv", "attn.core", "attn.proj"):
                 self._check(f"L{self.attn_next[0]}.{op}", dname)
         ys = self._finish(started, M)
-        if split:                                      # S1: this rank's slice -> every token
-            ys = iter(torch.tensor_split(gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"),
-                                                           dim=1)[0].view(B, T, M), k, dim=d))
+        if split:  # S1: this rank's slice -> every token
+            ys = iter(
+                torch.tensor_split(
+                    gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"), dim=1)[0].view(B, T, M), k, dim=d
+                )
+            )
         outs = []
-        for xi, yi in zip(res, ys):                    # part i's post-ops run while part i+1's return flies
+        for xi, yi in zip(res, ys):  # part i's post-ops run while part i+1's return flies
             with annotate("lancet/part"):
                 out = xi + block.drop(yi.view(xi.shape))
-                for _, b in self.tail:                 # dense blocks, FFN included: (x, None)
+                for _, b in self.tail:  # dense blocks, FFN included: (x, None)
                     out = b(out)[0]
                 outs.append(self.attn_next[1].attn_residual(out) if self.attn_next is not None else out)
         if self.timings is not None:
@@ -289,7 +312,7 @@ class PartitionedRange:
         if not isinstance(d, UnevenDispatcher):
             yield from (y for _, _, y in started)
             return
-        for plan, _, _ in started:                     # Experts.forward is the "moe/experts" range
+        for plan, _, _ in started:  # Experts.forward is the "moe/experts" range
             d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale), plan)
         for plan, _, _ in started:
             with annotate("moe/combine"):

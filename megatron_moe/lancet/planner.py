@@ -33,6 +33,7 @@ it hides); with no overlap among the candidates only `scale` is fitted.
 A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
 one by hand (tests, benchmarks of fixed configurations).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,8 +44,17 @@ import torch.distributed as dist
 
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.ir import Graph, Instr
-from megatron_moe.lancet.model_ir import (Costs, ModelOps, build_model_ops, deferrable_dw_names, feasibility,
-                                          model_shapes, profile_a2a_model, profile_costs, runtime_range)
+from megatron_moe.lancet.model_ir import (
+    Costs,
+    ModelOps,
+    build_model_ops,
+    deferrable_dw_names,
+    feasibility,
+    model_shapes,
+    profile_a2a_model,
+    profile_costs,
+    runtime_range,
+)
 from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange, plan_ops
 from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
@@ -93,24 +103,51 @@ def backward_graph(model, costs: Costs, a2a_ms: float) -> Graph:
     per_layer = []
     for block in model.blocks:
         f = costs.fwd["moe" if block.is_moe else "dense"]
-        c = {"attn.proj.dX": f["attn.proj"], "attn.proj.dW": dw["attn.proj.dW"], "attn.core.dX": 2 * f["attn.core"],
-             "attn.qkv.dX": f["attn.qkv"], "attn.qkv.dW": dw["attn.qkv.dW"], "ln1.dX": f["ln1"],
-             "ln1.dW": 0.5 * f["ln1"], "ln2.dX": f["ln2"], "ln2.dW": 0.5 * f["ln2"]}
+        c = {
+            "attn.proj.dX": f["attn.proj"],
+            "attn.proj.dW": dw["attn.proj.dW"],
+            "attn.core.dX": 2 * f["attn.core"],
+            "attn.qkv.dX": f["attn.qkv"],
+            "attn.qkv.dW": dw["attn.qkv.dW"],
+            "ln1.dX": f["ln1"],
+            "ln1.dW": 0.5 * f["ln1"],
+            "ln2.dX": f["ln2"],
+            "ln2.dW": 0.5 * f["ln2"],
+        }
         if block.is_moe:
-            c.update({"moe.combine.dX": f["moe.combine"], "moe.a2a_combine": a2a_ms,
-                      "moe.expert.fc2.dX": f["moe.experts"] / 2, "moe.expert.fc2.dW": dw["moe.expert.fc2.dW"],
-                      "moe.expert.fc1.dX": f["moe.experts"] / 2, "moe.expert.fc1.dW": dw["moe.expert.fc1.dW"],
-                      "moe.a2a_dispatch": a2a_ms, "moe.dispatch.dX": f["moe.dispatch"],
-                      "moe.gate.dX": f["moe.gate"], "moe.gate.dW": dw["moe.gate.dW"]})
+            c.update(
+                {
+                    "moe.combine.dX": f["moe.combine"],
+                    "moe.a2a_combine": a2a_ms,
+                    "moe.expert.fc2.dX": f["moe.experts"] / 2,
+                    "moe.expert.fc2.dW": dw["moe.expert.fc2.dW"],
+                    "moe.expert.fc1.dX": f["moe.experts"] / 2,
+                    "moe.expert.fc1.dW": dw["moe.expert.fc1.dW"],
+                    "moe.a2a_dispatch": a2a_ms,
+                    "moe.dispatch.dX": f["moe.dispatch"],
+                    "moe.gate.dX": f["moe.gate"],
+                    "moe.gate.dW": dw["moe.gate.dW"],
+                }
+            )
         else:
-            c.update({"mlp.fc2.dX": f["mlp.fc2"], "mlp.fc2.dW": dw["mlp.fc2.dW"], "mlp.fc1.dX": f["mlp.fc1"],
-                      "mlp.fc1.dW": dw["mlp.fc1.dW"]})
+            c.update(
+                {
+                    "mlp.fc2.dX": f["mlp.fc2"],
+                    "mlp.fc2.dW": dw["mlp.fc2.dW"],
+                    "mlp.fc1.dX": f["mlp.fc1"],
+                    "mlp.fc1.dW": dw["mlp.fc1.dW"],
+                }
+            )
         per_layer.append(c)
     head = {"head.dX": costs.head_ms, "head.dW": dw["head.dW"], "embed.dW": costs.embed_ms}
     g = build_gpt_moe_backward(L, [l for l, b in enumerate(model.blocks) if b.is_moe], per_layer, head)
     ok = deferrable_dw_names(model)
-    return Graph([Instr(i.name, "other", i.inputs, i.outputs, i.cost_ms) if i.kind == "dW" and i.name not in ok
-                  else i for i in g.instrs])
+    return Graph(
+        [
+            Instr(i.name, "other", i.inputs, i.outputs, i.cost_ms) if i.kind == "dW" and i.name not in ok else i
+            for i in g.instrs
+        ]
+    )
 
 
 def _layer_of(name: str) -> int:
@@ -122,10 +159,9 @@ def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overh
     compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm."""
     out = {"forward_ms": 0.0, "backward_ms": 0.0, "exposed_ms": 0.0, "layer_exposed": {}}
     for r in dp.ranges:
-        ops = mo.sim[r.start:r.end]
+        ops = mo.sim[r.start : r.end]
         f = simulate(ops, r.k, comm, overhead_ms)
-        back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes)
-                for o in reversed(ops)]
+        back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes) for o in reversed(ops)]
         b = simulate(back, r.k, comm, overhead_ms)
         out["forward_ms"] += f.makespan_ms
         out["backward_ms"] += b.makespan_ms
@@ -139,10 +175,12 @@ def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overh
 def residual_graph(graph: Graph, layer_exposed: dict) -> Graph:
     """The backward IR with each partitioned layer's all-to-alls costing what the pipeline leaves
     exposed (split evenly between its two), so Algorithm 1 covers only the remaining time."""
+
     def cost(i: Instr) -> float:
         if i.kind == "a2a" and _layer_of(i.name) in layer_exposed:
             return layer_exposed[_layer_of(i.name)] / 2
         return i.cost_ms
+
     return Graph([Instr(i.name, i.kind, i.inputs, i.outputs, cost(i)) for i in graph.instrs])
 
 
@@ -150,18 +188,35 @@ def predict(mo: ModelOps, sims: dict, graph: Graph, assignment: dict, comm: Comm
     """Predicted ms: forward T(N) and the simulated backward (`_simulate_ranges`), minus the
     all-to-all time the assigned dW hide (each all-to-all of `graph`, a residual graph, hides at
     most its own cost)."""
-    hidden = sum(min(a.cost_ms, sum(graph[w].cost_ms for w in assignment.get(a.name, ())))
-                 for a in graph.of_kind("a2a"))
+    hidden = sum(
+        min(a.cost_ms, sum(graph[w].cost_ms for w in assignment.get(a.name, ()))) for a in graph.of_kind("a2a")
+    )
     a2a = sum(simulate([o], 1, comm).comm_ms for o in mo.sim if o.kind == "comm")
     fwd, bwd = sims["forward_ms"], sims["backward_ms"]
-    return {"forward_ms": fwd, "backward_ms": bwd - hidden, "iteration_ms": fwd + bwd - hidden,
-            "a2a_ms": 2 * a2a, "a2a_exposed_ms": max(0.0, sims["exposed_ms"] - hidden), "dw_hidden_ms": hidden}
+    return {
+        "forward_ms": fwd,
+        "backward_ms": bwd - hidden,
+        "iteration_ms": fwd + bwd - hidden,
+        "a2a_ms": 2 * a2a,
+        "a2a_exposed_ms": max(0.0, sims["exposed_ms"] - hidden),
+        "dw_hidden_ms": hidden,
+    }
 
 
-def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Optional[bool] = None,
-              partition: Optional[bool] = None, costs: Optional[Costs] = None,
-              comm: Optional[CommCostModel] = None, profiler: Optional[OpProfiler] = None,
-              broadcast: bool = True) -> LancetPlan:
+def make_plan(
+    model,
+    ps: "ParallelState",
+    opts,
+    B: int,
+    T: int,
+    *,
+    wgrad: Optional[bool] = None,
+    partition: Optional[bool] = None,
+    costs: Optional[Costs] = None,
+    comm: Optional[CommCostModel] = None,
+    profiler: Optional[OpProfiler] = None,
+    broadcast: bool = True,
+) -> LancetPlan:
     """Profile (unless `costs` / `comm` are given), plan and predict; the same plan on every rank.
 
     opts: OptimizationsConfig (--lancet-wgrad, --lancet-partition, --lancet-max-partitions rho,
@@ -186,16 +241,21 @@ def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Option
     if partition:
         # groups never straddle a place where a runtime range may start or end
         cuts = {j for d in list(mo.starts.values()) + list(mo.ends.values()) for j in d}
-        dp = plan_ops(mo.sim, opts.lancet_group_ms, opts.lancet_max_range, rho, comm, costs.overhead_ms,
-                      feasibility(mo), cuts)
+        dp = plan_ops(
+            mo.sim, opts.lancet_group_ms, opts.lancet_max_range, rho, comm, costs.overhead_ms, feasibility(mo), cuts
+        )
     else:
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
     ranges = [RangeSpec(*runtime_range(mo, r.start, r.end), r.k) for r in dp.ranges if r.k > 1]
-    if partition and opts.lancet_force_partitions > 1:      # every MoE block, whatever the prediction
-        ranges = [RangeSpec(l, "gate" if needs_whole_batch_gate(b.moe) else "attn", "block",
-                            min(opts.lancet_force_partitions, B)) for l, b in enumerate(model.blocks)
-                  if b.is_moe and B > 1]
+    if partition and opts.lancet_force_partitions > 1:  # every MoE block, whatever the prediction
+        ranges = [
+            RangeSpec(
+                l, "gate" if needs_whole_batch_gate(b.moe) else "attn", "block", min(opts.lancet_force_partitions, B)
+            )
+            for l, b in enumerate(model.blocks)
+            if b.is_moe and B > 1
+        ]
     sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms)
     graph = residual_graph(backward_graph(model, costs, comm.predict(sh.a2a_bytes())), sims["layer_exposed"])
     if wgrad:
@@ -203,13 +263,21 @@ def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Option
         assignment, leftover = sched.assignment, sched.leftover
     else:
         assignment, leftover = {}, [i.name for i in graph.of_kind("dW")]
-    plan = LancetPlan(ranges, assignment, leftover,
-                      [{"ops": [mo.sim[r.start].name, mo.sim[r.end - 1].name], "k": r.k, "predicted_ms": r.ms}
-                       for r in dp.ranges],
-                      predict(mo, sims, graph, assignment, comm),
-                      {"rho": opts.lancet_max_partitions, "gamma_ms": opts.lancet_group_ms,
-                       "iota": opts.lancet_max_range, "overhead_ms": costs.overhead_ms,
-                       "forced_k": opts.lancet_force_partitions}, wgrad)
+    plan = LancetPlan(
+        ranges,
+        assignment,
+        leftover,
+        [{"ops": [mo.sim[r.start].name, mo.sim[r.end - 1].name], "k": r.k, "predicted_ms": r.ms} for r in dp.ranges],
+        predict(mo, sims, graph, assignment, comm),
+        {
+            "rho": opts.lancet_max_partitions,
+            "gamma_ms": opts.lancet_group_ms,
+            "iota": opts.lancet_max_range,
+            "overhead_ms": costs.overhead_ms,
+            "forced_k": opts.lancet_force_partitions,
+        },
+        wgrad,
+    )
     if broadcast and dist.is_initialized() and dist.get_world_size() > 1:
         box = [plan]
         dist.broadcast_object_list(box, src=0)
@@ -220,9 +288,18 @@ def make_plan(model, ps: "ParallelState", opts, B: int, T: int, *, wgrad: Option
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
 
 
-def candidate_plans(model, ps: "ParallelState", opts, B: int, T: int, *, costs: Optional[Costs] = None,
-                    comm: Optional[CommCostModel] = None, profiler: Optional[OpProfiler] = None,
-                    broadcast: bool = True) -> dict:
+def candidate_plans(
+    model,
+    ps: "ParallelState",
+    opts,
+    B: int,
+    T: int,
+    *,
+    costs: Optional[Costs] = None,
+    comm: Optional[CommCostModel] = None,
+    profiler: Optional[OpProfiler] = None,
+    broadcast: bool = True,
+) -> dict:
     """name -> LancetPlan for "none" and every mode the switches allow (--lancet-wgrad for "dw",
     --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan)."""
     sh = model_shapes(model, ps, B, T)
@@ -239,7 +316,7 @@ def candidate_plans(model, ps: "ParallelState", opts, B: int, T: int, *, costs: 
 
 
 def top_candidates(plans: dict, n: int) -> list:
-    """"none" and the n plans other than "none" with the smallest predicted iteration time
+    """ "none" and the n plans other than "none" with the smallest predicted iteration time
     (ties in MODES order); plans with nothing to install ("partition" without ranges) are dropped."""
     if n < 1:
         raise ValueError(f"--lancet-candidates must be >= 1, got {n}")
@@ -255,7 +332,7 @@ def overlapped_ms(plan: LancetPlan) -> float:
     p = plan.predicted
     a2a = p.get("a2a_ms", 0.0)
     v = a2a - p.get("a2a_exposed_ms", 0.0)
-    return v if v > 1e-9 * max(1.0, a2a) else 0.0       # round-off of a sum of exposures is not overlap
+    return v if v > 1e-9 * max(1.0, a2a) else 0.0  # round-off of a sum of exposures is not overlap
 
 
 def fit_contention(rows) -> dict:
@@ -277,7 +354,7 @@ def fit_contention(rows) -> dict:
     # 0 <= contention <= 1: an overlapped ms costs at most the ms it was meant to hide (noise on a
     # shared machine must not turn a few ms of overlap into a factor); the scale is refitted given c
     c = min(1.0, max(0.0, c))
-    scale = (spm - c * spo) / spp                # the first normal equation, given c
+    scale = (spm - c * spo) / spp  # the first normal equation, given c
     before = [(p - m) / m for p, _, m in rows]
     after = [(scale * p + c * o - m) / m for p, o, m in rows]
     return {"scale": scale, "contention": c, "error_before": before, "error_after": after}
@@ -299,6 +376,12 @@ def pick_fastest(rounds: dict) -> tuple:
         raise ValueError(f"pick_fastest needs 'none' and at least one time per plan, got {rounds}")
     table = {n: statistics.median(rounds[n]) for n in names}
     paired = all(len(rounds[n]) == len(rounds["none"]) for n in names)
-    ratio = {n: (statistics.median([a / b for a, b in zip(rounds[n], rounds["none"])]) if paired
-                 else table[n] / table["none"]) for n in names}
+    ratio = {
+        n: (
+            statistics.median([a / b for a, b in zip(rounds[n], rounds["none"])])
+            if paired
+            else table[n] / table["none"]
+        )
+        for n in names
+    }
     return min(names, key=lambda n: (ratio[n], names.index(n))), table, ratio

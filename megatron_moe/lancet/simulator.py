@@ -17,6 +17,7 @@ has finished and the previous stage on its stream has finished.
 k = 1 means "not partitioned": the plain sequential sum of whole-batch costs,
 with no overhead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,8 +58,7 @@ class SimResult:
     timeline: list[tuple[int, int, str, float, float]] = field(default_factory=list)
 
 
-def op_cost(op: SimOp, k: int, cost_model: CommCostModel | None = None,
-            overhead_ms: float = 0.0) -> float:
+def op_cost(op: SimOp, k: int, cost_model: CommCostModel | None = None, overhead_ms: float = 0.0) -> float:
     """Cost in ms of `op` on one of k parts (k = 1: the whole-batch cost, no overhead)."""
     if k < 1:
         raise ValueError(f"number of parts must be >= 1, got {k}")
@@ -104,8 +104,9 @@ def _uncovered_length(a: list[tuple[float, float]], b: list[tuple[float, float]]
     return _union_length(a + b) - _union_length(b)
 
 
-def simulate(ops: Sequence[SimOp], k: int, cost_model: CommCostModel | None = None,
-                         overhead_ms: float = 0.0) -> SimResult:
+def simulate(
+    ops: Sequence[SimOp], k: int, cost_model: CommCostModel | None = None, overhead_ms: float = 0.0
+) -> SimResult:
     """P(range, k): makespan and exposed comm of the range split into k parts.
 
     With k = 1 every stage follows the previous one, so the makespan is
@@ -135,4 +136,3 @@ def simulate(ops: Sequence[SimOp], k: int, cost_model: CommCostModel | None = No
         comm_ms=sum(e - s for s, e in busy["comm"]),
         timeline=timeline,
     )
-

@@ -61,6 +61,7 @@ record_stream-ed there; the closures keep their inputs alive until then), on
 the CPU one helper thread (gloo calls release the GIL). `window_ms` on CUDA is
 the host time to enqueue them, not GPU time.
 """
+
 from __future__ import annotations
 
 import time
@@ -98,13 +99,13 @@ class DeferredDW:
 class WgradStats:
     """Counters of one runtime: dW closures run per name, where they ran, time spent."""
 
-    runs: dict = field(default_factory=lambda: defaultdict(int))     # name -> closures run
-    in_window: int = 0          # closures run in an all-to-all window (before its wait)
-    immediate: int = 0          # leftover closures run where the plain backward runs them
-    flushed: int = 0            # closures run by flush() at the end of backward
-    window_ms: float = 0.0      # dW compute time spent inside all-to-all windows
+    runs: dict = field(default_factory=lambda: defaultdict(int))  # name -> closures run
+    in_window: int = 0  # closures run in an all-to-all window (before its wait)
+    immediate: int = 0  # leftover closures run where the plain backward runs them
+    flushed: int = 0  # closures run by flush() at the end of backward
+    window_ms: float = 0.0  # dW compute time spent inside all-to-all windows
     a2a_windows: int = 0
-    helper_intervals: list = field(default_factory=list)   # (start, end) perf_counter s of helper-thread dW
+    helper_intervals: list = field(default_factory=list)  # (start, end) perf_counter s of helper-thread dW
 
 
 def _autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
@@ -119,7 +120,7 @@ class _DeferredLinear(torch.autograd.Function):
     def forward(ctx, x, bias, ref: WeightRef):
         w = ref.param
         dt = _autocast_dtype(x)
-        if dt is not None:            # do what autocast does to F.linear, and keep the cast tensors
+        if dt is not None:  # do what autocast does to F.linear, and keep the cast tensors
             x, w = x.to(dt), w.to(dt)
             bias = None if bias is None else bias.to(dt)
         with torch.autocast(x.device.type, enabled=False):
@@ -134,7 +135,7 @@ class _DeferredLinear(torch.autograd.Function):
         ref = ctx.ref
         g2 = g.reshape(-1, g.size(-1))
         x2 = x.reshape(-1, x.size(-1))
-        dx = g2.mm(w).view(x.shape)                     # what addmm / mm backward computes
+        dx = g2.mm(w).view(x.shape)  # what addmm / mm backward computes
         db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         pdt = ref.param.dtype
         ref.runtime.submit(DeferredDW(ref.name, ref.param, lambda: g2.t().mm(x2).to(pdt)))
@@ -164,7 +165,7 @@ class _DeferredBmm(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         ref = ctx.ref
-        dx = g.bmm(w)                                    # baddbmm: grad @ batch2^T
+        dx = g.bmm(w)  # baddbmm: grad @ batch2^T
         db = g.sum(1, keepdim=True) if ctx.has_bias and ctx.needs_input_grad[1] else None
         scale, pdt = ref.scale, ref.param.dtype
 
@@ -187,32 +188,36 @@ class WgradRuntime:
         self.assignment = {a: list(ws) for a, ws in assignment.items()}
         self.owner = {w: a for a, ws in self.assignment.items() for w in ws}
         self.stats = WgradStats()
-        self._queue: dict[str, list[DeferredDW]] = defaultdict(list)    # all-to-all -> waiting closures
-        self._pool: list[DeferredDW] = []      # closures whose all-to-all was launched, not run yet
-        self._started: set[str] = set()        # all-to-alls whose window opened in this backward
-        self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)   # forward uses not yet reduced
+        self._queue: dict[str, list[DeferredDW]] = defaultdict(list)  # all-to-all -> waiting closures
+        self._pool: list[DeferredDW] = []  # closures whose all-to-all was launched, not run yet
+        self._started: set[str] = set()  # all-to-alls whose window opened in this backward
+        self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)  # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._callback_queued = False
-        self._lane: Optional[streams.Lane] = None     # where S2-window dW runs (side stream / helper thread)
+        self._lane: Optional[streams.Lane] = None  # where S2-window dW runs (side stream / helper thread)
 
     # ------------------------------------------------------------------ forward side
     def linear(self, name: str) -> Callable:
         """An F.linear(x, weight, bias) replacement deferring dW under `name` (ColumnParallelLinear etc.)."""
+
         def fn(x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.Tensor] = None):
             if not self._defers(x, weight):
                 return F.linear(x, weight, bias)
             self._uses[weight] += 1
             return _DeferredLinear.apply(x, bias, WeightRef(weight, name, self))
+
         return fn
 
     def bmm(self, name: str) -> Callable:
         """(x [E_l,N,I], weight [E_l,O,I], bias [E_l,1,O] or None, scale) -> x W^T + b with dW deferred."""
+
         def fn(x: torch.Tensor, weight: torch.nn.Parameter, bias_E1O: Optional[torch.Tensor], scale: float):
-            if not self._defers(x, weight):          # no weight gradient to defer: the plain GEMM
+            if not self._defers(x, weight):  # no weight gradient to defer: the plain GEMM
                 wt = weight.transpose(1, 2).to(x.dtype)
                 return torch.bmm(x, wt) if bias_E1O is None else torch.baddbmm(bias_E1O, x, wt)
             self._uses[weight] += 1
             return _DeferredBmm.apply(x, bias_E1O, WeightRef(weight, name, self, scale))
+
         return fn
 
     @staticmethod
@@ -223,7 +228,7 @@ class WgradRuntime:
     def begin_iteration(self) -> None:
         """Forget which all-to-alls ran (call before each forward whose backward follows)."""
         self._started.clear()
-        self._callback_queued = False       # a backward that raised never ran its callback
+        self._callback_queued = False  # a backward that raised never ran its callback
 
     # ------------------------------------------------------------------ backward side
     def submit(self, item: DeferredDW) -> None:
@@ -304,7 +309,7 @@ class WgradRuntime:
         while self._pool:
             self._run(self._pool.pop(0))
             self.stats.flushed += 1
-        for p in list(self._acc):          # a forward use whose backward never came: close the sum
+        for p in list(self._acc):  # a forward use whose backward never came: close the sum
             self._finalize(p)
         self._uses.clear()
 

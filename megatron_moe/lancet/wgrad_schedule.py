@@ -30,6 +30,7 @@ itself a dW (those may be deferred and so not done yet).
 The runtime launches a's dW list, in order, right after issuing a, and runs
 `leftover` dW instructions at their program-order position.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -128,15 +129,22 @@ def exposed_comm_ms(graph: Graph, assignment: Mapping[str, Sequence[str]]) -> fl
 # IR of a GPT-2 + MoE backward pass
 # ---------------------------------------------------------------------------
 
-ATTN_BACKWARD_KEYS = ("attn.proj.dX", "attn.proj.dW", "attn.core.dX",
-                      "attn.qkv.dX", "attn.qkv.dW", "ln1.dX", "ln1.dW")
-DENSE_MLP_BACKWARD_KEYS = ("mlp.fc2.dX", "mlp.fc2.dW", "mlp.fc1.dX", "mlp.fc1.dW",
-                           "ln2.dX", "ln2.dW")
-MOE_BACKWARD_KEYS = ("moe.combine.dX", "moe.a2a_combine",
-                     "moe.expert.fc2.dX", "moe.expert.fc2.dW",
-                     "moe.expert.fc1.dX", "moe.expert.fc1.dW",
-                     "moe.a2a_dispatch", "moe.dispatch.dX",
-                     "moe.gate.dX", "moe.gate.dW", "ln2.dX", "ln2.dW")
+ATTN_BACKWARD_KEYS = ("attn.proj.dX", "attn.proj.dW", "attn.core.dX", "attn.qkv.dX", "attn.qkv.dW", "ln1.dX", "ln1.dW")
+DENSE_MLP_BACKWARD_KEYS = ("mlp.fc2.dX", "mlp.fc2.dW", "mlp.fc1.dX", "mlp.fc1.dW", "ln2.dX", "ln2.dW")
+MOE_BACKWARD_KEYS = (
+    "moe.combine.dX",
+    "moe.a2a_combine",
+    "moe.expert.fc2.dX",
+    "moe.expert.fc2.dW",
+    "moe.expert.fc1.dX",
+    "moe.expert.fc1.dW",
+    "moe.a2a_dispatch",
+    "moe.dispatch.dX",
+    "moe.gate.dX",
+    "moe.gate.dW",
+    "ln2.dX",
+    "ln2.dW",
+)
 HEAD_BACKWARD_KEYS = ("head.dX", "head.dW", "embed.dW")  # each optional
 
 
@@ -201,9 +209,12 @@ def _required(moe: bool) -> tuple[str, ...]:
     return (MOE_BACKWARD_KEYS if moe else DENSE_MLP_BACKWARD_KEYS) + ATTN_BACKWARD_KEYS
 
 
-def build_gpt_moe_backward(num_layers: int, moe_layers: Collection[int],
-                           layer_costs: Mapping[str, float] | Sequence[Mapping[str, float]],
-                           head_costs: Mapping[str, float] | None = None) -> Graph:
+def build_gpt_moe_backward(
+    num_layers: int,
+    moe_layers: Collection[int],
+    layer_costs: Mapping[str, float] | Sequence[Mapping[str, float]],
+    head_costs: Mapping[str, float] | None = None,
+) -> Graph:
     """IR of the backward pass of a GPT-2 (+MoE) model, layers in reverse order.
 
     num_layers: transformer blocks; moe_layers: indices (0-based) of MoE blocks.

@@ -4,6 +4,7 @@
 apex is not on PyPI (the PyPI package named `apex` is unrelated), so it is
 never a requirement: install it from NVIDIA's repository to use it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,7 @@ def _apex_layer_norm():
         return None
     try:
         from apex.normalization import FusedLayerNorm
+
         return FusedLayerNorm
     except Exception:
         return None
@@ -27,7 +29,7 @@ _APEX_LN = _apex_layer_norm()
 def layer_norm(dim: int, eps: float, device: torch.device) -> nn.Module:
     """A LayerNorm over the last dim on `device`: apex FusedLayerNorm if available, else torch.nn.LayerNorm."""
     if _APEX_LN is not None:
-        with torch.device(device):           # apex's constructor takes no device= argument
+        with torch.device(device):  # apex's constructor takes no device= argument
             return _APEX_LN(dim, eps=eps)
     return nn.LayerNorm(dim, eps=eps, device=device)
 

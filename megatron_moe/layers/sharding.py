@@ -8,6 +8,7 @@ equivalence tests (re-assemble full gradients) and checkpoint resharding.
 
 `coords` maps kind -> (rank in that kind's group, group size).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -168,11 +169,18 @@ def assemble(per_rank: list[dict], specs: dict, atol: float = 1e-6) -> dict:
             first = pieces.setdefault(key, (i, t))
             if first[0] != i:
                 same_shape = t.shape == first[1].shape
-                err = float("inf") if not same_shape else \
-                    (t.double() - first[1].double()).abs().max().item() if t.numel() else 0.0
+                err = (
+                    float("inf")
+                    if not same_shape
+                    else (t.double() - first[1].double()).abs().max().item()
+                    if t.numel()
+                    else 0.0
+                )
                 if not same_shape or not err <= atol:
-                    raise ValueError(f"{name}: the copy of slice {dict(key)} on rank {i} differs from rank "
-                                     f"{first[0]}'s by {err:.3g} (replicas must agree within {atol:g})")
+                    raise ValueError(
+                        f"{name}: the copy of slice {dict(key)} on rank {i} differs from rank "
+                        f"{first[0]}'s by {err:.3g} (replicas must agree within {atol:g})"
+                    )
         full[name] = unshard_tensor({k: t for k, (_, t) in pieces.items()}, spec)
     return full
 

@@ -10,6 +10,7 @@ vocab_parallel_cross_entropy: cross entropy of logits split over the vocab dim
 Every parameter is created full from a generator seeded by (seed, name) and
 sliced, so any layout starts from the same full weights as one process.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -18,16 +19,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_moe.distributed.collectives import (all_reduce_raw, copy_to_group, gather_from_group,
-                                                  reduce_from_group)
+from megatron_moe.distributed.collectives import all_reduce_raw, copy_to_group, gather_from_group, reduce_from_group
 from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor, tag
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 
-def make_param(full_shape, spec: ShardSpec, init: InitSpec, ps: "ParallelState", seed: int,
-               name: str, device: torch.device | None = None) -> nn.Parameter:
+def make_param(
+    full_shape,
+    spec: ShardSpec,
+    init: InitSpec,
+    ps: "ParallelState",
+    seed: int,
+    name: str,
+    device: torch.device | None = None,
+) -> nn.Parameter:
     """Create the full tensor deterministically (host), keep this rank's slice on `device`
     (default `ps.device`), tag it with its spec."""
     full = make_full(full_shape, init, seed, name)
@@ -51,17 +58,29 @@ class ColumnParallelLinear(nn.Module):
     `qkv=True` splits a fused [q; k; v] weight per third so each rank keeps its heads.
     """
 
-    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
-                 bias: bool = True, gather_output: bool = False, qkv: bool = False, std: float = 0.02,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        bias: bool = True,
+        gather_output: bool = False,
+        qkv: bool = False,
+        std: float = 0.02,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.group = ps.group("mp")
         self.gather_output = gather_output
         spec = ShardSpec(((0, "mp_qkv" if qkv else "mp"),))
-        self.weight = make_param((out_features, in_features), spec, InitSpec("normal", std), ps, seed,
-                                 f"{name}.weight", device)
-        self.bias = (make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias", device)
-                     if bias else None)
+        self.weight = make_param(
+            (out_features, in_features), spec, InitSpec("normal", std), ps, seed, f"{name}.weight", device
+        )
+        self.bias = (
+            make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias", device) if bias else None
+        )
         self.dw_queue, self.dw_name = None, ""
 
     def set_dw_queue(self, queue, name: str) -> None:
@@ -79,14 +98,33 @@ class RowParallelLinear(nn.Module):
     in [..., in_features / MP] -> out [..., out_features] (replicated).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps: "ParallelState", seed: int, name: str,
-                 bias: bool = True, std: float = 0.02, device: torch.device | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        bias: bool = True,
+        std: float = 0.02,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.group = ps.group("mp")
-        self.weight = make_param((out_features, in_features), ShardSpec(((1, "mp"),)),
-                                 InitSpec("normal", std), ps, seed, f"{name}.weight", device)
-        self.bias = (make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias", device)
-                     if bias else None)
+        self.weight = make_param(
+            (out_features, in_features),
+            ShardSpec(((1, "mp"),)),
+            InitSpec("normal", std),
+            ps,
+            seed,
+            f"{name}.weight",
+            device,
+        )
+        self.bias = (
+            make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias", device)
+            if bias
+            else None
+        )
         self.dw_queue, self.dw_name = None, ""
 
     set_dw_queue = ColumnParallelLinear.set_dw_queue
@@ -99,12 +137,21 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, M] split by rows over MP. ids [...] -> [..., M] (replicated)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ps: "ParallelState", seed: int, name: str, std: float = 0.02,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        std: float = 0.02,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.group = ps.group("mp")
-        self.weight = make_param((num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std),
-                                 ps, seed, f"{name}.weight", device)
+        self.weight = make_param(
+            (num_embeddings, dim), ShardSpec(((0, "mp"),)), InitSpec("normal", std), ps, seed, f"{name}.weight", device
+        )
         per = num_embeddings // ps.size("mp")
         self.start, self.end = ps.rank("mp") * per, (ps.rank("mp") + 1) * per
 
@@ -152,8 +199,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad * g[..., None], None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, group, vocab_start: int,
-                                 valid_vocab: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor, target: torch.Tensor, group, vocab_start: int, valid_vocab: int | None = None
+) -> torch.Tensor:
     """Per-token cross entropy [...] of logits [..., V/MP] whose columns start at `vocab_start`.
 
     Columns at or past `valid_vocab` (vocabulary padding) are excluded from the softmax.

@@ -10,6 +10,7 @@ Parallelism comes in from outside: the constructor takes the `ParallelState`
 a generator seeded by (seed, parameter name) and sliced, so any layout starts
 from the same weights.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
@@ -21,8 +22,13 @@ import torch.nn.functional as F
 from megatron_moe.distributed.collectives import copy_to_group
 from megatron_moe.layers.fused import gelu_tanh, layer_norm
 from megatron_moe.layers.sharding import InitSpec, ShardSpec, tag
-from megatron_moe.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                make_param, vocab_parallel_cross_entropy)
+from megatron_moe.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    make_param,
+    vocab_parallel_cross_entropy,
+)
 from megatron_moe.moe.layer import MoELayer
 
 if TYPE_CHECKING:
@@ -44,15 +50,18 @@ class Attention(nn.Module):
         m = cfg.model
         mp = ps.size("mp")
         if m.num_attention_heads % mp:
-            raise ValueError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
-                             f"--tensor-model-parallel-size {mp}")
+            raise ValueError(
+                f"--num-attention-heads {m.num_attention_heads} must be divisible by --tensor-model-parallel-size {mp}"
+            )
         self.heads = m.num_attention_heads // mp
         self.head_dim = m.hidden_size // m.num_attention_heads
         std, proj_std = m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
-        self.qkv = ColumnParallelLinear(m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std,
-                                        device=device)
-        self.proj = RowParallelLinear(m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std,
-                                      device=device)
+        self.qkv = ColumnParallelLinear(
+            m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std, device=device
+        )
+        self.proj = RowParallelLinear(
+            m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std, device=device
+        )
 
     def forward(self, x: torch.Tensor, cache: Optional["AttentionCache"] = None) -> torch.Tensor:
         """`cache` (inference): appends this call's keys/values and attends over the cached ones."""
@@ -71,10 +80,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, device: torch.device):
         super().__init__()
         m = cfg.model
-        self.fc = ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc",
-                                       std=m.init_method_std, device=device)
-        self.proj = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, ps, seed, f"{name}.proj",
-                                      std=m.init_method_std / (2 * m.num_layers) ** 0.5, device=device)
+        self.fc = ColumnParallelLinear(
+            m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc", std=m.init_method_std, device=device
+        )
+        self.proj = RowParallelLinear(
+            m.ffn_hidden_size,
+            m.hidden_size,
+            ps,
+            seed,
+            f"{name}.proj",
+            std=m.init_method_std / (2 * m.num_layers) ** 0.5,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(gelu_tanh(self.fc(x)))
@@ -83,8 +100,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block; `self.moe` replaces `self.mlp` in MoE blocks. Returns (x, aux)."""
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, idx: int, routing_groups: int,
-                 device: torch.device):
+    def __init__(
+        self, cfg: "Config", ps: "ParallelState", seed: int, idx: int, routing_groups: int, device: torch.device
+    ):
         super().__init__()
         m = cfg.model
         name = f"blocks.{idx}"
@@ -127,27 +145,41 @@ class GPT2MoE(nn.Module):
     from the blocks' own halves); `fn(x) -> (x, aux or None)`.
     """
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int | None = None, routing_groups: int = 1,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: "Config",
+        ps: "ParallelState",
+        seed: int | None = None,
+        routing_groups: int = 1,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         m = cfg.model
         seed = cfg.train.seed if seed is None else seed
-        device = torch.device(device) if device is not None else ps.device     # parameters are created here
+        device = torch.device(device) if device is not None else ps.device  # parameters are created here
         self.cfg, self.ps = cfg, ps
         vp = cfg.padded_vocab_size
         if vp % ps.size("mp"):
-            raise ValueError(f"padded vocabulary {vp} is not divisible by --tensor-model-parallel-size "
-                             f"{ps.size('mp')}; change --make-vocab-size-divisible-by")
+            raise ValueError(
+                f"padded vocabulary {vp} is not divisible by --tensor-model-parallel-size "
+                f"{ps.size('mp')}; change --make-vocab-size-divisible-by"
+            )
         self.vocab_size, self.padded_vocab = m.vocab_size, vp
-        self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std,
-                                          device=device)
-        self.wpe = make_param((m.max_position_embeddings, m.hidden_size), ShardSpec(),
-                              InitSpec("normal", m.init_method_std), ps, seed, "wpe.weight", device)
+        self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std, device=device)
+        self.wpe = make_param(
+            (m.max_position_embeddings, m.hidden_size),
+            ShardSpec(),
+            InitSpec("normal", m.init_method_std),
+            ps,
+            seed,
+            "wpe.weight",
+            device,
+        )
         self.drop = nn.Dropout(m.dropout)
         self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups, device) for i in range(m.num_layers))
         self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
         self.runners: dict[int, Callable] = {}
-        for p in self.parameters():           # LayerNorms: replicated, deterministic init
+        for p in self.parameters():  # LayerNorms: replicated, deterministic init
             if not hasattr(p, "_shard"):
                 tag(p, ShardSpec(), p.shape)
 
@@ -177,6 +209,5 @@ class GPT2MoE(nn.Module):
         logits = F.linear(copy_to_group(h, self.ps.group("mp")), self.wte.weight)
         if labels is None:
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, self.ps.group("mp"), self.wte.start,
-                                              self.vocab_size)
+        losses = vocab_parallel_cross_entropy(logits, labels, self.ps.group("mp"), self.wte.start, self.vocab_size)
         return losses.mean(), aux

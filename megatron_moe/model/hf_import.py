@@ -9,6 +9,7 @@ columns are masked out of the softmax, so logits of real tokens are equal).
 MoE blocks are "upcycled": every expert starts as a copy of the block's MLP
 and the gate is small and random (seeded), as in sparse upcycling.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,14 @@ def config_from_hf(hf_config, num_experts: int = 0, moe_layer_freq: int = 2, top
 def _block_map(i: int) -> list[tuple[str, str, bool]]:
     """(our name, HF name, transpose?) of every dense tensor of block i (MLP included)."""
     b, h = f"blocks.{i}.", f"h.{i}."
-    pairs = [("ln1", "ln_1", False), ("ln2", "ln_2", False), ("attn.qkv", "attn.c_attn", True),
-             ("attn.proj", "attn.c_proj", True), ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
+    pairs = [
+        ("ln1", "ln_1", False),
+        ("ln2", "ln_2", False),
+        ("attn.qkv", "attn.c_attn", True),
+        ("attn.proj", "attn.c_proj", True),
+        ("mlp.fc", "mlp.c_fc", True),
+        ("mlp.proj", "mlp.c_proj", True),
+    ]
     out = []
     for ours, theirs, conv1d in pairs:
         out.append((f"{b}{ours}.weight", f"{h}{theirs}.weight", conv1d))
@@ -60,10 +67,16 @@ def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float 
         if cfg.is_moe_layer(i):
             # upcycling: every expert starts as the block's MLP; the gate is small and random
             b, E = f"blocks.{i}.", cfg.moe.num_experts
-            gate = torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b), device="cpu") * gate_std  # host state dict
+            gate = (
+                torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b), device="cpu") * gate_std
+            )  # host state dict
             out[b + "moe.router.gate_w"] = gate
-            for ours, mlp in (("fc_w", "fc.weight"), ("fc_b", "fc.bias"), ("proj_w", "proj.weight"),
-                              ("proj_b", "proj.bias")):
+            for ours, mlp in (
+                ("fc_w", "fc.weight"),
+                ("fc_b", "fc.bias"),
+                ("proj_w", "proj.weight"),
+                ("proj_b", "proj.bias"),
+            ):
                 t = out.pop(f"{b}mlp.{mlp}")
                 out[f"{b}moe.experts.{ours}"] = t[None].repeat(E, *([1] * t.dim()))
     return out

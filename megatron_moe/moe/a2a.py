@@ -16,6 +16,7 @@ walking the autograd graph.
 Every message is recorded by the collective observer (bytes, kind, group,
 launch and finish), which also tells Lina that an all-to-all is in flight.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,16 +31,23 @@ from megatron_moe.profiling import annotate
 
 
 @annotate("moe/all_to_all")
-def _launch(send: torch.Tensor, out: torch.Tensor, group, send_splits: Optional[list[int]],
-            recv_splits: Optional[list[int]]):
+def _launch(
+    send: torch.Tensor, out: torch.Tensor, group, send_splits: Optional[list[int]], recv_splits: Optional[list[int]]
+):
     """Async all_to_all_single of `send` [R, ...] into `out`; returns the work (observed until `wait`)."""
     row = send.element_size() * int(torch.Size(send.shape[1:]).numel())
     mine = send.size(0) // group_size(group) if send_splits is None else send_splits[group_rank(group)]
-    token = observer.begin("all_to_all", group, send.numel() * send.element_size(),
-                           out.numel() * out.element_size(), (send.size(0) - mine) * row)
-    work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
-                                  group=group, async_op=True)
-    if token is not None and token.event is not None:   # the logged finish is the transfer's, not the wait's
+    token = observer.begin(
+        "all_to_all",
+        group,
+        send.numel() * send.element_size(),
+        out.numel() * out.element_size(),
+        (send.size(0) - mine) * row,
+    )
+    work = dist.all_to_all_single(
+        out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True
+    )
+    if token is not None and token.event is not None:  # the logged finish is the transfer's, not the wait's
         work.get_future().then(lambda _f: observer.stamp_finish(token.event))
     return observer.Work(work, token)
 
@@ -63,9 +71,9 @@ class A2AHandle:
     send_splits: Optional[list[int]] = None
     recv_splits: Optional[list[int]] = None
     name: Optional[str] = None
-    dw: Optional[object] = None           # a weight-gradient queue (lancet.wgrad_runtime.WgradRuntime)
+    dw: Optional[object] = None  # a weight-gradient queue (lancet.wgrad_runtime.WgradRuntime)
     _work: object = None
-    _send: object = None                  # keeps the send buffer alive while the message is in flight
+    _send: object = None  # keeps the send buffer alive while the message is in flight
     _bwd: tuple = ()
 
     def reverse(self, name: Optional[str] = None) -> "A2AHandle":
@@ -90,7 +98,7 @@ class _Start(torch.autograd.Function):
     def backward(ctx, _g):
         out, work, _ = ctx.op._bwd
         if ctx.op.dw is not None:
-            ctx.op.dw.fill()                    # dW GEMMs while the gradient is on the wire
+            ctx.op.dw.fill()  # dW GEMMs while the gradient is on the wire
         comm_errors.wait(work, "all_to_all", ctx.op.group)
         ctx.op._bwd = ()
         return out, None
@@ -111,7 +119,7 @@ class _Finish(torch.autograd.Function):
         out = op._out_rows(g, op.send_splits)
         op._bwd = (out, _launch(g, out, op.group, op.recv_splits, op.send_splits), g)
         if op.dw is not None and op.name is not None:
-            op.dw.open_window(op.name)          # its dW may run from now on (`_Start.backward`)
+            op.dw.open_window(op.name)  # its dW may run from now on (`_Start.backward`)
         return g, None
 
 

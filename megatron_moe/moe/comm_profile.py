@@ -19,6 +19,7 @@ the model config, with each schedule's expert compute at the throughput measured
 on this machine (`expert_throughput`, MIN over the world), and logs the choice and
 predicted times on rank 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import collectives as coll
-from megatron_moe.moe.cost_model import (OVERLAP_KEY, AlphaBeta, Choice, CommModel, MoEShape, choose_schedule,
-                                         fit_alpha_beta, fit_overlap)
+from megatron_moe.moe.cost_model import (
+    OVERLAP_KEY,
+    AlphaBeta,
+    Choice,
+    CommModel,
+    MoEShape,
+    choose_schedule,
+    fit_alpha_beta,
+    fit_overlap,
+)
 
 if TYPE_CHECKING:
     from megatron_moe.config import Config
@@ -41,12 +50,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megatron_moe.parm")
 
-PROFILED = (("all_to_all", "ep_esp"), ("all_gather", "mp"), ("all_reduce", "mp"), ("all_to_all", "ep"),
-            ("all_gather", "esp"), ("all_reduce", "esp"), ("reduce_scatter", "esp"))
-MIN_ELEMENTS = 256                 # 1 KB of fp32
-MAX_PROFILE_ELEMENTS = 1 << 24     # 64 MB: larger messages are extrapolated from the fit
-CACHE_VERSION = 3                  # 2: all-gathers sized by their gathered output (Parm's convention);
-                                   # 3: the measured SAA overlap of eq. (14) is part of the profile
+PROFILED = (
+    ("all_to_all", "ep_esp"),
+    ("all_gather", "mp"),
+    ("all_reduce", "mp"),
+    ("all_to_all", "ep"),
+    ("all_gather", "esp"),
+    ("all_reduce", "esp"),
+    ("reduce_scatter", "esp"),
+)
+MIN_ELEMENTS = 256  # 1 KB of fp32
+MAX_PROFILE_ELEMENTS = 1 << 24  # 64 MB: larger messages are extrapolated from the fit
+CACHE_VERSION = 3  # 2: all-gathers sized by their gathered output (Parm's convention);
+# 3: the measured SAA overlap of eq. (14) is part of the profile
 
 _MEMO: dict = {}
 
@@ -74,8 +90,9 @@ def _run_once(op: str, group, t: torch.Tensor) -> None:
         raise ValueError(f"unknown collective {op!r}")
 
 
-def time_collective(op: str, group, n: int, reps: int = 3, warmup: int = 1,
-                    device: torch.device = torch.device("cpu")) -> float:
+def time_collective(
+    op: str, group, n: int, reps: int = 3, warmup: int = 1, device: torch.device = torch.device("cpu")
+) -> float:
     """Median wall time [s] of `op` on `group` for an n-element fp32 message (n rounded up to the group size)."""
     size = coll.group_size(group)
     n = -(-n // size) * size
@@ -104,9 +121,16 @@ def fit_sizes(op: str, group_size: int, sizes: list[int]) -> list[int]:
 
 def layout_key(ps: "ParallelState") -> dict:
     """What a cached profile must match to be reused."""
-    dev = ps.device.type                 # the run's device (a --device cpu run on a CUDA machine is "cpu")
-    return {"world_size": ps.layout.world_size, "mp": ps.layout.mp, "ep": ps.layout.ep, "esp": ps.layout.esp,
-            "backend": str(ps.backend), "device": dev, "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
+    dev = ps.device.type  # the run's device (a --device cpu run on a CUDA machine is "cpu")
+    return {
+        "world_size": ps.layout.world_size,
+        "mp": ps.layout.mp,
+        "ep": ps.layout.ep,
+        "esp": ps.layout.esp,
+        "backend": str(ps.backend),
+        "device": dev,
+        "procs_per_node": os.environ.get("LOCAL_WORLD_SIZE", ""),
+    }
 
 
 def _kinds(ps: "ParallelState") -> list[tuple[str, str]]:
@@ -128,18 +152,22 @@ def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int =
     device = ps.device
     sizes = profile_sizes(max_elements)
     kinds = _kinds(ps)
-    times = torch.tensor([[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes]
-                          for op, kind in kinds], dtype=torch.float64, device=device).reshape(len(kinds), len(sizes))
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)      # every rank fits the same numbers
+    times = torch.tensor(
+        [[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes] for op, kind in kinds],
+        dtype=torch.float64,
+        device=device,
+    ).reshape(len(kinds), len(sizes))
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank fits the same numbers
     times = times.cpu()
     costs, raw = {}, {}
     for i, (op, kind) in enumerate(kinds):
         priced = fit_sizes(op, ps.size(kind), sizes)
         costs[f"{op}@{kind}"] = fit_alpha_beta(priced, times[i].tolist())
         raw[f"{op}@{kind}"] = {"sizes": priced, "times": times[i].tolist()}
-    if _has_saa(ps):                                   # eq. (14)'s overlap, measured (not modelled)
-        costs[OVERLAP_KEY], raw[OVERLAP_KEY] = profile_saa(ps, sizes, costs.get("all_gather@mp"), reps=reps,
-                                                           warmup=warmup)
+    if _has_saa(ps):  # eq. (14)'s overlap, measured (not modelled)
+        costs[OVERLAP_KEY], raw[OVERLAP_KEY] = profile_saa(
+            ps, sizes, costs.get("all_gather@mp"), reps=reps, warmup=warmup
+        )
     return CommModel(costs, "profile"), raw
 
 
@@ -154,15 +182,19 @@ def _read_cache(path: str, key: dict, max_elements: int):
     if data.get("max_elements", 0) < min(max_elements, MAX_PROFILE_ELEMENTS):
         return None
     if key["mp"] > 1 and key["ep"] * key["esp"] > 1 and OVERLAP_KEY not in data["costs"]:
-        return None                                   # a profile without the SAA overlap this layout needs
+        return None  # a profile without the SAA overlap this layout needs
     return CommModel({k: AlphaBeta(v["alpha"], v["beta"]) for k, v in data["costs"].items()}, "cache")
 
 
 def write_cache(path: str, key: dict, max_elements: int, model: CommModel, raw: dict) -> None:
     """Write the fit as JSON (temporary file, then rename)."""
-    data = {"version": CACHE_VERSION, "layout": key, "max_elements": int(max_elements),
-            "units": "alpha [s], beta [s per fp32 element], size = elements one rank puts in (all_gather: gathered output)",
-            "costs": {k: {"alpha": ab.alpha, "beta": ab.beta, **raw.get(k, {})} for k, ab in model.costs.items()}}
+    data = {
+        "version": CACHE_VERSION,
+        "layout": key,
+        "max_elements": int(max_elements),
+        "units": "alpha [s], beta [s per fp32 element], size = elements one rank puts in (all_gather: gathered output)",
+        "costs": {k: {"alpha": ab.alpha, "beta": ab.beta, **raw.get(k, {})} for k, ab in model.costs.items()},
+    }
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -183,7 +215,7 @@ def _broadcast(ps: "ParallelState", model: CommModel, source: str) -> CommModel:
 def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = None, reps: int = 3) -> CommModel:
     """The fitted model for this layout (collective over the world; see the module docstring)."""
     if not _kinds(ps) or not dist.is_initialized():
-        return CommModel({}, "none")               # nothing to communicate: every schedule is free
+        return CommModel({}, "none")  # nothing to communicate: every schedule is free
     key = layout_key(ps)
     cached = _read_cache(path, key, max_elements) if path and dist.get_rank() == 0 else None
     flag = torch.tensor([1 if cached is not None else 0], device=ps.device)
@@ -195,9 +227,9 @@ def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = N
     if path and dist.get_rank() == 0:
         try:
             write_cache(path, key, max_elements, model, raw)
-        except OSError as e:                       # every rank must learn it, or the others would hang
+        except OSError as e:  # every rank must learn it, or the others would hang
             error = str(e)
-    if path:                                       # the same on every rank: all take part
+    if path:  # the same on every rank: all take part
         failed = torch.tensor([1 if error else 0], device=flag.device)
         dist.broadcast(failed, src=0)
         if int(failed.item()):
@@ -205,8 +237,16 @@ def load_or_profile(ps: "ParallelState", max_elements: int, path: str | None = N
     return _broadcast(ps, model, "profile")
 
 
-def time_saa(a2a_group, mp_group, n: int, n_esp: int = 1, chunks: int = 4, reps: int = 3, warmup: int = 1,
-             device: torch.device | None = None) -> float:
+def time_saa(
+    a2a_group,
+    mp_group,
+    n: int,
+    n_esp: int = 1,
+    chunks: int = 4,
+    reps: int = 3,
+    warmup: int = 1,
+    device: torch.device | None = None,
+) -> float:
     """Median wall time [s] of an SAA-like step: an all-to-all of n fp32 elements over `a2a_group`,
     cut into `chunks`; each received chunk is summed over its N_ESP partials (local combine) and
     all-gathered over `mp_group` while the next chunk's all-to-all is in flight.
@@ -229,9 +269,10 @@ def time_saa(a2a_group, mp_group, n: int, n_esp: int = 1, chunks: int = 4, reps:
         t0 = time.perf_counter()
         gathers = []
         for c in range(chunks):
-            dist.all_to_all_single(recv[c * step:(c + 1) * step], send[c * step:(c + 1) * step],
-                                   group=a2a_group, async_op=True).wait()
-            part = recv[c * step:(c + 1) * step].view(n_esp, -1).sum(0)
+            dist.all_to_all_single(
+                recv[c * step : (c + 1) * step], send[c * step : (c + 1) * step], group=a2a_group, async_op=True
+            ).wait()
+            part = recv[c * step : (c + 1) * step].view(n_esp, -1).sum(0)
             outs = [torch.empty_like(part) for _ in range(coll.group_size(mp_group))]
             gathers.append(dist.all_gather(outs, part, group=mp_group, async_op=True))
         for w in gathers:
@@ -243,8 +284,9 @@ def time_saa(a2a_group, mp_group, n: int, n_esp: int = 1, chunks: int = 4, reps:
     return float(sorted(samples)[len(samples) // 2])
 
 
-def profile_saa(ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int = 4, reps: int = 3,
-                warmup: int = 1) -> tuple[AlphaBeta, dict]:
+def profile_saa(
+    ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int = 4, reps: int = 3, warmup: int = 1
+) -> tuple[AlphaBeta, dict]:
     """(alpha_o, beta_o) of Parm's eq. (14) on this rank's EP x ESP and MP groups (collective over the world).
 
     Times `time_saa` at each all-to-all size V of `sizes` [elements] on every rank at once (as in
@@ -257,8 +299,11 @@ def profile_saa(ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int 
     n_esp = ps.size("esp")
     quantum = chunks * ps.size("ep_esp") * n_esp
     rounded = [-(-max(int(n), 1) // quantum) * quantum for n in sizes]
-    times = torch.tensor([time_saa(ps.group("ep_esp"), ps.group("mp"), n, n_esp, chunks, reps, warmup, device)
-                          for n in rounded], dtype=torch.float64, device=device)
+    times = torch.tensor(
+        [time_saa(ps.group("ep_esp"), ps.group("mp"), n, n_esp, chunks, reps, warmup, device) for n in rounded],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     times = times.cpu()
     fit = fit_overlap(rounded, times.tolist(), all_gather, ps.size("mp") / n_esp)
@@ -282,10 +327,19 @@ def with_saa_overlap(ps, model: CommModel, max_elements: int, chunks: int = 4, r
 def shape_of(cfg: "Config", ps: "ParallelState") -> MoEShape:
     """The MoE layer shape Algorithm 1 sees for a config and layout."""
     m, moe = cfg.model, cfg.moe
-    return MoEShape(B=cfg.train.micro_batch_size, L=m.seq_length, M=m.hidden_size, E=moe.num_experts,
-                    k=moe.moe_router_topk, f=moe.moe_expert_capacity_factor, n_mp=ps.size("mp"),
-                    n_ep=ps.size("ep"), n_esp=ps.size("esp"), min_capacity=moe.moe_min_capacity,
-                    H=m.ffn_hidden_size or 4 * m.hidden_size)
+    return MoEShape(
+        B=cfg.train.micro_batch_size,
+        L=m.seq_length,
+        M=m.hidden_size,
+        E=moe.num_experts,
+        k=moe.moe_router_topk,
+        f=moe.moe_expert_capacity_factor,
+        n_mp=ps.size("mp"),
+        n_ep=ps.size("ep"),
+        n_esp=ps.size("esp"),
+        min_capacity=moe.moe_min_capacity,
+        H=m.ffn_hidden_size or 4 * m.hidden_size,
+    )
 
 
 def time_expert_gemms(rows: int, M: int, H: int, reps: int = 3, device: torch.device = torch.device("cpu")) -> float:
@@ -302,7 +356,7 @@ def time_expert_gemms(rows: int, M: int, H: int, reps: int = 3, device: torch.de
         t0 = time.perf_counter()
         h = x @ w1
         y = h @ w2
-        dh = y @ w2.t()                         # dY W2^T, then the weight gradients and dX
+        dh = y @ w2.t()  # dY W2^T, then the weight gradients and dX
         _ = h.t() @ y, x.t() @ dh, dh @ w1.t()
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
@@ -317,8 +371,9 @@ def expert_throughput(ps: "ParallelState", sh: MoEShape, reps: int = 3) -> float
     H_l = (sh.H or sh.M) // sh.n_esp
     rows = max(1, min(1024, sh.n_esp * sh.E * sh.C // sh.n_ep))
     flops = 3 * 2 * 2 * rows * sh.M * H_l
-    rate = torch.tensor([flops / max(time_expert_gemms(rows, sh.M, H_l, reps, ps.device), 1e-9)],
-                        dtype=torch.float64, device=ps.device)
+    rate = torch.tensor(
+        [flops / max(time_expert_gemms(rows, sh.M, H_l, reps, ps.device), 1e-9)], dtype=torch.float64, device=ps.device
+    )
     if dist.is_initialized():
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate.cpu()[0])
@@ -341,10 +396,26 @@ def choose_for_layer(cfg: "Config", ps: "ParallelState", layer_idx: int) -> Choi
     if key not in _MEMO:
         _MEMO[key] = expert_throughput(ps, sh)
     flops_per_s = _MEMO[key]
-    choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s,
-                             kept_compute=cfg.moe.moe_kept_only)
+    choice = choose_schedule(
+        model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s, kept_compute=cfg.moe.moe_kept_only
+    )
     if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("parm: layer %d B=%d L=%d M=%d H=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s "
-                 "[model: %s; expert GEMMs %.1f GFLOP/s]", layer_idx, sh.B, sh.L, sh.M, sh.H, sh.E, sh.k, sh.f,
-                 sh.n_mp, sh.n_ep, sh.n_esp, choice.describe(), model.source, flops_per_s / 1e9)
+        log.info(
+            "parm: layer %d B=%d L=%d M=%d H=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s "
+            "[model: %s; expert GEMMs %.1f GFLOP/s]",
+            layer_idx,
+            sh.B,
+            sh.L,
+            sh.M,
+            sh.H,
+            sh.E,
+            sh.k,
+            sh.f,
+            sh.n_mp,
+            sh.n_ep,
+            sh.n_esp,
+            choice.describe(),
+            model.source,
+            flops_per_s / 1e9,
+        )
     return choice

@@ -43,6 +43,7 @@ baseline runs every token's expert FFN on each of the N_MP ranks, S1 and S2 once
 kept=True (the runtime's kept-row experts) only kept rows count, N_ESP min(k S, E C) per
 expert group (balanced routing assumed), instead of the N_ESP E C padded rows.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,7 +84,7 @@ def fit_alpha_beta(sizes, times) -> AlphaBeta:
     return AlphaBeta(max(float(alpha), 0.0), float(beta))
 
 
-OVERLAP_KEY = "saa@ep_esp_mp"     # (alpha_o, beta_o) of eq. (14), sized by the all-to-all's V
+OVERLAP_KEY = "saa@ep_esp_mp"  # (alpha_o, beta_o) of eq. (14), sized by the all-to-all's V
 
 
 def fit_overlap(sizes, times, all_gather: AlphaBeta | None, gather_ratio: float) -> AlphaBeta:
@@ -116,7 +117,7 @@ class CommModel:
     """Fitted alpha-beta per 'op@group' (e.g. 'all_to_all@ep_esp'); missing entries cost nothing."""
 
     costs: dict = field(default_factory=dict)
-    source: str = "none"          # 'profile', 'cache', 'given' or 'none'
+    source: str = "none"  # 'profile', 'cache', 'given' or 'none'
 
     def t(self, op: str, group: str, n: float) -> float:
         """Seconds of collective `op` on group kind `group` for an n-element message."""
@@ -139,7 +140,7 @@ class MoEShape:
     n_ep: int = 1
     n_esp: int = 1
     min_capacity: int = 0
-    H: int = 0                    # expert FFN hidden size (0: H = M); only the compute term uses it
+    H: int = 0  # expert FFN hidden size (0: H = M); only the compute term uses it
 
     @property
     def S(self) -> int:
@@ -158,9 +159,13 @@ class MoEShape:
 
     def largest_message(self) -> int:
         """Largest per-rank message (elements) any schedule sends for this shape."""
-        return max(self.n_esp * self.E * self.C * self.M, self.S * self.M,
-                   self.n_esp * self.E * self.C_mp * self.M, self.E * self.C_mp * self.M * self.n_mp,
-                   self.E * self.M)
+        return max(
+            self.n_esp * self.E * self.C * self.M,
+            self.S * self.M,
+            self.n_esp * self.E * self.C_mp * self.M,
+            self.E * self.C_mp * self.M * self.n_mp,
+            self.E * self.M,
+        )
 
 
 def _sized(model: CommModel, sh: MoEShape, op: str, group: str, n: float) -> float:
@@ -216,8 +221,11 @@ def time_s1(model: CommModel, sh: MoEShape, transfer: str = "kept") -> float:
     gather = t("all_gather", "mp", sh.S * sh.M)
     if transfer == "padded":
         return 2 * (2 * a2a + gather)
-    small = (t("all_gather", "mp", 2 * sh.k * sh.E * sh.n_mp) + t("all_to_all", "ep_esp", 2 * sh.n_esp * sh.E)
-             + t("all_reduce", "mp", sh.E + 1))
+    small = (
+        t("all_gather", "mp", 2 * sh.k * sh.E * sh.n_mp)
+        + t("all_to_all", "ep_esp", 2 * sh.n_esp * sh.E)
+        + t("all_reduce", "mp", sh.E + 1)
+    )
     return (small + 2 * a2a + gather) + (2 * a2a + gather + t("all_reduce", "mp", sh.E * sh.M))
 
 
@@ -248,7 +256,7 @@ def time_s2(model: CommModel, sh: MoEShape, saa: bool = True, chunks: int | None
     if not saa:
         tail = a2a + ag
     elif overlap is not None and sh.n_mp > 1:
-        tail = overlap.time(V) + ag                  # eq. (14): Overlap(V) + AG_MP(E T M)
+        tail = overlap.time(V) + ag  # eq. (14): Overlap(V) + AG_MP(E T M)
     else:
         tail = saa_time(model, sh, chunks if chunks is not None else best_saa_chunks(model, sh))
     return 2 * (a2a + tail)
@@ -261,16 +269,22 @@ class Choice:
     schedule: str
     times: dict
     saa_chunks: int
-    priced: str = "communication"     # what `times` add up: "communication" or "communication + expert compute"
+    priced: str = "communication"  # what `times` add up: "communication" or "communication + expert compute"
 
     def describe(self) -> str:
         ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.times.items())
         return f"{self.schedule} (predicted fwd+bwd {self.priced}: {ms}; SAA chunks {self.saa_chunks})"
 
 
-def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True, s1: str = "kept",
-                    with_baseline: bool = True, flops_per_s: float | None = None,
-                    kept_compute: bool = True) -> Choice:
+def choose_schedule(
+    model: CommModel,
+    sh: MoEShape,
+    saa: bool = True,
+    s1: str = "kept",
+    with_baseline: bool = True,
+    flops_per_s: float | None = None,
+    kept_compute: bool = True,
+) -> Choice:
     """`auto` for a layer of shape `sh` from the fitted model: Parm's Algorithm 1 (S1 if
     t_D1 <= t_D2, else S2), then the baseline if it is strictly cheaper than that pick.
 
@@ -285,7 +299,7 @@ def choose_schedule(model: CommModel, sh: MoEShape, saa: bool = True, s1: str = 
         for name in times:
             times[name] += expert_flops(sh, name, s1, kept=kept_compute) / flops_per_s
     if sh.S % sh.n_mp:
-        pick = "s2"                                  # S1 cannot split the tokens evenly over MP
+        pick = "s2"  # S1 cannot split the tokens evenly over MP
     else:
         pick = "s1" if times["s1"] <= times["s2"] else "s2"
     if with_baseline and times["baseline"] < times[pick]:
@@ -318,8 +332,15 @@ def expert_flops(sh: MoEShape, schedule: str, s1: str = "padded", kept: bool = F
 # ----------------------------------------------------------------------------- the paper's grid (simulator)
 
 # Parm Table III: P, N_MP, N_ESP, B, L, M / N_ESP (= H / N_ESP), f
-PAPER_GRID = {"P": (8, 16, 32), "n_mp": (1, 2, 4), "n_esp": (1, 2, 4), "B": (2, 4, 8), "L": (512, 1024, 2048),
-              "m": (1024, 2048, 4096), "f": (1.2, 2.4)}
+PAPER_GRID = {
+    "P": (8, 16, 32),
+    "n_mp": (1, 2, 4),
+    "n_esp": (1, 2, 4),
+    "B": (2, 4, 8),
+    "L": (512, 1024, 2048),
+    "m": (1024, 2048, 4096),
+    "f": (1.2, 2.4),
+}
 # the paper's fitted MP all-gather on its 8-GPU server: alpha [s], beta [s per gathered element]
 PAPER_ALLGATHER = AlphaBeta(6.64e-4, 5.38e-10)
 # the published fits per testbed (MP all-gather only): A = 8x RTX 4090 (PCIe 4.0), B = 32x RTX 2080Ti (4 per node)
@@ -328,15 +349,28 @@ TESTBEDS = {"A": AlphaBeta(6.64e-4, 5.38e-10), "B": AlphaBeta(1.09e-4, 7.14e-10)
 # columns A (8 GPUs), B-8, B-16, B-32
 TABLE_IV_COLUMNS = ("A", "B-8", "B-16", "B-32")
 TABLE_IV = {
-    ("s1", 2, 2): (2.10, 2.62, 2.46, 2.72), ("s1", 2, 4): (2.24, 3.37, 2.85, 2.85),
-    ("s1", 4, 2): (3.72, 4.18, 4.12, 3.92), ("s1", 4, 4): (4.19, 5.77, 5.08, 4.57),
-    ("s2", 2, 2): (1.99, 2.42, 2.20, 2.57), ("s2", 2, 4): (2.41, 3.05, 2.44, 2.75),
-    ("s2", 4, 2): (3.21, 3.58, 3.81, 4.10), ("s2", 4, 4): (4.12, 5.38, 4.82, 4.91),
-    ("parm", 2, 2): (2.10, 2.62, 2.46, 2.57), ("parm", 2, 4): (2.41, 3.37, 2.85, 2.85),
-    ("parm", 4, 2): (3.70, 4.18, 4.12, 4.06), ("parm", 4, 4): (4.20, 5.77, 5.08, 4.91),
+    ("s1", 2, 2): (2.10, 2.62, 2.46, 2.72),
+    ("s1", 2, 4): (2.24, 3.37, 2.85, 2.85),
+    ("s1", 4, 2): (3.72, 4.18, 4.12, 3.92),
+    ("s1", 4, 4): (4.19, 5.77, 5.08, 4.57),
+    ("s2", 2, 2): (1.99, 2.42, 2.20, 2.57),
+    ("s2", 2, 4): (2.41, 3.05, 2.44, 2.75),
+    ("s2", 4, 2): (3.21, 3.58, 3.81, 4.10),
+    ("s2", 4, 4): (4.12, 5.38, 4.82, 4.91),
+    ("parm", 2, 2): (2.10, 2.62, 2.46, 2.57),
+    ("parm", 2, 4): (2.41, 3.37, 2.85, 2.85),
+    ("parm", 4, 2): (3.70, 4.18, 4.12, 4.06),
+    ("parm", 4, 4): (4.20, 5.77, 5.08, 4.91),
 }
-MODEL_KEYS = ("all_to_all@ep_esp", "all_gather@mp", "all_reduce@mp", "all_to_all@ep", "all_gather@esp",
-              "all_reduce@esp", "reduce_scatter@esp")
+MODEL_KEYS = (
+    "all_to_all@ep_esp",
+    "all_gather@mp",
+    "all_reduce@mp",
+    "all_to_all@ep",
+    "all_gather@esp",
+    "all_reduce@esp",
+    "reduce_scatter@esp",
+)
 
 
 def uniform_model(ab: AlphaBeta, **overrides: AlphaBeta) -> CommModel:
@@ -349,8 +383,15 @@ def uniform_model(ab: AlphaBeta, **overrides: AlphaBeta) -> CommModel:
     return CommModel(costs, "given")
 
 
-def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | None = None,
-                  s1: str = "padded", paper_baseline: bool = True, flops_per_s: float | None = None) -> dict:
+def simulate_grid(
+    model: CommModel,
+    k: int = 1,
+    saa: bool = True,
+    grid: dict | None = None,
+    s1: str = "padded",
+    paper_baseline: bool = True,
+    flops_per_s: float | None = None,
+) -> dict:
     """Predicted MoE-layer speedups over the baseline, averaged per (N_MP, N_ESP) like Parm's Table IV.
 
     Every configuration of `grid` (default PAPER_GRID) where N_MP and N_ESP
@@ -379,8 +420,11 @@ def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | N
                                 n_ep = P // n_esp
                                 sh = MoEShape(B, L, n_esp * m, n_ep, k, f, n_mp, n_ep, n_esp)
                                 chunks = best_saa_chunks(model, sh) if saa else 1
-                                tot = {"baseline": time_baseline(model, sh, paper=paper_baseline),
-                                       "s1": time_s1(model, sh, s1), "s2": time_s2(model, sh, saa, chunks)}
+                                tot = {
+                                    "baseline": time_baseline(model, sh, paper=paper_baseline),
+                                    "s1": time_s1(model, sh, s1),
+                                    "s2": time_s2(model, sh, saa, chunks),
+                                }
                                 if flops_per_s:
                                     for name in tot:
                                         tot[name] += expert_flops(sh, name, s1) / flops_per_s
@@ -388,9 +432,18 @@ def simulate_grid(model: CommModel, k: int = 1, saa: bool = True, grid: dict | N
                                 parm = min(feasible, key=lambda x: (tot[x], x))
                                 auto = "baseline" if tot["baseline"] < tot[parm] else parm
                                 base = tot["baseline"]
-                                row = acc.setdefault((n_mp, n_esp), {"s1": 0.0, "s2": 0.0, "parm": 0.0, "auto": 0.0,
-                                                                     "picked_s1": 0.0, "picked_baseline": 0.0,
-                                                                     "configs": 0})
+                                row = acc.setdefault(
+                                    (n_mp, n_esp),
+                                    {
+                                        "s1": 0.0,
+                                        "s2": 0.0,
+                                        "parm": 0.0,
+                                        "auto": 0.0,
+                                        "picked_s1": 0.0,
+                                        "picked_baseline": 0.0,
+                                        "configs": 0,
+                                    },
+                                )
                                 row["s1"] += base / tot["s1"]
                                 row["s2"] += base / tot["s2"]
                                 row["parm"] += base / tot[parm]

@@ -45,6 +45,7 @@ backward (Lancet). `track_input` / `track_output` mark the layer's input and out
 so that backward tells listeners (Lina) when the combine step starts (an all-to-all
 is coming) and when the layer's backward is over.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,14 +86,14 @@ def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base
 
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
     """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere (differentiable)."""
-    if kernels.use_triton(x_SM):       # CUDA + triton: the fused permute (kernels/permute.py)
+    if kernels.use_triton(x_SM):  # CUDA + triton: the fused permute (kernels/permute.py)
         return kernels.permute(x_SM, idx.token, idx.row, num_rows)
     return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy(0, idx.row, x_SM.index_select(0, idx.token))
 
 
 def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's kept rows of buf [R, M]."""
-    if kernels.use_triton(buf_RM):     # CUDA + triton: the fused unpermute (kernels/permute.py)
+    if kernels.use_triton(buf_RM):  # CUDA + triton: the fused unpermute (kernels/permute.py)
         return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
     return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add(0, idx.token, rows)
@@ -132,7 +133,7 @@ class TokenDispatcher:
         self.num_local = num_experts // self.n_ep
         self.dw = None
         self.listeners: list = []
-        self.placement = None              # Pro-Prophet replicas of this iteration (`set_placement`)
+        self.placement = None  # Pro-Prophet replicas of this iteration (`set_placement`)
 
     @property
     def crosses_ranks(self) -> bool:
@@ -181,6 +182,7 @@ class TokenDispatcher:
 
 # ----------------------------------------------------------------------------- padded buffer
 
+
 @dataclass
 class PaddedPlan:
     """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2);
@@ -196,8 +198,16 @@ class PaddedPlan:
 class PaddedDispatcher(TokenDispatcher):
     """Capacity-padded dispatch: "baseline" or "s2" (module docstring)."""
 
-    def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, mode: str = "baseline",
-                 saa: bool = True, saa_chunks: int = SAA_CHUNKS, kept_only: bool = True):
+    def __init__(
+        self,
+        ps: "ParallelState",
+        num_experts: int,
+        layer_idx: int,
+        mode: str = "baseline",
+        saa: bool = True,
+        saa_chunks: int = SAA_CHUNKS,
+        kept_only: bool = True,
+    ):
         if mode not in ("baseline", "s2"):
             raise ValueError(f"unknown padded dispatch mode {mode!r}")
         super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)
@@ -212,8 +222,11 @@ class PaddedDispatcher(TokenDispatcher):
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
         idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
-        idx = DispatchIndex(torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
-                            torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]))
+        idx = DispatchIndex(
+            torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
+            torch.cat([i.row for i in idxs]),
+            torch.cat([i.weight for i in idxs]),
+        )
         return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs) if self.kept_only else None)
 
     def kept_rows(self, routes: list[RouteResult], Cs: int) -> KeptRows:
@@ -221,7 +234,7 @@ class PaddedDispatcher(TokenDispatcher):
         from r*C_mp of each source's MP rank r)."""
         width = Cs // self.n_mp if self.mode == "s2" else Cs
         lo = self.ps.rank("mp") * width if self.mode == "s2" else 0
-        wait = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))   # in flight until used
+        wait = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))  # in flight until used
         return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, width, routes[0].slot.device)
 
     def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
@@ -232,8 +245,8 @@ class PaddedDispatcher(TokenDispatcher):
             buf = buf.view(E, plan.groups, self.n_mp, ctx.C_mp, M)
             return a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
-        gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)      # [N_ESP, E, GC, M]
-        send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)              # by destination EP rank
+        gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)  # [N_ESP, E, GC, M]
+        send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)  # by destination EP rank
         recv = a2a.run(send, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw))
         return recv.permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
 
@@ -244,10 +257,10 @@ class PaddedDispatcher(TokenDispatcher):
             out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_LNM, self.dw, self.a2a_name("combine"))
             return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
-        full = all_reduce(y_LNM, self.ps.group("esp"))                                # sum of the H slices
+        full = all_reduce(y_LNM, self.ps.group("esp"))  # sum of the H slices
         back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
         ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
-        out = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]                    # ESP split: our buffer
+        out = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]  # ESP split: our buffer
         return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
 
 
@@ -264,7 +277,7 @@ class _S2Ctx:
         E_l, M, GC = self.E // self.n_ep, own_EGCM.size(-1), self.G * self.C_mp
         own = own_EGCM.reshape(self.n_ep, 1, E_l, GC, M)
         send = own.expand(self.n_ep, self.n_esp, E_l, GC, M).reshape(self.n_ep * self.n_esp, E_l, GC, M)
-        recv = all_to_all_raw(send.contiguous(), self.a2a_group)                    # [D src, E_l, GC, M]
+        recv = all_to_all_raw(send.contiguous(), self.a2a_group)  # [D src, E_l, GC, M]
         return recv.permute(1, 0, 2, 3).reshape(E_l, -1, M)
 
     def a2a_gather(self, x_LRM: torch.Tensor) -> torch.Tensor:
@@ -272,8 +285,9 @@ class _S2Ctx:
         -> the full buffer [E, G, N_MP, C_mp, M]."""
         E_l, _, M = x_LRM.shape
         send = x_LRM.reshape(E_l, self.n_ep * self.n_esp, self.G * self.C_mp, M).permute(1, 0, 2, 3).contiguous()
-        full = a2a_combine_gather(send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa,
-                                  chunks=self.chunks)      # each all-to-all in it is a "moe/all_to_all" range
+        full = a2a_combine_gather(
+            send, self.a2a_group, self.mp_group, self.n_esp, overlap=self.saa, chunks=self.chunks
+        )  # each all-to-all in it is a "moe/all_to_all" range
         return full.view(self.n_mp, self.E, self.G, self.C_mp, M).permute(1, 2, 0, 3, 4).contiguous()
 
 
@@ -308,6 +322,7 @@ class _S2Return(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- uneven
 
+
 @dataclass
 class UnevenPlan:
     """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
@@ -333,8 +348,16 @@ class UnevenDispatcher(TokenDispatcher):
     `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
     expert input holds only the received rows, grouped by local expert (dropless)."""
 
-    def __init__(self, ps: "ParallelState", num_experts: int, layer_idx: int, grad_scale: float = 1.0,
-                 group_kind: str = "ep_esp", counts_group=None, ragged: bool = False):
+    def __init__(
+        self,
+        ps: "ParallelState",
+        num_experts: int,
+        layer_idx: int,
+        grad_scale: float = 1.0,
+        group_kind: str = "ep_esp",
+        counts_group=None,
+        ragged: bool = False,
+    ):
         super().__init__(ps, num_experts, layer_idx, grad_scale)
         self.group = ps.group(group_kind)
         self.counts_group = self.group if counts_group is None else counts_group
@@ -345,39 +368,74 @@ class UnevenDispatcher(TokenDispatcher):
         G, (s, k) = len(routes), routes[0].slot.shape
         cap, E, E_l, n_esp = routes[0].capacity, self.num_experts, self.num_local, self.n_esp
         kept = [r.slot >= 0 for r in routes]
-        token = torch.cat([torch.arange(s, device=r.slot.device)[:, None].expand(s, k)[m] + g * s
-                           for g, (r, m) in enumerate(zip(routes, kept))])
+        token = torch.cat(
+            [
+                torch.arange(s, device=r.slot.device)[:, None].expand(s, k)[m] + g * s
+                for g, (r, m) in enumerate(zip(routes, kept))
+            ]
+        )
         # column of each expert: destination EP rank * X + its place among the destination's experts
         # (no placement: the owner, X = E_l, column = expert); a placement may send to a replica
-        col, X = ((torch.arange(E, device=routes[0].expert.device), E_l) if self.placement is None or not self.ragged
-                  else self.placement.columns(self.ps.rank("ep"), routes[0].expert.device))
-        key = torch.cat([col[r.expert[m]] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))])
+        col, X = (
+            (torch.arange(E, device=routes[0].expert.device), E_l)
+            if self.placement is None or not self.ragged
+            else self.placement.columns(self.ps.rank("ep"), routes[0].expert.device)
+        )
+        key = torch.cat(
+            [col[r.expert[m]] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))]
+        )
         order = torch.argsort(key)
         column = torch.cat([col[r.expert[m]] for r, m in zip(routes, kept)])[order]
         weight = torch.cat([r.weight[m] for r, m in zip(routes, kept)])[order]
         per_ep_E = torch.bincount(column, minlength=self.n_ep * X).view(self.n_ep, X)
         K_ep = per_ep_E.sum(dim=1).tolist()
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
-        dump = torch.cat([torch.arange(starts[ep], starts[ep] + K_ep[ep], device=column.device) for ep in range(self.n_ep)
-                          for _ in range(n_esp)])
+        dump = torch.cat(
+            [
+                torch.arange(starts[ep], starts[ep] + K_ep[ep], device=column.device)
+                for ep in range(self.n_ep)
+                for _ in range(n_esp)
+            ]
+        )
         recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, X]
-        per_expert = recv_counts.sum(dim=0)                                       # [X] rows received
+        per_expert = recv_counts.sum(dim=0)  # [X] rows received
         N = max(1, int(per_expert.max()))
         # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
-        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=per_expert.device) * N
-        flat = recv_counts.reshape(-1)                                            # (source, expert) blocks
-        block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)         # rows of earlier sources
-        within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(flat.cumsum(0) - flat, flat)
-        row = (torch.repeat_interleave(expert_base.repeat(recv_counts.size(0)), flat)
-               + torch.repeat_interleave(block_pos, flat) + within)
-        out = a2a.A2AHandle(self.group, [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
-                            recv_counts.sum(dim=1).tolist(), self.a2a_name("dispatch"), self.dw)
+        expert_base = (
+            per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=per_expert.device) * N
+        )
+        flat = recv_counts.reshape(-1)  # (source, expert) blocks
+        block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)  # rows of earlier sources
+        within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(
+            flat.cumsum(0) - flat, flat
+        )
+        row = (
+            torch.repeat_interleave(expert_base.repeat(recv_counts.size(0)), flat)
+            + torch.repeat_interleave(block_pos, flat)
+            + within
+        )
+        out = a2a.A2AHandle(
+            self.group,
+            [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
+            recv_counts.sum(dim=1).tolist(),
+            self.a2a_name("dispatch"),
+            self.dw,
+        )
         dev = column.device
-        return UnevenPlan(token[order], weight, dump.to(dev), row.to(dev), N, G * s, out,
-                          out.reverse(self.a2a_name("combine")),
-                          expert_rows=(per_expert.tolist() if self.placement is None else
-                                       self.placement.expert_rows(per_expert)) if self.ragged else None,
-                          kept=None if self.ragged else uneven_kept_rows(row.to(dev), per_expert.tolist()))
+        return UnevenPlan(
+            token[order],
+            weight,
+            dump.to(dev),
+            row.to(dev),
+            N,
+            G * s,
+            out,
+            out.reverse(self.a2a_name("combine")),
+            expert_rows=(per_expert.tolist() if self.placement is None else self.placement.expert_rows(per_expert))
+            if self.ragged
+            else None,
+            kept=None if self.ragged else uneven_kept_rows(row.to(dev), per_expert.tolist()),
+        )
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
         """Local dump of the kept tokens and launch of the all-to-all."""

@@ -17,6 +17,7 @@ A capacity-padded input [E_l, N, M] with `kept` rows (`moe.kept.KeptRows`: the r
 hold a kept token) is packed to those rows, computed as a ragged input and scattered back
 (zeros elsewhere): the GEMMs never multiply padding.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -39,19 +40,34 @@ if TYPE_CHECKING:
 class Experts(nn.Module):
     """The local experts of one MoE layer. x [E_l, N, M] -> partial y [E_l, N, M]."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, ps: "ParallelState", seed: int, name: str,
-                 std: float = 0.02, proj_std: float = 0.02, device: torch.device | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        std: float = 0.02,
+        proj_std: float = 0.02,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.esp_rank, self.esp_size = ps.rank("esp"), ps.size("esp")
         E, H, M = num_experts, ffn_hidden, hidden
         ep_esp = lambda *d: ShardSpec(tuple(d), expert=True)  # noqa: E731
-        self.fc_w = make_param((E, H, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("normal", std), ps, seed,
-                               f"{name}.fc_w", device)
-        self.fc_b = make_param((E, H), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.fc_b", device)
-        self.proj_w = make_param((E, M, H), ep_esp((0, "ep"), (2, "esp")), InitSpec("normal", proj_std), ps,
-                                 seed, f"{name}.proj_w", device)
-        self.proj_b = make_param((E, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed,
-                                 f"{name}.proj_b", device)
+        self.fc_w = make_param(
+            (E, H, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("normal", std), ps, seed, f"{name}.fc_w", device
+        )
+        self.fc_b = make_param(
+            (E, H), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.fc_b", device
+        )
+        self.proj_w = make_param(
+            (E, M, H), ep_esp((0, "ep"), (2, "esp")), InitSpec("normal", proj_std), ps, seed, f"{name}.proj_w", device
+        )
+        self.proj_b = make_param(
+            (E, M), ep_esp((0, "ep"), (1, "esp")), InitSpec("zeros"), ps, seed, f"{name}.proj_b", device
+        )
         self.m_lo = self.esp_rank * (M // self.esp_size)
         self.num_local = E // ps.size("ep")
         # (fc, proj) batched linears of a dW queue that defer the weight-gradient GEMMs:
@@ -64,8 +80,13 @@ class Experts(nn.Module):
         self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
 
     @annotate("moe/experts")
-    def forward(self, x_ENM: torch.Tensor, grad_scale: float = 1.0,
-                counts: Optional[list[int]] = None, kept: Optional[KeptRows] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_ENM: torch.Tensor,
+        grad_scale: float = 1.0,
+        counts: Optional[list[int]] = None,
+        kept: Optional[KeptRows] = None,
+    ) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
         With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `kept` only the
         kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
@@ -81,11 +102,10 @@ class Experts(nn.Module):
             y = proj(h, self.proj_w, None, grad_scale)
         else:
             fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
-            h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM,
-                                        fc_w.transpose(1, 2).to(x_ENM.dtype)))
+            h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM, fc_w.transpose(1, 2).to(x_ENM.dtype)))
             y = torch.bmm(h, proj_w.transpose(1, 2).to(h.dtype))
         M, m_l = y.size(-1), proj_b.size(1)
-        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))        # [E_l, M], zeros off our columns
+        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))  # [E_l, M], zeros off our columns
         return y + bias[:, None, :].to(y.dtype)
 
     def forward_ragged(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
@@ -109,7 +129,9 @@ class Experts(nn.Module):
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         return [(fc_w[e], fc_b[e], proj_w[e], proj_b[e]) for e in range(self.num_local)]
 
-    def forward_weights(self, x_RM: torch.Tensor, counts: list[int], weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    def forward_weights(
+        self, x_RM: torch.Tensor, counts: list[int], weights: list[tuple[torch.Tensor, ...]]
+    ) -> torch.Tensor:
         """x [R, M] grouped by expert (`counts[i]` rows for `weights[i]`, an `expert_weights` tuple of
         a local expert or of a Pro-Prophet replica) -> partial y [R, M]."""
         if len(counts) != len(weights) or sum(counts) != x_RM.size(0):
@@ -118,9 +140,9 @@ class Experts(nn.Module):
             raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
         M = x_RM.size(1)
         outs, start = [], 0
-        for (fc_w, fc_b, proj_w, proj_b), n in zip(weights, counts):   # n = 0: empty GEMMs (zero grads, no FLOPs)
-            x = x_RM[start:start + n]
-            bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(0)))   # [M], zeros off our columns
+        for (fc_w, fc_b, proj_w, proj_b), n in zip(weights, counts):  # n = 0: empty GEMMs (zero grads, no FLOPs)
+            x = x_RM[start : start + n]
+            bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(0)))  # [M], zeros off our columns
             h = gelu_tanh(torch.addmm(fc_b.to(x.dtype), x, fc_w.t().to(x.dtype)))
             outs.append(torch.addmm(bias.to(h.dtype), h, proj_w.t().to(h.dtype)))
             start += n
@@ -147,7 +169,7 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts):
         R, M, H = x_RM.size(0), x_RM.size(1), fc_w.size(1)
-        spans = [(sum(counts[:e]), sum(counts[:e + 1])) for e in range(len(counts))]
+        spans = [(sum(counts[:e]), sum(counts[: e + 1])) for e in range(len(counts))]
         a_RH = x_RM.new_empty(R, H)
         for e, (lo, hi) in enumerate(spans):
             torch.addmm(fc_b[e], x_RM[lo:hi], fc_w[e].t(), out=a_RH[lo:hi])
@@ -183,4 +205,3 @@ class _GroupedMLP(torch.autograd.Function):
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:
     """Forward FLOPs of one expert MLP on `tokens` tokens (2 GEMMs)."""
     return 4 * tokens * hidden * ffn_hidden
-

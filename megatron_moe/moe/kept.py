@@ -18,6 +18,7 @@ combine reads kept rows only), and their gradients are zero either way.
 
 The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -35,8 +36,12 @@ class KeptRows:
     by local expert; counts [E_l] rows of each local expert (sum K). Either given, or computed on
     first use by `resolve()` (which waits for the count exchange)."""
 
-    def __init__(self, rows: Optional[torch.Tensor] = None, counts: Optional[list[int]] = None,
-                 resolve: Optional[Callable[[], tuple[torch.Tensor, list[int]]]] = None):
+    def __init__(
+        self,
+        rows: Optional[torch.Tensor] = None,
+        counts: Optional[list[int]] = None,
+        resolve: Optional[Callable[[], tuple[torch.Tensor, list[int]]]] = None,
+    ):
         self._rows, self._counts, self._resolve = rows, counts, resolve
 
     def _ready(self) -> None:
@@ -83,29 +88,34 @@ def exchange_sent_rows(rows_GE: torch.Tensor, group) -> Callable[[], torch.Tenso
     parts = [torch.empty_like(send) for _ in range(n)]
     token = observer.begin("all_gather", group, send.numel() * 4, n * send.numel() * 4)
     work = dist.all_gather(parts, send, group=group, async_op=True)
-    observer.end_when_complete(token, work)         # recorded as finished even if no one waits
+    observer.end_when_complete(token, work)  # recorded as finished even if no one waits
 
     def wait() -> torch.Tensor:
         work.wait()
         return torch.stack(parts).to(torch.int64).cpu()
+
     return wait
 
 
-def padded_kept_rows_later(wait: Callable[[], torch.Tensor], ep_rank: int, num_local: int, block: int,
-                           device: torch.device) -> KeptRows:
+def padded_kept_rows_later(
+    wait: Callable[[], torch.Tensor], ep_rank: int, num_local: int, block: int, device: torch.device
+) -> KeptRows:
     """`padded_kept_rows` once the count exchange `wait` returns (on first use of the rows)."""
+
     def resolve():
         kept = padded_kept_rows(wait(), ep_rank, num_local, block, device)
         return kept.rows, kept.counts
+
     return KeptRows(resolve=resolve)
 
 
-def padded_kept_rows(rows_DGE: torch.Tensor, ep_rank: int, num_local: int, block: int,
-                     device: torch.device) -> KeptRows:
+def padded_kept_rows(
+    rows_DGE: torch.Tensor, ep_rank: int, num_local: int, block: int, device: torch.device
+) -> KeptRows:
     """The kept rows of this rank's expert input [E_l, D*G*block, M] from every source's
     `sent_rows` (experts ep_rank*E_l ... of each source's blocks)."""
     D, G, _ = rows_DGE.shape
-    n_LB = rows_DGE[:, :, ep_rank * num_local:(ep_rank + 1) * num_local].permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
+    n_LB = rows_DGE[:, :, ep_rank * num_local : (ep_rank + 1) * num_local].permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
     host = n_LB.device
     starts = torch.arange(n_LB.numel(), dtype=torch.int64, device=host) * block  # block b of expert e: (e*D*G+b)*block
     total = int(n_LB.sum())

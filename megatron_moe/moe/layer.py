@@ -21,6 +21,7 @@ compute only them). baseline: every MP rank routes and sends all tokens (expert
 weight gradients scaled by 1/N_MP); s1: as above; auto resolves to the dropless
 baseline; s2 (a padded buffer by construction) is refused.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -53,20 +54,37 @@ class MoELayer(nn.Module):
     groups; `last_stats` (the router's) holds counts for logging.
     """
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
-                 routing_groups: int = 1, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: "Config",
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        layer_idx: int,
+        routing_groups: int = 1,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         m, moe = cfg.model, cfg.moe
         self.ps, self.layer_idx, self.routing_groups = ps, layer_idx, routing_groups
         self.num_experts = moe.num_experts
         self.router = Router(cfg, ps, seed, name, layer_idx, routing_groups, device=device)
         proj_std = m.init_method_std / (2 * m.num_layers) ** 0.5
-        self.experts = Experts(moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.experts",
-                               m.init_method_std, proj_std, device=device)
+        self.experts = Experts(
+            moe.num_experts,
+            m.hidden_size,
+            m.ffn_hidden_size,
+            ps,
+            seed,
+            f"{name}.experts",
+            m.init_method_std,
+            proj_std,
+            device=device,
+        )
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
-        self.schedule_choice: Optional["Choice"] = None     # Algorithm 1's decision under auto
-        self.pipeline_chunks = 1                           # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
+        self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
+        self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
     def use_schedule(self, schedule: str, saa_chunks: int = SAA_CHUNKS, choice: Optional["Choice"] = None) -> None:
@@ -84,9 +102,10 @@ class MoELayer(nn.Module):
         elif schedule == "s1":
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
-            self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, schedule, self.saa,
-                                               saa_chunks, self.kept_only)
-        if old is not None:                # keep what optimizations attached to the dispatcher
+            self.dispatcher = PaddedDispatcher(
+                self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks, self.kept_only
+            )
+        if old is not None:  # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
             self.dispatcher.set_placement(old.placement if self.dropless else None)
             self.dispatcher.listeners = old.listeners
@@ -112,9 +131,11 @@ class MoELayer(nn.Module):
         if num_tokens % self.ps.size("mp") == 0:
             return True
         if self.schedule_choice is not None:
-            return False                   # auto: these tokens do not split evenly; S2 instead
-        raise ValueError(f"--moe-schedule s1 needs the tokens of a micro-batch ({num_tokens} = --micro-batch-size "
-                         f"x --seq-length) divisible by --tensor-model-parallel-size {self.ps.size('mp')}")
+            return False  # auto: these tokens do not split evenly; S2 instead
+        raise ValueError(
+            f"--moe-schedule s1 needs the tokens of a micro-batch ({num_tokens} = --micro-batch-size "
+            f"x --seq-length) divisible by --tensor-model-parallel-size {self.ps.size('mp')}"
+        )
 
     # ------------------------------------------------------------------ the four stages
     def route(self, x_GSM: torch.Tensor, split: bool):
@@ -122,7 +143,7 @@ class MoELayer(nn.Module):
         G, S, M = x_GSM.shape
         with annotate("moe/router"):
             if split:
-                x_l = scatter_to_group(x_GSM, self.ps.group("mp"), dim=1)              # [G, S_l, M]
+                x_l = scatter_to_group(x_GSM, self.ps.group("mp"), dim=1)  # [G, S_l, M]
                 routes, aux, kept = route_s1(self.router, x_l, S, self.s1_local_capacity)
                 self.router.record(routes, kept, G * S * self.router.k)
                 return routes, aux, x_l.reshape(-1, M)
@@ -136,17 +157,24 @@ class MoELayer(nn.Module):
         if B % G:
             raise ValueError(f"batch {B} is not divisible into {G} routing groups")
         d = self.dispatcher
-        placed = d.placement                 # Pro-Prophet replicas (moe.placement.PlacedLayer) or None
+        placed = d.placement  # Pro-Prophet replicas (moe.placement.PlacedLayer) or None
         if placed is not None:
             x_BTM = placed.layer_input(x_BTM)  # launches Trans; backward: Agg is waited here
         x_GSM = d.track_input(x_BTM).reshape(G, (B // G) * T, M)
         split = self.splits_tokens(x_GSM.size(1))
         if self.schedule == "s1" and not split:
-            d = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa,
-                                 self.schedule_choice.saa_chunks, self.kept_only)
+            d = PaddedDispatcher(
+                self.ps,
+                self.num_experts,
+                self.layer_idx,
+                "s2",
+                self.saa,
+                self.schedule_choice.saa_chunks,
+                self.kept_only,
+            )
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
-        if self.pipeline_chunks > 1:       # Lina: all-to-all micro-ops pipelined with the experts
+        if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
             y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
@@ -154,9 +182,9 @@ class MoELayer(nn.Module):
         with annotate("moe/dispatch"):
             plan = d.plan(routes)
             x_in = d.dispatch(tokens, plan)
-        ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None        # dropless: rows per expert
-        kept = plan.kept if self.kept_only else None                              # rows holding a kept token
-        if placed is not None:                                                   # owned experts + replicas
+        ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None  # dropless: rows per expert
+        kept = plan.kept if self.kept_only else None  # rows holding a kept token
+        if placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
             y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range

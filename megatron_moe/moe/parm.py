@@ -20,6 +20,7 @@ is all-gathered over MP after combine.
 `--moe-s1-local-capacity` routes each slice as its own group with capacity
 C(S_l) (Parm's original S1): fewer collectives, but NOT equivalent to the baseline.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ def _s1_slots(router: Router, gates: list, experts: list, S: int, local_capacity
     if local_capacity:
         routes = [router.route_slice(gt, e, S_l) for gt, e in zip(gates, experts)]
         mine = torch.stack([torch.stack([choice_counts(e, E)[0], rt.counts]) for e, rt in zip(experts, routes)])
-        both = all_gather_raw(mine[None].contiguous(), ps.group("mp"), dim=0)       # [N_MP, G, 2, E]
+        both = all_gather_raw(mine[None].contiguous(), ps.group("mp"), dim=0)  # [N_MP, G, 2, E]
         return routes, both[:, :, 0].sum(dim=0), both[:, :, 1].sum(dim=0)
     cap = router.capacity(S)
     if router.policy == "batch_prioritized":
@@ -46,13 +47,16 @@ def _s1_slots(router: Router, gates: list, experts: list, S: int, local_capacity
         for g in range(G):
             e_full = full[g, :, 1:].long()
             pos_full = slot_positions(e_full, E, torch.sort(-full[g, :, 0], stable=True).indices)
-            routes.append(finish_route(gates[g], experts[g], pos_full[r * S_l:(r + 1) * S_l], cap,
-                                       *[gates[g].new_zeros(())] * 2))
+            routes.append(
+                finish_route(
+                    gates[g], experts[g], pos_full[r * S_l : (r + 1) * S_l], cap, *[gates[g].new_zeros(())] * 2
+                )
+            )
             first.append(torch.bincount(e_full[:, 0], minlength=E))
             kept.append(torch.bincount(e_full[pos_full < cap], minlength=E))
         return routes, torch.stack(first), torch.stack(kept)
-    counts = torch.stack([choice_counts(e, E) for e in experts])                    # [G, k, E]
-    every = all_gather_raw(counts[None].contiguous(), ps.group("mp"), dim=0)        # [N_MP, G, k, E]
+    counts = torch.stack([choice_counts(e, E) for e in experts])  # [G, k, E]
+    every = all_gather_raw(counts[None].contiguous(), ps.group("mp"), dim=0)  # [N_MP, G, k, E]
     offset, first, total = every[:r].sum(dim=0), every[:, :, 0].sum(dim=0), every.sum(dim=(0, 2))
     routes = [router.route_slice(gt, e, S, offset[g], first[g]) for g, (gt, e) in enumerate(zip(gates, experts))]
     # an expert's choices hold positions 0 .. total-1 in the group, so min(total, C) are kept
@@ -72,11 +76,14 @@ def route_s1(router: Router, x_l_GSM: torch.Tensor, S: int, local_capacity: bool
     routes, first, kept = _s1_slots(router, gates, experts, S, local_capacity)
     # aux and z losses from the groups' sums: reduce_from_group keeps the gradient local,
     # so the MP sum of gate-weight gradients (copy_to_group in logits) counts it once
-    terms = [torch.stack([gt.sum(dim=0) for gt in gates])]                          # [G, E]
+    terms = [torch.stack([gt.sum(dim=0) for gt in gates])]  # [G, E]
     if router.z_coeff:
         terms.append(torch.stack([torch.logsumexp(lg.float(), dim=-1).pow(2).sum() for lg in logits])[:, None])
     summed = reduce_from_group(torch.cat(terms, dim=1), ps.group("mp"))
-    aux = torch.stack([router.aux_of_sums(summed[g, :E], first[g].float(), summed[g, E] if router.z_coeff else None, S)
-                       for g in range(G)]).mean()
+    aux = torch.stack(
+        [
+            router.aux_of_sums(summed[g, :E], first[g].float(), summed[g, E] if router.z_coeff else None, S)
+            for g in range(G)
+        ]
+    ).mean()
     return routes, aux, kept.sum(dim=0)
-

@@ -29,6 +29,7 @@ another order), and routing (hence dropped tokens) is done once, before the spli
       is the sum of the chunks' combines (a token's k choices may sit in different chunks).
 The dropless (ragged) dispatcher and Lancet's deferred dW are refused (`check_supported`).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -61,8 +62,9 @@ def check_supported(d: TokenDispatcher) -> None:
         raise ValueError(DW_ERROR)
 
 
-def pipelined_moe(d: TokenDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult],
-                  chunks: int) -> torch.Tensor:
+def pipelined_moe(
+    d: TokenDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
+) -> torch.Tensor:
     """Dispatch -> experts -> combine of tokens x [T, M] routed by `routes`, in `chunks`
     pipelined micro-ops; returns y [T, M], the value of the unsplit layer."""
     check_supported(d)
@@ -75,8 +77,9 @@ def pipelined_moe(d: TokenDispatcher, experts: Experts, x_TM: torch.Tensor, rout
     raise ValueError(f"--lina-pipeline-chunks: no pipelined form of dispatcher {type(d).__name__}")
 
 
-def _baseline(d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult],
-              chunks: int) -> torch.Tensor:
+def _baseline(
+    d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
+) -> torch.Tensor:
     plan = d.plan(routes)
     E, M, GC = d.num_experts, x_TM.size(1), plan.groups * plan.slots
     E_l, n_ep, n_esp = d.num_local, d.n_ep, d.n_esp
@@ -85,27 +88,28 @@ def _baseline(d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes:
         buf = dispatch(x_TM, plan.idx, E * GC).view(E, GC, M)
         bounds = chunk_bounds(GC, chunks)
         sent = []
-        for lo, hi in bounds:                       # every chunk's dispatch goes on the wire now
+        for lo, hi in bounds:  # every chunk's dispatch goes on the wire now
             w = hi - lo
-            gathered = all_gather(buf[:, lo:hi].reshape(1, E, w, M), esp, dim=0)         # [N_ESP, E, w, M]
-            send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, w, M)            # by destination EP rank
+            gathered = all_gather(buf[:, lo:hi].reshape(1, E, w, M), esp, dim=0)  # [N_ESP, E, w, M]
+            send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, w, M)  # by destination EP rank
             op = a2a.A2AHandle(ep)
             sent.append((a2a.start(send, op), op, w))
     back = []
-    for recv, op, w in sent:                         # experts on chunk i while chunk i+1 travels
+    for recv, op, w in sent:  # experts on chunk i while chunk i+1 travels
         x_in = a2a.finish(recv, op).permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * w, M)
-        y = all_reduce(experts(x_in, grad_scale=d.grad_scale), esp)                    # sum of the H slices
+        y = all_reduce(experts(x_in, grad_scale=d.grad_scale), esp)  # sum of the H slices
         ret = y.reshape(E_l, n_ep, n_esp, w, M).permute(1, 0, 2, 3, 4).contiguous()
         rop = a2a.A2AHandle(ep)
         back.append((a2a.start(ret, rop), rop, w))
     with annotate("moe/combine"):
         outs = [a2a.finish(r, rop).reshape(E, n_esp, w, M)[:, d.ps.rank("esp")] for r, rop, w in back]
-        out = torch.cat(outs, dim=1)                                                   # [E, GC, M]
+        out = torch.cat(outs, dim=1)  # [E, GC, M]
         return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
 
 
-def _s2(d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult],
-        chunks: int) -> torch.Tensor:
+def _s2(
+    d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
+) -> torch.Tensor:
     plan = d.plan(routes)
     E, M, G = d.num_experts, x_TM.size(1), plan.groups
     E_l, n_ep, n_esp, n_mp = d.num_local, d.n_ep, d.n_esp, d.n_mp
@@ -116,13 +120,13 @@ def _s2(d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[
         sent = []
         for lo, hi in chunk_bounds(C_mp, chunks):
             w = hi - lo
-            own = scatter_to_group(buf[:, :, :, lo:hi], mp, dim=2)                     # [E, G, 1, w, M]
+            own = scatter_to_group(buf[:, :, :, lo:hi], mp, dim=2)  # [E, G, 1, w, M]
             dump = own.reshape(n_ep, 1, E_l, G * w, M).expand(n_ep, n_esp, E_l, G * w, M)
             op = a2a.A2AHandle(group)
             sent.append((a2a.start(dump.reshape(n_ep * n_esp, E_l, G * w, M), op), op, w))
     back = []
     for recv, op, w in sent:
-        x_in = a2a.finish(recv, op).permute(1, 0, 2, 3).reshape(E_l, -1, M)            # [E_l, D*G*w, M]
+        x_in = a2a.finish(recv, op).permute(1, 0, 2, 3).reshape(E_l, -1, M)  # [E_l, D*G*w, M]
         y = experts(x_in, grad_scale=d.grad_scale)
         ret = y.reshape(E_l, n_ep * n_esp, G * w, M).permute(1, 0, 2, 3).contiguous()
         rop = a2a.A2AHandle(group)
@@ -130,20 +134,23 @@ def _s2(d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[
     with annotate("moe/combine"):
         outs = []
         for r, rop, w in back:
-            part = a2a.finish(r, rop).view(n_ep, n_esp, E_l, G * w, M).sum(dim=1)      # local combine
-            outs.append(gather_from_group(part.reshape(E, G, 1, w, M), mp, dim=2))      # [E, G, N_MP, w, M]
-        out = torch.cat(outs, dim=3)                                                   # [E, G, N_MP, C_mp, M]
+            part = a2a.finish(r, rop).view(n_ep, n_esp, E_l, G * w, M).sum(dim=1)  # local combine
+            outs.append(gather_from_group(part.reshape(E, G, 1, w, M), mp, dim=2))  # [E, G, N_MP, w, M]
+        out = torch.cat(outs, dim=3)  # [E, G, N_MP, C_mp, M]
         return combine(out.reshape(-1, M), plan.idx, plan.tokens)
 
 
-def _uneven(d: UnevenDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult],
-            chunks: int) -> torch.Tensor:
+def _uneven(
+    d: UnevenDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
+) -> torch.Tensor:
     M = x_TM.size(1)
     with annotate("moe/dispatch"):
         plans = []
-        for lo, hi in chunk_bounds(routes[0].capacity, chunks):     # slot ranges; one plan (count exchange) each
-            part = [replace(r, slot=torch.where((r.slot >= lo) & (r.slot < hi), r.slot, torch.full_like(r.slot, -1)))
-                    for r in routes]
+        for lo, hi in chunk_bounds(routes[0].capacity, chunks):  # slot ranges; one plan (count exchange) each
+            part = [
+                replace(r, slot=torch.where((r.slot >= lo) & (r.slot < hi), r.slot, torch.full_like(r.slot, -1)))
+                for r in routes
+            ]
             plans.append(d.plan(part))
         for plan in plans:
             d.dispatch_start(x_TM, plan)

@@ -31,6 +31,7 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,11 +49,12 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 PARAMS = ("fc_w", "fc_b", "proj_w", "proj_b")
-PARTS = (("fc_w", "fc_b"), ("proj_w", "proj_b"))       # Trans in two parts (Algorithm 2)
+PARTS = (("fc_w", "fc_b"), ("proj_w", "proj_b"))  # Trans in two parts (Algorithm 2)
 FORCE_FLAG = "--pro-prophet-force-plan"
 
 
 # ----------------------------------------------------------------------------- the placement
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -156,16 +158,16 @@ def parse_plan(text: str, num_experts: int, n_ep: int) -> Placement:
 
 # ----------------------------------------------------------------------------- Trans and Agg
 
+
 class ReplicaExchange:
     """Trans and Agg of one MoE layer for one forward / backward, point to point on the EP group."""
 
-    def __init__(self, placement: Placement, experts: Experts, ps: "ParallelState", layer_idx: int,
-                 blocking: bool):
+    def __init__(self, placement: Placement, experts: Experts, ps: "ParallelState", layer_idx: int, blocking: bool):
         self.p, self.experts, self.layer_idx, self.blocking = placement, experts, layer_idx, blocking
         self.group, self.ranks, self.me = ps.group("ep"), ps.ranks("ep"), ps.rank("ep")
         self.held = placement.held(self.me)
-        self.trans: list = [None, None]          # per part: (work, {name: [R, ...] buffer})
-        self.agg: Optional[tuple] = None         # (work, [(name, local index, buffer)], sends)
+        self.trans: list = [None, None]  # per part: (work, {name: [R, ...] buffer})
+        self.agg: Optional[tuple] = None  # (work, [(name, local index, buffer)], sends)
 
     def _tag(self, e: int, name: str, kind: int) -> int:
         return ((self.layer_idx * self.p.num_experts + e) * len(PARAMS) + PARAMS.index(name)) * 2 + kind
@@ -196,7 +198,7 @@ class ReplicaExchange:
                     sends += [(param[self._local(e)], q, self._tag(e, name, 0)) for q in self.p.replicas[e]]
                 if self.me in self.p.replicas[e]:
                     recvs.append((bufs[name][self.held.index(e)], self.p.owner(e), self._tag(e, name, 0)))
-        self.trans[part] = (self._run("trans", sends, recvs), bufs, sends)   # sends: alive until waited
+        self.trans[part] = (self._run("trans", sends, recvs), bufs, sends)  # sends: alive until waited
 
     def replicas(self) -> tuple[torch.Tensor, ...]:
         """Wait for Trans (launching what is not started): fc_w [R, H_l, M], fc_b [R, H_l],
@@ -273,6 +275,7 @@ class _AggWait(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the runtime
 
+
 class PlacedLayer:
     """What one MoE layer's dispatcher holds while a placement with replicas is active."""
 
@@ -287,13 +290,16 @@ class PlacedLayer:
         """Rows per compute expert of this rank, from the rows received per column [X]."""
         n = len(self.placement.compute_experts(self.runtime.ps.rank("ep")))
         if int(rows_X[n:].sum()):
-            raise RuntimeError(f"layer {self.layer_idx}: tokens arrived for experts this rank does not compute "
-                               f"(the ranks disagree on the Pro-Prophet placement)")
+            raise RuntimeError(
+                f"layer {self.layer_idx}: tokens arrived for experts this rank does not compute "
+                f"(the ranks disagree on the Pro-Prophet placement)"
+            )
         return rows_X[:n].tolist()
 
     def new_exchange(self) -> ReplicaExchange:
-        return ReplicaExchange(self.placement, self.experts, self.runtime.ps, self.layer_idx,
-                               blocking=not self.runtime.schedule)
+        return ReplicaExchange(
+            self.placement, self.experts, self.runtime.ps, self.layer_idx, blocking=not self.runtime.schedule
+        )
 
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
@@ -305,7 +311,7 @@ class PlacedLayer:
         ex.launch_trans(0)
         ex.launch_trans(1)
         if not (torch.is_grad_enabled() and x_BTM.requires_grad):
-            ex.blocking = True        # nothing to hang the wait on: Agg (if any) waits where it starts
+            ex.blocking = True  # nothing to hang the wait on: Agg (if any) waits where it starts
             return x_BTM
         e = self.experts
         return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
@@ -323,8 +329,9 @@ class PlacedLayer:
         own = iter(e.expert_weights(grad_scale))
         from_reps = iter(zip(*(scale_rows(t, grad_scale) for t in reps)))
         me = self.runtime.ps.rank("ep")
-        weights = [next(own) if self.placement.owner(x) == me else next(from_reps)
-                   for x in self.placement.compute_experts(me)]
+        weights = [
+            next(own) if self.placement.owner(x) == me else next(from_reps) for x in self.placement.compute_experts(me)
+        ]
         with annotate("moe/experts"):
             y = e.forward_weights(x_RM, counts, weights)
         if nxt is not None:
@@ -354,7 +361,7 @@ def gather_counts(ps: "ParallelState", counts_LE: torch.Tensor) -> torch.Tensor:
     L, E = counts_LE.shape
     n_ep, n_esp = ps.size("ep"), ps.size("esp")
     mine = counts_LE.to(device=ps.device, dtype=torch.int64).reshape(1, L, E)
-    every = all_gather_raw(mine, ps.group("ep_esp"), dim=0)                    # [D, L, E], D = EP-major
+    every = all_gather_raw(mine, ps.group("ep_esp"), dim=0)  # [D, L, E], D = EP-major
     return every.reshape(n_ep, n_esp, L, E).sum(dim=1).permute(1, 0, 2).cpu()
 
 
@@ -370,8 +377,14 @@ class ProProphet:
     iterations on each layer's [N_EP, E] counts; it must be deterministic, so that every rank of
     the EP x ESP group, holding the same gathered counts, makes the same plan."""
 
-    def __init__(self, layers: list, ps: "ParallelState", schedule: bool = True,
-                 planner: Optional[Planner] = None, interval: int = 1):
+    def __init__(
+        self,
+        layers: list,
+        ps: "ParallelState",
+        schedule: bool = True,
+        planner: Optional[Planner] = None,
+        interval: int = 1,
+    ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
         self.pending: dict[int, ReplicaExchange] = {}
@@ -383,9 +396,14 @@ class ProProphet:
         if self.planner is None or iteration % self.interval:
             return False
         E, n_ep = self.layers[0].num_experts, self.ps.size("ep")
-        self.set_plans({layer.layer_idx: Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in
-                                                                   self.planner(counts_LDE[i].tolist())))
-                        for i, layer in enumerate(self.layers)})
+        self.set_plans(
+            {
+                layer.layer_idx: Placement(
+                    E, n_ep, tuple(tuple(int(q) for q in r) for r in self.planner(counts_LDE[i].tolist()))
+                )
+                for i, layer in enumerate(self.layers)
+            }
+        )
         return True
 
     def placement_of(self, layer_idx: int) -> Placement:
@@ -399,8 +417,9 @@ class ProProphet:
         self.plans = dict(plans)
         for layer in self.layers:
             p = self.plans.get(layer.layer_idx)
-            layer.dispatcher.set_placement(PlacedLayer(self, layer.layer_idx, p, layer.experts)
-                                           if p is not None and p.moved else None)
+            layer.dispatcher.set_placement(
+                PlacedLayer(self, layer.layer_idx, p, layer.experts) if p is not None and p.moved else None
+            )
 
     def next_placed(self, layer_idx: int) -> Optional[int]:
         """The next MoE layer after `layer_idx` with replicas, or None."""

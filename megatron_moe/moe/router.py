@@ -28,6 +28,7 @@ from per-part counts: `choose_experts` -> `slot_positions` (with offsets) ->
 `route` for a whole group, `route_slice` for a slice given per-expert offsets
 ("capacity passing"), `record` for the stats of a forward (one place).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,28 +54,28 @@ POLICIES = ("position", "batch_prioritized", "random")
 class RouteResult:
     """Routing of one group: expert/slot/weight [S, k], capacity C, losses, kept counts [E]."""
 
-    expert: torch.Tensor      # [S, k] int64
-    slot: torch.Tensor        # [S, k] int64, -1 where dropped
-    weight: torch.Tensor      # [S, k] fp32 combine weights (0 where dropped), differentiable
+    expert: torch.Tensor  # [S, k] int64
+    slot: torch.Tensor  # [S, k] int64, -1 where dropped
+    weight: torch.Tensor  # [S, k] fp32 combine weights (0 where dropped), differentiable
     capacity: int
-    aux_loss: torch.Tensor    # scalar, differentiable
-    z_loss: torch.Tensor      # scalar, differentiable (0 if not requested)
-    counts: torch.Tensor      # [E] kept tokens per expert (all k choices)
-    gates: torch.Tensor       # [S, E] fp32 softmax
+    aux_loss: torch.Tensor  # scalar, differentiable
+    z_loss: torch.Tensor  # scalar, differentiable (0 if not requested)
+    counts: torch.Tensor  # [E] kept tokens per expert (all k choices)
+    gates: torch.Tensor  # [S, E] fp32 softmax
 
     @property
     def num_dropped(self) -> int:
         return int((self.slot < 0).sum())
 
 
-def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float,
-             min_capacity: int) -> int:
+def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
     """C = max(ceil(k * cf * S / E), min_capacity) (DeepSpeed-MoE's _capacity)."""
     return max(int(math.ceil(k * capacity_factor * num_tokens / num_experts)), int(min_capacity))
 
 
-def choose_experts(logits_SE: torch.Tensor, k: int, policy: str = "position",
-                   generator: Optional[torch.Generator] = None):
+def choose_experts(
+    logits_SE: torch.Tensor, k: int, policy: str = "position", generator: Optional[torch.Generator] = None
+):
     """Pick k experts per token. Returns (gates_SE fp32, expert_Sk int64)."""
     if policy not in POLICIES:
         raise ValueError(f"--moe-router-policy must be one of {POLICIES}, got {policy!r}")
@@ -96,9 +97,9 @@ def choose_experts(logits_SE: torch.Tensor, k: int, policy: str = "position",
     return gates, torch.stack([first, second], dim=1)
 
 
-
-def choose_experts_slice(logits_lE: torch.Tensor, k: int, policy: str, generator: Optional[torch.Generator],
-                         start: int, group_tokens: int):
+def choose_experts_slice(
+    logits_lE: torch.Tensor, k: int, policy: str, generator: Optional[torch.Generator], start: int, group_tokens: int
+):
     """`choose_experts` for the rows [start, start + S_l) of a routing group of `group_tokens` tokens.
 
     Used when a group is split across ranks (Parm S1): the gate and argmax policies only
@@ -113,7 +114,7 @@ def choose_experts_slice(logits_lE: torch.Tensor, k: int, policy: str, generator
         raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
     S_l, E = logits_lE.shape
     gates = torch.softmax(logits_lE.float(), dim=-1)
-    keys = torch.rand((group_tokens, E), generator=generator, device="cpu")[start:start + S_l].to(gates.device)
+    keys = torch.rand((group_tokens, E), generator=generator, device="cpu")[start : start + S_l].to(gates.device)
     return gates, keys.topk(k, dim=-1).indices
 
 
@@ -126,9 +127,13 @@ def token_order(gates_SE: torch.Tensor, expert_Sk: torch.Tensor, policy: str) ->
     return torch.sort(-importance, stable=True).indices
 
 
-def slot_positions(expert_Sk: torch.Tensor, num_experts: int, order_S: Optional[torch.Tensor] = None,
-                   offset_kE: Optional[torch.Tensor] = None,
-                   first_total_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+def slot_positions(
+    expert_Sk: torch.Tensor,
+    num_experts: int,
+    order_S: Optional[torch.Tensor] = None,
+    offset_kE: Optional[torch.Tensor] = None,
+    first_total_E: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Slot of every choice before dropping, [S, k] int64.
 
     Choice j of token s gets its position among choice-j tokens of the same
@@ -139,7 +144,7 @@ def slot_positions(expert_Sk: torch.Tensor, num_experts: int, order_S: Optional[
     S, k = expert_Sk.shape
     dev = expert_Sk.device
     ordered = expert_Sk if order_S is None else expert_Sk[order_S]
-    one_hot = torch.nn.functional.one_hot(ordered, num_experts)          # [S, k, E]; S*k*E ints
+    one_hot = torch.nn.functional.one_hot(ordered, num_experts)  # [S, k, E]; S*k*E ints
     pos_ordered = (one_hot.cumsum(dim=0) - 1).gather(2, ordered[..., None]).squeeze(2)  # [S, k]
     if offset_kE is not None:
         pos_ordered = pos_ordered + offset_kE.to(dev).gather(1, ordered.t()).t()
@@ -156,8 +161,7 @@ def slot_positions(expert_Sk: torch.Tensor, num_experts: int, order_S: Optional[
 
 def choice_counts(expert_Sk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[k, E] number of tokens whose j-th choice is e (before dropping)."""
-    return torch.stack([torch.bincount(expert_Sk[:, j], minlength=num_experts)
-                        for j in range(expert_Sk.size(1))])
+    return torch.stack([torch.bincount(expert_Sk[:, j], minlength=num_experts) for j in range(expert_Sk.size(1))])
 
 
 def aux_loss_terms(gates_SE: torch.Tensor, expert_Sk: torch.Tensor):
@@ -173,14 +177,20 @@ def aux_loss_from_terms(gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, S
     return E * torch.sum(me * ce) if k == 1 else E * E * torch.mean(me * ce)
 
 
-def finish_route(gates_SE: torch.Tensor, expert_Sk: torch.Tensor, pos_Sk: torch.Tensor, cap: int,
-                 aux_loss: torch.Tensor, z_loss: torch.Tensor) -> RouteResult:
+def finish_route(
+    gates_SE: torch.Tensor,
+    expert_Sk: torch.Tensor,
+    pos_Sk: torch.Tensor,
+    cap: int,
+    aux_loss: torch.Tensor,
+    z_loss: torch.Tensor,
+) -> RouteResult:
     """Drop positions >= cap, compute combine weights and kept counts."""
     E = gates_SE.size(1)
     k = expert_Sk.size(1)
     kept = pos_Sk < cap
     slot = torch.where(kept, pos_Sk, torch.full_like(pos_Sk, -1))
-    g = gates_SE.gather(1, expert_Sk) * kept                              # [S, k]
+    g = gates_SE.gather(1, expert_Sk) * kept  # [S, k]
     if k == 2:
         denom = g.sum(dim=1, keepdim=True).clamp(min=torch.finfo(g.dtype).eps)
         g = g / denom
@@ -193,9 +203,16 @@ def z_loss_of(logits_SE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_SE.float(), dim=-1).pow(2).mean()
 
 
-def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
-          policy: str = "position", generator: Optional[torch.Generator] = None,
-          z_loss_coeff: float = 0.0, dropless: bool = False) -> RouteResult:
+def route(
+    logits: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    policy: str = "position",
+    generator: Optional[torch.Generator] = None,
+    z_loss_coeff: float = 0.0,
+    dropless: bool = False,
+) -> RouteResult:
     """Route one group of S tokens (logits [S, E]) to k of E experts with capacity
     (`dropless`: C = S, every choice kept).
 
@@ -205,7 +222,7 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: in
     S, E = logits.shape
     cap = S if dropless else capacity(S, E, k, capacity_factor, min_capacity)
     z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
-    if policy == "position" and kernels.use_triton(logits):     # CUDA + triton: fused gating (kernels/gating.py)
+    if policy == "position" and kernels.use_triton(logits):  # CUDA + triton: fused gating (kernels/gating.py)
         gates, expert, slot, weight = kernels.topk_gating(logits, k, cap)
         aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
         return RouteResult(expert, slot, weight, cap, aux, z, torch.bincount(expert[slot >= 0], minlength=E), gates)
@@ -225,17 +242,36 @@ class Router(nn.Module):
     `last_routes` describe the last one (set by `record`).
     """
 
-    def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, layer_idx: int,
-                 routing_groups: int = 1, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: "Config",
+        ps: "ParallelState",
+        seed: int,
+        name: str,
+        layer_idx: int,
+        routing_groups: int = 1,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         m, moe = cfg.model, cfg.moe
         self.ps, self.seed, self.layer_idx, self.routing_groups = ps, seed, layer_idx, routing_groups
-        self.num_experts, self.k, self.cf, self.min_cap = (moe.num_experts, moe.moe_router_topk,
-                                                           moe.moe_expert_capacity_factor, moe.moe_min_capacity)
+        self.num_experts, self.k, self.cf, self.min_cap = (
+            moe.num_experts,
+            moe.moe_router_topk,
+            moe.moe_expert_capacity_factor,
+            moe.moe_min_capacity,
+        )
         self.policy, self.aux_coeff, self.z_coeff = moe.moe_router_policy, moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
         self.dropless = moe.moe_dropless
-        self.gate_w = make_param((moe.num_experts, m.hidden_size), ShardSpec(), InitSpec("normal", m.init_method_std),
-                                 ps, seed, f"{name}.gate_w", device)
+        self.gate_w = make_param(
+            (moe.num_experts, m.hidden_size),
+            ShardSpec(),
+            InitSpec("normal", m.init_method_std),
+            ps,
+            seed,
+            f"{name}.gate_w",
+            device,
+        )
         self.calls = 0
         self.last_stats: dict = {}
         self.last_routes: list[RouteResult] = []
@@ -251,7 +287,7 @@ class Router(nn.Module):
         if self.policy != "random":
             return None
         gid = self.ps.rank("dp") * self.routing_groups + g
-        gen = torch.Generator(device="cpu")     # host generator: same draws on every device
+        gen = torch.Generator(device="cpu")  # host generator: same draws on every device
         gen.manual_seed((self.seed * 1_000_003 + self.layer_idx * 10_007 + self.calls * 101 + gid) & 0x7FFF_FFFF)
         return gen
 
@@ -263,22 +299,36 @@ class Router(nn.Module):
 
     def route(self, x_SM: torch.Tensor, g: int = 0) -> RouteResult:
         """Route a whole routing group x [S, M] (group g of this call)."""
-        return route(self.logits(x_SM), self.k, self.cf, self.min_cap, self.policy, self.generator(g), self.z_coeff,
-                     self.dropless)
+        return route(
+            self.logits(x_SM),
+            self.k,
+            self.cf,
+            self.min_cap,
+            self.policy,
+            self.generator(g),
+            self.z_coeff,
+            self.dropless,
+        )
 
     def choose(self, logits_sE: torch.Tensor, g: int, start: int, group_tokens: int):
         """Experts of rows [start, start + s) of group g (logits [s, E]): (gates [s, E], expert [s, k])."""
         return choose_experts_slice(logits_sE, self.k, self.policy, self.generator(g), start, group_tokens)
 
-    def route_slice(self, gates_sE: torch.Tensor, expert_sk: torch.Tensor, group_tokens: int,
-                    offset_kE: Optional[torch.Tensor] = None,
-                    first_total_E: Optional[torch.Tensor] = None) -> RouteResult:
+    def route_slice(
+        self,
+        gates_sE: torch.Tensor,
+        expert_sk: torch.Tensor,
+        group_tokens: int,
+        offset_kE: Optional[torch.Tensor] = None,
+        first_total_E: Optional[torch.Tensor] = None,
+    ) -> RouteResult:
         """Capacity passing: the route of a slice of a group of `group_tokens` tokens (experts from
         `choose`) with the slots it holds in the whole group, given the choice-j tokens of each expert
         before the slice (`offset_kE` [k, E]) and, for top-2, the group's first-choice totals [E].
         The losses are left at zero: the caller computes them from the group's sums (`aux_of_sums`)."""
-        pos = slot_positions(expert_sk, self.num_experts, token_order(gates_sE, expert_sk, self.policy), offset_kE,
-                             first_total_E)
+        pos = slot_positions(
+            expert_sk, self.num_experts, token_order(gates_sE, expert_sk, self.policy), offset_kE, first_total_E
+        )
         zero = gates_sE.new_zeros((), dtype=torch.float32)
         return finish_route(gates_sE, expert_sk, pos, self.capacity(group_tokens), zero, zero)
 
@@ -286,15 +336,17 @@ class Router(nn.Module):
         """The loss a routed group adds: coeff * load balancing + z-loss."""
         return self.aux_coeff * r.aux_loss + r.z_loss
 
-    def aux_of_sums(self, gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, z_sum: Optional[torch.Tensor],
-                    group_tokens: int) -> torch.Tensor:
+    def aux_of_sums(
+        self, gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, z_sum: Optional[torch.Tensor], group_tokens: int
+    ) -> torch.Tensor:
         """`aux` of a group from sums over its slices: gates [E], first choices [E], logsumexp^2 (or None)."""
         lb = aux_loss_from_terms(gate_sum_E, first_count_E, group_tokens, self.k)
         z = z_sum / group_tokens * self.z_coeff if self.z_coeff and z_sum is not None else lb.new_zeros(())
         return self.aux_coeff * lb + z
 
-    def record(self, routes: list[RouteResult], kept_E: Optional[torch.Tensor] = None,
-               choices: Optional[int] = None) -> None:
+    def record(
+        self, routes: list[RouteResult], kept_E: Optional[torch.Tensor] = None, choices: Optional[int] = None
+    ) -> None:
         """End of a forward: keep the routes of this rank's tokens and the stats of the whole groups.
 
         Without `kept_E` / `choices` the routes cover whole groups; S1 passes the groups' kept

@@ -9,10 +9,29 @@
 
 The runtime (replicas in the dispatcher, Trans/Agg) lives in `megatron_moe.moe`.
 """
-from megatron_moe.pro_prophet.perf_model import (PerfConstants, PerfModel, fit_constants, loads,
-                                                 measure_constants)
-from megatron_moe.pro_prophet.planner import (BlockSchedule, CommLaunch, PlacementPlan, block_schedule,
-                                              heaviest_to_all, is_balanced, plan)
 
-__all__ = ["PerfConstants", "PerfModel", "fit_constants", "loads", "measure_constants", "BlockSchedule",
-           "CommLaunch", "PlacementPlan", "block_schedule", "heaviest_to_all", "is_balanced", "plan"]
+from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel, fit_constants, loads, measure_constants
+from megatron_moe.pro_prophet.planner import (
+    BlockSchedule,
+    CommLaunch,
+    PlacementPlan,
+    block_schedule,
+    heaviest_to_all,
+    is_balanced,
+    plan,
+)
+
+__all__ = [
+    "PerfConstants",
+    "PerfModel",
+    "fit_constants",
+    "loads",
+    "measure_constants",
+    "BlockSchedule",
+    "CommLaunch",
+    "PlacementPlan",
+    "block_schedule",
+    "heaviest_to_all",
+    "is_balanced",
+    "plan",
+]

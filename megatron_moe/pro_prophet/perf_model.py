@@ -30,6 +30,7 @@ Constants come from `fit_constants` (least squares on (size, time) samples) or
 `measure_constants` (the project's collective profiler on the real EP group, plus a timed
 expert FFN on the model's device; collective over the world, identical numbers on every rank).
 """
+
 from __future__ import annotations
 
 import time
@@ -128,8 +129,7 @@ class PerfModel:
         if not self.overlap:
             return 4 * t_a2a + 3 * t_fec + t_trans + t_agg
         t_bec = 2 * t_fec
-        return (4 * t_a2a + 3 * t_fec + max(0.0, t_trans - t_fec - self.fnec_s)
-                + max(0.0, t_agg - t_bec - self.bnec_s))
+        return 4 * t_a2a + 3 * t_fec + max(0.0, t_trans - t_fec - self.fnec_s) + max(0.0, t_agg - t_bec - self.bnec_s)
 
     # -- whole layer -----------------------------------------------------------------------
     def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
@@ -146,8 +146,14 @@ class PerfModel:
         t_a2a = self.a2a_time(int(r.max()))
         t_fec = self.fec_time(h.tolist(), g.tolist())
         t_trans, t_agg = self.trans_time(reached, d), self.agg_time(reached, d)
-        return {"a2a": t_a2a, "fec": t_fec, "bec": 2 * t_fec, "trans": t_trans, "agg": t_agg,
-                "total": self.combine(t_a2a, t_fec, t_trans, t_agg)}
+        return {
+            "a2a": t_a2a,
+            "fec": t_fec,
+            "bec": 2 * t_fec,
+            "trans": t_trans,
+            "agg": t_agg,
+            "total": self.combine(t_a2a, t_fec, t_trans, t_agg),
+        }
 
 
 # -- loads ---------------------------------------------------------------------------------
@@ -199,8 +205,8 @@ def loads(counts_DE: np.ndarray, replicas: Replicas) -> tuple[np.ndarray, np.nda
     for x, ranks in enumerate(replicas):
         local_DE[list(ranks), x] = True
     owner_E = np.arange(e) // per
-    to_owner_E = np.where(local_DE, 0, counts_DE).sum(axis=0)           # tokens computed by each owner
-    own_E = counts_DE[owner_E, np.arange(e)]                            # the owner's own tokens (never local)
+    to_owner_E = np.where(local_DE, 0, counts_DE).sum(axis=0)  # tokens computed by each owner
+    own_E = counts_DE[owner_E, np.arange(e)]  # the owner's own tokens (never local)
     h = np.where(local_DE, counts_DE, 0).sum(axis=1) + to_owner_E.reshape(d, per).sum(axis=1)
     r = (to_owner_E - own_E).reshape(d, per).sum(axis=1)
     g = per + local_DE.sum(axis=1)
@@ -208,8 +214,11 @@ def loads(counts_DE: np.ndarray, replicas: Replicas) -> tuple[np.ndarray, np.nda
 
 
 # -- fitting -------------------------------------------------------------------------------
-def fit_constants(a2a: tuple[Sequence[float], Sequence[float]], bcast: tuple[Sequence[float], Sequence[float]],
-                  expert: tuple[Sequence[float], Sequence[float]]) -> PerfConstants:
+def fit_constants(
+    a2a: tuple[Sequence[float], Sequence[float]],
+    bcast: tuple[Sequence[float], Sequence[float]],
+    expert: tuple[Sequence[float], Sequence[float]],
+) -> PerfConstants:
     """Least-squares constants from (sizes, times [s]) samples of the three kinds.
 
     a2a: (elements a rank receives from the others, all-to-all time); bcast: (expert elements
@@ -220,8 +229,15 @@ def fit_constants(a2a: tuple[Sequence[float], Sequence[float]], bcast: tuple[Seq
     return PerfConstants(fits[0].alpha, fits[0].beta, fits[1].alpha, fits[1].beta, fits[2].alpha, fits[2].beta)
 
 
-def time_expert_ffn(tokens: int, hidden: int, ffn_hidden: int, device: torch.device, reps: int = 3,
-                    warmup: int = 1, dtype: torch.dtype = torch.float32) -> float:
+def time_expert_ffn(
+    tokens: int,
+    hidden: int,
+    ffn_hidden: int,
+    device: torch.device,
+    reps: int = 3,
+    warmup: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """Median wall time [s] of one expert FFN forward (x[T, M] @ W1[M, F], GeLU, @ W2[F, M]) on `device`."""
     x = torch.full((tokens, hidden), 0.01, device=device, dtype=dtype)
     w1 = torch.full((hidden, ffn_hidden), 0.01, device=device, dtype=dtype)
@@ -250,9 +266,16 @@ def expert_token_sizes(max_tokens: int) -> list[int]:
     return sizes + [top]
 
 
-def measure_constants(ps: "ParallelState", token_elements: int, param_elements: int, ffn_hidden: int,
-                      max_tokens: int, group_kind: str = "ep", reps: int = 3,
-                      max_timed_tokens: int = 2048) -> PerfConstants:
+def measure_constants(
+    ps: "ParallelState",
+    token_elements: int,
+    param_elements: int,
+    ffn_hidden: int,
+    max_tokens: int,
+    group_kind: str = "ep",
+    reps: int = 3,
+    max_timed_tokens: int = 2048,
+) -> PerfConstants:
     """Measured constants on the run's real `group_kind` group (collective over the world).
 
     All-to-all: `comm_profile.time_collective` at `profile_sizes(max_tokens * token_elements)`,
@@ -270,25 +293,32 @@ def measure_constants(ps: "ParallelState", token_elements: int, param_elements: 
     a2a_sizes = profile_sizes(max_tokens * token_elements)
     ag_sizes = profile_sizes(param_elements)
     tok_sizes = expert_token_sizes(min(max_tokens, max_timed_tokens))
-    rows = [[time_collective("all_to_all", group, n, reps, 1, device) for n in a2a_sizes],
-            [time_collective("all_gather", group, n, reps, 1, device) for n in ag_sizes],
-            [time_expert_ffn(t, token_elements, ffn_hidden, device, reps) for t in tok_sizes]]
+    rows = [
+        [time_collective("all_to_all", group, n, reps, 1, device) for n in a2a_sizes],
+        [time_collective("all_gather", group, n, reps, 1, device) for n in ag_sizes],
+        [time_expert_ffn(t, token_elements, ffn_hidden, device, reps) for t in tok_sizes],
+    ]
     width = max(len(x) for x in rows)
-    times = torch.tensor([x + [0.0] * (width - len(x)) for x in rows], dtype=torch.float64,
-                         device=device).reshape(3, width)
+    times = torch.tensor([x + [0.0] * (width - len(x)) for x in rows], dtype=torch.float64, device=device).reshape(
+        3, width
+    )
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     t = times.cpu().tolist()
     received = [n * (d - 1) / d for n in fit_sizes("all_to_all", d, a2a_sizes)]
-    per_rank = [n // d for n in fit_sizes("all_gather", d, ag_sizes)]     # the input time_collective used
-    fit = fit_constants((received, t[0][:len(a2a_sizes)]), (per_rank, t[1][:len(ag_sizes)]),
-                        (tok_sizes, t[2][:len(tok_sizes)]))
+    per_rank = [n // d for n in fit_sizes("all_gather", d, ag_sizes)]  # the input time_collective used
+    fit = fit_constants(
+        (received, t[0][: len(a2a_sizes)]), (per_rank, t[1][: len(ag_sizes)]), (tok_sizes, t[2][: len(tok_sizes)])
+    )
     if not dist.is_initialized():
         return fit
     # rank 0's fit everywhere: a least-squares solve on another machine's BLAS could differ in the
     # last bit, and one differing plan would hang the run
-    vals = torch.tensor([fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha,
-                         fit.expert_beta], dtype=torch.float64, device=device)
+    vals = torch.tensor(
+        [fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha, fit.expert_beta],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.broadcast(vals, src=0)
     return PerfConstants(*(float(v) for v in vals.cpu().tolist()))
 

@@ -21,6 +21,7 @@ Algorithm 1 (`plan`), as in the paper with ties made explicit:
 Every quantity is an integer or a float computed in the same order from the same inputs, so
 equal counts and constants give the same plan on every rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,21 +90,34 @@ def _check_knobs(alpha: float, n: int, num_devices: int) -> None:
     if not np.isfinite(alpha) or alpha < 0:
         raise ValueError(f"--pro-prophet-alpha must be a finite number >= 0, got {alpha!r}")
     if isinstance(n, bool) or int(n) != n or n < 0 or n > max(num_devices - 2, 0):
-        raise ValueError(f"--pro-prophet-n must be an integer in [0, {max(num_devices - 2, 0)}] "
-                         f"for {num_devices} expert-parallel ranks, got {n!r}")
+        raise ValueError(
+            f"--pro-prophet-n must be an integer in [0, {max(num_devices - 2, 0)}] "
+            f"for {num_devices} expert-parallel ranks, got {n!r}"
+        )
 
 
-def _make_plan(counts: np.ndarray, replicas: Sequence[Sequence[int]], order: Sequence[int],
-               excluded: Sequence[Sequence[int]], model: PerfModel | None) -> PlacementPlan:
+def _make_plan(
+    counts: np.ndarray,
+    replicas: Sequence[Sequence[int]],
+    order: Sequence[int],
+    excluded: Sequence[Sequence[int]],
+    model: PerfModel | None,
+) -> PlacementPlan:
     d, e = counts.shape
     reps = normalize_replicas(replicas, d, e)
     before = loads(counts, normalize_replicas(None, d, e))[0]
     after = loads(counts, reps)[0]
-    return PlacementPlan(num_devices=d, num_experts=e, replicas=reps, order=tuple(int(x) for x in order),
-                         excluded=tuple(tuple(sorted(int(r) for r in b)) for b in excluded),
-                         predicted_s=None if model is None else model.layer_time(counts, reps),
-                         baseline_s=None if model is None else model.layer_time(counts, None),
-                         load_before=tuple(int(v) for v in before), load_after=tuple(int(v) for v in after))
+    return PlacementPlan(
+        num_devices=d,
+        num_experts=e,
+        replicas=reps,
+        order=tuple(int(x) for x in order),
+        excluded=tuple(tuple(sorted(int(r) for r in b)) for b in excluded),
+        predicted_s=None if model is None else model.layer_time(counts, reps),
+        baseline_s=None if model is None else model.layer_time(counts, None),
+        load_before=tuple(int(v) for v in before),
+        load_after=tuple(int(v) for v in after),
+    )
 
 
 def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0) -> PlacementPlan:
@@ -127,7 +141,7 @@ def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0) -> PlacementPlan
         h = loads(counts, replicas)[0]
         if d == 1 or is_balanced(h.tolist(), alpha, total, e):
             break
-        heavy = int(np.argmax(h))                           # first maximum: lowest rank on a tie
+        heavy = int(np.argmax(h))  # first maximum: lowest rank on a tie
         free = [x for x in range(heavy * per, (heavy + 1) * per) if x not in used]
         if not free:
             break
@@ -137,7 +151,7 @@ def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0) -> PlacementPlan
         bottom = sorted(others, key=lambda r: (int(counts[r, x]), r))[:n]
         reps = tuple(r for r in others if r not in bottom and counts[r, x] > 0)
         if not reps:
-            continue                                        # nobody else routes to x: nothing to move
+            continue  # nobody else routes to x: nothing to move
         replicas[x] = reps
         order.append(x)
         excluded.append(tuple(sorted(bottom)))
@@ -231,7 +245,7 @@ def block_schedule(plans: Sequence[PlacementPlan], model: PerfModel) -> BlockSch
         if not nxt.order:
             continue
         m = _static_share(cost(nxt, model.param_elements)[::-1], model.fnec_s)
-        head, tail = nxt.order[:len(nxt.order) - m], nxt.order[len(nxt.order) - m:]
+        head, tail = nxt.order[: len(nxt.order) - m], nxt.order[len(nxt.order) - m :]
         if head:
             forward.append(CommLaunch("trans", i + 1, head, i, "expert"))
         if tail:

@@ -17,6 +17,7 @@ matmul, the Triton gating and combine) round differently from the CPU's, and
 NCCL sums in another order than gloo. Pro-Prophet has no GPU test yet (it is
 not in the tree).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ from megatron_moe.testing import free_port, spawn
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 HAVE_NCCL = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-REASON = (f"needs at least 2 CUDA GPUs and NCCL (found {N_GPUS} GPU(s), NCCL "
-          f"{'available' if HAVE_NCCL else 'not available'}); these tests have never run: no GPU was lent")
+REASON = (
+    f"needs at least 2 CUDA GPUs and NCCL (found {N_GPUS} GPU(s), NCCL "
+    f"{'available' if HAVE_NCCL else 'not available'}); these tests have never run: no GPU was lent"
+)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(N_GPUS < 2 or not HAVE_NCCL, reason=REASON)]
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
@@ -84,12 +87,31 @@ SWITCHES = {
 def _train(data: str, tmp: Path, name: str, device: str, flags: list[str]) -> list[float]:
     """Losses of a 4-iteration EP2 run on 2 processes (torchrun) on `device`."""
     log = tmp / f"{name}-{device}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt_moe.py"),
-           *tiny_args(data, 4, "--expert-model-parallel-size", "2", "--device", device, *flags,
-                      "--log-interval", "1", "--log-json", str(log))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "pretrain_gpt_moe.py"),
+        *tiny_args(
+            data,
+            4,
+            "--expert-model-parallel-size",
+            "2",
+            "--device",
+            device,
+            *flags,
+            "--log-interval",
+            "1",
+            "--log-json",
+            str(log),
+        ),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)              # the compiled kernels on the GPU
+    env.pop("TRITON_INTERPRET", None)  # the compiled kernels on the GPU
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     with open(log) as f:
