@@ -90,8 +90,12 @@ def test_no_timestamps_flag_drops_them(sample_data, capsys):
 
 
 def _offline_run_ids(wandb_root) -> list[str]:
+    """Run ids of the offline run directories, oldest first: `offline-run-<YYYYMMDD_HHMMSS>-<id>`, with
+    a `-<n>` suffix when a directory of that second and id already exists (a resumed run)."""
     runs = sorted(d for d in os.listdir(os.path.join(wandb_root, "wandb")) if d.startswith("offline-run-"))
-    return [d.rsplit("-", 1)[1] for d in runs]
+    names = [re.fullmatch(r"offline-run-\d{8}_\d{6}-([0-9a-z]+)(?:-\d+)?", d) for d in runs]
+    assert all(names), f"unexpected wandb run directories {runs}"
+    return [m.group(1) for m in names if m]
 
 
 def test_wandb_run_id_is_stored_in_the_checkpoint_and_resumed(sample_data, tmp_path, monkeypatch):
