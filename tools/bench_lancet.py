@@ -43,7 +43,7 @@ from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union
 from megatron_moe.lancet.controller import choose_plan, setup
-from megatron_moe.lancet.cost import atomic_write_json
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
 from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE

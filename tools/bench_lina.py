@@ -50,7 +50,6 @@ load_avg_1min).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -61,6 +60,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
@@ -308,16 +308,6 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     }
 
 
-def write_json(path: str, rows: list[dict]) -> None:
-    """Write to a temporary name, then rename (never a half-written file)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
-
-
 def table(rows: list[dict]) -> str:
     head = (
         f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} "
@@ -407,7 +397,7 @@ def run(a: argparse.Namespace) -> None:
     if rank == 0:
         print(table(results), flush=True)
         if a.json:
-            write_json(a.json, results)
+            atomic_write_json(a.json, results, sort_keys=False)
             print(f"wrote {a.json}", flush=True)
 
 

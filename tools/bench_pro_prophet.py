@@ -39,7 +39,6 @@ trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
@@ -230,16 +230,6 @@ def measure_perf(cfg: Config, ps, a) -> dict:
     }
 
 
-def write_json(path: str, rows: list[dict]) -> None:
-    """Write to a temporary name, then rename (never a half-written file)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
-
-
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
@@ -321,7 +311,7 @@ def run(a: argparse.Namespace) -> None:
     if rank == 0:
         print(table(results), flush=True)
         if a.json:
-            write_json(a.json, results)
+            atomic_write_json(a.json, results, sort_keys=False)
             print(f"wrote {a.json}", flush=True)
 
 

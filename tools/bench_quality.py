@@ -43,6 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.arguments import parse_args as parse_train_args
 from megatron_moe.optim import lr_at
 
@@ -54,15 +55,6 @@ DEFAULT_WORK_DIR = os.path.join(ROOT, "runs", "bench_quality")
 
 class BenchError(Exception):
     """Bad input (a flag or a file): printed as `error: ...`, exit status 2."""
-
-
-def write_json(path: str, obj) -> None:
-    """Write `obj` to `path` through a temporary name, renamed when complete."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 # ============================================================================ reference
@@ -357,7 +349,7 @@ def run_moe_vs_dense(args) -> list[dict]:
             rows.append(run_one(args, name, seed, prefix))
             r = rows[-1]
             if args.json:
-                write_json(args.json, rows)
+                atomic_write_json(args.json, rows, sort_keys=False)
             print(f"> {name} seed {seed}: valid ppl {r['valid_ppl']:.2f}, {r['tokens_per_s']:.0f} tokens/s", flush=True)
     return rows
 
@@ -442,7 +434,7 @@ def main(argv=None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if args.json:
-        write_json(args.json, res)
+        atomic_write_json(args.json, res, sort_keys=False)
         print(f"wrote {args.json}")
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.collectives import group_size
-from megatron_moe.lancet.cost import atomic_write_json
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
 from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
 from megatron_moe.lancet.planner import (

@@ -17,25 +17,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from bisect import bisect_right
 from typing import Any, Callable, Iterable, Sequence
 
-
-def atomic_write_json(path: str, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file in the same folder and a rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+from megatron_moe.fileio import atomic_write_json
 
 
 class CommCostModel:
