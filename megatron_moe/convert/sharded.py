@@ -423,9 +423,8 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
 def fixed_batch(cfg: Config, batch: int = 2, length: int = 16) -> torch.Tensor:
     """The --verify batch: token ids [batch, T] (T = min(length, seq length)) from a seed-0 generator."""
     T = min(length, cfg.model.seq_length, cfg.model.max_position_embeddings or cfg.model.seq_length)
-    return torch.randint(
-        0, cfg.model.vocab_size, (batch, T), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu"
-    )  # the one-process CPU reference of --verify
+    gen = torch.Generator(device="cpu").manual_seed(0)  # the one-process CPU reference of --verify
+    return torch.randint(0, cfg.model.vocab_size, (batch, T), generator=gen, device="cpu")
 
 
 @torch.no_grad()

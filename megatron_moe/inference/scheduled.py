@@ -234,9 +234,8 @@ class ScheduledMoE:
             if not bool(sel.any()):
                 continue
             hosts = placement.hosts[e]
-            bounds = torch.tensor(
-                [(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)], dtype=torch.long, device="cpu"
-            )
+            cuts = [(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)]
+            bounds = torch.tensor(cuts, dtype=torch.long, device="cpu")
             j = torch.searchsorted(bounds, gidx[sel], right=True) - 1
             dest[sel] = torch.tensor(hosts, dtype=torch.long, device="cpu")[j]
         send_order = torch.argsort(dest * (E + 1) + e_sorted.cpu(), stable=True)  # by (dest, expert, token)

@@ -152,11 +152,8 @@ def profile(ps: "ParallelState", max_elements: int, reps: int = 3, warmup: int =
     device = ps.device
     sizes = profile_sizes(max_elements)
     kinds = _kinds(ps)
-    times = torch.tensor(
-        [[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes] for op, kind in kinds],
-        dtype=torch.float64,
-        device=device,
-    ).reshape(len(kinds), len(sizes))
+    measured = [[time_collective(op, ps.group(kind), n, reps, warmup, device) for n in sizes] for op, kind in kinds]
+    times = torch.tensor(measured, dtype=torch.float64, device=device).reshape(len(kinds), len(sizes))
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank fits the same numbers
     times = times.cpu()
     costs, raw = {}, {}
@@ -299,11 +296,8 @@ def profile_saa(
     n_esp = ps.size("esp")
     quantum = chunks * ps.size("ep_esp") * n_esp
     rounded = [-(-max(int(n), 1) // quantum) * quantum for n in sizes]
-    times = torch.tensor(
-        [time_saa(ps.group("ep_esp"), ps.group("mp"), n, n_esp, chunks, reps, warmup, device) for n in rounded],
-        dtype=torch.float64,
-        device=device,
-    )
+    measured = [time_saa(ps.group("ep_esp"), ps.group("mp"), n, n_esp, chunks, reps, warmup, device) for n in rounded]
+    times = torch.tensor(measured, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     times = times.cpu()
     fit = fit_overlap(rounded, times.tolist(), all_gather, ps.size("mp") / n_esp)
@@ -371,9 +365,8 @@ def expert_throughput(ps: "ParallelState", sh: MoEShape, reps: int = 3) -> float
     H_l = (sh.H or sh.M) // sh.n_esp
     rows = max(1, min(1024, sh.n_esp * sh.E * sh.C // sh.n_ep))
     flops = 3 * 2 * 2 * rows * sh.M * H_l
-    rate = torch.tensor(
-        [flops / max(time_expert_gemms(rows, sh.M, H_l, reps, ps.device), 1e-9)], dtype=torch.float64, device=ps.device
-    )
+    seconds = max(time_expert_gemms(rows, sh.M, H_l, reps, ps.device), 1e-9)
+    rate = torch.tensor([flops / seconds], dtype=torch.float64, device=ps.device)
     if dist.is_initialized():
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate.cpu()[0])

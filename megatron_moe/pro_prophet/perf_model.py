@@ -314,11 +314,8 @@ def measure_constants(
         return fit
     # rank 0's fit everywhere: a least-squares solve on another machine's BLAS could differ in the
     # last bit, and one differing plan would hang the run
-    vals = torch.tensor(
-        [fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha, fit.expert_beta],
-        dtype=torch.float64,
-        device=device,
-    )
+    fitted = [fit.a2a_alpha, fit.a2a_beta, fit.bcast_alpha, fit.bcast_beta, fit.expert_alpha, fit.expert_beta]
+    vals = torch.tensor(fitted, dtype=torch.float64, device=device)
     dist.broadcast(vals, src=0)
     return PerfConstants(*(float(v) for v in vals.cpu().tolist()))
 
