@@ -174,6 +174,17 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.optim.lr_decay_iters is None:
         cfg.optim.lr_decay_iters = t.train_iters
     validate_pro_prophet(cfg)
+    validate_lina_packing(cfg)
+
+
+def validate_lina_packing(cfg: Config) -> None:
+    """--lina-max-experts-per-rank, when given, must allow at least the experts EP already puts on a rank."""
+    o, ep, E = cfg.opts, cfg.parallel.expert_model_parallel_size, cfg.moe.num_experts
+    if o.lina_packing and o.lina_max_experts_per_rank and E and o.lina_max_experts_per_rank < E // ep:
+        raise ValueError(
+            f"--lina-max-experts-per-rank {o.lina_max_experts_per_rank} is below the {E // ep} experts per rank "
+            f"of --num-experts {E} / --expert-model-parallel-size {ep}"
+        )
 
 
 def validate_pro_prophet(cfg: Config) -> None:

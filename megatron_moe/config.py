@@ -378,6 +378,18 @@ class OptimizationsConfig:
         "Lina: split each MoE layer's all-to-alls into this many token-chunk "
         "micro-ops pipelined with the expert FFN (1: no pipelining)",
     )
+    lina_packing: bool = opt(
+        False,
+        "Lina expert packing: from iteration 10, every 4 iterations, when an FFN micro-op is "
+        "shorter than an all-to-all micro-op (max over ranks) halve EP and double expert-DP "
+        "(more experts per rank); the same training curve",
+    )
+    lina_max_experts_per_rank: int = opt(
+        0, "Lina expert packing: never pack beyond this many experts per rank (0: no bound)"
+    )
+    lina_packing_force: bool = opt(
+        False, "Lina expert packing: pack at every due iteration whatever the times (tests, fixed benchmarks)"
+    )
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
     lancet_max_partitions: int = opt(8, "Lancet rho: max partitions")
@@ -429,6 +441,7 @@ class OptimizationsConfig:
                 "lina_max_in_flight": AT_LEAST_ONE,
                 "lina_drain_ms": NON_NEGATIVE,
                 "lina_pipeline_chunks": AT_LEAST_ONE,
+                "lina_max_experts_per_rank": NON_NEGATIVE,
                 "lancet_max_partitions": AT_LEAST_ONE,
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
@@ -441,6 +454,8 @@ class OptimizationsConfig:
         )
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
+        if self.lina_packing_force and not self.lina_packing:
+            raise ValueError("--lina-packing-force needs --lina-packing")
 
 
 @dataclass

@@ -50,6 +50,9 @@ UNSUPPORTED: tuple = (
     ("--moe-dropless", None, "--lancet-partition", None),
     ("--moe-dropless", None, "--lancet-wgrad", None),
     ("--moe-dropless", None, "--moe-schedule", "s2"),
+    ("--lina-packing", None, "--lancet-wgrad", None),
+    ("--lina-packing", None, "--lancet-partition", None),
+    ("--lina-packing", None, "--pro-prophet", None),
 )
 
 

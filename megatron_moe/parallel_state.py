@@ -112,6 +112,7 @@ def rank_layout(world_size: int, mp: int = 1, ep: int = 1, esp: int = 1) -> Rank
 
 
 GROUP_KINDS = ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp", "world")
+EXPERT_REGROUPED = ("ep", "ep_esp", "expert_dp")  # the kinds whose ranks change with EP (`relayout_experts`)
 
 
 @dataclass
@@ -132,6 +133,8 @@ class ParallelState:
     # The device of this rank's tensors (the groups' device: CUDA under NCCL, CPU under gloo).
     # Every tensor the library creates takes its device from here or from the model's parameters.
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # groups replaced by `relayout_experts`, destroyed with the others by `destroy_model_parallel`
+    retired_groups: list = field(default_factory=list)
 
     def group(self, kind: str):
         return self._groups[kind]
@@ -152,6 +155,23 @@ class ParallelState:
             name_group(mine, kind)
             set_group_timeout(mine, self.timeout.total_seconds())
         return mine
+
+    def relayout_experts(self, ep: int) -> RankLayout:
+        """Switch the expert part of the layout to EP = `ep` (MP, ESP and the world unchanged, so
+        expert-DP becomes P / (ep * N_ESP)): Lina's expert packing (`moe.packing`).
+
+        Collective: every rank calls it with the same `ep`; the new ep, ep_esp and expert_dp groups
+        are created on every rank in the same order (`new_groups`). The esp groups keep their ranks
+        (ESP is the fastest coordinate) and stay. The old groups are kept aside until
+        `destroy_model_parallel` (a caller may still hold them) and the new layout is returned."""
+        lay = self.layout
+        new = rank_layout(lay.world_size, lay.mp, ep, lay.esp)
+        for kind in EXPERT_REGROUPED:
+            self.retired_groups.append(self._groups.pop(kind))
+        self.layout = new
+        for kind in EXPERT_REGROUPED:
+            self.new_groups(kind, getattr(new, f"{kind}_groups"))
+        return new
 
     def has_group(self, kind: str) -> bool:
         """True when a group of `kind` is held (the layout's kinds, or one made with `new_groups`)."""
@@ -320,6 +340,12 @@ def destroy_model_parallel() -> None:
     if _STATE is not None:
         for kind, g in _STATE._groups.items():
             if kind != "world" and g is not None:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:
+                    pass
+        for g in _STATE.retired_groups:
+            if g is not None:
                 try:
                     dist.destroy_process_group(g)
                 except Exception:

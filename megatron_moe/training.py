@@ -59,6 +59,7 @@ from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.packing import ExpertPacking
 from megatron_moe.moe.placement import Placement, gather_counts, routed_counts
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
@@ -299,6 +300,19 @@ class Trainer:
             meta = load_checkpoint(cfg.train.load, self.model, self.optimizer, self.ps, cfg)
             self.iteration, self.consumed = meta["iteration"], meta["consumed_samples"]
             self.checkpoint_meta = meta
+        o = cfg.opts
+        self.packing = (  # Lina's expert packing: a layout change between iterations (`moe.packing`)
+            ExpertPacking(
+                self.model,
+                self.optimizer,
+                self.ps,
+                cfg.moe.num_experts,
+                o.lina_max_experts_per_rank,
+                o.lina_packing_force,
+            )
+            if o.lina_packing
+            else None
+        )
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
@@ -511,6 +525,11 @@ class Trainer:
                 tokens_per_s=tokens_per_iter / dt,
                 tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size,
             )
+            if self.packing is not None:
+                decision = self.packing.step_done(self.iteration)
+                if decision:
+                    self.logger.line(f"> {decision}")
+                rec["experts_per_rank"] = self.packing.experts_per_rank
             history.append(rec)
             if bar is not None:
                 bar.update(1)
@@ -565,6 +584,8 @@ class Trainer:
             times = sorted(h["ms_per_iter"] for h in (history or [])[1:]) or [None]
             self.lancet.write_report(measured_iter_ms=times[len(times) // 2])
         self.grad_sync.remove()
+        if self.packing is not None:
+            self.packing.close()
         self.logger.close()
 
 

@@ -74,6 +74,22 @@ class Experts(nn.Module):
         # fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (`set_dw_queue`)
         self.deferred_bmm = None
 
+    def relayout(self, local: dict[str, torch.Tensor], num_local: int) -> None:
+        """Hold another set of experts (Lina's expert packing, `moe.packing`): `local` maps fc_w,
+        fc_b, proj_w, proj_b to this rank's new slices [num_local, ...]. The parameters stay the
+        same objects (the optimizer, gradient hooks and schedulers keep them), with new data and
+        no gradient."""
+        with torch.no_grad():
+            for name, p in (("fc_w", self.fc_w), ("fc_b", self.fc_b), ("proj_w", self.proj_w), ("proj_b", self.proj_b)):
+                t = local[name]
+                if t.shape[0] != num_local or t.shape[1:] != p.shape[1:]:
+                    raise ValueError(
+                        f"{name}: new slice {tuple(t.shape)} does not fit {num_local} experts like {tuple(p.shape)}"
+                    )
+                p.data = t.to(device=p.device, dtype=p.dtype).contiguous()
+                p.grad = None
+        self.num_local = num_local
+
     def set_dw_queue(self, queue, prefix: str) -> None:
         """Hand both weight-gradient GEMMs to `queue` (Lancet's WgradRuntime) as prefix + "fc1.dW" /
         "fc2.dW"; None: plain autograd."""
