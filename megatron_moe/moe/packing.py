@@ -44,6 +44,7 @@ from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard
 from megatron_moe.moe.placement import PARAMS
 
 if TYPE_CHECKING:
+    from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import ParallelState
 
 PACK_START = 10  # first iteration (counted as iterations done) at which packing is considered
@@ -89,7 +90,7 @@ class FFNClock:
     """Durations (ms) of the calls of every MoE layer's `Experts` (one FFN micro-op each: one chunk
     under --lina-pipeline-chunks), from the modules' forward pre/post hooks; CUDA events on a GPU."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: "GPT2MoE", device: torch.device):
         self.cuda = device.type == "cuda"
         self._open: dict[int, object] = {}
         self._spans: list = []  # (start, end): perf_counter seconds, or CUDA events
@@ -138,7 +139,7 @@ class ExpertPacking:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: "GPT2MoE",
         optimizer: torch.optim.Optimizer,
         ps: "ParallelState",
         num_experts: int,
