@@ -67,6 +67,7 @@ MARKS: dict[str, dict[str, object]] = {
         },
         "test_kept_tokens.py": {"test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source"},
         "test_lina_gate.py": ALL,
+        "test_lina_lancet.py": ALL,
         "test_lina_packing.py": {
             "test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout"
         },
