@@ -16,7 +16,10 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
   lina_partition  + micro-ops of each --partitions size, up to --max-in-flight in
                   flight under the link-rate launch budget;
   lina_pipeline   + all-to-alls in --pipeline-chunks micro-ops pipelined with the experts;
-  lina            everything implemented (expert packing is not: as lina_pipeline).
+  lina            everything: lina_pipeline + expert packing (`moe.packing`), decided after
+                  each warm-up iteration (FFN vs all-to-all micro-op time, MAX over ranks;
+                  --force-packing packs whatever the times) up to --max-experts-per-rank, so
+                  the measured iterations run in the final layout (EP halved per packing).
 The modes take turns, --rounds times; each turn builds the model, runs
 --warmup iterations, then --iters measured ones; an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
@@ -31,7 +34,9 @@ whole); a2a_share: that per-call sum over every all-to-all of the step
 overlap (time a gradient all-reduce ran during an all-to-all) and
 pipelining_efficiency (fraction of the time an all-to-all was in flight
 during which an expert forward or backward ran, from the experts' module
-hooks): mean over ranks; medians over iterations.
+hooks): mean over ranks; medians over iterations. experts_per_rank: after
+the mode's last iteration (packing changes it in mode lina); the layout is
+restored before the next mode.
 
 --model representative (default): 4 blocks, MoE at 2 and 4, M=256, H=1024, top-2,
 2048 tokens per rank: all-to-all buffers of 4 MB, ~9 MB of dense gradients, so the
@@ -69,6 +74,7 @@ from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.packing import ExpertPacking
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
@@ -129,6 +135,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=4, help="--lina-max-in-flight of the partitioned Lina modes")
     p.add_argument("--pipeline-chunks", type=int, default=4, help="--lina-pipeline-chunks of lina_pipeline and lina")
     p.add_argument(
+        "--max-experts-per-rank",
+        type=int,
+        default=0,
+        help="--lina-max-experts-per-rank of mode lina's expert packing (0: no bound)",
+    )
+    p.add_argument(
+        "--force-packing",
+        action="store_true",
+        help="mode lina packs after every warm-up iteration whatever the times (--lina-packing-force)",
+    )
+    p.add_argument(
         "--modes", default="alone,no_lina,lina", help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})"
     )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
@@ -153,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters and --rounds must be >= 1, --warmup >= 0")
     if a.max_in_flight < 1 or a.pipeline_chunks < 1:
         p.error("--max-in-flight and --pipeline-chunks must be >= 1")
+    if a.max_experts_per_rank < 0:
+        p.error("--max-experts-per-rank must be >= 0")
     return a
 
 
@@ -170,13 +189,21 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
     """(the Lina scheduler of `mode` or None, pipeline chunks) -- the paper's Figure 14 ablation:
     lina_priority: whole tensors, one in flight, only the priority gate; lina_partition: + micro-ops
     of `partition_mb` (coalesced) under the launch budget; lina_pipeline: + all-to-all micro-ops pipelined with
-    the experts; lina: everything implemented (expert packing is not: the same as lina_pipeline)."""
+    the experts; lina: the same plus expert packing (`packing_for`)."""
     if mode in ("alone", "no_lina"):
         return None, 1
     if mode == "lina_priority":
         return LinaScheduler(WHOLE_TENSORS_MB, a.comm_timeout, max_in_flight=1), 1
     sched = LinaScheduler(partition_mb, a.comm_timeout, max_in_flight=a.max_in_flight, coalesce=True)
     return sched, (1 if mode == "lina_partition" else a.pipeline_chunks)
+
+
+def packing_for(a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int) -> Optional[ExpertPacking]:
+    """Mode lina's expert packing: due after every warm-up iteration (from iteration 1, every 1;
+    `run_mode` stops asking after the warm-up), up to --max-experts-per-rank."""
+    if mode != "lina":
+        return None
+    return ExpertPacking(model, opt, ps, num_experts, a.max_experts_per_rank, a.force_packing, start=1, every=1)
 
 
 class ExpertClock:
@@ -231,6 +258,8 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         layer.set_pipeline_chunks(chunks)
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    ep_before = ps.size("ep")
+    packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts)
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()
     clock = ExpertClock(model)
@@ -254,6 +283,13 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         t2 = time.perf_counter()
         opt.step()
         step = time.perf_counter() - t0
+        del lm, aux  # their graph holds the parameters' gradient accumulators: none may outlive a step
+        if packing is not None and it < a.warmup:  # between steps, outside the measured time
+            decision = packing.step_done(it + 1)
+            if decision and ps.global_rank == 0:
+                print(f"    {mode}: {decision}", flush=True)
+            if it == a.warmup - 1:
+                packing.close()  # no packing (and no timing hooks) in the measured iterations
         if it >= a.warmup:
             steps.append(1e3 * step)
             syncs.append(1e3 * (t2 - t1))
@@ -271,6 +307,11 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
     log.stop()
     clock.remove()
+    experts_per_rank = cfg.moe.num_experts // ps.size("ep")
+    if packing is not None:
+        packing.close()
+        if ps.size("ep") != ep_before:
+            ps.relayout_experts(ep_before)  # the next mode starts from the configured layout
     stats = {} if sched is None else {"max_in_flight_seen": sched.max_concurrent, "link_mb_s": sched.rate_bps or 0.0}
     if sync is not None:
         sync.remove()
@@ -305,6 +346,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         "overlap_ms": (ov[0] / world).tolist(),
         "pipelining_efficiency": (ov[1] / world).tolist(),
         "sync_after_backward_ms": (ov[2] / world).tolist(),
+        "experts_per_rank": [experts_per_rank],
     }
 
 
@@ -375,7 +417,8 @@ def run(a: argparse.Namespace) -> None:
         {
             "mode": mode,
             "partition_mb": part,
-            **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items()},
+            **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items() if k != "experts_per_rank"},
+            "experts_per_rank": pooled[(mode, part)]["experts_per_rank"][-1],  # after the last round
         }
         for mode, part in plan
     ]
@@ -390,7 +433,6 @@ def run(a: argparse.Namespace) -> None:
         )
         r["a2a_share"] = r["a2a_total_ms_median"] / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
         r["speedup_vs_no_lina"] = base / r["step_ms_median"] if r["step_ms_median"] > 0 else float("nan")
-        r["experts_per_rank"] = cfg.moe.num_experts // ps.size("ep")
         r["model"] = a.model
         r["world_size"] = world
         r["load_avg_1min"] = os.getloadavg()[0]  # other work on the machine makes timings noisy

@@ -78,7 +78,9 @@ class Experts(nn.Module):
         """Hold another set of experts (Lina's expert packing, `moe.packing`): `local` maps fc_w,
         fc_b, proj_w, proj_b to this rank's new slices [num_local, ...]. The parameters stay the
         same objects (the optimizer, gradient hooks and schedulers keep them), with new data and
-        no gradient."""
+        no gradient. Call it between iterations, when no autograd graph that used the experts is
+        alive (a live graph keeps each parameter's gradient accumulator, which remembers the old
+        shape: its next backward would fail on the shape)."""
         with torch.no_grad():
             for name, p in (("fc_w", self.fc_w), ("fc_b", self.fc_b), ("proj_w", self.proj_w), ("proj_b", self.proj_b)):
                 t = local[name]

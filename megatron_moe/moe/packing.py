@@ -135,7 +135,8 @@ def mean(values: list[float]) -> float:
 
 class ExpertPacking:
     """The packing stage of a run (module docstring). `step_done(iteration)` after every optimizer
-    step (every rank); returns the log line of a decision, else None."""
+    step (every rank); returns the log line of a decision, else None. `start` / `every`: the due
+    iterations (the trainer keeps PACK_START / PACK_EVERY; a benchmark packs during its warm-up)."""
 
     def __init__(
         self,
@@ -145,8 +146,11 @@ class ExpertPacking:
         num_experts: int,
         max_per_rank: int = 0,
         force: bool = False,
+        start: int = PACK_START,
+        every: int = PACK_EVERY,
     ):
         self.model, self.optimizer, self.ps = model, optimizer, ps
+        self.start, self.every = start, every
         self.num_experts, self.max_per_rank, self.force = num_experts, max_per_rank, force
         self.decisions: list[dict] = []
         self.log: Optional[CommLog] = None
@@ -183,7 +187,7 @@ class ExpertPacking:
         if self.log is None or self.clock is None:
             return None
         line = None
-        if packing_due(iteration):
+        if packing_due(iteration, self.start, self.every):
             ffn, comm = self.measure()
             pack = self.force or should_pack(ffn, comm)
             old = self.ps.size("ep")
