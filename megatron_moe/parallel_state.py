@@ -115,6 +115,15 @@ GROUP_KINDS = ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp", "world")
 EXPERT_REGROUPED = ("ep", "ep_esp", "expert_dp")  # the kinds whose ranks change with EP (`relayout_experts`)
 
 
+def derived_from(kind: str, base: str) -> bool:
+    """True when group kind `kind` is `base` or a second communicator over its ranks named
+    PREFIX_base ("lina_expert_dp" of "expert_dp"), so it follows `base` in `relayout_experts`."""
+    if kind == base:
+        return True
+    longer = [b for b in EXPERT_REGROUPED if len(b) > len(base) and b.endswith("_" + base)]
+    return kind.endswith("_" + base) and not any(kind == b or kind.endswith("_" + b) for b in longer)
+
+
 @dataclass
 class ParallelState:
     """torch.distributed groups of one layout, for the calling rank.
@@ -161,16 +170,19 @@ class ParallelState:
         expert-DP becomes P / (ep * N_ESP)): Lina's expert packing (`moe.packing`).
 
         Collective: every rank calls it with the same `ep`; the new ep, ep_esp and expert_dp groups
-        are created on every rank in the same order (`new_groups`). The esp groups keep their ranks
+        are created on every rank in the same order (`new_groups`), and so are groups made with
+        `new_groups` over the same ranks under a derived name ("lina_expert_dp": a second
+        communicator over the expert-DP ranks). The esp groups keep their ranks
         (ESP is the fastest coordinate) and stay. The old groups are kept aside until
         `destroy_model_parallel` (a caller may still hold them) and the new layout is returned."""
         lay = self.layout
         new = rank_layout(lay.world_size, lay.mp, ep, lay.esp)
-        for kind in EXPERT_REGROUPED:
+        kinds = [(k, base) for k in sorted(self._groups) for base in EXPERT_REGROUPED if derived_from(k, base)]
+        for kind, _ in kinds:
             self.retired_groups.append(self._groups.pop(kind))
         self.layout = new
-        for kind in EXPERT_REGROUPED:
-            self.new_groups(kind, getattr(new, f"{kind}_groups"))
+        for kind, base in kinds:
+            self.new_groups(kind, getattr(new, f"{base}_groups"))
         return new
 
     def has_group(self, kind: str) -> bool:

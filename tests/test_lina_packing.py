@@ -1,6 +1,6 @@
 """Lina's expert packing (--lina-packing, `megatron_moe.moe.packing`).
 
-One 4-process spawn runs the tiny trainer model (4 experts, top-2 with drops, Adam) for 20
+One 4-process spawn (a module fixture) runs the tiny trainer model (4 experts, top-2 with drops, Adam) for 20
 iterations with EP4 (one expert per rank), then the same run with packing forced at iteration
 10 (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
 further), saving after packing (iteration 15, in the packed layout). That checkpoint is resharded
@@ -8,18 +8,28 @@ to EP4 with the conversion tool and a third run continues from it in the origina
 Checks: the packed curve equals the unpacked one within 1e-5 (parameters *and* Adam state were
 moved: a wrong move shows in the next iterations), the layout changed exactly at iteration 10,
 every rank decided on the same measured times, and the resumed run continues the same curve.
+
+The same spawn then packs EP2 x ESP2 to EP1 x ESP2 x expert-DP2 directly (`ExpertPacking.relayout`)
+and checks every rank's expert slices and Adam moments against the slices of the full tensors
+assembled before the move, the new groups' ranks, and the loss of the next steps.
 """
 
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_moe import optimizations
 from megatron_moe.arguments import parse_args, validate
 from megatron_moe.checkpointing import read_metadata
 from megatron_moe.cli.convert import main as convert_main
-from megatron_moe.moe.packing import next_ep, packing_due, should_pack
+from equivalence import MICRO_BATCH, global_batch, tiny_config
+from megatron_moe.distributed.grad_sync import GradSync
+from megatron_moe.layers.sharding import assemble, coords_key, local_pieces, rank_coords, shard_spec, shard_tensor
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.packing import ExpertPacking, next_ep, packing_due, should_pack
+from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 from megatron_moe.testing import spawn
 from megatron_moe.training import Trainer
 from tiny_run import tiny_args
@@ -52,11 +62,18 @@ def _runs(rank, world, data, ckpt, converted):
         assert code == 0
     dist.barrier()
     out["resumed"] = _train(tiny_args(data, ITERS, *EP4, "--load", converted))
+    out["esp"] = _relayout_esp(rank, world)
     return out
 
 
-def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout(sample_data, tmp_path):
-    per_rank = spawn(_runs, 4, sample_data, str(tmp_path / "ckpt"), str(tmp_path / "ckpt_ep4"), timeout=300)
+@pytest.fixture(scope="module")
+def per_rank(sample_data, tmp_path_factory) -> list:
+    """The results of the one 4-process spawn of this module (its docstring)."""
+    tmp = tmp_path_factory.mktemp("packing")
+    return spawn(_runs, 4, sample_data, str(tmp / "ckpt"), str(tmp / "ckpt_ep4"), timeout=600)
+
+
+def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout(per_rank):
     plain = per_rank[0]["plain"][0]
     assert len(plain) == ITERS and any(h["dropped_frac"] > 0 for h in plain), "tokens must be dropped"
     assert per_rank[0]["layout_saved"]["expert_model_parallel_size"] == 2  # saved after packing
@@ -98,3 +115,74 @@ def test_packing_flag_errors_name_the_flags():
     for flag in ("--lancet-partition", "--lancet-wgrad"):
         with pytest.raises(ValueError, match=f"--lina-packing cannot be combined with {flag}"):
             optimizations.check_combination(parse_args(["--lina-packing", flag]))
+
+
+def _state_pieces(model, opt, ps) -> dict:
+    """{name/state: (coords key, tensor)} of this rank's Adam moments (as `local_pieces` does for params)."""
+    coords, out = rank_coords(ps), {}
+    for name, p in model.named_parameters():
+        for k, v in opt.state[p].items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                out[f"{name}/{k}"] = (coords_key(coords, shard_spec(p)), v.detach().clone())
+    return out
+
+
+def _step(model, opt, sync, ps, seed: int) -> float:
+    """One AdamW step on this data-parallel rank's share of a seeded global batch; its loss."""
+    ids, labels = global_batch(ps.size("dp"), seed=seed)
+    rows = slice(ps.rank("dp") * MICRO_BATCH, (ps.rank("dp") + 1) * MICRO_BATCH)
+    opt.zero_grad(set_to_none=True)
+    lm, aux = model(ids[rows], labels[rows])
+    (lm + aux).backward()
+    sync.finish()
+    opt.step()
+    return float((lm + aux).detach())
+
+
+def _relayout_esp(rank, world):
+    """4 steps at EP2 x ESP2; then 2 steps, packing to EP1 (x ESP2 x expert-DP2), 2 more steps."""
+    ps = initialize_model_parallel(1, 2, 2)
+    try:
+        cfg = tiny_config(k=2, num_experts=4)
+        out = {}
+        for packed in (False, True):
+            model = GPT2MoE(cfg, ps)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            sync = GradSync(model, ps, bucket_mb=0.01)
+            losses = [_step(model, opt, sync, ps, s) for s in range(2 if packed else 4)]
+            if packed:
+                out["before"] = (local_pieces(model, ps), _state_pieces(model, opt, ps))
+                ExpertPacking(model, opt, ps, cfg.moe.num_experts).relayout(1)
+                out["after"] = (local_pieces(model, ps), _state_pieces(model, opt, ps))
+                out["coords"] = rank_coords(ps)
+                out["groups"] = {k: ps.ranks(k) for k in ("ep", "esp", "ep_esp", "expert_dp")}
+                losses += [_step(model, opt, sync, ps, s) for s in range(2, 4)]
+            out["packed" if packed else "plain"] = losses
+            sync.remove()
+        return out
+    finally:
+        destroy_model_parallel()
+
+
+def test_relayout_moves_expert_slices_and_adam_state_under_esp(per_rank):
+    esp = [r["esp"] for r in per_rank]
+    specs = {n: shard_spec(p) for n, p in GPT2MoE(tiny_config(k=2, num_experts=4), local_state()).named_parameters()}
+    full = assemble([r["before"][0] for r in esp], specs)  # also: replicas agree
+    state_specs = {k: specs[k.split("/")[0]] for k in esp[0]["before"][1]}
+    full_state = assemble([r["before"][1] for r in esp], state_specs)
+    assert any("exp_avg_sq" in k for k in full_state) and any(".experts." in k for k in full_state)
+    for rank, r in enumerate(esp):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]  # ESP stays the fastest coordinate
+        want = {"ep": [rank], "esp": pair, "ep_esp": pair, "expert_dp": [rank % 2, rank % 2 + 2]}
+        assert r["groups"] == want, (rank, r["groups"])
+        assert r["coords"]["ep"] == (0, 1) and r["coords"]["esp"] == (rank % 2, 2)
+        params, states = r["after"]
+        for name, (_, t) in params.items():
+            expect = shard_tensor(full[name], specs[name], r["coords"])
+            assert torch.equal(t, expect), f"rank {rank}: {name} after packing is not its slice"
+        for key, (_, t) in states.items():
+            expect = shard_tensor(full_state[key], state_specs[key], r["coords"])
+            assert torch.equal(t, expect), f"rank {rank}: optimizer state {key} after packing is not its slice"
+        assert len(states) == len(r["before"][1])
+        for i, (a, b) in enumerate(zip(r["plain"], r["packed"])):
+            assert abs(a - b) < 1e-5, f"rank {rank} step {i + 1}: {b} packed vs {a}"
