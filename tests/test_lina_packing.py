@@ -1,8 +1,8 @@
 """Lina's expert packing (--lina-packing, `megatron_moe.moe.packing`).
 
 One 4-process spawn (a module fixture) runs the tiny trainer model (4 experts, top-2 with drops, Adam) for 20
-iterations with EP4 (one expert per rank), then the same run with packing forced at iteration
-10 (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
+iterations with EP4 (one expert per rank), then the same run with all of Lina (4 KiB micro-ops,
+all-to-alls in 2 pipelined chunks) and packing forced at iteration 10 (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
 further), saving after packing (iteration 15, in the packed layout). That checkpoint is resharded
 to EP4 with the conversion tool and a third run continues from it in the original layout.
 Checks: the packed curve equals the unpacked one within 1e-5 (parameters *and* Adam state were
@@ -37,6 +37,7 @@ from tiny_run import tiny_args
 ITERS = 20
 EP4 = ("--expert-model-parallel-size", "4")  # AdamW (the default)
 PACK = ("--lina-packing", "--lina-packing-force", "--lina-max-experts-per-rank", "2")
+LINA = ("--lina", "--lina-partition-mb", "0.004", "--lina-pipeline-chunks", "2")  # the rest of Lina, on
 
 
 def _train(args) -> tuple[list, list, int, int]:
@@ -52,7 +53,7 @@ def _train(args) -> tuple[list, list, int, int]:
 
 def _runs(rank, world, data, ckpt, converted):
     out = {"plain": _train(tiny_args(data, ITERS, *EP4))}
-    out["packed"] = _train(tiny_args(data, ITERS, *EP4, *PACK, "--save", ckpt, "--save-interval", "15"))
+    out["packed"] = _train(tiny_args(data, ITERS, *EP4, *PACK, *LINA, "--save", ckpt, "--save-interval", "15"))
     if rank == 0:
         out["layout_saved"] = read_metadata(os.path.join(ckpt, "iter_0000015"))["layout"]
         code = convert_main(
