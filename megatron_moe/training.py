@@ -511,6 +511,8 @@ class Trainer:
         start_iter = self.iteration
         while self.iteration < t.train_iters:
             self.profiler.before_step(self.iteration)
+            if self.packing is not None:
+                self.packing.step_begins()  # evaluations between steps are not measured
             t0 = time.perf_counter()
             with annotate("train/step"):
                 rec = self.train_step([next(it) for _ in range(self.num_micro)])

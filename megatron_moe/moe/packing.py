@@ -182,6 +182,12 @@ class ExpertPacking:
         ffn, comm = t.tolist()
         return ffn, comm
 
+    def step_begins(self) -> None:
+        """A training iteration starts: what is measured from here on is its own (not an evaluation's)."""
+        if self.log is not None and self.clock is not None:
+            self.log.clear()
+            self.clock.clear()
+
     def step_done(self, iteration: int) -> Optional[str]:
         """After iteration `iteration`: decide at the due iterations (module docstring), pack if so."""
         if self.log is None or self.clock is None:
@@ -208,9 +214,7 @@ class ExpertPacking:
             )
             if not self.can_pack:
                 self.close()
-        if self.log is not None and self.clock is not None:
-            self.log.clear()
-            self.clock.clear()
+        self.step_begins()  # nothing kept until the next iteration (callers may also call it then)
         return line
 
     def relayout(self, new_ep: int) -> None:
