@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_moe.distributed import streams
-from megatron_moe.distributed.grad_sync import lina_groups
+from megatron_moe.distributed.grad_sync import lina_group, make_lina_groups
 from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.lancet.controller import setup
@@ -117,7 +117,8 @@ def _lina_on_side_streams(rank: int, world: int) -> dict:
     2500 dp, 700 expert-dp, then 300 + 200 dp (one coalesced micro-op of two tensors)."""
     ps = initialize_model_parallel(1, 1, 1)  # world 2: dp 2, expert-dp 2
     try:
-        groups = lina_groups(ps)
+        make_lina_groups(ps)
+        groups = {kind: lina_group(ps, kind) for kind in ("dp", "expert_dp")}
         rec = StreamRecorder()
         sched = LinaScheduler(1024 * 4 / 2**20, 60.0, coalesce=True, stream_api=rec)
         cpu = ps.device

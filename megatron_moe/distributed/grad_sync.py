@@ -20,7 +20,7 @@ over, so the collectives of every group are issued in the same order on all
 ranks whatever the hook timing. Code that writes a gradient outside autograd
 (deferred weight gradients) calls `mark_ready(p)` when it is final. The
 scheduler's collectives go over Lina's dedicated communicators
-(`lina_groups`): one more process group per group kind, over the same ranks,
+(`make_lina_groups` / `lina_group`): one more process group per group kind, over the same ranks,
 that no other collective uses (NCCL requires every rank to issue a
 communicator's operations in one order; the launcher thread's order and the
 main thread's cannot interleave the same way on every rank).
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_moe.distributed import comm_errors, observer
-from megatron_moe.distributed.collectives import all_reduce_raw, group_size
+from megatron_moe.distributed.collectives import LOCAL_GROUP, all_reduce_raw
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -47,20 +47,21 @@ def grad_group_kind(p: torch.nn.Parameter) -> str:
 LINA_GROUPS = {"dp": "lina_dp", "expert_dp": "lina_expert_dp"}  # group kind -> Lina's communicator
 
 
-def lina_groups(ps: "ParallelState") -> dict[str, object]:
-    """Lina's dedicated communicator of each gradient group kind ('dp', 'expert_dp'): a group over
-    the same ranks (`ps.new_groups`, kinds "lina_dp" / "lina_expert_dp") created on the first call
-    and reused after. Collective on the first call (every rank, same order). A kind whose group is
-    one rank keeps it (nothing is reduced there)."""
-    out = {}
+def make_lina_groups(ps: "ParallelState") -> None:
+    """Create Lina's dedicated communicator of each gradient group kind ('dp', 'expert_dp'): a group
+    over the same ranks (`ps.new_groups`, kinds "lina_dp" / "lina_expert_dp"; a later
+    `ps.relayout_experts` remakes "lina_expert_dp" with its base). Collective on the first call
+    (every rank, same order); later calls find them. Nothing for a one-process state."""
     for kind, name in LINA_GROUPS.items():
-        if group_size(ps.group(kind)) == 1:  # the same on every rank: the layout's groups are equal
-            out[kind] = ps.group(kind)
-            continue
-        if not ps.has_group(name):
+        if ps.group(kind) is not LOCAL_GROUP and not ps.has_group(name):
             ps.new_groups(name, getattr(ps.layout, f"{kind}_groups"))
-        out[kind] = ps.group(name)
-    return out
+
+
+def lina_group(ps: "ParallelState", kind: str):
+    """The communicator Lina's micro-ops of `kind` go through now: its dedicated one (looked up
+    at each call: a relayout replaces it), or the kind's own group in a one-process state."""
+    name = LINA_GROUPS[kind]
+    return ps.group(name) if ps.has_group(name) else ps.group(kind)
 
 
 def sync_gradients(model: torch.nn.Module, ps: "ParallelState") -> None:
@@ -97,7 +98,8 @@ class GradSync:
     ):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler
-        self._sched_groups = lina_groups(ps) if scheduler is not None else {}
+        if scheduler is not None:
+            make_lina_groups(ps)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[dict] = []
         limit = int(bucket_mb * 2**20)
@@ -133,7 +135,7 @@ class GradSync:
         """Hand gradients to `scheduler` (Lina) from now on (before the first backward); attaches it.
         Collective (creates Lina's communicators on the first call)."""
         self.scheduler = scheduler
-        self._sched_groups = lina_groups(self.ps)
+        make_lina_groups(self.ps)
         scheduler.attach(model)
 
     def reset(self) -> None:
@@ -175,7 +177,7 @@ class GradSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             flat = p.grad.view(-1) if p.grad.is_contiguous() else p.grad.contiguous().view(-1)
-            self._submitted.append((p, flat, self.scheduler.submit(kind, flat, self._sched_groups[kind])))
+            self._submitted.append((p, flat, self.scheduler.submit(kind, flat, lina_group(self.ps, kind))))
             self._next += 1
 
     def _finish_scheduled(self) -> None:

@@ -49,7 +49,7 @@ Here:
 
 Communicators and streams (CUDA; on the CPU the stream calls are no-ops):
   * GradSync hands over each group's gradients with Lina's dedicated
-    communicator of that group (`grad_sync.lina_groups`: "lina_dp",
+    communicator of that group (`grad_sync.lina_group`: "lina_dp",
     "lina_expert_dp", a second process group over the same ranks that nothing
     else uses), issued by the one launcher thread in queue order;
   * each communicator has its side stream ("lina-dp", "lina-expert_dp"). A

@@ -51,7 +51,7 @@ Who uses it and how:
     dispatcher's async handles) enqueue dW on the caller's stream, which is
     after the launch by construction.
   * Lina (`lina.py`, `grad_sync.py`): the launcher issues every micro-op of a
-    group on ONE dedicated communicator (`grad_sync.lina_groups`: a second
+    group on ONE dedicated communicator (`grad_sync.make_lina_groups`: a second
     process group over the same ranks, `ps.new_groups("lina_dp",
     ps.layout.dp_groups)` and likewise "lina_expert_dp", created by every rank
     in the same order when GradSync gets the scheduler) from one thread, in the
