@@ -109,6 +109,10 @@ MARKS: dict[str, dict[str, object]] = {
         "test_parm_schedules.py": ALL,
         "test_saa_events.py": ALL,
         "test_streams.py": {"test_collective_waited_on_a_lane_finishes_before_its_consumer_launches"},
+        "test_streams_users.py": {
+            "test_lina_micro_ops_run_on_one_side_stream_per_communicator_after_their_gradients",
+            "test_partitioned_parts_run_experts_and_return_launches_on_the_side_stream",
+        },
         "test_training.py": {
             "test_golden_curve_matches_one_process",
             "test_resume_reproduces_the_uninterrupted_curve_exactly",

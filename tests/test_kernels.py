@@ -125,6 +125,36 @@ def test_topk_gating_equals_the_router_forward_and_backward(k, cf):
 
 
 @needs_triton
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("cf", [0.5, 0.25, 0.0])  # top-2 at 0.5: tokens keep 0, 1 or 2; at 0.25: 0 or 1
+def test_gating_backward_kernel_equals_autograd_of_the_torch_formulas(k, cf):
+    """The backward kernel alone against torch autograd of the same formulas (`gating_weights`), with
+    an upstream gradient on the gates and on the weights, drops (kept / dropped / both dropped)."""
+    cap = S if cf == 0 else capacity(S, E, k, cf, 1)
+    logits = _logits(5)
+    ref = route(logits, k, cf, 1, dropless=cf == 0)
+    expert, slot = ref.expert, ref.slot
+    kept = (slot >= 0).sum(dim=1)
+    assert (kept < k).any() == (cf > 0)
+    assert k == 1 or (kept == 0).any() == (cf > 0)  # top-2 tokens with both choices dropped
+    g = torch.Generator().manual_seed(6)
+    a, b = _randn(g, S, E), _randn(g, S, k)
+    leaf = logits.clone().requires_grad_()
+    gates, weight = kernels.gating_weights(leaf, expert, slot)
+    torch.autograd.backward([gates, weight], [a, b])
+    args = _dev(gates.detach(), expert, slot, a, b)
+    got = kernels.gating_backward(*args).cpu()
+    assert got.dtype == torch.float32 and cap == ref.capacity
+    torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-7)
+    # the weights' gradient reaches the logits where a weight varies: top-1 kept, or top-2 with both
+    # kept (a top-2 token keeping one choice has weight 1: nothing flows back)
+    without = kernels.gating_backward(*args[:4], torch.zeros_like(args[4])).cpu()
+    varies = (kept >= 1).any() if k == 1 else (kept == 2).any()
+    assert bool(varies) == (k == 1 or cf != 0.25)
+    assert ((without - leaf.grad).abs().max().item() > 1e-3) == bool(varies)
+
+
+@needs_triton
 def test_topk_gating_refuses_k_3():
     with pytest.raises(ValueError, match="--moe-router-topk must be 1 or 2, got 3"):
         kernels.topk_gating(_logits(0).to(DEV), 3, 10)

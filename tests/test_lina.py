@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from equivalence import MICRO_BATCH, tiny_config
 from megatron_moe.distributed import observer as events
-from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind
+from megatron_moe.distributed.grad_sync import LINA_GROUPS, GradSync, grad_group_kind
 from megatron_moe.distributed.lina import CommTimeoutError, LinaScheduler
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -93,7 +93,7 @@ def expected_micro_ops(model, ps, partition_mb: float) -> list[tuple[str, int, i
             continue
         n = p.numel()
         parts = -(-n // per)
-        out += [(kind, 4 * (min(n, (j + 1) * per) - j * per), j, parts) for j in range(parts)]
+        out += [(LINA_GROUPS[kind], 4 * (min(n, (j + 1) * per) - j * per), j, parts) for j in range(parts)]
     return out
 
 
@@ -107,17 +107,17 @@ def expected_coalesced(model, ps, partition_mb: float) -> list[tuple[str, int]]:
         if ps.size(kind) == 1:
             continue
         if kind != kind_open and fill:
-            out.append((kind_open, 4 * fill))
+            out.append((LINA_GROUPS[kind_open], 4 * fill))
             fill = 0
         kind_open, n = kind, p.numel()
         while n:
             take = min(per - fill, n)
             fill, n = fill + take, n - take
             if fill == per:
-                out.append((kind, 4 * per))
+                out.append((LINA_GROUPS[kind], 4 * per))
                 fill = 0
     if fill:
-        out.append((kind_open, 4 * fill))
+        out.append((LINA_GROUPS[kind_open], 4 * fill))
     return out
 
 
@@ -298,7 +298,7 @@ def test_lina_training_curve_and_gradients_match_plain(ranks):
 def test_micro_op_sizes_and_order_same_on_every_rank(ranks):
     expected = ranks[0]["expected_micro_ops"]
     assert any(parts > 1 for *_, parts in expected), "the partition must split some tensors"
-    assert {g for g, *_ in expected} == {"dp", "expert_dp"}
+    assert {g for g, *_ in expected} == {"lina_dp", "lina_expert_dp"}  # Lina's own communicators
     for rank, r in enumerate(ranks):
         assert r["expected_micro_ops"] == expected
         assert len(r["micro_ops"]) == ITERS

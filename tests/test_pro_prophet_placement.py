@@ -99,7 +99,7 @@ def _steps(k: int, mp: int, ep: int, esp: int, E: int, plan: dict, schedule) -> 
                     opt.zero_grad(set_to_none=True)
                 ids, labels = global_batch(ps.size("dp"), seed=step)
                 used.append(runtime.placement_of(layers[0].layer_idx).replicas if runtime else None)
-                lm, aux = model(ids[sl], labels[sl])
+                lm, aux = model(ids[sl].to(ps.device), labels[sl].to(ps.device))  # CUDA under NCCL (tests/gpu)
                 (lm + aux).backward()
                 sync_gradients(model, ps)
                 losses.append((lm + aux).item())

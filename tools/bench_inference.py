@@ -53,7 +53,7 @@ from megatron_moe.inference.engine import InferenceEngine, inference_config, loa
 from megatron_moe.inference.popularity import PathProfile
 from megatron_moe.inference.scheduled import MODES, ScheduledMoE, gate_fingerprint
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.parallel_state import initialize_model_parallel, shutdown
+from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 
 def bench_config(args) -> Config:
@@ -139,8 +139,11 @@ def main() -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    if not dist.is_initialized():  # CUDA + NCCL where a GPU is present (rank r on GPU LOCAL_RANK), else gloo
+        device, backend = device_and_backend("auto", None)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         if args.skew < 0:
@@ -187,16 +190,18 @@ def main() -> int:
                 dist.barrier()
                 t0 = time.perf_counter()
                 engine.generate(prompts, args.new_tokens)
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cpu")
+                if ps.device.type == "cuda":  # completion, not enqueue
+                    torch.cuda.synchronize(ps.device)
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=ps.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if b >= args.warmup:
                     lat[mode].append(float(t) * 1e3)
         rows = []
         for mode in MODES:
             r = runners[mode]
-            calls = torch.tensor(r.call_s, dtype=torch.float64, device="cpu")
+            calls = torch.tensor(r.call_s, dtype=torch.float64, device=ps.device)
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-            hits = torch.tensor([r.hits, r.predicted], dtype=torch.float64, device="cpu")
+            hits = torch.tensor([r.hits, r.predicted], dtype=torch.float64, device=ps.device)
             dist.all_reduce(hits)
             ratios = []
             for m in range(n_moe):

@@ -217,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lancet_no_capacity_passing",
         "Lancet partitions: a part's slots no longer start after the earlier parts' tokens (no capacity passing)",
         "megatron_moe/lancet/partitioned_moe.py",
-        "self.offsets += choice_counts(expert, router.num_experts).cpu()",
+        "self.offsets += choice_counts(expert, router.num_experts)",
         "self.offsets += 0",
         ("tests/test_lancet_runtime_units.py::test_chained_ranges_in_consecutive_moe_blocks_match_plain",),
     ),

@@ -18,7 +18,12 @@ never mix two tensors) and reduced in place, in one fixed order on every rank
 is ready early waits until every gradient before it in that order was handed
 over, so the collectives of every group are issued in the same order on all
 ranks whatever the hook timing. Code that writes a gradient outside autograd
-(deferred weight gradients) calls `mark_ready(p)` when it is final.
+(deferred weight gradients) calls `mark_ready(p)` when it is final. The
+scheduler's collectives go over Lina's dedicated communicators
+(`make_lina_groups` / `lina_group`): one more process group per group kind, over the same ranks,
+that no other collective uses (NCCL requires every rank to issue a
+communicator's operations in one order; the launcher thread's order and the
+main thread's cannot interleave the same way on every rank).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_moe.distributed import comm_errors, observer
-from megatron_moe.distributed.collectives import all_reduce_raw
+from megatron_moe.distributed.collectives import LOCAL_GROUP, all_reduce_raw
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -37,6 +42,26 @@ if TYPE_CHECKING:
 def grad_group_kind(p: torch.nn.Parameter) -> str:
     """'expert_dp' for expert parameters, 'dp' for everything else."""
     return "expert_dp" if getattr(p, "_shard", None) is not None and p._shard.expert else "dp"
+
+
+LINA_GROUPS = {"dp": "lina_dp", "expert_dp": "lina_expert_dp"}  # group kind -> Lina's communicator
+
+
+def make_lina_groups(ps: "ParallelState") -> None:
+    """Create Lina's dedicated communicator of each gradient group kind ('dp', 'expert_dp'): a group
+    over the same ranks (`ps.new_groups`, kinds "lina_dp" / "lina_expert_dp"; a later
+    `ps.relayout_experts` remakes "lina_expert_dp" with its base). Collective on the first call
+    (every rank, same order); later calls find them. Nothing for a one-process state."""
+    for kind, name in LINA_GROUPS.items():
+        if ps.group(kind) is not LOCAL_GROUP and not ps.has_group(name):
+            ps.new_groups(name, getattr(ps.layout, f"{kind}_groups"))
+
+
+def lina_group(ps: "ParallelState", kind: str):
+    """The communicator Lina's micro-ops of `kind` go through now: its dedicated one (looked up
+    at each call: a relayout replaces it), or the kind's own group in a one-process state."""
+    name = LINA_GROUPS[kind]
+    return ps.group(name) if ps.has_group(name) else ps.group(kind)
 
 
 def sync_gradients(model: torch.nn.Module, ps: "ParallelState") -> None:
@@ -58,8 +83,9 @@ class GradSync:
     and all-reduced as soon as all its gradients are ready. Call `finish()`
     after backward (and before clipping / the optimizer step).
     `scheduler` (Lina) takes over launching: it gets (kind, one parameter's flat
-    gradient, group) per parameter in a fixed order (module docstring), is
-    attached to the model (`scheduler.attach(model)`) and drained in `finish()`.
+    gradient, Lina's communicator of that kind) per parameter in a fixed order
+    (module docstring), is attached to the model (`scheduler.attach(model)`) and
+    drained in `finish()`.
     """
 
     def __init__(
@@ -72,6 +98,8 @@ class GradSync:
     ):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler
+        if scheduler is not None:
+            make_lina_groups(ps)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[dict] = []
         limit = int(bucket_mb * 2**20)
@@ -104,8 +132,10 @@ class GradSync:
         self.reset()
 
     def set_scheduler(self, scheduler, model: torch.nn.Module) -> None:
-        """Hand gradients to `scheduler` (Lina) from now on (before the first backward); attaches it."""
+        """Hand gradients to `scheduler` (Lina) from now on (before the first backward); attaches it.
+        Collective (creates Lina's communicators on the first call)."""
         self.scheduler = scheduler
+        make_lina_groups(self.ps)
         scheduler.attach(model)
 
     def reset(self) -> None:
@@ -147,7 +177,7 @@ class GradSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             flat = p.grad.view(-1) if p.grad.is_contiguous() else p.grad.contiguous().view(-1)
-            self._submitted.append((p, flat, self.scheduler.submit(kind, flat, self.ps.group(kind))))
+            self._submitted.append((p, flat, self.scheduler.submit(kind, flat, lina_group(self.ps, kind))))
             self._next += 1
 
     def _finish_scheduled(self) -> None:

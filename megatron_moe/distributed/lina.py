@@ -47,6 +47,25 @@ Here:
     dead peer, or ranks that issued collectives in different orders) becomes
     a `CommTimeoutError` raised by `drain()` instead of a silent hang.
 
+Communicators and streams (CUDA; on the CPU the stream calls are no-ops):
+  * GradSync hands over each group's gradients with Lina's dedicated
+    communicator of that group (`grad_sync.lina_group`: "lina_dp",
+    "lina_expert_dp", a second process group over the same ranks that nothing
+    else uses), issued by the one launcher thread in queue order;
+  * each communicator has its side stream ("lina-dp", "lina-expert_dp"). A
+    micro-op records, when it is queued, a marker on the submitter's current
+    stream (its gradient, or the coalesced copy, is produced there); the
+    launcher makes the side stream wait for that marker and issues the
+    all-reduce under `streams.use(side)`, and `record_stream`s the chunk on it;
+  * the reaper waits for the all-reduce on the side stream (`work.wait()` under
+    `use(side)`: the GPU waits, the host does not), copies a coalesced buffer
+    back there, records the micro-op's `done` marker and blocks (itself, not
+    the caller) until that marker completed, so in-flight counts and the link
+    rate are completion times, not enqueue times;
+  * `drain()` ends with the consumer's stream waiting for the last `done`
+    marker of every side stream, so the scaling and the optimizer step read
+    the reduced gradients.
+
 Every launch and finish goes into the collective observer (`observer.py`); `summary()`
 returns the all-to-all time in backward and how long gradient all-reduce
 overlapped an all-to-all. Micro-ops do not change any value: each element is
@@ -62,11 +81,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from megatron_moe.distributed import observer
+from megatron_moe.distributed import observer, streams
 from megatron_moe.distributed.collectives import all_reduce_raw, group_size
 from megatron_moe.distributed.comm_errors import CommPeerLostError, CommTimeoutError, describe_group, translate
 from megatron_moe.distributed.observer import group_name
@@ -115,6 +134,11 @@ class MicroOp:
     work: object = None
     event: Optional[observer.CommEvent] = None
     launched: float = 0.0
+    # CUDA: the point of the submitter's stream after which `chunk` holds the gradient (recorded when
+    # the micro-op was queued), and the point of the lane's side stream after its reduction (and
+    # copy-back) completed; CPU: complete markers
+    ready: streams.Marker = field(default_factory=streams.Marker)
+    done: streams.Marker = field(default_factory=streams.Marker)
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +185,7 @@ class LinaScheduler:
         max_in_flight: int = 4,
         drain_ms: float = 0.0,
         coalesce: bool = False,
+        stream_api: Any = streams,
     ):
         if not partition_mb > 0:
             raise ValueError(f"--lina-partition-mb must be positive, got {partition_mb}")
@@ -173,6 +198,9 @@ class LinaScheduler:
         self.partition_mb, self.timeout_s, self.prioritize = float(partition_mb), float(timeout_s), prioritize
         self.max_in_flight, self.drain_ms, self.coalesce = int(max_in_flight), float(drain_ms), coalesce
         self.partition_bytes = max(1, int(partition_mb * MB))
+        # the stream calls (the `streams` module; a test passes a recorder with the same functions)
+        self.sx = stream_api
+        self._last_done: dict[str, tuple[torch.device, streams.Marker]] = {}  # kind -> its side's last point
         self._cv = threading.Condition()
         self._queue: deque[MicroOp] = deque()
         self._open_kind: tuple = ("", None)
@@ -343,12 +371,18 @@ class LinaScheduler:
         chunk = views[0] if len(views) == 1 else torch.cat(views)
         _, _, part, parts = self._open[0]
         kind, group = self._open_kind
-        self._queue.append(
-            MicroOp(self._count, kind, chunk, group, part, parts, now, [(v, h) for v, h, *_ in self._open])
-        )
+        op = MicroOp(self._count, kind, chunk, group, part, parts, now, [(v, h) for v, h, *_ in self._open])
+        # the gradients (and the coalesced copy) were produced on the submitter's stream up to here
+        op.ready = self.sx.record_event(self.sx.current_stream(chunk.device))
+        self._queue.append(op)
         self._count += 1
         self._pending += 1
         self._open = []
+
+    def side(self, op: MicroOp) -> Any:
+        """The side stream of `op`'s communicator ("lina-dp" / "lina-expert_dp": one per dedicated
+        communicator, so dp and expert-dp micro-ops never queue behind each other); None on the CPU."""
+        return self.sx.side_stream(op.chunk.device, f"lina-{op.kind}")
 
     def _fail(self, err: BaseException) -> None:
         with self._cv:
@@ -383,8 +417,14 @@ class LinaScheduler:
                         ),
                     ):
                         op.launched = time.perf_counter()
-                        op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
+                        side = self.side(op)
+                        # the side stream starts after the gradient was produced (rule 2 of streams.py);
+                        # the all-reduce is issued on it, never on the compute stream
+                        self.sx.wait_event(side, op.ready)
+                        with self.sx.use(side):
+                            op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
                         op.event = observer.last_event()
+                        self.sx.record_stream(op.chunk, side)  # read there; the caller may free it
                 except Exception as e:  # noqa: BLE001  (reported by drain on the main thread)
                     self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
                     self._cv.notify_all()
@@ -403,8 +443,19 @@ class LinaScheduler:
                 if self._closed or self._error is not None:
                     return
                 op = self._inflight[0]
+            side = self.side(op)
             try:
-                op.work.wait(timeout=timedelta(seconds=self.timeout_s))
+                with self.sx.use(side):
+                    # CUDA: the side stream waits for the all-reduce (the host does not); gloo: blocks
+                    op.work.wait(timeout=timedelta(seconds=self.timeout_s))
+                    observer.stamp_finish(op.event)
+                    if len(op.pieces) > 1:  # a coalesced buffer: back into the gradients, on the side stream
+                        off = 0
+                        for view, _ in op.pieces:
+                            view.copy_(op.chunk[off : off + view.numel()])
+                            off += view.numel()
+                    op.done = self.sx.record_event(side)
+                self._await_device(op)
             except Exception as e:  # noqa: BLE001  (gloo raises RuntimeError on timeout)
                 what = (
                     f"Lina: gradient all_reduce micro-op #{op.index} on {describe_group(op.group)} "
@@ -423,7 +474,6 @@ class LinaScheduler:
                         )
                     )
                 return
-            observer.stamp_finish(op.event)
             now = time.perf_counter()
             with self._cv:
                 self._inflight.popleft()
@@ -438,15 +488,22 @@ class LinaScheduler:
                 if self._rate_time > 0:
                     self.rate_bps = self._rate_bytes / self._rate_time
                 self._pending -= 1
-                off = 0
-                for view, handle in op.pieces:
-                    if len(op.pieces) > 1:  # a coalesced buffer: back into the gradients
-                        view.copy_(op.chunk[off : off + view.numel()])
-                        off += view.numel()
+                self._last_done[op.kind] = (op.chunk.device, op.done)
+                for _, handle in op.pieces:
                     handle.remaining -= 1
                     if handle.remaining == 0:
                         handle.done_event.set()
                 self._cv.notify_all()
+
+    def _await_device(self, op: MicroOp) -> None:
+        """Block the reaper (not the caller) until the device completed `op` (CUDA: its `done` event;
+        CPU: at once), so in-flight counts and the link rate see completion, not enqueue; a
+        TimeoutError after `timeout_s`."""
+        deadline = time.perf_counter() + self.timeout_s
+        while not op.done.query():
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"its completion event did not complete in {self.timeout_s:g} s")
+            time.sleep(DEVICE_POLL_S)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -484,6 +541,11 @@ class LinaScheduler:
                     self._history.append(list(self._offsets))
                 self._anchor, self._offsets = None, []
         self._raise_if_failed()
+        # the consumer (GradSync.finish: scaling, the optimizer step) reads the reduced gradients on its
+        # own stream: it waits for the last point of every side stream (the side streams are in order)
+        for kind, (dev, done) in sorted(self._last_done.items()):
+            self.sx.wait_event(self.sx.current_stream(dev), done)
+        self._last_done.clear()
         self._fold()
 
     def _fold(self) -> None:

@@ -50,23 +50,44 @@ Who uses it and how:
     ahead of the all-to-all (rule 1); windows opened after the launch (the
     dispatcher's async handles) enqueue dW on the caller's stream, which is
     after the launch by construction.
-  * Lina (`lina.py`, not changed here): the launcher issues every micro-op of a
-    group on ONE dedicated communicator (a second process group over the same
-    ranks, `ps.new_groups("lina_dp", ps.layout.dp_groups)` and likewise for
-    expert-DP, created by every rank in the same order at setup) from one
-    thread, in the submission order, which is identical on every rank; no other
-    collective uses that communicator. Its gate must read completion, not
-    enqueue: on CUDA an all-to-all is "over" when the end event the observer
-    records for it (`observer.completed(event)`) has completed, and a
-    micro-op's all-reduce is issued under `use(side_stream(dev, "lina"))`
-    after `wait_event(side, marker)` of the gating all-to-all, so it cannot
-    start on the GPU while the all-to-all runs even if the host runs ahead.
-  * Lancet's pipelined parts (planner / partitioned MoE) and Pro-Prophet's
-    Trans / Agg: each part's expert compute is enqueued after its all-to-all's
-    `wait` on the caller's stream; Trans (parameter prefetch) and Agg (gradient
+  * Lina (`lina.py`, `grad_sync.py`): the launcher issues every micro-op of a
+    group on ONE dedicated communicator (`grad_sync.make_lina_groups`: a second
+    process group over the same ranks, `ps.new_groups("lina_dp",
+    ps.layout.dp_groups)` and likewise "lina_expert_dp", created by every rank
+    in the same order when GradSync gets the scheduler) from one thread, in the
+    submission order, which is identical on every rank; no other collective
+    uses that communicator. Its gate reads completion, not enqueue: on CUDA an
+    all-to-all is "over" when the end event the observer records for it
+    (`observer.completed(event)`) has completed. Each communicator has its side
+    stream ("lina-dp", "lina-expert_dp"): a micro-op records a marker on the
+    submitter's current stream when it is queued (its gradient, or the
+    coalesced copy, was produced there; the launcher thread's own current
+    stream is not that stream, so `wait_stream` would be wrong there), the
+    launcher makes the side stream `wait_event` that marker, issues the
+    all-reduce under `use(side)` and `record_stream`s the chunk on it; the
+    reaper waits for the work under `use(side)`, copies a coalesced buffer back
+    there and records the micro-op's done marker; `drain()` (before GradSync
+    scales the gradients and the optimizer steps) makes the consumer's stream
+    `wait_event` the last done marker of each side stream.
+  * Lancet's partitioned pipeline (`lancet/partitioned_moe.py`): each part's
+    dispatch all-to-all is launched right after that part's own pre-ops, before
+    the next part's are enqueued (rule 1); the experts of every part and the
+    launches of their return all-to-alls run on the "lancet-parts" side stream,
+    which first waits for the caller's stream; each part's expert input waits
+    there for its own dispatch (`dispatch_finish` under `use(side)`), and a
+    return launched with the side stream current waits for its part's experts
+    only. The received rows (allocated on the caller's stream) are
+    `record_stream`-ed on the side stream, the returned rows (allocated on the
+    side stream) on the caller's; the caller's stream waits for each return
+    where it combines that part, and for the side stream once after the post-ops.
+  * Pro-Prophet's Trans / Agg: Trans (parameter prefetch) and Agg (gradient
     aggregation) run on a `Lane("pro-prophet-trans")` / `Lane(".. -agg")` and
     are waited (`Pending.wait()`) at the first use of the prefetched
     parameters / before the optimizer step.
+
+Both Lina's scheduler and `PartitionedRange` take the stream calls as an argument
+(`stream_api`, this module by default): `tests/test_streams_users.py` passes a recorder with
+the same functions and checks, on the CPU, where the calls are made.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
   permute / unpermute   token dispatch into the expert-major buffer and the weighted
                         combine back (`kernels/permute.py`)
-  topk_gating           softmax, top-k and capacity slots of the router (`kernels/gating.py`)
+  topk_gating           softmax, top-k and capacity slots of the router, and its backward
+                        (`gating_backward`) (`kernels/gating.py`)
 
 `use_triton(t)` is the one switch the call sites (`moe/dispatcher.py`'s
 `dispatch` / `combine`, `moe/router.py`'s `route`) read: True when triton is
@@ -19,7 +20,7 @@ import os
 import torch
 
 try:
-    from megatron_moe.kernels.gating import topk_gating
+    from megatron_moe.kernels.gating import gating_backward, gating_weights, topk_gating
     from megatron_moe.kernels.permute import permute, unpermute
 
     HAVE_TRITON = True
@@ -28,7 +29,16 @@ except Exception as e:  # noqa: BLE001  no (or a broken) triton here: the torch 
     HAVE_TRITON = False
     TRITON_ERROR = f"{type(e).__name__}: {e}"
 
-__all__ = ["HAVE_TRITON", "TRITON_ERROR", "permute", "topk_gating", "unpermute", "use_triton"]
+__all__ = [
+    "HAVE_TRITON",
+    "TRITON_ERROR",
+    "gating_backward",
+    "gating_weights",
+    "permute",
+    "topk_gating",
+    "unpermute",
+    "use_triton",
+]
 
 
 def use_triton(t: torch.Tensor) -> bool:

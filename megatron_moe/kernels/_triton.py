@@ -129,6 +129,53 @@ def _combine_weights(gates_ptr, expert_ptr, slot_ptr, weight_ptr, S, E, eps, K: 
     tl.store(weight_ptr + rows * K, g0, mask=rmask)
 
 
+def _gating_backward(
+    gates_ptr,
+    expert_ptr,
+    slot_ptr,
+    g_gates_ptr,
+    g_weight_ptr,
+    dx_ptr,
+    S,
+    E,
+    eps,
+    K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """The logits' gradient of gates = softmax(logits) and weight (`_combine_weights`), given the
+    gradients of gates [S, E] and weight [S, k]: weight's gradient goes to the gates of the kept
+    choices (top-2: through the renormalization p_j / max(p_0 + p_1, eps), whose denominator passes
+    a gradient only where p_0 + p_1 >= eps, as torch's clamp), then through the softmax:
+    dx = g * (dg - sum_e dg * g). In fp32; parallel over token blocks."""
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < S
+    mask = rmask[:, None] & (cols < E)[None, :]
+    at = rows[:, None] * E + cols[None, :]
+    g = tl.load(gates_ptr + at, mask=mask, other=0.0)
+    dg = tl.load(g_gates_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    e0 = tl.load(expert_ptr + rows * K, mask=rmask, other=-1)
+    kept0 = tl.load(slot_ptr + rows * K, mask=rmask, other=-1) >= 0
+    dw0 = tl.load(g_weight_ptr + rows * K, mask=rmask, other=0.0).to(tl.float32)
+    hit0 = (cols[None, :] == e0[:, None]) & kept0[:, None]
+    if K == 2:
+        e1 = tl.load(expert_ptr + rows * K + 1, mask=rmask, other=-1)
+        kept1 = tl.load(slot_ptr + rows * K + 1, mask=rmask, other=-1) >= 0
+        dw1 = tl.load(g_weight_ptr + rows * K + 1, mask=rmask, other=0.0).to(tl.float32)
+        hit1 = (cols[None, :] == e1[:, None]) & kept1[:, None]
+        p0 = tl.sum(tl.where(hit0, g, 0.0), axis=1)
+        p1 = tl.sum(tl.where(hit1, g, 0.0), axis=1)
+        den = p0 + p1
+        dc = tl.maximum(den, eps)
+        d_den = tl.where(den >= eps, -(dw0 * p0 + dw1 * p1) / (dc * dc), 0.0)
+        dg = dg + tl.where(hit0, (dw0 / dc + d_den)[:, None], 0.0) + tl.where(hit1, (dw1 / dc + d_den)[:, None], 0.0)
+    else:
+        dg = dg + tl.where(hit0, dw0[:, None], 0.0)
+    dot = tl.sum(dg * g, axis=1)
+    tl.store(dx_ptr + at, g * (dg - dot[:, None]), mask=mask)
+
+
 _JITTED: dict[str, SimpleNamespace] = {}
 
 
@@ -139,7 +186,15 @@ def jitted() -> SimpleNamespace:
         _JITTED[key] = SimpleNamespace(
             **{
                 f.__name__.lstrip("_"): triton.jit(f)
-                for f in (_copy_rows, _add_rows, _row_dots, _softmax_topk, _capacity_slots, _combine_weights)
+                for f in (
+                    _copy_rows,
+                    _add_rows,
+                    _row_dots,
+                    _softmax_topk,
+                    _capacity_slots,
+                    _combine_weights,
+                    _gating_backward,
+                )
             }
         )
     return _JITTED[key]

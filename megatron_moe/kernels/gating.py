@@ -1,5 +1,5 @@
 """Top-k softmax gating with capacity slots as Triton kernels (the router's `route`, policy
-"position"), with a torch backward.
+"position"), forward and backward.
 
 Legend: S tokens of one routing group, E experts, k choices (1 or 2), C capacity.
 
@@ -9,9 +9,11 @@ Legend: S tokens of one routing group, E experts, k choices (1 or 2), C capacity
 Three kernels: softmax + top-k (parallel over token blocks), capacity slots (one
 program scans the tokens in order, a cumulative count per expert carried from
 block to block, so slots are positions in token order as `moe/router.py`
-defines them), combine weights (parallel). Backward recomputes
-softmax -> gather -> renormalize with torch autograd from the saved logits and
-the (non-differentiable) expert / slot choices.
+defines them), combine weights (parallel). Backward: one kernel (parallel over
+token blocks) from the saved gates and the (non-differentiable) expert / slot
+choices: the weights' gradient onto the kept choices' gates (through the top-2
+renormalization), then the softmax's backward (`gating_backward`; `gating_weights`
+is the same math in torch, the tests' reference).
 """
 
 from __future__ import annotations
@@ -33,6 +35,33 @@ def gating_weights(logits_SE: torch.Tensor, expert_Sk: torch.Tensor, slot_Sk: to
     return gates, g
 
 
+def gating_backward(
+    gates_SE: torch.Tensor, expert_Sk: torch.Tensor, slot_Sk: torch.Tensor, g_gates_SE: torch.Tensor, g_weight_Sk
+) -> torch.Tensor:
+    """The logits' gradient [S, E] fp32 of `gating_weights` (gates fp32 [S, E] = its first output,
+    expert / slot [S, k] int64) given the gradients of its outputs (gates [S, E], weight [S, k])."""
+    S, E = gates_SE.shape
+    k = expert_Sk.size(1)
+    dx = torch.empty((S, E), dtype=torch.float32, device=gates_SE.device)
+    if S:
+        blocks = (-(-S // BLOCK_S),)
+        tk.jitted().gating_backward[blocks](
+            gates_SE.contiguous(),
+            expert_Sk.contiguous(),
+            slot_Sk.contiguous(),
+            g_gates_SE.contiguous(),
+            g_weight_Sk.contiguous(),
+            dx,
+            S,
+            E,
+            torch.finfo(torch.float32).eps,
+            K=k,
+            BLOCK_S=BLOCK_S,
+            BLOCK_E=tk.next_power_of_2(E),
+        )
+    return dx
+
+
 class _TopkGating(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_SE, k: int, cap: int):
@@ -50,18 +79,15 @@ class _TopkGating(torch.autograd.Function):
             kern.combine_weights[blocks](
                 gates, expert, slot, weight, S, E, torch.finfo(torch.float32).eps, K=k, BLOCK_S=BLOCK_S
             )
-        ctx.save_for_backward(logits_SE, expert, slot)
+        ctx.save_for_backward(gates, expert, slot)
+        ctx.logits_dtype = logits_SE.dtype
         ctx.mark_non_differentiable(expert, slot)
         return gates, expert, slot, weight
 
     @staticmethod
     def backward(ctx, g_gates, _g_expert, _g_slot, g_weight):
-        logits, expert, slot = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_(True)
-            gates, weight = gating_weights(leaf, expert, slot)
-            torch.autograd.backward([gates, weight], [g_gates, g_weight])
-        return leaf.grad, None, None
+        gates, expert, slot = ctx.saved_tensors
+        return gating_backward(gates, expert, slot, g_gates, g_weight).to(ctx.logits_dtype), None, None
 
 
 def topk_gating(logits_SE: torch.Tensor, k: int, capacity: int):

@@ -22,6 +22,12 @@ residual, dense blocks, next attention, while later parts' returns are in flight
 part i's messages are in flight while other parts compute (the order Lancet's simulator
 assumes). Backward overlaps the same way through the dispatcher's handles.
 
+On CUDA (streams.py; no-ops on the CPU): a part's dispatch is launched right after its own
+pre-ops, before the next part's are enqueued (nothing on the caller's stream delays it); the
+experts and the return launches run on the side stream "lancet-parts" (`_finish`), so a
+return waits for its part's experts only and part i's post-ops on the caller's stream overlap
+the later parts' experts and returns.
+
 Split axes come from CP-SAT (`RangeAxes`, solved by `model_ir.range_axes` on the model's op
 IR): the residual stream [B, T, M] is split along its solved dim (the batch: the flatten to
 tokens maps only B to S, and attention cannot split T), the router's tokens [S, M] along S,
@@ -47,10 +53,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_moe.distributed import streams
 from megatron_moe.distributed.collectives import gather_from_group
 from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
 from megatron_moe.moe.router import RouteResult, aux_loss_terms, choice_counts, z_loss_of
@@ -160,7 +167,7 @@ class _CapacityPassing:
         # a fresh generator per part: every part draws the whole group's keys and keeps its rows
         gates, expert = router.choose(logits, 0, lo, self.S)
         r = router.route_slice(gates, expert, self.S, self.offsets)
-        self.offsets += choice_counts(expert, router.num_experts).cpu()
+        self.offsets += choice_counts(expert, router.num_experts)  # on the router's device (CUDA: no host copy)
         gate_sum, first, _ = aux_loss_terms(gates, expert)
         z = z_loss_of(logits) * h_sM.size(0) if router.z_coeff else None
         new = (gate_sum, first, z)
@@ -193,8 +200,10 @@ class PartitionedRange:
         tail: tuple = (),
         attn_next: Optional[tuple] = None,
         axes: Optional[RangeAxes] = None,
+        stream_api: Any = streams,
     ):
         self.block, self.spec, self.skip_attn = block, spec, skip_attn
+        self.sx = stream_api  # the stream calls (the `streams` module; a test passes a recorder)
         self.dispatcher, self.timings = dispatcher, timings
         self.tail, self.attn_next, self.axes = list(tail), attn_next, axes
         self.used_axes: dict[str, str] = {}
@@ -276,7 +285,8 @@ class PartitionedRange:
         if self.attn_next is not None:
             for op in ("ln1", "attn.qkv", "attn.core", "attn.proj"):
                 self._check(f"L{self.attn_next[0]}.{op}", dname)
-        ys = self._finish(started, M)
+        side_end: list = []  # the side stream's point after the last part's experts (see _finish)
+        ys = self._finish(started, M, x.device, side_end)
         if split:  # S1: this rank's slice -> every token
             ys = iter(
                 torch.tensor_split(
@@ -290,6 +300,8 @@ class PartitionedRange:
                 for _, b in self.tail:  # dense blocks, FFN included: (x, None)
                     out = b(out)[0]
                 outs.append(self.attn_next[1].attn_residual(out) if self.attn_next is not None else out)
+        for end in side_end:  # the caller's stream is after all of the side stream's work, once
+            self.sx.wait_event(self.sx.current_stream(x.device), end)
         if self.timings is not None:
             self.timings.append(1e3 * (time.perf_counter() - t0))
         return layer.dispatcher.track_output(torch.cat(outs, dim=d)), aux
@@ -305,16 +317,32 @@ class PartitionedRange:
             x_in = d.dispatch(tok_sM, plan)
         return plan, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), plan)
 
-    def _finish(self, started: list, M: int):
+    def _finish(self, started: list, M: int, device: torch.device, side_end: list):
         """Experts of each part as its tokens arrive (launching the returns), then each part's
-        combine, yielded in part order (the caller's post-ops of part i overlap later returns)."""
-        d, experts = self.dispatcher, self.block.moe.experts
+        combine, yielded in part order (the caller's post-ops of part i overlap later returns).
+
+        CUDA streams (streams.py's rules; no-ops on the CPU): the experts and the return launches
+        run on the side stream "lancet-parts", which first waits for the caller's stream (the plans,
+        the weights); each part's expert input waits there for its own dispatch (`dispatch_finish`
+        under `use(side)`), and its return all-to-all is launched with the side stream current, so
+        NCCL waits for that part's experts only, never for work on the caller's stream (rule 1).
+        The caller's stream waits for each return where it is used (`combine_finish`): part i's
+        post-ops run while later parts' experts run on the side stream. Buffers crossing streams
+        are record_stream-ed; `side_end` gets the side stream's end point, which the caller waits
+        for once after the post-ops."""
+        d, experts, sx = self.dispatcher, self.block.moe.experts, self.sx
         if not isinstance(d, UnevenDispatcher):
             yield from (y for _, _, y in started)
             return
-        for plan, _, _ in started:  # Experts.forward is the "moe/experts" range
-            d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale), plan)
+        cur, side = sx.current_stream(device), sx.side_stream(device, "lancet-parts")
+        sx.wait_stream(side, cur)
+        with sx.use(side):
+            for plan, _, _ in started:  # Experts.forward is the "moe/experts" range
+                sx.record_stream(plan.in_flight, side)  # the received tokens, allocated at launch: read here
+                d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale), plan)
+        side_end.append(sx.record_event(side))
         for plan, _, _ in started:
+            sx.record_stream(plan.in_flight, cur)  # the returned rows, allocated on the side stream: read here
             with annotate("moe/combine"):
                 y = d.combine_finish(plan)
             yield y
