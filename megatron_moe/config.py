@@ -382,7 +382,8 @@ class OptimizationsConfig:
         False,
         "Lina expert packing: from iteration 10, every 4 iterations, when an FFN micro-op is "
         "shorter than an all-to-all micro-op (max over ranks) halve EP and double expert-DP "
-        "(more experts per rank); the same training curve",
+        "(more experts per rank), kept only when the next steps are measured faster "
+        "(--lina-packing-trial-iters); the same training curve",
     )
     lina_max_experts_per_rank: int = opt(
         0, "Lina expert packing: never pack beyond this many experts per rank (0: no bound)"
