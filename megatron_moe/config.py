@@ -382,13 +382,25 @@ class OptimizationsConfig:
         False,
         "Lina expert packing: from iteration 10, every 4 iterations, when an FFN micro-op is "
         "shorter than an all-to-all micro-op (max over ranks) halve EP and double expert-DP "
-        "(more experts per rank); the same training curve",
+        "(more experts per rank), kept only when the next steps are measured faster "
+        "(--lina-packing-trial-iters); the same training curve",
     )
     lina_max_experts_per_rank: int = opt(
         0, "Lina expert packing: never pack beyond this many experts per rank (0: no bound)"
     )
     lina_packing_force: bool = opt(
         False, "Lina expert packing: pack at every due iteration whatever the times (tests, fixed benchmarks)"
+    )
+    lina_packing_trial_iters: int = opt(
+        3,
+        "Lina expert packing: time this many iterations before and after a pack and move the experts "
+        "back (no more packing in the run) unless the packed median step is faster (0: trust the rule)",
+    )
+    lina_packing_force_outcome: Optional[str] = opt(
+        None,
+        "Lina expert packing: decide every trial as if the packed layout were faster / slower "
+        "whatever the medians (tests)",
+        choices=["faster", "slower"],
     )
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
@@ -442,6 +454,7 @@ class OptimizationsConfig:
                 "lina_drain_ms": NON_NEGATIVE,
                 "lina_pipeline_chunks": AT_LEAST_ONE,
                 "lina_max_experts_per_rank": NON_NEGATIVE,
+                "lina_packing_trial_iters": NON_NEGATIVE,
                 "lancet_max_partitions": AT_LEAST_ONE,
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
@@ -456,6 +469,8 @@ class OptimizationsConfig:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
         if self.lina_packing_force and not self.lina_packing:
             raise ValueError("--lina-packing-force needs --lina-packing")
+        if self.lina_packing_force_outcome is not None and not (self.lina_packing and self.lina_packing_trial_iters):
+            raise ValueError("--lina-packing-force-outcome needs --lina-packing and --lina-packing-trial-iters >= 1")
 
 
 @dataclass

@@ -309,6 +309,8 @@ class Trainer:
                 cfg.moe.num_experts,
                 o.lina_max_experts_per_rank,
                 o.lina_packing_force,
+                trial_iters=o.lina_packing_trial_iters,
+                force_outcome=o.lina_packing_force_outcome,
             )
             if o.lina_packing
             else None
@@ -512,7 +514,7 @@ class Trainer:
         while self.iteration < t.train_iters:
             self.profiler.before_step(self.iteration)
             if self.packing is not None:
-                self.packing.step_begins()  # evaluations between steps are not measured
+                self.packing.step_begins()  # times this step; drops what an evaluation recorded
             t0 = time.perf_counter()
             with annotate("train/step"):
                 rec = self.train_step([next(it) for _ in range(self.num_micro)])
@@ -528,8 +530,7 @@ class Trainer:
                 tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size,
             )
             if self.packing is not None:
-                decision = self.packing.step_done(self.iteration)
-                if decision:
+                for decision in self.packing.step_done(self.iteration):
                     self.logger.line(f"> {decision}")
                 rec["experts_per_rank"] = self.packing.experts_per_rank
             history.append(rec)

@@ -16,12 +16,17 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
   lina_partition  + micro-ops of each --partitions size, up to --max-in-flight in
                   flight under the link-rate launch budget;
   lina_pipeline   + all-to-alls in --pipeline-chunks micro-ops pipelined with the experts;
-  lina            everything: lina_pipeline + expert packing (`moe.packing`), decided after
-                  each warm-up iteration (FFN vs all-to-all micro-op time, MAX over ranks;
-                  --force-packing packs whatever the times) up to --max-experts-per-rank, so
-                  the measured iterations run in the final layout (EP halved per packing).
+  lina            everything: lina_pipeline + expert packing (`moe.packing`) with the
+                  trainer's trial: after max(--warmup, K + 1) iterations Lina's rule is asked
+                  (FFN vs all-to-all micro-op time, MAX over ranks; --force-packing packs
+                  whatever the times); a pack is kept only if the median step of the K
+                  iterations after it (K = --packing-trial-iters) is below that of the K
+                  before (MAX over ranks), else the experts go back and packing stops; a kept
+                  pack is followed by the next one (up to --max-experts-per-rank). Those
+                  iterations are the mode's warm-up; the measured ones run in the final layout.
 The modes take turns, --rounds times; each turn builds the model, runs
---warmup iterations, then --iters measured ones; an iteration is
+--warmup iterations (mode lina: until its packing is decided), then --iters
+measured ones; an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
 ranks (a barrier). Step time: max over ranks; backward all-to-all time
 (a2a_bwd_ms): how long a backward all-to-all was in flight (the union of
@@ -36,7 +41,8 @@ pipelining_efficiency (fraction of the time an all-to-all was in flight
 during which an expert forward or backward ran, from the experts' module
 hooks): mean over ranks; medians over iterations. experts_per_rank: after
 the mode's last iteration (packing changes it in mode lina); the layout is
-restored before the next mode.
+restored before the next mode. packing_decisions (mode lina): per round, the
+packing and trial decisions with their times and log lines.
 
 --model representative (default): 4 blocks, MoE at 2 and 4, M=256, H=1024, top-2,
 2048 tokens per rank: all-to-all buffers of 4 MB, ~9 MB of dense gradients, so the
@@ -48,6 +54,7 @@ experts per rank with EP = world size, so the all-to-alls cross nodes.
 Prints a table and, with --json PATH, writes a list of objects with keys mode,
 partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median, a2a_slowdown,
 a2a_share, speedup_vs_no_lina, pipelining_efficiency_median, experts_per_rank (plus
+packing_decisions,
 a2a_total_ms_median, a2a_bwd_raw_ms_median, overlap_ms_median, model, world_size,
 load_avg_1min).
 """
@@ -74,12 +81,13 @@ from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.packing import ExpertPacking
+from megatron_moe.moe.packing import TRIAL_ITERS, ExpertPacking
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
 MODELS = ("representative", "heavy_allreduce")
 ALL_MODES = ("alone", "no_lina", "lina_priority", "lina_partition", "lina_pipeline", "lina")
+PER_ROUND = ("experts_per_rank", "packing_decisions")  # run_mode's values that are not per iteration
 WHOLE_TENSORS_MB = 1024.0  # lina_priority: a micro-op is one whole gradient tensor (no partitioning)
 
 
@@ -143,7 +151,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--force-packing",
         action="store_true",
-        help="mode lina packs after every warm-up iteration whatever the times (--lina-packing-force)",
+        help="mode lina packs whatever the micro-op times (--lina-packing-force); the trial still decides",
+    )
+    p.add_argument(
+        "--packing-trial-iters",
+        type=int,
+        default=TRIAL_ITERS,
+        help="mode lina: iterations timed before and after a pack; kept only when faster (--lina-packing-trial-iters)",
     )
     p.add_argument(
         "--modes", default="alone,no_lina,lina", help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})"
@@ -172,6 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-in-flight and --pipeline-chunks must be >= 1")
     if a.max_experts_per_rank < 0:
         p.error("--max-experts-per-rank must be >= 0")
+    if a.packing_trial_iters < 1:
+        p.error("--packing-trial-iters must be >= 1 (mode lina keeps a pack only when measured faster)")
     return a
 
 
@@ -199,11 +215,23 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
 
 
 def packing_for(a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int) -> Optional[ExpertPacking]:
-    """Mode lina's expert packing: due after every warm-up iteration (from iteration 1, every 1;
-    `run_mode` stops asking after the warm-up), up to --max-experts-per-rank."""
+    """Mode lina's expert packing: first due after max(--warmup, K + 1) iterations (the K before
+    a pack leave the first, slow, iteration out), then every K, so a kept pack's trial ends where
+    the next pack is due; `run_mode` warms up until nothing is on trial."""
     if mode != "lina":
         return None
-    return ExpertPacking(model, opt, ps, num_experts, a.max_experts_per_rank, a.force_packing, start=1, every=1)
+    k = a.packing_trial_iters
+    return ExpertPacking(
+        model,
+        opt,
+        ps,
+        num_experts,
+        a.max_experts_per_rank,
+        a.force_packing,
+        start=max(a.warmup, k + 1),
+        every=k,
+        trial_iters=k,
+    )
 
 
 class ExpertClock:
@@ -264,11 +292,16 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     log = CommLog().start()
     clock = ExpertClock(model)
     steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
-    for it in range(a.warmup + a.iters):
+    warmup = a.warmup if packing is None else max(a.warmup, packing.start)
+    it = 0
+    while len(steps) < a.iters:
+        warming = it < warmup or (packing is not None and packing.busy)  # the same on every rank
         ids = torch.randint(
             0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"
         ).to(ps.device)
         dist.barrier()
+        if packing is not None and warming:
+            packing.step_begins()
         log.clear()
         clock.intervals.clear()
         t0 = time.perf_counter()
@@ -284,13 +317,14 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         opt.step()
         step = time.perf_counter() - t0
         del lm, aux  # their graph holds the parameters' gradient accumulators: none may outlive a step
-        if packing is not None and it < a.warmup:  # between steps, outside the measured time
-            decision = packing.step_done(it + 1)
-            if decision and ps.global_rank == 0:
-                print(f"    {mode}: {decision}", flush=True)
-            if it == a.warmup - 1:
+        it += 1
+        if packing is not None and warming:  # between steps, outside the measured time
+            for decision in packing.step_done(it):
+                if ps.global_rank == 0:
+                    print(f"    {mode}: {decision}", flush=True)
+            if it >= warmup and not packing.busy:
                 packing.close()  # no packing (and no timing hooks) in the measured iterations
-        if it >= a.warmup:
+        if not warming:
             steps.append(1e3 * step)
             syncs.append(1e3 * (t2 - t1))
             a2a_calls.append([1e3 * e.duration for e in log.of("all_to_all", phase="bwd")])
@@ -308,6 +342,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     log.stop()
     clock.remove()
     experts_per_rank = cfg.moe.num_experts // ps.size("ep")
+    decisions = [] if packing is None else packing.decisions
     if packing is not None:
         packing.close()
         if ps.size("ep") != ep_before:
@@ -347,13 +382,14 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         "pipelining_efficiency": (ov[1] / world).tolist(),
         "sync_after_backward_ms": (ov[2] / world).tolist(),
         "experts_per_rank": [experts_per_rank],
+        "packing_decisions": [decisions],
     }
 
 
 def table(rows: list[dict]) -> str:
     head = (
         f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} "
-        f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s}"
+        f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s} {'exp/rank':>8s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -361,7 +397,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{r['mode']:14s} {part:>8s} {r['step_ms_median']:9.1f} {r['speedup_vs_no_lina']:9.2f}x "
             f"{r['a2a_bwd_ms_median']:11.2f} {r['a2a_slowdown']:8.2f}x {r['a2a_share']:9.2f} "
-            f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f}"
+            f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f} {r['experts_per_rank']:8d}"
         )
     return "\n".join(lines)
 
@@ -417,8 +453,9 @@ def run(a: argparse.Namespace) -> None:
         {
             "mode": mode,
             "partition_mb": part,
-            **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items() if k != "experts_per_rank"},
+            **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items() if k not in PER_ROUND},
             "experts_per_rank": pooled[(mode, part)]["experts_per_rank"][-1],  # after the last round
+            "packing_decisions": pooled[(mode, part)]["packing_decisions"] if mode == "lina" else None,
         }
         for mode, part in plan
     ]

@@ -12,8 +12,20 @@ expert-DP doubled, as long as N is even and the experts per rank stay within
 --lina-max-experts-per-rank (0: no bound). --lina-packing-force packs at the due iterations
 whatever the times (tests, fixed benchmarks). The decision and the times are logged.
 
+Lina's rule ignores what a pack costs: each rank then computes twice the experts and all-reduces
+their gradients over the new (larger) expert-DP group, so a pack can make steps slower. A pack is
+therefore a trial (--lina-packing-trial-iters K, default TRIAL_ITERS; 0: trust the rule): the
+step times (`StepClock`: step_begins -> step_done) of the K iterations before it and the K after
+it, each the MAX over the world (one all-reduce at each decision, so every rank decides on the
+same numbers), are compared by `keep_packed`; unless the packed layout's median is lower the
+experts are moved back to the previous EP (the same exact, collective relayout) and packing is
+not tried again in the run. A due iteration with fewer than K iterations measured in the current
+layout (a run resumed just before it) is skipped; due iterations during a trial are skipped.
+--lina-packing-force-outcome faster|slower decides the trial whatever the medians (tests: the
+real medians are still measured and logged). Both decisions and their times are logged.
+
 Packing is a change of layout only, and every layout already equals the one-process run, so the
-training curve does not change (tests/test_lina_packing.py). Legend: E experts, N = N_EP.
+training curve does not change (tests/test_lina_packing.py), reverted or not. Legend: E experts, N = N_EP.
 A relayout (collective, every rank in the same order):
   1. each expert parameter and each of its optimizer-state tensors of the same shape is gathered
      over the *old* EP group (every rank of it holds the same ESP slice of other experts) and
@@ -30,6 +42,7 @@ reshard` brings it back to the original one.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -49,6 +62,8 @@ if TYPE_CHECKING:
 
 PACK_START = 10  # first iteration (counted as iterations done) at which packing is considered
 PACK_EVERY = 4  # then every this many iterations
+TRIAL_ITERS = 3  # iterations timed before and after a pack (--lina-packing-trial-iters)
+OUTCOMES = ("faster", "slower")  # --lina-packing-force-outcome
 A2A_GROUPS = ("ep", "ep_esp")  # the groups of the token all-to-alls
 
 
@@ -72,6 +87,14 @@ def should_pack(ffn_ms: float, a2a_ms: float) -> bool:
     return ffn_ms < a2a_ms
 
 
+def keep_packed(before_ms: list[float], after_ms: list[float]) -> bool:
+    """The trial's rule: keep a pack only when the median step time of the iterations after it is
+    below the median of those before it (equal or slower: move back)."""
+    if not before_ms or not after_ms:
+        raise ValueError("keep_packed needs step times before and after the pack")
+    return statistics.median(after_ms) < statistics.median(before_ms)
+
+
 def ep_only(spec: ShardSpec) -> ShardSpec:
     """The part of a parameter's split that runs over EP (the ESP split stays where it is)."""
     return ShardSpec(tuple(d for d in spec.dims if d[1] == "ep"), expert=spec.expert)
@@ -84,6 +107,55 @@ def regroup(t: torch.Tensor, spec: ShardSpec, old_ep_group, new_ep_coord: tuple[
     gathered = all_gather_raw(t.detach().unsqueeze(0), old_ep_group, dim=0)  # [N_old, ...]
     full = unshard_tensor({(("ep", j),): gathered[j] for j in range(gathered.size(0))}, ep_spec)
     return shard_tensor(full, ep_spec, {"ep": new_ep_coord})
+
+
+def stamp(cuda: bool):
+    """A point in time: a CUDA event recorded on the current stream, or perf_counter seconds."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def span_ms(spans: list, cuda: bool) -> list[float]:
+    """Durations (ms) of (start, end) stamps; on CUDA after a synchronize (the events completed)."""
+    if cuda:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in spans]
+    return [1e3 * (b - a) for a, b in spans]
+
+
+class StepClock:
+    """Wall time of the last `keep` training iterations, `begin` (step_begins) -> `end` (step_done).
+    CPU: perf_counter; ops run synchronously and the step's gloo collectives are waited for before
+    the optimizer step, so the end is the step's completion. CUDA: events recorded on the current
+    stream at both ends (after the optimizer step, which waits for the gradient collectives), read
+    after a synchronize when a decision needs them: never host time around an enqueue."""
+
+    def __init__(self, device: torch.device, keep: int):
+        self.cuda, self.keep = device.type == "cuda", keep
+        self._start = None
+        self._spans: list = []
+
+    def begin(self) -> None:
+        self._start = stamp(self.cuda)
+
+    def end(self) -> None:
+        if self._start is None:
+            raise RuntimeError("ExpertPacking.step_done without step_begins: the iteration was not timed")
+        self._spans = (self._spans + [(self._start, stamp(self.cuda))])[-self.keep :]
+        self._start = None
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def durations_ms(self) -> list[float]:
+        return span_ms(self._spans, self.cuda)
+
+    def reset(self) -> None:
+        """Forget the iterations timed so far (the layout changed)."""
+        self._spans.clear()
 
 
 class FFNClock:
@@ -99,26 +171,16 @@ class FFNClock:
             self._hooks.append(layer.experts.register_forward_pre_hook(self._begin))
             self._hooks.append(layer.experts.register_forward_hook(self._end))
 
-    def _stamp(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def _begin(self, module, args) -> None:
-        self._open[id(module)] = self._stamp()
+        self._open[id(module)] = stamp(self.cuda)
 
     def _end(self, module, args, out) -> None:
         start = self._open.pop(id(module), None)
         if start is not None:
-            self._spans.append((start, self._stamp()))
+            self._spans.append((start, stamp(self.cuda)))
 
     def durations_ms(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in self._spans]
-        return [1e3 * (b - a) for a, b in self._spans]
+        return span_ms(self._spans, self.cuda)
 
     def clear(self) -> None:
         self._spans.clear()
@@ -134,9 +196,12 @@ def mean(values: list[float]) -> float:
 
 
 class ExpertPacking:
-    """The packing stage of a run (module docstring). `step_done(iteration)` after every optimizer
-    step (every rank); returns the log line of a decision, else None. `start` / `every`: the due
-    iterations (the trainer keeps PACK_START / PACK_EVERY; a benchmark packs during its warm-up)."""
+    """The packing stage of a run (module docstring). Every rank calls `step_begins()` before each
+    training iteration and `step_done(iteration)` after its optimizer step; `step_done` returns the
+    log lines of the decisions taken (none most of the time); `decisions` keeps them as dicts.
+    `start` / `every`: the due iterations (the trainer keeps PACK_START / PACK_EVERY; a benchmark
+    packs during its warm-up). `trial_iters`: K of the trial (0: no trial); `force_outcome`:
+    "faster" / "slower" decides every trial whatever the medians (tests)."""
 
     def __init__(
         self,
@@ -148,16 +213,31 @@ class ExpertPacking:
         force: bool = False,
         start: int = PACK_START,
         every: int = PACK_EVERY,
+        trial_iters: int = TRIAL_ITERS,
+        force_outcome: Optional[str] = None,
     ):
+        if trial_iters < 0:
+            raise ValueError(f"--lina-packing-trial-iters must be >= 0, got {trial_iters}")
+        if force_outcome is not None and (force_outcome not in OUTCOMES or not trial_iters):
+            raise ValueError(
+                f"--lina-packing-force-outcome must be one of {', '.join(OUTCOMES)} and needs "
+                f"--lina-packing-trial-iters >= 1, got {force_outcome!r} with {trial_iters}"
+            )
         self.model, self.optimizer, self.ps = model, optimizer, ps
         self.start, self.every = start, every
         self.num_experts, self.max_per_rank, self.force = num_experts, max_per_rank, force
+        self.trial_iters, self.force_outcome = trial_iters, force_outcome
         self.decisions: list[dict] = []
         self.log: Optional[CommLog] = None
         self.clock: Optional[FFNClock] = None
+        self.steps: Optional[StepClock] = None
+        self.trial: Optional[dict] = None  # the pack on trial: iteration, ep_before, before_ms
+        self.backed_off = False  # a trial moved the experts back: no more packing in this run
         if self.can_pack:
             self.log = CommLog(max_events=20_000).start()
             self.clock = FFNClock(model, ps.device)
+            if trial_iters:
+                self.steps = StepClock(ps.device, trial_iters)
 
     @property
     def experts_per_rank(self) -> int:
@@ -167,54 +247,135 @@ class ExpertPacking:
     def can_pack(self) -> bool:
         return next_ep(self.ps.size("ep"), self.num_experts, self.max_per_rank) is not None
 
-    def measure(self) -> tuple[float, float]:
-        """(FFN micro-op ms, all-to-all micro-op ms) of the last iteration, MAX over the world."""
+    @property
+    def busy(self) -> bool:
+        """A pack is on trial (its K iterations after are still running)."""
+        return self.trial is not None
+
+    def max_over_world(self, values: list[float]) -> list[float]:
+        """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.ps.device)
+        if self.ps.layout.world_size > 1:
+            with guard("packing all_reduce", self.ps.group("world")):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
+        return t.tolist()
+
+    def micro_op_ms(self) -> tuple[float, float]:
+        """(FFN micro-op ms, forward all-to-all micro-op ms): this rank's means of the last iteration."""
         assert self.log is not None and self.clock is not None
         a2a = [
             1e3 * e.duration
             for e in self.log.snapshot()
             if e.op == "all_to_all" and e.phase == "fwd" and e.group in A2A_GROUPS and e.finish is not None
         ]
-        t = torch.tensor([mean(self.clock.durations_ms()), mean(a2a)], dtype=torch.float64, device=self.ps.device)
-        if self.ps.layout.world_size > 1:
-            with guard("packing all_reduce", self.ps.group("world")):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
-        ffn, comm = t.tolist()
-        return ffn, comm
+        return mean(self.clock.durations_ms()), mean(a2a)
 
     def step_begins(self) -> None:
         """A training iteration starts: what is measured from here on is its own (not an evaluation's)."""
         if self.log is not None and self.clock is not None:
             self.log.clear()
             self.clock.clear()
+        if self.steps is not None:
+            self.steps.begin()
 
-    def step_done(self, iteration: int) -> Optional[str]:
-        """After iteration `iteration`: decide at the due iterations (module docstring), pack if so."""
-        if self.log is None or self.clock is None:
-            return None
-        line = None
-        if packing_due(iteration, self.start, self.every):
-            ffn, comm = self.measure()
-            pack = self.force or should_pack(ffn, comm)
-            old = self.ps.size("ep")
-            new = next_ep(old, self.num_experts, self.max_per_rank)
-            why = "forced (--lina-packing-force)" if self.force else ("<" if pack else ">=")
-            times = f"FFN micro-op {ffn:.3f} ms, all-to-all micro-op {comm:.3f} ms (max over ranks)"
-            if pack and new is not None:
-                self.relayout(new)
-                line = (
-                    f"lina packing at iteration {iteration}: {times}, {why}: EP {old} -> {new}, "
-                    f"expert-DP {self.ps.layout.world_size // (old * self.ps.size('esp'))} -> "
-                    f"{self.ps.size('expert_dp')}, {self.experts_per_rank} experts per rank"
-                )
-            else:
-                line = f"lina packing at iteration {iteration}: {times}: kept EP {old}"
-            self.decisions.append(
-                {"iteration": iteration, "ffn_ms": ffn, "a2a_ms": comm, "ep_before": old, "ep": self.ps.size("ep")}
-            )
-            if not self.can_pack:
+    def step_done(self, iteration: int) -> list[str]:
+        """After iteration `iteration`: end a trial that has its K iterations, then at a due
+        iteration apply Lina's rule (module docstring). The log lines of what was decided."""
+        lines: list[str] = []
+        if self.steps is not None:
+            self.steps.end()
+        if self.trial is not None and self.steps is not None and len(self.steps) >= self.trial_iters:
+            lines.append(self.end_trial(iteration))
+        if self.log is not None and self.trial is None and packing_due(iteration, self.start, self.every):
+            lines.append(self.consider(iteration))
+        if self.backed_off or not self.can_pack:
+            self.stop_rule_timing()  # Lina's rule is asked no more
+            if self.trial is None:
                 self.close()
-        self.step_begins()  # nothing kept until the next iteration (callers may also call it then)
+        if self.log is not None and self.clock is not None:
+            self.log.clear()  # nothing kept until the next iteration (step_begins clears it too)
+            self.clock.clear()
+        return lines
+
+    def consider(self, iteration: int) -> str:
+        """Lina's rule at a due iteration; packs (and starts a trial when K > 0) if it says so."""
+        old = self.ps.size("ep")
+        head = f"lina packing at iteration {iteration}"
+        if self.steps is not None and len(self.steps) < self.trial_iters:  # same count on every rank
+            done = len(self.steps)
+            return f"{head}: {done} of the {self.trial_iters} iterations a trial compares timed at EP {old}: not yet"
+        before = self.steps.durations_ms() if self.steps is not None else []
+        ffn, comm, *before = self.max_over_world([*self.micro_op_ms(), *before])
+        pack = self.force or should_pack(ffn, comm)
+        new = next_ep(old, self.num_experts, self.max_per_rank)
+        why = "forced (--lina-packing-force)" if self.force else ("<" if pack else ">=")
+        line = f"{head}: FFN micro-op {ffn:.3f} ms, all-to-all micro-op {comm:.3f} ms (max over ranks)"
+        if pack and new is not None:
+            self.relayout(new)
+            line += (
+                f", {why}: EP {old} -> {new}, expert-DP {self.ps.layout.world_size // (old * self.ps.size('esp'))} -> "
+                f"{self.ps.size('expert_dp')}, {self.experts_per_rank} experts per rank"
+            )
+            if self.steps is not None:
+                self.trial = {"iteration": iteration, "ep_before": old, "before_ms": before}
+                self.steps.reset()
+                line += (
+                    f"; on trial: kept if the median step of the next {self.trial_iters} iterations is below "
+                    f"{statistics.median(before):.1f} ms (the median of the {self.trial_iters} before, max over ranks)"
+                )
+        else:
+            line += f": kept EP {old}"
+        self.decisions.append(
+            {
+                "kind": "pack",
+                "iteration": iteration,
+                "ffn_ms": ffn,
+                "a2a_ms": comm,
+                "ep_before": old,
+                "ep": self.ps.size("ep"),
+                "line": line,
+            }
+        )
+        return line
+
+    def end_trial(self, iteration: int) -> str:
+        """Compare the K step times after the pack on trial with the K before it (both MAX over the
+        world); keep the packed layout only if faster, else move the experts back and stop packing."""
+        assert self.trial is not None and self.steps is not None
+        before = self.trial["before_ms"]
+        after = self.max_over_world(self.steps.durations_ms())
+        b, a = statistics.median(before), statistics.median(after)
+        if self.force_outcome is None:
+            faster = keep_packed(before, after)
+            why = "<" if faster else ">="
+        else:
+            faster = self.force_outcome == "faster"
+            why = f"forced {self.force_outcome} (--lina-packing-force-outcome)"
+        packed, back = self.ps.size("ep"), self.trial["ep_before"]
+        line = (
+            f"lina packing trial at iteration {iteration}: median step {a:.1f} ms over the {len(after)} "
+            f"iterations at EP {packed} vs {b:.1f} ms over the {len(before)} before at EP {back} (max over ranks), "
+            f"{why}: "
+        )
+        if faster:
+            line += f"kept EP {packed}"
+        else:
+            self.relayout(back)
+            self.backed_off = True
+            line += f"back to EP {back}, expert-DP {self.ps.size('expert_dp')}; no more packing in this run"
+        self.decisions.append(
+            {
+                "kind": "trial",
+                "iteration": iteration,
+                "step_ms_before": b,
+                "step_ms_after": a,
+                "ep_before": packed,
+                "ep": self.ps.size("ep"),
+                "line": line,
+            }
+        )
+        self.trial = None
+        self.steps.reset()
         return line
 
     def relayout(self, new_ep: int) -> None:
@@ -247,11 +408,16 @@ class ExpertPacking:
             chunks = getattr(layer.dispatcher, "saa_chunks", SAA_CHUNKS)
             layer.use_schedule(layer.schedule, chunks, layer.schedule_choice)  # the dispatcher on the new groups
 
-    def close(self) -> None:
-        """Stop measuring (no packing step is left, or the run ends)."""
+    def stop_rule_timing(self) -> None:
+        """Stop timing micro-ops (Lina's rule will not be asked again)."""
         if self.log is not None:
             self.log.stop()
             self.log = None
         if self.clock is not None:
             self.clock.remove()
             self.clock = None
+
+    def close(self) -> None:
+        """Stop measuring (no packing step and no trial is left, or the run ends)."""
+        self.stop_rule_timing()
+        self.steps = None
