@@ -1,0 +1,120 @@
+"""Fitting Pro-Prophet's performance model to measured MoE-layer times (a departure from the paper).
+
+The paper's eq. (8) assumes Trans hides completely behind the block's forward compute and Agg
+behind its backward. On CPU ranks with gloo a transfer in flight takes cycles from the compute it
+overlaps (and even on GPUs the SMs NCCL uses are missing from the GEMMs), and constants profiled
+one op at a time miss what runs together. So the planner plans with (`perf_model.Calibration`):
+
+  T'' = scale * (4 T_A2A + 3 T_FEC + X)
+  X   = T_Trans + T_Agg                                                        (eq. (6))
+  X   = max(0, T_Trans - eta (T_FEC + fnec)) + max(0, T_Agg - eta (T_BEC + bnec))  (eq. (8))
+
+`fit_calibration` fits scale > 0 and the overlap efficiency eta in [0, 1] to samples (one per
+iteration: the `LayerTerms` of every MoE layer under the placement used, and the measured time of
+those layers, forward + backward): least squares on the relative error; for each eta of a grid of
+`ETA_STEPS + 1` values in [0, 1] scale has a closed form; the eta with the least residual wins
+(lowest on a tie). When no sample has a transfer whose exposure eta changes (nothing moved, or
+eq. (6)), eta keeps its prior (1.0, the paper's). Like Lancet's contention fit
+(`lancet.planner.fit_contention`), the fit only trusts what the run measured.
+
+`Calibrator` holds the model the planner uses and says what the first iterations do:
+  iterations 1 .. skip + iters are calibration iterations: odd ones run without placement, even
+  ones with the plan of the uncalibrated model, so the samples tell the layer's scale (no
+  transfer) apart from the exposure of Trans / Agg; iterations skip + 1 .. skip + iters are the
+  samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
+  after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
+Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
+identical on every rank (a MAX all-reduce, once) and hands them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfModel
+
+ETA_STEPS = 100  # eta on the grid 0, 0.01, ..., 1
+SKIP = 2  # calibration iterations not sampled (one-time costs)
+ITERS = 4  # sampled calibration iterations
+
+Sample = tuple[Sequence[LayerTerms], float]  # (terms of every MoE layer, measured seconds)
+
+
+def _best_scale(samples: Sequence[Sample], overlap: bool, eta: float) -> tuple[float, float]:
+    """(scale, residual) minimizing sum ((scale * p - m) / m)^2 with p the uncalibrated-scale time at `eta`."""
+    cal = Calibration(1.0, eta)
+    pm = [(sum(t.time(overlap, cal) for t in terms), m) for terms, m in samples]
+    num = sum(p / m for p, m in pm)
+    den = sum((p / m) ** 2 for p, m in pm)
+    scale = num / den
+    return scale, sum((scale * p / m - 1.0) ** 2 for p, m in pm)
+
+
+def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float = 1.0) -> Calibration:
+    """`Calibration` (scale, eta) fitted to (layer terms, measured seconds) samples (module docstring)."""
+    if not samples:
+        raise ValueError("fit_calibration needs at least one (terms, measured time) sample")
+    for terms, m in samples:
+        if not m > 0 or not terms or sum(t.time(overlap, Calibration()) for t in terms) <= 0:
+            raise ValueError(f"fit_calibration needs positive measured and modelled times, got {m!r}")
+    if not overlap:
+        return Calibration(_best_scale(samples, False, prior_eta)[0], prior_eta)
+    fits = [(_best_scale(samples, True, i / ETA_STEPS), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
+    residuals = [r for (_, r), _ in fits]
+    if max(residuals) - min(residuals) <= 1e-12 * max(1.0, max(residuals)):
+        return Calibration(_best_scale(samples, True, prior_eta)[0], prior_eta)  # eta changes nothing
+    (scale, _), eta = min(fits, key=lambda f: f[0][1])  # first minimum: lowest eta on a tie
+    return Calibration(scale, eta)
+
+
+class Calibrator:
+    """The planner's model and the calibration iterations (module docstring).
+
+    model: the uncalibrated model (its calibration is replaced by the fit); skip / iters: calibration
+    iterations not sampled / sampled (iters 0: no calibration, the model stays as given).
+    """
+
+    def __init__(self, model: PerfModel, skip: int = SKIP, iters: int = ITERS):
+        if skip < 0 or iters < 0:
+            raise ValueError(f"Calibrator: skip and iters must be >= 0, got {skip}, {iters}")
+        self.model, self.skip, self.iters = model, skip, iters
+        self.terms: list[list[LayerTerms]] = []
+        self.measured: list[float] = []
+        self.fitted: Calibration | None = None
+
+    @property
+    def last(self) -> int:
+        """The last calibration iteration (0: none)."""
+        return self.skip + self.iters if self.iters else 0
+
+    def calibrating(self, iteration: int) -> bool:
+        """True while `iteration` (1-based) is a calibration iteration."""
+        return iteration <= self.last
+
+    def placement_off(self, iteration: int) -> bool:
+        """True when calibration iteration `iteration` runs without placement (the odd ones)."""
+        return self.calibrating(iteration) and iteration % 2 == 1
+
+    def record(
+        self, iteration: int, counts_LDE: Sequence, replicas_L: Sequence[Sequence[Sequence[int]] | None], seconds: float
+    ) -> None:
+        """Iteration `iteration` ran the layers' counts [L][D][E] under `replicas_L` and took `seconds`
+        (this rank) in its MoE layers; kept when it is a sampled calibration iteration."""
+        if self.skip < iteration <= self.last:
+            self.terms.append([self.model.terms(c, r) for c, r in zip(counts_LDE, replicas_L)])
+            self.measured.append(float(seconds))
+
+    def fit_due(self, iteration: int) -> bool:
+        """True after the last calibration iteration, once (the runtime then calls `fit`)."""
+        return self.iters > 0 and iteration == self.last and self.fitted is None
+
+    def fit(self, measured: Sequence[float]) -> Calibration:
+        """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
+        maximum over ranks) and plan with the result from now on."""
+        if len(measured) != len(self.terms):
+            raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
+        samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
+        self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
+        self.model = replace(self.model, calibration=self.fitted)
+        return self.fitted
