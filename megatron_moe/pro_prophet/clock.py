@@ -5,14 +5,14 @@ on the module) and backward (a gradient hook on the layer's output: backward rea
 gradient hook on the layer's input: the layer's backward is over, including Pro-Prophet's Agg
 wait, which sits on the input). Only forwards under autograd are timed. On CUDA the stamps are
 timing events on the current stream (no host synchronization until `take`); elsewhere
-`time.perf_counter()`. Hooks are the modules' and tensors' own (`register_forward_hook`,
+`clock()` (default `time.perf_counter`). Hooks are the modules' and tensors' own (`register_forward_hook`,
 `Tensor.register_hook`); `remove` takes them off.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -24,8 +24,8 @@ Stamp = Union[float, streams.Marker]
 class LayerClock:
     """Forward + backward seconds of `layers` (torch modules returning (y, ...) or y) per iteration."""
 
-    def __init__(self, layers: list, device: torch.device):
-        self.device = device
+    def __init__(self, layers: list, device: torch.device, clock: Callable[[], float] = time.perf_counter):
+        self.device, self.clock = device, clock
         self.cuda = device.type == "cuda"
         self.spans: list[list[Optional[Stamp]]] = []  # [fwd start, fwd end, bwd start, bwd end]
         self._open: Optional[list[Optional[Stamp]]] = None
@@ -37,7 +37,7 @@ class LayerClock:
     def _now(self) -> Stamp:
         if self.cuda:
             return streams.record_event(streams.current_stream(self.device), timing=True)
-        return time.perf_counter()
+        return self.clock()
 
     def _set(self, span: list, i: int) -> None:
         span[i] = self._now()
