@@ -1,5 +1,5 @@
 """Pro-Prophet's calibrated performance model (pro_prophet.calibration, a departure from the paper):
-the fit recovers known scale and overlap efficiency from synthetic timings, the planner plans with
+the fit recovers known scale, Trans/Agg cost and overlap efficiency from synthetic timings, the planner plans with
 the fitted model, the calibration iterations alternate no placement and the plan, and the layer
 clock pairs each layer's forward and backward stamps."""
 
@@ -26,35 +26,43 @@ SAMPLES = [
 ]
 
 
-def synthetic(scale: float, eta: float, overlap: bool):
+def synthetic(scale: float, comm: float, eta: float, overlap: bool):
     """Exact measured times of SAMPLES under T'' (the model's own form) with known constants."""
-    cal = Calibration(scale, eta)
+    cal = Calibration(scale, comm, eta)
     return [(ts, sum(t.time(overlap, cal) for t in ts)) for ts in SAMPLES]
 
 
-@pytest.mark.parametrize("scale, eta", [(1.3, 0.37), (0.9, 0.0), (1.0, 1.0), (2.5, 0.81)])
-def test_fit_recovers_known_scale_and_overlap_efficiency(scale, eta):
-    got = fit_calibration(synthetic(scale, eta, True), overlap=True)
+@pytest.mark.parametrize("scale, comm, eta", [(1.3, 1.6, 0.37), (0.9, 1.0, 0.0), (1.0, 1.0, 1.0), (2.5, 0.4, 0.81)])
+def test_fit_recovers_known_scale_comm_and_overlap_efficiency(scale, comm, eta):
+    got = fit_calibration(synthetic(scale, comm, eta, True), overlap=True)
     assert got.eta == pytest.approx(eta, abs=1e-12)
-    assert got.scale == pytest.approx(scale, rel=1e-9)
+    assert got.scale == pytest.approx(scale, rel=1e-9) and got.comm == pytest.approx(comm, rel=1e-9)
 
 
-def test_fit_without_scheduler_fits_the_scale_only():
-    got = fit_calibration(synthetic(1.7, 0.2, False), overlap=False)
-    assert got.scale == pytest.approx(1.7, rel=1e-9) and got.eta == 1.0  # eta: the prior, untouched
+def test_fit_without_scheduler_fits_scale_and_comm():
+    got = fit_calibration(synthetic(1.7, 2.2, 0.2, False), overlap=False)
+    assert got.scale == pytest.approx(1.7, rel=1e-9) and got.comm == pytest.approx(2.2, rel=1e-9)
+    assert got.eta == 1.0  # eq. (6) has no window: the prior, untouched
 
 
-def test_eta_keeps_its_prior_when_no_transfer_depends_on_it():
+def test_comm_and_eta_keep_their_priors_when_nothing_moved():
     still = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 13.0), ([terms(20.0, 0.0, 0.0, 3.0, 6.0)], 26.0)]
     got = fit_calibration(still, overlap=True, prior_eta=0.6)
-    assert got == Calibration(1.3, 0.6) or (got.eta == 0.6 and got.scale == pytest.approx(1.3, rel=1e-12))
+    assert got.eta == 0.6 and got.comm == 1.0 and got.scale == pytest.approx(1.3, rel=1e-12)
+
+
+def test_one_plan_only_fits_exactly_with_eta_nearest_the_prior():
+    one = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 10.0), ([terms(6.0, 4.0, 4.0, 2.0, 4.0)], 14.0)]
+    got = fit_calibration(one, overlap=True)  # any eta fits with some comm: the paper's eta = 1 is kept
+    assert got.eta == 1.0 and got.scale == pytest.approx(1.0, rel=1e-9)
+    assert got.comm == pytest.approx(8.0 / 2.0, rel=1e-9)  # exposed at eta 1: (4 - 2) + (4 - 4) = 2 s
 
 
 def test_noisy_timings_stay_close():
     rng = np.random.default_rng(0)
-    noisy = [(ts, m * (1 + 0.01 * rng.standard_normal())) for ts, m in synthetic(1.2, 0.5, True)]
+    noisy = [(ts, m * (1 + 0.01 * rng.standard_normal())) for ts, m in synthetic(1.2, 1.0, 0.5, True)]
     got = fit_calibration(noisy, overlap=True)
-    assert abs(got.scale - 1.2) < 0.05 and abs(got.eta - 0.5) < 0.15
+    assert abs(got.scale - 1.2) < 0.05 and abs(got.eta - 0.5) < 0.2
 
 
 def test_bad_samples_and_values_are_clear_errors():
@@ -63,9 +71,11 @@ def test_bad_samples_and_values_are_clear_errors():
     with pytest.raises(ValueError, match="positive measured and modelled times"):
         fit_calibration([([terms(1.0, 0.0, 0.0, 1.0, 1.0)], 0.0)], overlap=True)
     with pytest.raises(ValueError, match=r"Calibration.eta must be in \[0, 1\]"):
-        Calibration(1.0, 1.5)
+        Calibration(1.0, 1.0, 1.5)
     with pytest.raises(ValueError, match="Calibration.scale must be a finite number > 0"):
-        Calibration(0.0, 0.5)
+        Calibration(0.0, 1.0, 0.5)
+    with pytest.raises(ValueError, match="Calibration.comm must be a finite number >= 0"):
+        Calibration(1.0, -1.0, 0.5)
 
 
 # -- the planner uses the fit --------------------------------------------------------------------
@@ -79,14 +89,15 @@ def test_the_planner_plans_with_the_fitted_overlap_efficiency():
     counts = np.array([[10, 0], [10, 0]])  # expert 0 (rank 0) gets everything
     hidden = plan(counts, unit_model(), alpha=0.0)
     assert hidden.as_dict() == {0: (1,)}  # eq. (8): 3 * 10 + (16 - 10) + 0 < 3 * 20
-    exposed = plan(counts, unit_model(calibration=Calibration(1.0, 0.0)), alpha=0.0)
+    exposed = plan(counts, unit_model(calibration=Calibration(1.0, 1.0, 0.0)), alpha=0.0)
     assert exposed.as_dict() == {}  # nothing hides: 3 * 10 + 16 + 16 > 3 * 20
     cal = Calibrator(unit_model(), skip=0, iters=2)
     cal.record(1, [counts], [None], 1.0)  # no placement: T'' = 60 at scale 1 -> measured 60
     cal.record(2, [counts], [[(1,), ()]], 1.0)  # expert 0 on rank 1: base 30, Trans / Agg 16 s each
     assert cal.fit_due(2) and not cal.fit_due(1)
-    fitted = cal.fit([60.0, 62.0])  # 30 + 16 + 16: nothing hid
-    assert fitted == Calibration(1.0, 0.0) and cal.model.calibration == fitted
+    fitted = cal.fit([60.0, 62.0])  # 30 + 32: Trans / Agg cost 32 s where eq. (8) hid all but 6 s
+    assert fitted.eta == 1.0 and fitted.scale == pytest.approx(1.0) and fitted.comm == pytest.approx(32 / 6)
+    assert cal.model.calibration == fitted
     assert plan(counts, cal.model, alpha=0.0).as_dict() == {}  # the planner now keeps expert 0 home
     assert not cal.fit_due(2)
 

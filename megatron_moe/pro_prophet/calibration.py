@@ -1,26 +1,28 @@
 """Fitting Pro-Prophet's performance model to measured MoE-layer times (a departure from the paper).
 
 The paper's eq. (8) assumes Trans hides completely behind the block's forward compute and Agg
-behind its backward. On CPU ranks with gloo a transfer in flight takes cycles from the compute it
-overlaps (and even on GPUs the SMs NCCL uses are missing from the GEMMs), and constants profiled
-one op at a time miss what runs together. So the planner plans with (`perf_model.Calibration`):
+behind its backward, and its terms come from constants profiled one op at a time. On CPU ranks
+with gloo a transfer in flight takes cycles from the compute it overlaps, a point-to-point
+transfer is not the all-gather its constant was profiled with, and the ops of a layer run slower
+together than alone. So the planner plans with (`perf_model.Calibration`):
 
-  T'' = scale * (4 T_A2A + 3 T_FEC + X)
+  T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X
   X   = T_Trans + T_Agg                                                        (eq. (6))
   X   = max(0, T_Trans - eta (T_FEC + fnec)) + max(0, T_Agg - eta (T_BEC + bnec))  (eq. (8))
 
-`fit_calibration` fits scale > 0 and the overlap efficiency eta in [0, 1] to samples (one per
-iteration: the `LayerTerms` of every MoE layer under the placement used, and the measured time of
-those layers, forward + backward): least squares on the relative error; for each eta of a grid of
-`ETA_STEPS + 1` values in [0, 1] scale has a closed form; the eta with the least residual wins
-(lowest on a tie). When no sample has a transfer whose exposure eta changes (nothing moved, or
-eq. (6)), eta keeps its prior (1.0, the paper's). Like Lancet's contention fit
-(`lancet.planner.fit_contention`), the fit only trusts what the run measured.
+`fit_calibration` fits scale > 0, comm >= 0 and the overlap efficiency eta in [0, 1] to samples
+(one per iteration: the `LayerTerms` of every MoE layer under the placement used, and the measured
+seconds of those layers, forward + backward): least squares on the relative error; for each eta of
+a grid of `ETA_STEPS + 1` values in [0, 1], (scale, comm) have a closed form (2 x 2 normal
+equations; comm clamped at 0); the eta with the least residual wins, and among equally good ones
+(the samples cannot tell them apart, e.g. one plan only) the one nearest the prior (1.0, the
+paper's). Without any transfer in the samples, comm and eta keep their priors (1.0) and only scale
+is fitted. Like Lancet's contention fit (`lancet.planner.fit_contention`), only what the run measured.
 
 `Calibrator` holds the model the planner uses and says what the first iterations do:
   iterations 1 .. skip + iters are calibration iterations: odd ones run without placement, even
   ones with the plan of the uncalibrated model, so the samples tell the layer's scale (no
-  transfer) apart from the exposure of Trans / Agg; iterations skip + 1 .. skip + iters are the
+  transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
@@ -37,35 +39,53 @@ from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfMod
 ETA_STEPS = 100  # eta on the grid 0, 0.01, ..., 1
 SKIP = 2  # calibration iterations not sampled (one-time costs)
 ITERS = 4  # sampled calibration iterations
+TIE = 1e-9  # residuals within this (relative, plus 1e-15 absolute) of the least count as equal
 
 Sample = tuple[Sequence[LayerTerms], float]  # (terms of every MoE layer, measured seconds)
 
 
-def _best_scale(samples: Sequence[Sample], overlap: bool, eta: float) -> tuple[float, float]:
-    """(scale, residual) minimizing sum ((scale * p - m) / m)^2 with p the uncalibrated-scale time at `eta`."""
-    cal = Calibration(1.0, eta)
-    pm = [(sum(t.time(overlap, cal) for t in terms), m) for terms, m in samples]
-    num = sum(p / m for p, m in pm)
-    den = sum((p / m) ** 2 for p, m in pm)
-    scale = num / den
-    return scale, sum((scale * p / m - 1.0) ** 2 for p, m in pm)
+def _solve(rows: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """(scale, comm, residual) minimizing sum ((scale b + comm x) / m - 1)^2 over rows (b, x, m), comm >= 0
+    (None when no positive scale fits)."""
+    u = [(b / m, x / m) for b, x, m in rows]
+    sbb = sum(a * a for a, _ in u)
+    sbx = sum(a * c for a, c in u)
+    sxx = sum(c * c for _, c in u)
+    sb, sx = sum(a for a, _ in u), sum(c for _, c in u)
+    det = sbb * sxx - sbx * sbx
+    comm = (sbb * sx - sbx * sb) / det if sxx > 0 and det > 1e-12 * sbb * sxx else -1.0
+    if comm < 0:  # a negative cost: comm at its bound 0; no transfer or collinear: comm at its prior 1
+        comm = 0.0 if sxx > 0 and det > 1e-12 * sbb * sxx else 1.0
+    scale = (sb - comm * sbx) / sbb
+    if not scale > 0:
+        return None
+    return scale, comm, sum((scale * a + comm * c - 1.0) ** 2 for a, c in u)
 
 
 def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float = 1.0) -> Calibration:
-    """`Calibration` (scale, eta) fitted to (layer terms, measured seconds) samples (module docstring)."""
+    """`Calibration` (scale, comm, eta) fitted to (layer terms, measured seconds) samples (module docstring)."""
     if not samples:
         raise ValueError("fit_calibration needs at least one (terms, measured time) sample")
     for terms, m in samples:
         if not m > 0 or not terms or sum(t.time(overlap, Calibration()) for t in terms) <= 0:
             raise ValueError(f"fit_calibration needs positive measured and modelled times, got {m!r}")
-    if not overlap:
-        return Calibration(_best_scale(samples, False, prior_eta)[0], prior_eta)
-    fits = [(_best_scale(samples, True, i / ETA_STEPS), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
-    residuals = [r for (_, r), _ in fits]
-    if max(residuals) - min(residuals) <= 1e-12 * max(1.0, max(residuals)):
-        return Calibration(_best_scale(samples, True, prior_eta)[0], prior_eta)  # eta changes nothing
-    (scale, _), eta = min(fits, key=lambda f: f[0][1])  # first minimum: lowest eta on a tie
-    return Calibration(scale, eta)
+    base = [sum(t.base for t in terms) for terms, _ in samples]
+    if not any(sum(t.exposed(overlap, 0.0) for t in terms) > 0 for terms, _ in samples):
+        scale = sum(b / m for b, (_, m) in zip(base, samples)) / sum((b / m) ** 2 for b, (_, m) in zip(base, samples))
+        return Calibration(scale, 1.0, prior_eta)  # nothing moved: only the scale can be seen
+    etas = [i / ETA_STEPS for i in range(ETA_STEPS + 1)] if overlap else [prior_eta]
+    fits = []
+    for eta in etas:
+        rows = [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
+        got = _solve(rows)
+        if got is not None:
+            fits.append((got, eta))
+    if not fits:
+        raise ValueError("fit_calibration: no positive scale fits the samples")
+    least = min(r for (_, _, r), _ in fits)
+    tied = [f for f in fits if f[0][2] <= least * (1 + TIE) + 1e-15]
+    (scale, comm, _), eta = min(tied, key=lambda f: (abs(f[1] - prior_eta), -f[1]))
+    return Calibration(scale, comm, eta)
 
 
 class Calibrator:

@@ -27,11 +27,12 @@ alpha = 0 gives the paper's form exactly):
                 Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
 
 Departure from the paper (`Calibration`, fitted by `pro_prophet.calibration`): the planner's
-model is T'' = scale * (4 T_A2A + 3 T_FEC + X) with X = T_Trans + T_Agg (eq. (6)) or
+model is T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X with X = T_Trans + T_Agg (eq. (6)) or
 X = max(0, T_Trans - eta (T_FEC + fnec_s)) + max(0, T_Agg - eta (T_BEC + bnec_s)) (eq. (8)):
-`scale` is how much slower the layer runs than its parts profiled one at a time, `eta` in [0, 1]
-the share of the compute window that really hides a transfer (CPU ranks: gloo's transfers take
-cycles from the compute they overlap). scale = eta = 1 (the default) is the paper's form exactly.
+`scale` is how much slower the layer runs than its parts profiled one at a time, `comm` what an
+exposed second of Trans / Agg really costs, `eta` in [0, 1] the share of the compute window that
+really hides a transfer (CPU ranks: gloo's transfers take cycles from the compute they overlap).
+scale = comm = eta = 1 (the default) is the paper's form exactly.
 
 Constants come from `fit_constants` (least squares on (size, time) samples) or
 `measure_constants` (the project's collective profiler on the real EP group, plus a timed
@@ -88,15 +89,18 @@ class PerfConstants:
 @dataclass(frozen=True)
 class Calibration:
     """What the run measures beyond the profiled constants (module docstring): `scale` > 0 multiplies
-    the layer's modelled time, `eta` in [0, 1] is the overlap efficiency of eq. (8)'s hiding windows.
-    The defaults (1, 1) give the paper's equations."""
+    the all-to-all and expert compute terms, `comm` >= 0 the exposed Trans / Agg, `eta` in [0, 1] is
+    the overlap efficiency of eq. (8)'s hiding windows. The defaults (1, 1, 1): the paper's equations."""
 
     scale: float = 1.0
+    comm: float = 1.0
     eta: float = 1.0
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.scale) or self.scale <= 0:
             raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
+        if not np.isfinite(self.comm) or self.comm < 0:
+            raise ValueError(f"Calibration.comm must be a finite number >= 0, got {self.comm!r}")
         if not np.isfinite(self.eta) or not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"Calibration.eta must be in [0, 1], got {self.eta!r}")
 
@@ -112,12 +116,15 @@ class LayerTerms:
     fwd_window: float
     bwd_window: float
 
+    def exposed(self, overlap: bool, eta: float) -> float:
+        """Trans + Agg time not hidden: all of it (eq. (6)), or what exceeds eta x the windows (eq. (8))."""
+        if not overlap:
+            return self.trans + self.agg
+        return max(0.0, self.trans - eta * self.fwd_window) + max(0.0, self.agg - eta * self.bwd_window)
+
     def time(self, overlap: bool, cal: Calibration) -> float:
         """T'' of the layer (eq. (6) or (8), calibrated)."""
-        if not overlap:
-            return cal.scale * (self.base + self.trans + self.agg)
-        hidden_f, hidden_b = cal.eta * self.fwd_window, cal.eta * self.bwd_window
-        return cal.scale * (self.base + max(0.0, self.trans - hidden_f) + max(0.0, self.agg - hidden_b))
+        return cal.scale * self.base + cal.comm * self.exposed(overlap, cal.eta)
 
 
 @dataclass(frozen=True)
