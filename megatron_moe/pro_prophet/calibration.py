@@ -10,14 +10,17 @@ together than alone. So the planner plans with (`perf_model.Calibration`):
   X   = T_Trans + T_Agg                                                        (eq. (6))
   X   = max(0, T_Trans - eta (T_FEC + fnec)) + max(0, T_Agg - eta (T_BEC + bnec))  (eq. (8))
 
-`fit_calibration` fits scale > 0, comm >= 0 and the overlap efficiency eta in [0, 1] to samples
-(one per iteration: the `LayerTerms` of every MoE layer under the placement used, and the measured
-seconds of those layers, forward + backward): least squares on the relative error; for each eta of
-a grid of `ETA_STEPS + 1` values in [0, 1], (scale, comm) have a closed form (2 x 2 normal
-equations; comm clamped at 0); the eta with the least residual wins, and among equally good ones
-(the samples cannot tell them apart, e.g. one plan only) the one nearest the prior (1.0, the
-paper's). Without any transfer in the samples, comm and eta keep their priors (1.0) and only scale
-is fitted. Like Lancet's contention fit (`lancet.planner.fit_contention`), only what the run measured.
+`fit_calibration` fits it to samples (one per iteration: the `LayerTerms` of every MoE layer under
+the placement used, and the measured seconds of those layers, forward + backward), least squares
+on the relative error:
+  eq. (6) (no scheduler): scale > 0 and comm >= 0, closed form (2 x 2 normal equations, comm
+    clamped at 0); eta plays no part and keeps its prior;
+  eq. (8) (scheduler): scale > 0 and the overlap efficiency eta in [0, 1], comm = 1 (the profiled
+    transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
+    plan): scale in closed form for each eta of a grid of `ETA_STEPS + 1` values, the eta with the
+    least residual, among equally good ones the one nearest the prior (1.0, the paper's).
+Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Like Lancet's
+contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
 
 `Calibrator` holds the model the planner uses and says what the first iterations do:
   iterations 1 .. skip + iters are calibration iterations: odd ones run without placement, even
@@ -44,22 +47,23 @@ TIE = 1e-9  # residuals within this (relative, plus 1e-15 absolute) of the least
 Sample = tuple[Sequence[LayerTerms], float]  # (terms of every MoE layer, measured seconds)
 
 
-def _solve(rows: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
-    """(scale, comm, residual) minimizing sum ((scale b + comm x) / m - 1)^2 over rows (b, x, m), comm >= 0
-    (None when no positive scale fits)."""
+def _scale_comm(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(scale, comm, residual) minimizing sum ((scale b + comm x) / m - 1)^2 over rows (b, x, m), comm >= 0;
+    comm = 1 when the rows cannot tell it apart from scale (no transfer, or x proportional to b)."""
     u = [(b / m, x / m) for b, x, m in rows]
-    sbb = sum(a * a for a, _ in u)
-    sbx = sum(a * c for a, c in u)
-    sxx = sum(c * c for _, c in u)
+    sbb, sbx, sxx = sum(a * a for a, _ in u), sum(a * c for a, c in u), sum(c * c for _, c in u)
     sb, sx = sum(a for a, _ in u), sum(c for _, c in u)
     det = sbb * sxx - sbx * sbx
-    comm = (sbb * sx - sbx * sb) / det if sxx > 0 and det > 1e-12 * sbb * sxx else -1.0
-    if comm < 0:  # a negative cost: comm at its bound 0; no transfer or collinear: comm at its prior 1
-        comm = 0.0 if sxx > 0 and det > 1e-12 * sbb * sxx else 1.0
+    comm = max(0.0, (sbb * sx - sbx * sb) / det) if sxx > 0 and det > 1e-12 * sbb * sxx else 1.0
     scale = (sb - comm * sbx) / sbb
-    if not scale > 0:
-        return None
     return scale, comm, sum((scale * a + comm * c - 1.0) ** 2 for a, c in u)
+
+
+def _scale_given(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(scale, residual) minimizing sum ((scale b + x) / m - 1)^2 over rows (b, x, m) (comm = 1)."""
+    u = [(b / m, x / m) for b, x, m in rows]
+    scale = sum(a * (1.0 - c) for a, c in u) / sum(a * a for a, _ in u)
+    return scale, sum((scale * a + c - 1.0) ** 2 for a, c in u)
 
 
 def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float = 1.0) -> Calibration:
@@ -70,22 +74,25 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
         if not m > 0 or not terms or sum(t.time(overlap, Calibration()) for t in terms) <= 0:
             raise ValueError(f"fit_calibration needs positive measured and modelled times, got {m!r}")
     base = [sum(t.base for t in terms) for terms, _ in samples]
-    if not any(sum(t.exposed(overlap, 0.0) for t in terms) > 0 for terms, _ in samples):
-        scale = sum(b / m for b, (_, m) in zip(base, samples)) / sum((b / m) ** 2 for b, (_, m) in zip(base, samples))
-        return Calibration(scale, 1.0, prior_eta)  # nothing moved: only the scale can be seen
-    etas = [i / ETA_STEPS for i in range(ETA_STEPS + 1)] if overlap else [prior_eta]
-    fits = []
-    for eta in etas:
-        rows = [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
-        got = _solve(rows)
-        if got is not None:
-            fits.append((got, eta))
+
+    def rows(eta: float) -> list[tuple[float, float, float]]:
+        return [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
+
+    if not any(x > 0 for _, x, _ in rows(0.0)):  # nothing moved: only the scale can be seen
+        return Calibration(_scale_given(rows(0.0))[0], 1.0, prior_eta)
+    if not overlap:
+        scale, comm, _ = _scale_comm(rows(prior_eta))
+        if scale > 0:
+            return Calibration(scale, comm, prior_eta)
+        raise ValueError("fit_calibration: no positive scale fits the samples")
+    fits = [(_scale_given(rows(i / ETA_STEPS)), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
+    fits = [f for f in fits if f[0][0] > 0]
     if not fits:
         raise ValueError("fit_calibration: no positive scale fits the samples")
-    least = min(r for (_, _, r), _ in fits)
-    tied = [f for f in fits if f[0][2] <= least * (1 + TIE) + 1e-15]
-    (scale, comm, _), eta = min(tied, key=lambda f: (abs(f[1] - prior_eta), -f[1]))
-    return Calibration(scale, comm, eta)
+    least = min(r for (_, r), _ in fits)
+    tied = [f for f in fits if f[0][1] <= least * (1 + TIE) + 1e-15]
+    (scale, _), eta = min(tied, key=lambda f: (abs(f[1] - prior_eta), -f[1]))
+    return Calibration(scale, 1.0, eta)
 
 
 class Calibrator:
