@@ -7,7 +7,9 @@
   observed collective is that all-to-all, not yet waited), identical on every rank and to the plan
   made at the end of the iteration (`plan_in_flight=False`);
 - Trans / Agg through the side-stream calls (no-ops on the CPU): what the consumer reads after the
-  wait is what the peer sent.
+  wait is what the peer sent;
+- calibration in the runtime: the calibration iterations alternate no placement and the plan, the
+  fit is the same on every rank, and the next plan is Algorithm 1 on the fitted model.
 """
 
 import pytest
@@ -18,7 +20,9 @@ from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.placement import Placement, ProProphet, ReplicaExchange, gather_counts, routed_counts
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_moe.pro_prophet.planner import heaviest_to_all
+from megatron_moe.pro_prophet.calibration import Calibrator
+from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
+from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 from megatron_moe.testing import spawn
 
 E, ITERS, MICRO = 4, 4, 2  # experts, iterations, micro-batches per iteration
@@ -40,12 +44,23 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
     layers = model.moe_layers()
     seen: list = []  # per plan: was the last observed collective an unwaited forward all-to-all?
 
+    # calibrated mode: Algorithm 1 with eq. (8) on made-up constants (a token costs 1 us, a Trans 1 us)
+    calib = Calibrator(PerfModel(PerfConstants(0, 0, 1e-6, 0, 0, 1e-6), 1, 1, 1, overlap=True), skip=1, iters=2)
+
     def planner(counts):
         last = log.records[-1]
         seen.append(last.op == "all_to_all" and last.phase == "fwd" and "blocked" not in last.info)
+        if mode == "calib":
+            return plan(counts, calib.model, alpha=0.0).replicas
         return heaviest_to_all(counts, 1).replicas if mode in ("flight", "end") else [()] * E
 
-    runtime = None if mode == "plain" else ProProphet(layers, ps, planner=planner, plan_in_flight=mode != "end")
+    runtime = (
+        None
+        if mode == "plain"
+        else ProProphet(
+            layers, ps, planner=planner, plan_in_flight=mode != "end", calibrator=calib if mode == "calib" else None
+        )
+    )
     r, out = ps.rank("dp"), {"events": [], "a2a_bytes": [], "counts": [], "reference": [], "plans": [], "seen": seen}
     for it in range(ITERS):
         log.clear()
@@ -67,6 +82,9 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
         out["reference"].append(gather_counts(ps, routed).tolist())  # the separate all-gather, unobserved
         log.start()
     out["planned_in_flight"] = runtime.planned_in_flight if runtime is not None else 0
+    if mode == "calib":
+        out["fitted"] = calib.fitted
+        out["expected_last"] = [plan(c, calib.model, alpha=0.0).replicas for c in out["counts"][-1]]
     return out
 
 
@@ -93,7 +111,7 @@ def _run(rank, world):
     ps = initialize_model_parallel(1, 2, 1)
     try:
         with CommLog() as log:
-            res = {mode: _iterations(ps, mode, log) for mode in ("plain", "still", "flight", "end")}
+            res = {mode: _iterations(ps, mode, log) for mode in ("plain", "still", "flight", "end", "calib")}
         res["exchange"] = _exchange(ps)
         return res
     finally:
@@ -139,3 +157,16 @@ def test_trans_and_agg_are_complete_when_their_consumer_reads_them(per_rank):
     for g in owner["agg"]:  # the replica's gradient (rank 1 sent its EP rank + 3) summed into expert 0 only
         assert g is not None and torch.all(g[0] == 4.0) and torch.all(g[1:] == 0.0)
     assert replica["agg"] == [None] * 4
+
+
+def test_runtime_calibrates_then_plans_with_the_fit(per_rank):
+    none = tuple(() for _ in range(E))
+    for r, res in enumerate(per_rank):
+        calib = res["calib"]
+        fitted = calib["fitted"]
+        assert fitted is not None and fitted == per_rank[0]["calib"]["fitted"], f"rank {r}: {fitted}"
+        # installed after iteration 1: the uncalibrated model's plan; after 2: no placement (calibration);
+        # after 3 (the fit) and 4: the fitted model's
+        assert calib["plans"][1] == [none, none]
+        assert calib["plans"][-1] == calib["expected_last"], f"rank {r}: the last plan is not the fitted model's"
+        assert calib["counts"] == calib["reference"]

@@ -428,6 +428,9 @@ class ProProphet:
         self.forwards = {la.layer_idx: 0 for la in self.layers}  # forwards under autograd this iteration
         self.forwards_per_iteration: Optional[int] = None  # learned from the last iteration
         self.running: Optional[int] = None  # the iteration now running (known after the first ends)
+        self.ended = (
+            0  # iterations ended under this runtime (the calibrator counts these: a resumed run calibrates too)
+        )
         self.early: dict[int, tuple[int, Placement]] = {}  # layer -> (forwards seen, plan made in flight)
         self.planned_in_flight = 0  # layer plans made under an all-to-all and used
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
@@ -451,9 +454,12 @@ class ProProphet:
         for this iteration are complete and `end_iteration` will plan with the current model."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
-        if self.forwards[layer_idx] != self.forwards_per_iteration or self._action(self.running) != "plan":
+        if (
+            self.forwards[layer_idx] != self.forwards_per_iteration
+            or self._action(self.running, self.ended + 1) != "plan"
+        ):
             return
-        if self.calibrator is not None and self.calibrator.fit_due(self.running):
+        if self.calibrator is not None and self.calibrator.fit_due(self.ended + 1):
             return  # the model changes at the end of this iteration
         self.early[layer_idx] = (self.forwards[layer_idx], self._plan(self.counts[layer_idx]))
 
@@ -462,14 +468,15 @@ class ProProphet:
         return torch.stack([self.counts[la.layer_idx] for la in self.layers])
 
     # -- the end of an iteration ---------------------------------------------------------------
-    def _action(self, iteration: int) -> str:
-        """What the end of `iteration` does: "plan", "off" (next iteration without placement) or "keep"."""
+    def _action(self, iteration: int, local: int) -> str:
+        """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
+        iteration without placement) or "keep"."""
         cal = self.calibrator
         if self.planner is None:
             return "keep"
-        if cal is not None and cal.placement_off(iteration + 1):
+        if cal is not None and cal.placement_off(local + 1):
             return "off"
-        if cal is not None and cal.calibrating(iteration):
+        if cal is not None and cal.calibrating(local):
             return "plan"
         return "keep" if iteration % self.interval else "plan"
 
@@ -484,17 +491,18 @@ class ProProphet:
         when it planned."""
         counts = self.collected_counts() if counts_LDE is None else counts_LDE
         cal = self.calibrator
+        self.ended += 1
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
-            cal.record(iteration, counts.tolist(), used, self.clock.take())
-            if cal.fit_due(iteration):
+            cal.record(self.ended, counts.tolist(), used, self.clock.take())
+            if cal.fit_due(self.ended):
                 times = torch.tensor(cal.measured, dtype=torch.float64, device=self.ps.device)
                 if dist.is_initialized():
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
                 cal.fit(times.cpu().tolist())
                 self.clock.remove()
                 self.clock = None
-        action = self._action(iteration)
+        action = self._action(iteration, self.ended)
         early, fresh = self.early, dict(self.forwards)
         self.early, self.running = {}, iteration + 1
         self.forwards_per_iteration = fresh[self.layers[0].layer_idx]

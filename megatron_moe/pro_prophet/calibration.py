@@ -23,7 +23,8 @@ Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0)
 contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
 
 `Calibrator` holds the model the planner uses and says what the first iterations do:
-  iterations 1 .. skip + iters are calibration iterations: odd ones run without placement, even
+  iterations 1 .. skip + iters (counted from the runtime's first, so a resumed run calibrates too)
+  are calibration iterations: odd ones run without placement, even
   ones with the plan of the uncalibrated model, so the samples tell the layer's scale (no
   transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
