@@ -8,6 +8,8 @@
   made at the end of the iteration (`plan_in_flight=False`);
 - Trans / Agg through the side-stream calls (no-ops on the CPU): what the consumer reads after the
   wait is what the peer sent;
+- with replicas in both MoE layers (the second layer's Agg waited at the first layer's output), every
+  gradient equals the run without placement;
 - calibration in the runtime: the calibration iterations alternate no placement and the plan, the
   fit is the same on every rank, and the next plan is Algorithm 1 on the fitted model.
 """
@@ -17,6 +19,7 @@ import torch
 
 from equivalence import MICRO_BATCH, global_batch, tiny_config
 from megatron_moe.distributed.observer import CommLog
+from megatron_moe.layers.sharding import local_pieces
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.placement import Placement, ProProphet, ReplicaExchange, gather_counts, routed_counts
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -82,6 +85,7 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
         out["reference"].append(gather_counts(ps, routed).tolist())  # the separate all-gather, unobserved
         log.start()
     out["planned_in_flight"] = runtime.planned_in_flight if runtime is not None else 0
+    out["grads"] = {name: t for name, (_, t) in local_pieces(model, ps, "grad").items()}  # summed over the passes
     if mode == "calib":
         out["fitted"] = calib.fitted
         out["expected_last"] = [plan(c, calib.model, alpha=0.0).replicas for c in out["counts"][-1]]
@@ -170,3 +174,14 @@ def test_runtime_calibrates_then_plans_with_the_fit(per_rank):
         assert calib["plans"][1] == [none, none]
         assert calib["plans"][-1] == calib["expected_last"], f"rank {r}: the last plan is not the fitted model's"
         assert calib["counts"] == calib["reference"]
+
+
+def test_gradients_with_replicas_in_two_layers_equal_the_run_without(per_rank):
+    for r, res in enumerate(per_rank):
+        ref = res["still"]["grads"]
+        for mode in ("flight", "end", "calib"):
+            got = res[mode]["grads"]
+            assert got.keys() == ref.keys()
+            for name, t in ref.items():
+                err = (got[name] - t).abs().max().item()
+                assert err < 1e-5, f"rank {r} {mode}: gradient of {name} differs by {err:.3g}"

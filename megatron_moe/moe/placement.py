@@ -24,9 +24,13 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
              expert compute (fc before it, proj after it: the second part overlaps the
              non-expert compute up to the next MoE layer); the first MoE layer launches its own
-             at its start. A layer waits for its Trans just before its experts run. Agg is
+             at its start. A layer waits for its Trans just before its experts run (Trans and Agg
+             are issued on CUDA side streams, `distributed.streams`; no-ops on the CPU). Agg is
              launched when the experts' backward is done and waited when the gradient of the
-             layer's input is due (it overlaps the dispatch all-to-all's and the router's backward).
+             previous MoE layer's output is due (it overlaps the dispatch all-to-all's and the
+             router's backward and the non-expert backward in between: a forward hook of the
+             previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
+             the gradient of its own input is due.
   blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
@@ -290,6 +294,29 @@ class _AggWait(torch.autograd.Function):
         return (g, None, *ctx.ex.wait_agg())
 
 
+class AggBox:
+    """Where a placed layer leaves its exchange for a wait set up earlier in the forward (`_AggWaitLater`)."""
+
+    def __init__(self) -> None:
+        self.exchange: Optional[ReplicaExchange] = None
+
+
+class _AggWaitLater(torch.autograd.Function):
+    """Identity on the previous MoE layer's output; backward (the non-expert backward between the two
+    MoE layers is over, so Agg had that compute to hide behind): wait for the next layer's Agg, when it
+    left its exchange in the box, and hand its sums to that layer's parameters."""
+
+    @staticmethod
+    def forward(ctx, y, box: AggBox, fc_w, fc_b, proj_w, proj_b):
+        ctx.box = box
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        ex = ctx.box.exchange
+        return (g, None, *(ex.wait_agg() if ex is not None else (None,) * len(PARAMS)))
+
+
 # ----------------------------------------------------------------------------- the runtime
 
 
@@ -320,8 +347,10 @@ class PlacedLayer:
 
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
-        (scheduled) and put the Agg wait on the layer's input."""
+        (scheduled) and put the Agg wait on the previous MoE layer's output (the box it set up this
+        forward) or, for the first MoE layer, on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
+        box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
         if ex.blocking:
             return x_BTM
@@ -329,6 +358,9 @@ class PlacedLayer:
         ex.launch_trans(1)
         if not (torch.is_grad_enabled() and x_BTM.requires_grad):
             ex.blocking = True  # nothing to hang the wait on: Agg (if any) waits where it starts
+            return x_BTM
+        if box is not None:
+            box.exchange = ex
             return x_BTM
         e = self.experts
         return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
@@ -436,6 +468,25 @@ class ProProphet:
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
         for layer in self.layers:
             layer.dispatcher.set_counts_sink(self)
+        # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
+        self.boxes: dict[int, AggBox] = {}
+        if schedule:
+            for prev, nxt in zip(self.layers, self.layers[1:]):
+                prev.register_forward_hook(self._agg_wait_hook(nxt))
+
+    def _agg_wait_hook(self, nxt):
+        """A forward hook for the MoE layer before `nxt`: its output carries the wait for `nxt`'s Agg."""
+
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            if not (torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad):
+                return None
+            box = self.boxes[nxt.layer_idx] = AggBox()
+            e = nxt.experts
+            y = _AggWaitLater.apply(y, box, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+
+        return hook
 
     # -- counts and planning under the all-to-all (called by the dispatchers) --------------------
     def add_counts(self, layer_idx: int, counts_DE: torch.Tensor) -> None:
