@@ -16,8 +16,9 @@
    (`moe.placement.ProProphet`) on the MoE layers, with a forced plan
    (--pro-prophet-force-plan) or Algorithm 1 (`pro_prophet.planner.plan`) on a
    performance model whose constants are measured on the real EP group
-   (`pro_prophet.perf_model.measure_constants`); the trainer hands it each
-   iteration's counts and it plans the next iteration.
+   (`pro_prophet.perf_model.measure_constants`) and calibrated on the first
+   iterations' measured layer times (`pro_prophet.calibration`); the counts ride
+   the dispatchers' count exchange and it plans the next iteration.
 
 Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
 the trainer logs the lines. A combination the code cannot run stops here with
@@ -42,6 +43,7 @@ from megatron_moe.arguments import validate_pro_prophet
 from megatron_moe.moe.comm_profile import choose_for_layer
 from megatron_moe.moe.placement import ProProphet, parse_plan
 from megatron_moe.parallel_state import ParallelState
+from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import plan as plan_placement
 
@@ -167,12 +169,14 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
     constants = measure_constants(ps, M, expert, H // esp, max(tokens, 32))
     perf = PerfModel(constants, M, expert, expert, overlap=not opts.pro_prophet_no_schedule)
     alpha, n = opts.pro_prophet_alpha, opts.pro_prophet_n
+    calib = Calibrator(perf)  # the first iterations fit scale and overlap efficiency (pro_prophet.calibration)
     runtime = ProProphet(
         layers,
         ps,
         schedule=not opts.pro_prophet_no_schedule,
-        planner=lambda counts: plan_placement(counts, perf, alpha, n).replicas,
+        planner=lambda counts: plan_placement(counts, calib.model, alpha, n).replicas,
         interval=opts.pro_prophet_interval,
+        calibrator=calib,
     )
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "

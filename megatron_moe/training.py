@@ -433,11 +433,16 @@ class Trainer:
     def token_balance(self, routed: dict) -> dict:
         """Dropless: tokens per expert and computed per EP rank (all MoE layers, this rank's EP x ESP
         group) and their imbalance max / mean; with Pro-Prophet also the per-rank imbalance without
-        its placement, and the plan of the next iteration from these counts (collective: one
-        all-gather of L x E integers over EP x ESP)."""
+        its placement, and the plan of the next iteration from these counts (without Pro-Prophet a
+        collective: one all-gather of L x E integers over EP x ESP)."""
         idx = sorted(routed)
-        counts = gather_counts(self.ps, torch.stack([routed[i] for i in idx]))  # [L, N_EP, E]
         prophet = self.applied.pro_prophet
+        # [L, N_EP, E]; Pro-Prophet's came with the dispatchers' count exchanges (no collective here)
+        counts = (
+            prophet.collected_counts()
+            if prophet is not None
+            else gather_counts(self.ps, torch.stack([routed[i] for i in idx]))
+        )
         E, n_ep = counts.shape[2], counts.shape[1]
         plain = Placement.of(E, n_ep, {})
         used = [prophet.placement_of(i) if prophet is not None else plain for i in idx]
@@ -454,7 +459,7 @@ class Trainer:
             out["rank_imbalance_no_placement"] = max_over_mean(before)
             out["pro_prophet_replicas"] = sum(len(r) for p in used for r in p.replicas)
             out["pro_prophet_plan"] = {str(i): p.as_dict() for i, p in zip(idx, used)}
-            prophet.end_iteration(self.iteration + 1, counts)
+            prophet.end_iteration(self.iteration + 1)
         return out
 
     def check_finite(self, loss: float, grad_norm: float) -> None:

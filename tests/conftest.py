@@ -57,6 +57,7 @@ MARKS: dict[str, dict[str, object]] = {
             "test_trainer_dropless_ep2_with_lina_matches_one_process",
         },
         "test_composition.py": {"test_every_combination_keeps_the_curve_or_is_refused_naming_both_flags"},
+        "test_pro_prophet_locality.py": ALL,
         "test_pro_prophet_placement.py": {
             "test_forced_plan_equals_no_placement",
             "test_trainer_curve_with_pro_prophet_equals_without_and_resumes_without_it",

@@ -262,3 +262,5 @@ def test_bench_tool_refuses_bad_input_with_exit_2():
         [sys.executable, tool, "--modes", "none,best"], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 2 and "unknown mode(s) ['best']" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, tool, "--warmup", "6"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "--warmup (6) must exceed --calibrate-skip + --calibrate-iters (6)" in out.stderr

@@ -6,6 +6,8 @@ Run under torchrun (every rank runs every mode; EP = the world size):
   torchrun --nproc-per-node 2 tools/bench_pro_prophet.py --skew 0 1.2 --json pp_local.json
   scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit -- \\
       tools/bench_pro_prophet.py --skew 0 1.2 --json pp_cluster.json
+  scripts/emulate_cluster.sh --nodes 4 --procs-per-node 1 --inter-node-rate 400mbit -- \\
+      tools/bench_pro_prophet.py --skew 0 1.2 --json pp_cluster_ep4.json     # EP4, 16 experts
 
 The model: --blocks blocks, each a dense FFN (LayerNorm, M -> 4M -> M: the non-expert compute)
 and a dropless MoE layer (`moe.layer.MoELayer`, E experts over EP ranks). The MoE layer's input
@@ -21,19 +23,27 @@ Modes (the same weights and batches in each):
                          (the paper's comparison), Trans/Agg overlapped
   pro_prophet_plan_only  Algorithm 1 (`pro_prophet.planner.plan`, eq. (6)), Trans/Agg blocking
   pro_prophet            Algorithm 1 with eq. (8) and the block-wise scheduler (Algorithm 2)
-Every mode plans iteration j+1 from iteration j's counts (`moe.placement.ProProphet`). The model's
-constants are measured once on the real EP group (`pro_prophet.perf_model.measure_constants`).
+Every mode plans iteration j+1 from iteration j's counts (`moe.placement.ProProphet`: they ride the
+dispatchers' count exchange, and the plan is made while the last dispatch all-to-all is in flight).
+The model's constants are measured once on the real EP group (`pro_prophet.perf_model.measure_constants`);
+the two pro_prophet modes then calibrate it (`pro_prophet.calibration`: scale and overlap efficiency
+fitted on the MoE-layer times of their first --calibrate-iters iterations after --calibrate-skip,
+which alternate no placement and the plan) and plan with the fit. Those iterations are part of
+the warm-up (--warmup must exceed skip + iters), so every measured iteration uses the fitted model.
 
 An iteration is forward, backward and an SGD step, started together on all ranks (a barrier);
 step time: max over ranks; MoE-layer time: forward + backward of the MoE layers (autograd stamps
 around them), max over ranks; load std: population std of the tokens each EP rank computes, per
 layer, averaged over layers, without (before) and with (after) the placement used; predicted_ms:
-the model's T' of the MoE layers under that placement; trans_bytes / agg_bytes: bytes sent by all
-ranks per iteration (the collective observer). Medians over the measured iterations.
+the calibrated model's T'' of the MoE layers under that placement (a mode without a calibration of
+its own takes the fit of the pro_prophet mode of its kind: eq. (6) for none, eq. (8) for
+heaviest_to_all; predicted_uncalibrated_ms: the paper's form); trans_bytes / agg_bytes: bytes sent
+by all ranks per iteration (the collective observer). Medians over the measured iterations.
 
 Prints a table and, with --json PATH, writes a list of objects (one per mode and skew) with keys
 mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, predicted_ms,
-trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min).
+trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min, predicted_uncalibrated_ms,
+model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta).
 """
 
 from __future__ import annotations
@@ -58,7 +68,8 @@ from megatron_moe.distributed.observer import CommLog
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, routed_counts
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
-from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
+from megatron_moe.pro_prophet.calibration import Calibrator
+from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
 MODES = ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
@@ -78,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.25, help="--pro-prophet-alpha")
     p.add_argument("--n", type=int, default=0, help="--pro-prophet-n")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
-    p.add_argument("--warmup", type=int, default=3, help="unmeasured iterations per mode")
+    p.add_argument("--warmup", type=int, default=8, help="unmeasured iterations per mode (calibration included)")
+    p.add_argument("--calibrate-skip", type=int, default=2, help="first iterations not sampled by the calibration")
+    p.add_argument("--calibrate-iters", type=int, default=4, help="iterations the calibration samples (0: off)")
     p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     a = p.parse_args(argv)
@@ -91,6 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first iteration only gathers the counts the planner needs)")
+    if a.calibrate_skip < 0 or a.calibrate_iters < 0:
+        p.error("--calibrate-skip and --calibrate-iters must be >= 0")
+    if a.calibrate_iters and a.warmup <= a.calibrate_skip + a.calibrate_iters:
+        p.error(
+            f"--warmup ({a.warmup}) must exceed --calibrate-skip + --calibrate-iters "
+            f"({a.calibrate_skip + a.calibrate_iters}): measured iterations plan with the fitted model"
+        )
     if any(s < 0 for s in a.skew):
         p.error("--skew values must be >= 0")
     return a
@@ -163,10 +183,19 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[Pr
         return None
     if mode == "heaviest_to_all":
         return ProProphet(layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas)
-    model_kind = "overlap" if mode == "pro_prophet" else "plain"
+    calib = Calibrator(perf[kind_of(mode)], skip=a.calibrate_skip, iters=a.calibrate_iters)
     return ProProphet(
-        layers, ps, schedule=mode == "pro_prophet", planner=lambda c: plan(c, perf[model_kind], a.alpha, a.n).replicas
+        layers,
+        ps,
+        schedule=mode == "pro_prophet",
+        planner=lambda c: plan(c, calib.model, a.alpha, a.n).replicas,
+        calibrator=calib,
     )
+
+
+def kind_of(mode: str) -> str:
+    """The model a mode is predicted with: eq. (8) ("overlap") when Trans/Agg are scheduled, else eq. (6)."""
+    return "overlap" if mode in ("pro_prophet", "heaviest_to_all") else "plain"
 
 
 def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
@@ -177,8 +206,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(99 + ps.rank("ep"))
     E, n_ep, M = cfg.moe.num_experts, ps.size("ep"), cfg.model.hidden_size
     plain = Placement.of(E, n_ep, {})
-    model_for = perf["overlap" if mode == "pro_prophet" else "plain"]
-    rows = {k: [] for k in ("step", "moe", "std_before", "std_after", "predicted", "trans", "agg", "top")}
+    model_for = perf[kind_of(mode)]
+    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top")}
     log = CommLog().start()
     for it in range(a.warmup + a.iters):
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
@@ -194,9 +223,11 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
         step = time.perf_counter() - t0
         moe = sum(model.moe_s) + sum(b[1] - b[0] for b in model.moe_bwd if len(b) == 2)
         sent = {op: sum(e.sent for e in log.of(op)) for op in ("trans", "agg")}
-        counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))  # [L, N_EP, E]
-        if runtime is not None:
-            runtime.end_iteration(it + 1, counts)
+        if runtime is not None:  # the counts came with the dispatchers' count exchanges
+            counts = runtime.collected_counts()  # [L, N_EP, E]
+            runtime.end_iteration(it + 1)
+        else:
+            counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))
         if it < a.warmup:
             continue
         std = lambda v: statistics.pstdev(float(x) for x in v)  # noqa: E731
@@ -204,7 +235,7 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
         rows["moe"].append(1e3 * moe)
         rows["std_before"].append(statistics.mean(std(plain.computed_tokens(c.tolist())) for c in counts))
         rows["std_after"].append(statistics.mean(std(p.computed_tokens(c.tolist())) for p, c in zip(used, counts)))
-        rows["predicted"].append(1e3 * sum(model_for.layer_time(c.tolist(), p.replicas) for p, c in zip(used, counts)))
+        rows["terms"].append([model_for.terms(c.tolist(), p.replicas) for p, c in zip(used, counts)])
         rows["trans"].append(sent["trans"])
         rows["agg"].append(sent["agg"])
         per_expert = counts.sum(dim=(0, 1))
@@ -216,7 +247,14 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     dist.all_reduce(b)
     rows["step"], rows["moe"] = t[0].cpu().tolist(), t[1].cpu().tolist()
     rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
+    cal = runtime.calibrator if runtime is not None else None
+    rows["calibration"] = cal.fitted if cal is not None else None
     return rows
+
+
+def predicted_ms(terms: list, overlap: bool, cal: Calibration) -> float:
+    """Median over iterations of the model's T'' [ms] of the MoE layers (terms: per iteration, per layer)."""
+    return statistics.median(1e3 * sum(t.time(overlap, cal) for t in ts) for ts in terms)
 
 
 def measure_perf(cfg: Config, ps, a) -> dict:
@@ -233,14 +271,15 @@ def measure_perf(cfg: Config, ps, a) -> dict:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s}"
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
             f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
-            f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f}"
+            f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f} "
+            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f}"
         )
     return "\n".join(lines)
 
@@ -284,30 +323,43 @@ def run(a: argparse.Namespace) -> None:
         )
     results = []
     for skew in a.skew:
+        raw = {}
         for mode in a.modes:
-            r = run_mode(a, cfg, ps, mode, skew, perf)
-            med = {k: statistics.median(v) for k, v in r.items()}
-            row = {
-                "mode": mode,
-                "skew": skew,
-                "step_ms_median": med["step"],
-                "moe_ms_median": med["moe"],
-                "load_std_before": statistics.mean(r["std_before"]),
-                "load_std_after": statistics.mean(r["std_after"]),
-                "predicted_ms": med["predicted"],
-                "trans_bytes": med["trans"],
-                "agg_bytes": med["agg"],
-                "world_size": world,
-                "top_expert_share": med["top"],
-                "load_avg_1min": os.getloadavg()[0],
-            }
-            results.append(row)
+            raw[mode] = r = run_mode(a, cfg, ps, mode, skew, perf)
             if rank == 0:
                 print(
-                    f"  skew {skew:g} {mode}: step {row['step_ms_median']:.1f} ms, moe {row['moe_ms_median']:.1f} ms, "
-                    f"predicted {row['predicted_ms']:.1f} ms",
+                    f"  skew {skew:g} {mode}: step {statistics.median(r['step']):.1f} ms, "
+                    f"moe {statistics.median(r['moe']):.1f} ms, calibration {r['calibration']}",
                     flush=True,
                 )
+        fits = {kind_of(m): raw[m]["calibration"] for m in ("pro_prophet_plan_only", "pro_prophet") if m in raw}
+        for mode, r in raw.items():
+            kind = kind_of(mode)
+            cal = r["calibration"] or fits.get(kind) or Calibration()
+            overlap = kind == "overlap"
+            med = {k: statistics.median(r[k]) for k in ("step", "moe", "trans", "agg", "top")}
+            pred = predicted_ms(r["terms"], overlap, cal)
+            results.append(
+                {
+                    "mode": mode,
+                    "skew": skew,
+                    "step_ms_median": med["step"],
+                    "moe_ms_median": med["moe"],
+                    "load_std_before": statistics.mean(r["std_before"]),
+                    "load_std_after": statistics.mean(r["std_after"]),
+                    "predicted_ms": pred,
+                    "trans_bytes": med["trans"],
+                    "agg_bytes": med["agg"],
+                    "world_size": world,
+                    "top_expert_share": med["top"],
+                    "load_avg_1min": os.getloadavg()[0],
+                    "predicted_uncalibrated_ms": predicted_ms(r["terms"], overlap, Calibration()),
+                    "model_error": pred / med["moe"] - 1.0,
+                    "calibration_scale": cal.scale,
+                    "calibration_comm": cal.comm,
+                    "calibration_eta": cal.eta,
+                }
+            )
     if rank == 0:
         print(table(results), flush=True)
         if a.json:

@@ -134,6 +134,7 @@ class TokenDispatcher:
         self.dw = None
         self.listeners: list = []
         self.placement = None  # Pro-Prophet replicas of this iteration (`set_placement`)
+        self.counts_sink = None  # Pro-Prophet's runtime: routed counts ride the count exchange
 
     @property
     def crosses_ranks(self) -> bool:
@@ -148,6 +149,13 @@ class TokenDispatcher:
         """Replicas for the next forwards (a `moe.placement.PlacedLayer`; None: every expert at its
         owner). Only the ragged (dropless) UnevenDispatcher uses it."""
         self.placement = placement
+
+    def set_counts_sink(self, sink) -> None:
+        """Pro-Prophet (`moe.placement.ProProphet`): the ragged UnevenDispatcher appends this rank's routed
+        counts [E] to every row of its count exchange and hands `sink.add_counts(layer, counts [D, E])`
+        every rank's (an all-gather riding on the exchange), then calls `sink.dispatch_in_flight(layer)`
+        while the token all-to-all is in flight. None: off."""
+        self.counts_sink = sink
 
     def a2a_name(self, step: str) -> str:
         return f"L{self.layer_idx}.moe.a2a_{step}"
@@ -397,7 +405,15 @@ class UnevenDispatcher(TokenDispatcher):
                 for _ in range(n_esp)
             ]
         )
-        recv_counts = a2a.exchange_counts(per_ep_E.repeat_interleave(n_esp, dim=0), self.counts_group)  # [D, X]
+        send_counts = per_ep_E.repeat_interleave(n_esp, dim=0)  # [D, X]
+        sink = self.counts_sink if self.ragged else None
+        if sink is not None:  # this rank's routed counts [E] to every rank, in the same message
+            routed_E = torch.bincount(torch.cat([r.expert[m] for r, m in zip(routes, kept)]), minlength=E)
+            send_counts = torch.cat([send_counts, routed_E.expand(send_counts.size(0), E)], dim=1)
+        recv_counts = a2a.exchange_counts(send_counts, self.counts_group)  # [D, X] (+ [D, E] routed)
+        if sink is not None:
+            sink.add_counts(self.layer_idx, recv_counts[:, X:])
+            recv_counts = recv_counts[:, :X]
         per_expert = recv_counts.sum(dim=0)  # [X] rows received
         N = max(1, int(per_expert.max()))
         # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
@@ -462,6 +478,8 @@ class UnevenDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
         self.dispatch_start(x_TM, plan)
+        if self.counts_sink is not None and self.ragged:  # Pro-Prophet plans under the all-to-all
+            self.counts_sink.dispatch_in_flight(self.layer_idx)
         return self.dispatch_finish(plan, x_TM.size(1))
 
     def combine(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:

@@ -108,6 +108,7 @@ class MoELayer(nn.Module):
         if old is not None:  # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
             self.dispatcher.set_placement(old.placement if self.dropless else None)
+            self.dispatcher.set_counts_sink(old.counts_sink)
             self.dispatcher.listeners = old.listeners
 
     def set_pipeline_chunks(self, chunks: int) -> None:

@@ -24,9 +24,13 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
              expert compute (fc before it, proj after it: the second part overlaps the
              non-expert compute up to the next MoE layer); the first MoE layer launches its own
-             at its start. A layer waits for its Trans just before its experts run. Agg is
+             at its start. A layer waits for its Trans just before its experts run (Trans and Agg
+             are issued on CUDA side streams, `distributed.streams`; no-ops on the CPU). Agg is
              launched when the experts' backward is done and waited when the gradient of the
-             layer's input is due (it overlaps the dispatch all-to-all's and the router's backward).
+             previous MoE layer's output is due (it overlaps the dispatch all-to-all's and the
+             router's backward and the non-expert backward in between: a forward hook of the
+             previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
+             the gradient of its own input is due.
   blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
@@ -40,10 +44,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequenc
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed import comm_errors, observer
+from megatron_moe.distributed import comm_errors, observer, streams
 from megatron_moe.distributed.collectives import all_gather_raw, scale_grad
 from megatron_moe.moe.experts import Experts
 from megatron_moe.profiling import annotate
+from megatron_moe.pro_prophet.calibration import Calibrator
+from megatron_moe.pro_prophet.clock import LayerClock
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -166,7 +172,10 @@ class ReplicaExchange:
         self.p, self.experts, self.layer_idx, self.blocking = placement, experts, layer_idx, blocking
         self.group, self.ranks, self.me = ps.group("ep"), ps.ranks("ep"), ps.rank("ep")
         self.held = placement.held(self.me)
-        self.trans: list = [None, None]  # per part: (work, {name: [R, ...] buffer})
+        self.device = experts.fc_w.device
+        # CUDA: Trans / Agg are issued on their own side streams (CPU: None, every call a no-op)
+        self.side = {op: streams.side_stream(self.device, f"pro-prophet-{op}") for op in ("trans", "agg")}
+        self.trans: list = [None, None]  # per part: (work, {name: [R, ...] buffer}, sends)
         self.agg: Optional[tuple] = None  # (work, [(name, local index, buffer)], sends)
 
     def _tag(self, e: int, name: str, kind: int) -> int:
@@ -176,14 +185,26 @@ class ReplicaExchange:
         return e - self.me * self.p.num_local
 
     def _run(self, op: str, sends: list, recvs: list):
-        """Post every isend / irecv ((tensor, peer EP rank, tag) each); one observed Work."""
+        """Post every isend / irecv ((tensor, peer EP rank, tag) each) on `op`'s side stream, after the
+        caller's stream (the sends read what it produced); one observed Work."""
         sent = sum(t.numel() * t.element_size() for t, _, _ in sends)
         got = sum(t.numel() * t.element_size() for t, _, _ in recvs)
         token = observer.begin(op, self.group, sent, got) if sends or recvs else None
-        with comm_errors.guard(op, self.group):
+        side = self.side[op]
+        streams.wait_stream(side, streams.current_stream(self.device))
+        streams.record_stream([t for t, _, _ in sends + recvs], side)  # made on the caller's stream, used here
+        with comm_errors.guard(op, self.group), streams.use(side):
             works = [dist.isend(t, self.ranks[q], group=self.group, tag=tag) for t, q, tag in sends]
             works += [dist.irecv(t, self.ranks[q], group=self.group, tag=tag) for t, q, tag in recvs]
         return observer.Work(works, token)
+
+    def _wait(self, op: str, work) -> None:
+        """Wait for `work` on `op`'s side stream; the caller's stream then waits for that stream (CPU:
+        the host waits, in program order)."""
+        side = self.side[op]
+        with streams.use(side):
+            comm_errors.wait(work, op, self.group)
+        streams.wait_stream(streams.current_stream(self.device), side)
 
     def launch_trans(self, part: int) -> None:
         """Start Trans part `part` (0: fc_w, fc_b; 1: proj_w, proj_b); a no-op once started."""
@@ -207,7 +228,7 @@ class ReplicaExchange:
         for part in range(len(PARTS)):
             self.launch_trans(part)
             work, bufs, _ = self.trans[part]
-            comm_errors.wait(work, "trans", self.group)
+            self._wait("trans", work)
             out.update(bufs)
         return tuple(out[name] for name in PARAMS)
 
@@ -232,7 +253,7 @@ class ReplicaExchange:
         if self.agg is None:
             return (None,) * len(PARAMS)
         work, bufs, _ = self.agg
-        comm_errors.wait(work, "agg", self.group)
+        self._wait("agg", work)
         self.agg = None
         out: dict[str, torch.Tensor] = {}
         for name, i, buf in bufs:
@@ -273,6 +294,29 @@ class _AggWait(torch.autograd.Function):
         return (g, None, *ctx.ex.wait_agg())
 
 
+class AggBox:
+    """Where a placed layer leaves its exchange for a wait set up earlier in the forward (`_AggWaitLater`)."""
+
+    def __init__(self) -> None:
+        self.exchange: Optional[ReplicaExchange] = None
+
+
+class _AggWaitLater(torch.autograd.Function):
+    """Identity on the previous MoE layer's output; backward (the non-expert backward between the two
+    MoE layers is over, so Agg had that compute to hide behind): wait for the next layer's Agg, when it
+    left its exchange in the box, and hand its sums to that layer's parameters."""
+
+    @staticmethod
+    def forward(ctx, y, box: AggBox, fc_w, fc_b, proj_w, proj_b):
+        ctx.box = box
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        ex = ctx.box.exchange
+        return (g, None, *(ex.wait_agg() if ex is not None else (None,) * len(PARAMS)))
+
+
 # ----------------------------------------------------------------------------- the runtime
 
 
@@ -303,8 +347,10 @@ class PlacedLayer:
 
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
-        (scheduled) and put the Agg wait on the layer's input."""
+        (scheduled) and put the Agg wait on the previous MoE layer's output (the box it set up this
+        forward) or, for the first MoE layer, on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
+        box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
         if ex.blocking:
             return x_BTM
@@ -312,6 +358,9 @@ class PlacedLayer:
         ex.launch_trans(1)
         if not (torch.is_grad_enabled() and x_BTM.requires_grad):
             ex.blocking = True  # nothing to hang the wait on: Agg (if any) waits where it starts
+            return x_BTM
+        if box is not None:
+            box.exchange = ex
             return x_BTM
         e = self.experts
         return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
@@ -371,11 +420,25 @@ Planner = Callable[[list[list[int]]], Sequence[Sequence[int]]]
 
 class ProProphet:
     """Per model: the placements of the MoE layers, Trans prefetch across layers, and the plan for
-    the next iteration from this one's counts (`end_iteration`, locality).
+    the next iteration from this one's counts (locality).
 
     `planner` (None: the placements stay as set, e.g. a forced plan) runs every `interval`
     iterations on each layer's [N_EP, E] counts; it must be deterministic, so that every rank of
-    the EP x ESP group, holding the same gathered counts, makes the same plan."""
+    the EP x ESP group, holding the same counts, makes the same plan.
+
+    Counts (locality): every dropless dispatcher appends this rank's routed counts to its count
+    exchange (`TokenDispatcher.set_counts_sink`), so every rank of the EP x ESP group receives every
+    rank's counts without a collective of its own; `collected_counts` sums them over the forwards
+    of the iteration (those under autograd). Planning: when the layer's last forward of the
+    iteration launched its token all-to-all (the number of forwards per iteration is learned from
+    the previous iteration), the plan for the next iteration is made from the complete counts while
+    the all-to-all is in flight (`plan_in_flight`); `end_iteration` uses it, or plans there when it
+    could not (first iteration, a forward after it, a calibration fit due). Same plans either way.
+
+    `calibrator` (`pro_prophet.calibration.Calibrator`, optional): the calibration iterations run
+    with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
+    and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
+    fitted; the planner reads `calibrator.model`, so later plans use the fit."""
 
     def __init__(
         self,
@@ -384,26 +447,133 @@ class ProProphet:
         schedule: bool = True,
         planner: Optional[Planner] = None,
         interval: int = 1,
+        calibrator: Optional[Calibrator] = None,
+        plan_in_flight: bool = True,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
+        self.calibrator, self.plan_in_flight = calibrator, plan_in_flight
         self.pending: dict[int, ReplicaExchange] = {}
         self.plans: dict[int, Placement] = {}
-
-    def end_iteration(self, iteration: int, counts_LDE: torch.Tensor) -> bool:
-        """After iteration `iteration` (1-based) with the gathered counts [L, N_EP, E] (`gather_counts`,
-        layers in order): plan the next iteration every `interval` iterations. True when it planned."""
-        if self.planner is None or iteration % self.interval:
-            return False
-        E, n_ep = self.layers[0].num_experts, self.ps.size("ep")
-        self.set_plans(
-            {
-                layer.layer_idx: Placement(
-                    E, n_ep, tuple(tuple(int(q) for q in r) for r in self.planner(counts_LDE[i].tolist()))
-                )
-                for i, layer in enumerate(self.layers)
-            }
+        n_ep, E = ps.size("ep"), self.layers[0].num_experts
+        self.counts = {la.layer_idx: torch.zeros(n_ep, E, dtype=torch.int64, device="cpu") for la in self.layers}
+        self.forwards = {la.layer_idx: 0 for la in self.layers}  # forwards under autograd this iteration
+        self.forwards_per_iteration: Optional[int] = None  # learned from the last iteration
+        self.running: Optional[int] = None  # the iteration now running (known after the first ends)
+        self.ended = (
+            0  # iterations ended under this runtime (the calibrator counts these: a resumed run calibrates too)
         )
+        self.early: dict[int, tuple[int, Placement]] = {}  # layer -> (forwards seen, plan made in flight)
+        self.planned_in_flight = 0  # layer plans made under an all-to-all and used
+        self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
+        for layer in self.layers:
+            layer.dispatcher.set_counts_sink(self)
+        # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
+        self.boxes: dict[int, AggBox] = {}
+        if schedule:
+            for prev, nxt in zip(self.layers, self.layers[1:]):
+                prev.register_forward_hook(self._agg_wait_hook(nxt))
+
+    def _agg_wait_hook(self, nxt):
+        """A forward hook for the MoE layer before `nxt`: its output carries the wait for `nxt`'s Agg."""
+
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            if not (torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad):
+                return None
+            box = self.boxes[nxt.layer_idx] = AggBox()
+            e = nxt.experts
+            y = _AggWaitLater.apply(y, box, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+
+        return hook
+
+    # -- counts and planning under the all-to-all (called by the dispatchers) --------------------
+    def add_counts(self, layer_idx: int, counts_DE: torch.Tensor) -> None:
+        """Every rank's routed counts [D, E] of one forward of layer `layer_idx` (D = EP x ESP ranks,
+        EP-major, from the dispatcher's count exchange); summed per EP rank into this iteration's."""
+        if not torch.is_grad_enabled():
+            return  # evaluation forwards are no part of the training iteration
+        n_ep = self.ps.size("ep")
+        self.counts[layer_idx] += (
+            counts_DE.to(device="cpu", dtype=torch.int64).reshape(n_ep, -1, counts_DE.size(1)).sum(1)
+        )
+        self.forwards[layer_idx] += 1
+
+    def dispatch_in_flight(self, layer_idx: int) -> None:
+        """Layer `layer_idx`'s token all-to-all is in flight: plan its next iteration if its counts
+        for this iteration are complete and `end_iteration` will plan with the current model."""
+        if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
+            return
+        if (
+            self.forwards[layer_idx] != self.forwards_per_iteration
+            or self._action(self.running, self.ended + 1) != "plan"
+        ):
+            return
+        if self.calibrator is not None and self.calibrator.fit_due(self.ended + 1):
+            return  # the model changes at the end of this iteration
+        self.early[layer_idx] = (self.forwards[layer_idx], self._plan(self.counts[layer_idx]))
+
+    def collected_counts(self) -> torch.Tensor:
+        """This iteration's counts [L, N_EP, E] (layers in order), identical on every rank of the group."""
+        return torch.stack([self.counts[la.layer_idx] for la in self.layers])
+
+    # -- the end of an iteration ---------------------------------------------------------------
+    def _action(self, iteration: int, local: int) -> str:
+        """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
+        iteration without placement) or "keep"."""
+        cal = self.calibrator
+        if self.planner is None:
+            return "keep"
+        if cal is not None and cal.placement_off(local + 1):
+            return "off"
+        if cal is not None and cal.calibrating(local):
+            return "plan"
+        return "keep" if iteration % self.interval else "plan"
+
+    def _plan(self, counts_DE: torch.Tensor) -> Placement:
+        assert self.planner is not None
+        E, n_ep = self.layers[0].num_experts, self.ps.size("ep")
+        return Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in self.planner(counts_DE.tolist())))
+
+    def end_iteration(self, iteration: int, counts_LDE: Optional[torch.Tensor] = None) -> bool:
+        """After iteration `iteration` (1-based): calibrate when due, then plan the next iteration every
+        `interval` iterations from this one's counts [L, N_EP, E] (default: `collected_counts`). True
+        when it planned."""
+        counts = self.collected_counts() if counts_LDE is None else counts_LDE
+        cal = self.calibrator
+        self.ended += 1
+        if cal is not None and self.clock is not None:
+            used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
+            cal.record(self.ended, counts.tolist(), used, self.clock.take())
+            if cal.fit_due(self.ended):
+                times = torch.tensor(cal.measured, dtype=torch.float64, device=self.ps.device)
+                if dist.is_initialized():
+                    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
+                cal.fit(times.cpu().tolist())
+                self.clock.remove()
+                self.clock = None
+        action = self._action(iteration, self.ended)
+        early, fresh = self.early, dict(self.forwards)
+        self.early, self.running = {}, iteration + 1
+        self.forwards_per_iteration = fresh[self.layers[0].layer_idx]
+        for la in self.layers:
+            self.counts[la.layer_idx].zero_()
+            self.forwards[la.layer_idx] = 0
+        if action == "off":
+            self.set_plans({})
+            return False
+        if action == "keep":
+            return False
+        plans = {}
+        for i, la in enumerate(self.layers):
+            seen, p = early.get(la.layer_idx, (-1, None))
+            if p is not None and seen == fresh[la.layer_idx] and counts_LDE is None:
+                plans[la.layer_idx] = p
+                self.planned_in_flight += 1
+            else:
+                plans[la.layer_idx] = self._plan(counts[i])
+        self.set_plans(plans)
         return True
 
     def placement_of(self, layer_idx: int) -> Placement:

@@ -6,11 +6,24 @@
               `measure_constants`
   planner     Algorithm 1 (`plan`), the "k heaviest experts to every device" comparison
               (`heaviest_to_all`), Algorithm 2's block-wise Trans/Agg schedule (`block_schedule`)
+  calibration the model fitted to measured layer times (scale, Trans/Agg cost, overlap efficiency;
+              a departure from the paper): `fit_calibration`, `Calibrator`
+  clock       the MoE layers' measured forward + backward time per iteration (`LayerClock`)
 
 The runtime (replicas in the dispatcher, Trans/Agg) lives in `megatron_moe.moe`.
 """
 
-from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel, fit_constants, loads, measure_constants
+from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration
+from megatron_moe.pro_prophet.clock import LayerClock
+from megatron_moe.pro_prophet.perf_model import (
+    Calibration,
+    LayerTerms,
+    PerfConstants,
+    PerfModel,
+    fit_constants,
+    loads,
+    measure_constants,
+)
 from megatron_moe.pro_prophet.planner import (
     BlockSchedule,
     CommLaunch,
@@ -22,6 +35,11 @@ from megatron_moe.pro_prophet.planner import (
 )
 
 __all__ = [
+    "Calibration",
+    "Calibrator",
+    "LayerClock",
+    "LayerTerms",
+    "fit_calibration",
     "PerfConstants",
     "PerfModel",
     "fit_constants",

@@ -26,6 +26,14 @@ alpha = 0 gives the paper's form exactly):
                 (with the scheduler: Trans hides behind the previous block's forward compute,
                 Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
 
+Departure from the paper (`Calibration`, fitted by `pro_prophet.calibration`): the planner's
+model is T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X with X = T_Trans + T_Agg (eq. (6)) or
+X = max(0, T_Trans - eta (T_FEC + fnec_s)) + max(0, T_Agg - eta (T_BEC + bnec_s)) (eq. (8)):
+`scale` is how much slower the layer runs than its parts profiled one at a time, `comm` what an
+exposed second of Trans / Agg really costs, `eta` in [0, 1] the share of the compute window that
+really hides a transfer (CPU ranks: gloo's transfers take cycles from the compute they overlap).
+scale = comm = eta = 1 (the default) is the paper's form exactly.
+
 Constants come from `fit_constants` (least squares on (size, time) samples) or
 `measure_constants` (the project's collective profiler on the real EP group, plus a timed
 expert FFN on the model's device; collective over the world, identical numbers on every rank).
@@ -79,6 +87,47 @@ class PerfConstants:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What the run measures beyond the profiled constants (module docstring): `scale` > 0 multiplies
+    the all-to-all and expert compute terms, `comm` >= 0 the exposed Trans / Agg, `eta` in [0, 1] is
+    the overlap efficiency of eq. (8)'s hiding windows. The defaults (1, 1, 1): the paper's equations."""
+
+    scale: float = 1.0
+    comm: float = 1.0
+    eta: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
+        if not np.isfinite(self.comm) or self.comm < 0:
+            raise ValueError(f"Calibration.comm must be a finite number >= 0, got {self.comm!r}")
+        if not np.isfinite(self.eta) or not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"Calibration.eta must be in [0, 1], got {self.eta!r}")
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """One layer's terms under one placement [s]: base = 4 T_A2A + 3 T_FEC, Trans, Agg, and the compute
+    windows eq. (8) hides them behind (fwd = T_FEC + fnec_s, bwd = T_BEC + bnec_s)."""
+
+    base: float
+    trans: float
+    agg: float
+    fwd_window: float
+    bwd_window: float
+
+    def exposed(self, overlap: bool, eta: float) -> float:
+        """Trans + Agg time not hidden: all of it (eq. (6)), or what exceeds eta x the windows (eq. (8))."""
+        if not overlap:
+            return self.trans + self.agg
+        return max(0.0, self.trans - eta * self.fwd_window) + max(0.0, self.agg - eta * self.bwd_window)
+
+    def time(self, overlap: bool, cal: Calibration) -> float:
+        """T'' of the layer (eq. (6) or (8), calibrated)."""
+        return cal.scale * self.base + cal.comm * self.exposed(overlap, cal.eta)
+
+
+@dataclass(frozen=True)
 class PerfModel:
     """The constants plus the layer's sizes: what eqs. (1)-(8) need besides the counts.
 
@@ -86,6 +135,7 @@ class PerfModel:
     param_elements / grad_elements: elements of one expert's parameters / gradients.
     fnec_s / bnec_s: forward / backward non-expert compute of one block [s] (eq. (8) only).
     overlap: plan with eq. (8) (the scheduler on) instead of eq. (6).
+    calibration: the fitted departure from the paper (module docstring; default: none).
     """
 
     constants: PerfConstants
@@ -95,6 +145,7 @@ class PerfModel:
     fnec_s: float = 0.0
     bnec_s: float = 0.0
     overlap: bool = False
+    calibration: Calibration = Calibration()
 
     def __post_init__(self) -> None:
         for name in ("token_elements", "param_elements", "grad_elements"):
@@ -125,16 +176,22 @@ class PerfModel:
         return sum(c.bcast_alpha + c.bcast_beta * self.grad_elements * r / num_devices for r in reached)
 
     def combine(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float) -> float:
-        """Eq. (6), or eq. (8) when `overlap`: the layer's time from its terms."""
-        if not self.overlap:
-            return 4 * t_a2a + 3 * t_fec + t_trans + t_agg
-        t_bec = 2 * t_fec
-        return 4 * t_a2a + 3 * t_fec + max(0.0, t_trans - t_fec - self.fnec_s) + max(0.0, t_agg - t_bec - self.bnec_s)
+        """Eq. (6), or eq. (8) when `overlap`: the layer's time from its terms (calibrated)."""
+        return self.layer_terms(t_a2a, t_fec, t_trans, t_agg).time(self.overlap, self.calibration)
+
+    def layer_terms(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float) -> LayerTerms:
+        """The terms `combine` and the calibration fit work on."""
+        return LayerTerms(4 * t_a2a + 3 * t_fec, t_trans, t_agg, t_fec + self.fnec_s, 2 * t_fec + self.bnec_s)
 
     # -- whole layer -----------------------------------------------------------------------
     def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
         """T' of one MoE layer for the counts [D, E] under `replicas` (None: no placement)."""
         return self.breakdown(counts_DE, replicas)["total"]
+
+    def terms(self, counts_DE, replicas: Replicas | None = None) -> LayerTerms:
+        """The `LayerTerms` of one layer for the counts [D, E] under `replicas`."""
+        b = self.breakdown(counts_DE, replicas)
+        return self.layer_terms(b["a2a"], b["fec"], b["trans"], b["agg"])
 
     def breakdown(self, counts_DE, replicas: Replicas | None = None) -> dict:
         """Every term of the model for one layer: a2a, fec, bec, trans, agg, total [s]."""

@@ -1,0 +1,148 @@
+"""Fitting Pro-Prophet's performance model to measured MoE-layer times (a departure from the paper).
+
+The paper's eq. (8) assumes Trans hides completely behind the block's forward compute and Agg
+behind its backward, and its terms come from constants profiled one op at a time. On CPU ranks
+with gloo a transfer in flight takes cycles from the compute it overlaps, a point-to-point
+transfer is not the all-gather its constant was profiled with, and the ops of a layer run slower
+together than alone. So the planner plans with (`perf_model.Calibration`):
+
+  T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X
+  X   = T_Trans + T_Agg                                                        (eq. (6))
+  X   = max(0, T_Trans - eta (T_FEC + fnec)) + max(0, T_Agg - eta (T_BEC + bnec))  (eq. (8))
+
+`fit_calibration` fits it to samples (one per iteration: the `LayerTerms` of every MoE layer under
+the placement used, and the measured seconds of those layers, forward + backward), least squares
+on the relative error:
+  eq. (6) (no scheduler): scale > 0 and comm >= 0, closed form (2 x 2 normal equations, comm
+    clamped at 0); eta plays no part and keeps its prior;
+  eq. (8) (scheduler): scale > 0 and the overlap efficiency eta in [0, 1], comm = 1 (the profiled
+    transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
+    plan): scale in closed form for each eta of a grid of `ETA_STEPS + 1` values, the eta with the
+    least residual, among equally good ones the one nearest the prior (1.0, the paper's).
+Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Like Lancet's
+contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
+
+`Calibrator` holds the model the planner uses and says what the first iterations do:
+  iterations 1 .. skip + iters (counted from the runtime's first, so a resumed run calibrates too)
+  are calibration iterations: odd ones run without placement, even
+  ones with the plan of the uncalibrated model, so the samples tell the layer's scale (no
+  transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
+  samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
+  after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
+Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
+identical on every rank (a MAX all-reduce, once) and hands them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfModel
+
+ETA_STEPS = 100  # eta on the grid 0, 0.01, ..., 1
+SKIP = 2  # calibration iterations not sampled (one-time costs)
+ITERS = 4  # sampled calibration iterations
+TIE = 1e-9  # residuals within this (relative, plus 1e-15 absolute) of the least count as equal
+
+Sample = tuple[Sequence[LayerTerms], float]  # (terms of every MoE layer, measured seconds)
+
+
+def _scale_comm(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(scale, comm, residual) minimizing sum ((scale b + comm x) / m - 1)^2 over rows (b, x, m), comm >= 0;
+    comm = 1 when the rows cannot tell it apart from scale (no transfer, or x proportional to b)."""
+    u = [(b / m, x / m) for b, x, m in rows]
+    sbb, sbx, sxx = sum(a * a for a, _ in u), sum(a * c for a, c in u), sum(c * c for _, c in u)
+    sb, sx = sum(a for a, _ in u), sum(c for _, c in u)
+    det = sbb * sxx - sbx * sbx
+    comm = max(0.0, (sbb * sx - sbx * sb) / det) if sxx > 0 and det > 1e-12 * sbb * sxx else 1.0
+    scale = (sb - comm * sbx) / sbb
+    return scale, comm, sum((scale * a + comm * c - 1.0) ** 2 for a, c in u)
+
+
+def _scale_given(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(scale, residual) minimizing sum ((scale b + x) / m - 1)^2 over rows (b, x, m) (comm = 1)."""
+    u = [(b / m, x / m) for b, x, m in rows]
+    scale = sum(a * (1.0 - c) for a, c in u) / sum(a * a for a, _ in u)
+    return scale, sum((scale * a + c - 1.0) ** 2 for a, c in u)
+
+
+def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float = 1.0) -> Calibration:
+    """`Calibration` (scale, comm, eta) fitted to (layer terms, measured seconds) samples (module docstring)."""
+    if not samples:
+        raise ValueError("fit_calibration needs at least one (terms, measured time) sample")
+    for terms, m in samples:
+        if not m > 0 or not terms or sum(t.time(overlap, Calibration()) for t in terms) <= 0:
+            raise ValueError(f"fit_calibration needs positive measured and modelled times, got {m!r}")
+    base = [sum(t.base for t in terms) for terms, _ in samples]
+
+    def rows(eta: float) -> list[tuple[float, float, float]]:
+        return [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
+
+    if not any(x > 0 for _, x, _ in rows(0.0)):  # nothing moved: only the scale can be seen
+        return Calibration(_scale_given(rows(0.0))[0], 1.0, prior_eta)
+    if not overlap:
+        scale, comm, _ = _scale_comm(rows(prior_eta))
+        if scale > 0:
+            return Calibration(scale, comm, prior_eta)
+        raise ValueError("fit_calibration: no positive scale fits the samples")
+    fits = [(_scale_given(rows(i / ETA_STEPS)), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
+    fits = [f for f in fits if f[0][0] > 0]
+    if not fits:
+        raise ValueError("fit_calibration: no positive scale fits the samples")
+    least = min(r for (_, r), _ in fits)
+    tied = [f for f in fits if f[0][1] <= least * (1 + TIE) + 1e-15]
+    (scale, _), eta = min(tied, key=lambda f: (abs(f[1] - prior_eta), -f[1]))
+    return Calibration(scale, 1.0, eta)
+
+
+class Calibrator:
+    """The planner's model and the calibration iterations (module docstring).
+
+    model: the uncalibrated model (its calibration is replaced by the fit); skip / iters: calibration
+    iterations not sampled / sampled (iters 0: no calibration, the model stays as given).
+    """
+
+    def __init__(self, model: PerfModel, skip: int = SKIP, iters: int = ITERS):
+        if skip < 0 or iters < 0:
+            raise ValueError(f"Calibrator: skip and iters must be >= 0, got {skip}, {iters}")
+        self.model, self.skip, self.iters = model, skip, iters
+        self.terms: list[list[LayerTerms]] = []
+        self.measured: list[float] = []
+        self.fitted: Calibration | None = None
+
+    @property
+    def last(self) -> int:
+        """The last calibration iteration (0: none)."""
+        return self.skip + self.iters if self.iters else 0
+
+    def calibrating(self, iteration: int) -> bool:
+        """True while `iteration` (1-based) is a calibration iteration."""
+        return iteration <= self.last
+
+    def placement_off(self, iteration: int) -> bool:
+        """True when calibration iteration `iteration` runs without placement (the odd ones)."""
+        return self.calibrating(iteration) and iteration % 2 == 1
+
+    def record(
+        self, iteration: int, counts_LDE: Sequence, replicas_L: Sequence[Sequence[Sequence[int]] | None], seconds: float
+    ) -> None:
+        """Iteration `iteration` ran the layers' counts [L][D][E] under `replicas_L` and took `seconds`
+        (this rank) in its MoE layers; kept when it is a sampled calibration iteration."""
+        if self.skip < iteration <= self.last:
+            self.terms.append([self.model.terms(c, r) for c, r in zip(counts_LDE, replicas_L)])
+            self.measured.append(float(seconds))
+
+    def fit_due(self, iteration: int) -> bool:
+        """True after the last calibration iteration, once (the runtime then calls `fit`)."""
+        return self.iters > 0 and iteration == self.last and self.fitted is None
+
+    def fit(self, measured: Sequence[float]) -> Calibration:
+        """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
+        maximum over ranks) and plan with the result from now on."""
+        if len(measured) != len(self.terms):
+            raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
+        samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
+        self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
+        self.model = replace(self.model, calibration=self.fitted)
+        return self.fitted

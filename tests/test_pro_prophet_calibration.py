@@ -1,0 +1,151 @@
+"""Pro-Prophet's calibrated performance model (pro_prophet.calibration, a departure from the paper):
+the fit recovers known scale, Trans/Agg cost and overlap efficiency from synthetic timings, the planner plans with
+the fitted model, the calibration iterations alternate no placement and the plan, and the layer
+clock pairs each layer's forward and backward stamps."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration
+from megatron_moe.pro_prophet.clock import LayerClock
+from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfConstants, PerfModel
+from megatron_moe.pro_prophet.planner import plan
+
+
+def terms(base, trans, agg, fwd, bwd):
+    return LayerTerms(base, trans, agg, fwd, bwd)
+
+
+# two layers per sample; some samples move nothing (trans = agg = 0), the others expose different amounts
+SAMPLES = [
+    [terms(10.0, 0.0, 0.0, 3.0, 6.0), terms(12.0, 0.0, 0.0, 4.0, 8.0)],
+    [terms(8.0, 5.0, 5.0, 3.0, 6.0), terms(9.0, 0.0, 0.0, 4.0, 8.0)],
+    [terms(7.0, 9.0, 9.0, 2.0, 4.0), terms(7.5, 6.0, 6.0, 2.5, 5.0)],
+    [terms(11.0, 0.0, 0.0, 3.0, 6.0), terms(8.0, 4.0, 4.0, 4.0, 8.0)],
+]
+
+
+def synthetic(scale: float, comm: float, eta: float, overlap: bool):
+    """Exact measured times of SAMPLES under T'' (the model's own form) with known constants."""
+    cal = Calibration(scale, comm, eta)
+    return [(ts, sum(t.time(overlap, cal) for t in ts)) for ts in SAMPLES]
+
+
+@pytest.mark.parametrize("scale, eta", [(1.3, 0.37), (0.9, 0.0), (1.0, 1.0), (2.5, 0.81)])
+def test_fit_with_scheduler_recovers_known_scale_and_overlap_efficiency(scale, eta):
+    got = fit_calibration(synthetic(scale, 1.0, eta, True), overlap=True)
+    assert got.eta == pytest.approx(eta, abs=1e-12) and got.comm == 1.0
+    assert got.scale == pytest.approx(scale, rel=1e-9)
+
+
+def test_fit_without_scheduler_fits_scale_and_comm():
+    got = fit_calibration(synthetic(1.7, 2.2, 0.2, False), overlap=False)
+    assert got.scale == pytest.approx(1.7, rel=1e-9) and got.comm == pytest.approx(2.2, rel=1e-9)
+    assert got.eta == 1.0  # eq. (6) has no window: the prior, untouched
+
+
+def test_comm_and_eta_keep_their_priors_when_nothing_moved():
+    still = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 13.0), ([terms(20.0, 0.0, 0.0, 3.0, 6.0)], 26.0)]
+    got = fit_calibration(still, overlap=True, prior_eta=0.6)
+    assert got.eta == 0.6 and got.comm == 1.0 and got.scale == pytest.approx(1.3, rel=1e-12)
+
+
+def test_one_plan_tells_the_overlap_efficiency_and_ties_go_to_the_prior():
+    one = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 10.0), ([terms(6.0, 4.0, 4.0, 2.0, 4.0)], 11.0)]
+    got = fit_calibration(one, overlap=True)  # 6 + (4 - 2 eta) + (4 - 4 eta) = 11: eta = 0.5
+    assert got.eta == pytest.approx(0.5, abs=1e-12) and got.scale == pytest.approx(1.0, rel=1e-9)
+    hidden = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 10.0), ([terms(6.0, 1.0, 1.0, 2.0, 4.0)], 6.0)]
+    got = fit_calibration(hidden, overlap=True, prior_eta=0.9)  # hidden at every eta >= 0.5: the prior wins
+    assert got.eta == 0.9 and got.scale == pytest.approx(1.0, rel=1e-9)
+
+
+def test_noisy_timings_stay_close():
+    rng = np.random.default_rng(0)
+    noisy = [(ts, m * (1 + 0.01 * rng.standard_normal())) for ts, m in synthetic(1.2, 1.0, 0.5, True)]
+    got = fit_calibration(noisy, overlap=True)
+    assert abs(got.scale - 1.2) < 0.05 and abs(got.eta - 0.5) < 0.1
+
+
+def test_bad_samples_and_values_are_clear_errors():
+    with pytest.raises(ValueError, match="at least one"):
+        fit_calibration([], overlap=True)
+    with pytest.raises(ValueError, match="positive measured and modelled times"):
+        fit_calibration([([terms(1.0, 0.0, 0.0, 1.0, 1.0)], 0.0)], overlap=True)
+    with pytest.raises(ValueError, match=r"Calibration.eta must be in \[0, 1\]"):
+        Calibration(1.0, 1.0, 1.5)
+    with pytest.raises(ValueError, match="Calibration.scale must be a finite number > 0"):
+        Calibration(0.0, 1.0, 0.5)
+    with pytest.raises(ValueError, match="Calibration.comm must be a finite number >= 0"):
+        Calibration(1.0, -1.0, 0.5)
+
+
+# -- the planner uses the fit --------------------------------------------------------------------
+def unit_model(**kw) -> PerfModel:
+    """a2a 0, one token costs 1 s of expert compute, one expert's Trans / Agg to every device 16 s."""
+    c = PerfConstants(0.0, 0.0, 0.0, 16.0, 0.0, 1.0)
+    return PerfModel(c, token_elements=1, param_elements=1, grad_elements=1, overlap=True, **kw)
+
+
+def test_the_planner_plans_with_the_fitted_overlap_efficiency():
+    counts = np.array([[10, 0], [10, 0]])  # expert 0 (rank 0) gets everything
+    hidden = plan(counts, unit_model(), alpha=0.0)
+    assert hidden.as_dict() == {0: (1,)}  # eq. (8): 3 * 10 + (16 - 10) + 0 < 3 * 20
+    exposed = plan(counts, unit_model(calibration=Calibration(1.0, 1.0, 0.0)), alpha=0.0)
+    assert exposed.as_dict() == {}  # nothing hides: 3 * 10 + 16 + 16 > 3 * 20
+    cal = Calibrator(unit_model(), skip=0, iters=2)
+    cal.record(1, [counts], [None], 1.0)  # no placement: T'' = 60 at scale 1 -> measured 60
+    cal.record(2, [counts], [[(1,), ()]], 1.0)  # expert 0 on rank 1: base 30, Trans / Agg 16 s each
+    assert cal.fit_due(2) and not cal.fit_due(1)
+    fitted = cal.fit([60.0, 62.0])  # 30 + 16 + 16: nothing hid
+    assert fitted == Calibration(1.0, 1.0, 0.0) and cal.model.calibration == fitted
+    assert plan(counts, cal.model, alpha=0.0).as_dict() == {}  # the planner now keeps expert 0 home
+    assert not cal.fit_due(2)
+
+
+def test_calibration_iterations_alternate_no_placement_and_the_plan():
+    cal = Calibrator(unit_model(), skip=2, iters=4)
+    assert [cal.placement_off(i) for i in range(1, 9)] == [True, False, True, False, True, False, False, False]
+    assert [cal.calibrating(i) for i in (1, 6, 7)] == [True, True, False]
+    for i in range(1, 8):
+        cal.record(i, [np.array([[1, 0], [1, 0]])], [None], float(i))
+    assert cal.measured == [3.0, 4.0, 5.0, 6.0] and len(cal.terms) == 4
+    assert Calibrator(unit_model(), iters=0).last == 0 and not Calibrator(unit_model(), iters=0).fit_due(0)
+    with pytest.raises(ValueError, match="2 times for 4 samples"):
+        cal.fit([1.0, 2.0])
+
+
+# -- the clock ------------------------------------------------------------------------------------
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x, x.sum()
+
+
+class Ticks:
+    """A clock that advances one second per reading."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_layer_clock_pairs_forward_and_backward_of_each_layer():
+    a, b = Doubler(), Doubler()
+    ticks = Ticks()
+    clock = LayerClock([a, b], torch.device("cpu"), clock=ticks)
+    x = torch.ones(3, requires_grad=True)
+    h = x * 1.0
+    y1, _ = a(h)  # readings 1, 2
+    y2, _ = b(y1 * 1.0)  # readings 3, 4
+    y2.sum().backward()  # b's backward: 5 (output) -> 6 (input); a's: 7 -> 8
+    assert clock.take() == (2 - 1) + (4 - 3) + (6 - 5) + (8 - 7)
+    assert clock.take() == 0.0  # forgotten
+    with torch.no_grad():
+        a(torch.ones(3))  # not timed: no reading
+    assert ticks.t == 8.0
+    clock.remove()
+    a(torch.ones(3, requires_grad=True))
+    assert ticks.t == 8.0 and clock.take() == 0.0
