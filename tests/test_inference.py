@@ -27,7 +27,8 @@ from megatron_moe.inference.popularity import (
     save_profile,
     top_experts,
 )
-from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint, use_lina
+from megatron_moe.inference.fallback import use_lina
+from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 from megatron_moe.testing import spawn

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
-from megatron_moe.inference.scheduled import use_lina
+from megatron_moe.inference.fallback import use_lina
 from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
 
 

@@ -19,8 +19,9 @@ Placement (`plan_placement`): experts with n_e >= 1 are popular and get round(n_
 devices of their own; the others (0 < n_e < 1) are packed first-fit-decreasing into devices of
 capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout holds). When that needs more than N devices, the
 replica whose removal leaves the least load per remaining replica goes first; if every popular
-expert is down to one replica, everything is repacked first-fit-decreasing with a capacity grown
-by 25 % until it fits. Experts with no estimate are spread over the free devices (else they go
+expert is down to one replica, everything is packed onto the N devices largest first, each into
+the least-loaded device with room (`least_loaded`; first-fit-decreasing with a grown capacity
+balanced badly under the per-device expert limit). Experts with no estimate are spread over the free devices (else they go
 to the device holding the fewest experts); free devices left over take extra replicas of the
 expert with the highest load per replica. A replica set splits its expert's tokens evenly.
 """
@@ -84,6 +85,7 @@ class PathProfile:
     top_k: int
     tokens: list[dict[tuple[int, ...], int]] = field(default_factory=list)
     counts: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # token_popularity's lookups
 
     @property
     def num_layers(self) -> int:
@@ -110,6 +112,7 @@ class PathProfile:
             self.tokens = [{} for _ in experts]
             self.counts = [{} for _ in experts]
         E = self.num_experts
+        self._tables.clear()
         for m, exp in enumerate(experts):
             p = self.path_len(m)
             hist = (
@@ -130,19 +133,30 @@ class PathProfile:
     # ------------------------------------------------------------------ estimation
     def token_popularity(self, m: int, paths: torch.Tensor) -> torch.Tensor:
         """[N_t, E] P_path(e) of each token's path (rows of `paths` [N_t, p]), kept only for the
-        top-k experts of that path (others 0)."""
-        E, k = self.num_experts, self.top_k
-        out = torch.zeros((paths.size(0), E), dtype=torch.float64, device="cpu")
+        top-k experts of that path (others 0). One table lookup per call (`_table`), no loop over paths."""
+        E = self.num_experts
         if paths.size(0) == 0:
-            return out
-        keys, inverse = unique_rows(paths.cpu())
-        for u in range(keys.size(0)):
-            dist = torch.tensor(self.distribution(m, tuple(int(x) for x in keys[u])), dtype=torch.float64, device="cpu")
-            top = torch.topk(dist, k).indices
-            row = torch.zeros(E, dtype=torch.float64, device="cpu")
-            row[top] = dist[top]
-            out[inverse == u] = row
-        return out
+            return torch.zeros((0, E), dtype=torch.float64, device="cpu")
+        seen, table = self._table(m)
+        U = seen.size(0)
+        # distinct rows of seen and asked paths together: each asked path finds its seen row (or none)
+        _, inverse = unique_rows(torch.cat([seen, paths.cpu()]))
+        row_of = torch.full((int(inverse.max()) + 1,), U, dtype=torch.long, device="cpu")  # U: never seen
+        row_of[inverse[:U]] = torch.arange(U, device="cpu")
+        return table[row_of[inverse[U:]]]
+
+    def _table(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen paths [U, p], their top-k-kept P_path [U + 1, E], the last row the layer's overall
+        distribution for paths never seen); built once per layer, dropped by `add`."""
+        if m not in self._tables:
+            E, k, p = self.num_experts, self.top_k, self.path_len(m)
+            keys = sorted(self.counts[m])
+            seen = torch.tensor(keys, dtype=torch.long, device="cpu").view(len(keys), p)
+            rows = [self.distribution(m, key) for key in keys] + [self.distribution(m, (-1,) * p)]
+            dist = torch.tensor(rows, dtype=torch.float64, device="cpu").view(len(rows), E)
+            top = torch.topk(dist, min(k, E), dim=1).indices
+            self._tables[m] = (seen, torch.zeros_like(dist).scatter(1, top, dist.gather(1, top)))
+        return self._tables[m]
 
 
 def devices_per_expert(popularity_sum: torch.Tensor, num_tokens: int, num_devices: int) -> list[float]:
@@ -196,6 +210,18 @@ def first_fit_decreasing(items: list[tuple[int, float]], capacity: float, max_it
     return bins
 
 
+def least_loaded(items: list[tuple[int, float]], num_bins: int, max_items: int) -> list[list[int]]:
+    """Pack (expert, size) items into exactly `num_bins` bins: largest first (ties: lower expert id),
+    each into the least-loaded bin holding fewer than max_items (ties: lower bin); empty bins kept."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0.0] * num_bins
+    for e, size in sorted(items, key=lambda it: (-it[1], it[0])):
+        b = min((b for b in range(num_bins) if len(bins[b]) < max_items), key=lambda b: (loads[b], b))
+        bins[b].append(e)
+        loads[b] += size
+    return bins
+
+
 def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Placement:
     """Replicate popular experts, pack unpopular ones (module docstring)."""
     E, N = len(n_e), num_devices
@@ -210,11 +236,7 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         replicas[e] -= 1
     devices: list[list[int]] = []
     if sum(replicas.values()) + len(bins) > N:  # one replica each and still too many: repack all
-        cap = 1.0
-        items = [(e, n) for e, n in enumerate(n_e) if n > 0.0]
-        while len(first_fit_decreasing(items, cap, max_per_rank)) > N:
-            cap *= 1.25
-        devices = first_fit_decreasing(items, cap, max_per_rank)
+        devices = [b for b in least_loaded([(e, n) for e, n in enumerate(n_e) if n > 0.0], N, max_per_rank) if b]
         replicas = {}
     else:
         for e in sorted(replicas, key=lambda e: (-n_e[e], e)):
