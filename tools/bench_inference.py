@@ -181,7 +181,7 @@ def main() -> int:
     p.add_argument("--ffn-hidden-size", type=int, help="expert hidden size; default: from --model")
     p.add_argument("--experts", type=int, help="default: from --model")
     p.add_argument("--gate-scale", type=float, default=8.0, help="random-init model: gate weights x this")
-    p.add_argument("--probe-forwards", type=int, default=2, help="mode lina: forwards probed (in the warm-up)")
+    p.add_argument("--lina-probe-forwards", type=int, default=2, help="mode lina: forwards probed (in the warm-up)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     for k, v in MODELS[args.model].items():
@@ -240,7 +240,7 @@ def main() -> int:
         # which fall in the warm-up batch; the unscheduled way has the same gate bias)
         unscheduled = ScheduledMoE(engine, None, "none", args.max_experts_per_rank, bias, weights=weights)
         sched = ScheduledMoE(engine, profile, "phase1_2", args.max_experts_per_rank, bias, weights=weights)
-        runners["lina"] = CheckedLina(engine, sched, args.probe_forwards, unscheduled)
+        runners["lina"] = CheckedLina(engine, sched, args.lina_probe_forwards, unscheduled)
         if bias is None:  # the engine's own MoE layer (no gate-bias hook: skew 0 only)
             runners["engine"] = TimedPlain()
         modes = list(runners)
@@ -253,7 +253,9 @@ def main() -> int:
                     if mode != "lina":
                         runner.reset_stats()
                     elif runner.decision is None:
-                        raise ValueError(f"--probe-forwards {args.probe_forwards} is more than the warm-up's forwards")
+                        raise ValueError(
+                            f"--lina-probe-forwards {args.lina_probe_forwards} is more than the warm-up's forwards"
+                        )
                     else:
                         runner.scheduled.reset_stats()
                         runner.unscheduled.reset_stats()

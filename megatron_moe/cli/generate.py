@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="with --lina-inference: unpopular experts packed onto one rank at most",
     )
+    p.add_argument(
+        "--lina-probe-forwards",
+        type=int,
+        default=4,
+        help="with --lina-inference: forwards run both ways at the start; the scheduling is kept only if faster",
+    )
     return p
 
 
@@ -144,7 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             new = _one_process_capacity(cap_model, args, temperature, requests, eod)
         else:
             if args.lina_inference:
-                use_lina(engine, args.lina_inference, args.max_experts_per_rank)
+                use_lina(
+                    engine, args.lina_inference, args.max_experts_per_rank, probe_forwards=args.lina_probe_forwards
+                )
             new = serve(
                 engine,
                 [ids for ids, _ in requests],

@@ -17,13 +17,16 @@ top-k experts; n_e = N * sum_t P_j(t)(e) / N_t devices for expert e.
 
 Placement (`plan_placement`): experts with n_e >= 1 are popular and get round(n_e) replicas on
 devices of their own; the others (0 < n_e < 1) are packed first-fit-decreasing into devices of
-capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout holds). When that needs more than N devices, the
-replica whose removal leaves the least load per remaining replica goes first; if every popular
+capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout
+holds). When that needs more than N devices, the replica whose removal leaves the least load per
+remaining replica goes first, unless keeping every replica and packing the others onto the
+devices left, least-loaded, gives a less loaded busiest device (then that); if every popular
 expert is down to one replica, everything is packed onto the N devices largest first, each into
-the least-loaded device with room (`least_loaded`; first-fit-decreasing with a grown capacity
-balanced badly under the per-device expert limit). Experts with no estimate are spread over the free devices (else they go
-to the device holding the fewest experts); free devices left over take extra replicas of the
-expert with the highest load per replica. A replica set splits its expert's tokens evenly.
+the least-loaded device with room (`least_loaded`: under the per-device expert limit,
+first-fit-decreasing with a grown capacity balanced badly). Experts with no estimate are spread
+over the free devices (else they go to the device holding the fewest experts); free devices left
+over take extra replicas of the expert with the highest load per replica. A replica set splits
+its expert's tokens evenly.
 """
 
 from __future__ import annotations
@@ -222,6 +225,12 @@ def least_loaded(items: list[tuple[int, float]], num_bins: int, max_items: int) 
     return bins
 
 
+def max_load(devices: list[list[int]], n_e: list[float]) -> float:
+    """The busiest device's load when expert e's n_e splits evenly over the devices holding it."""
+    count = {e: sum(e in d for d in devices) for d in devices for e in d}
+    return max((sum(n_e[e] / count[e] for e in d) for d in devices), default=0.0)
+
+
 def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Placement:
     """Replicate popular experts, pack unpopular ones (module docstring)."""
     E, N = len(n_e), num_devices
@@ -231,6 +240,13 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
     replicas = {e: max(1, int(math.floor(n + 0.5))) for e, n in enumerate(n_e) if n >= 1.0}
     small = [(e, n) for e, n in enumerate(n_e) if 0.0 < n < 1.0]
     bins = first_fit_decreasing(small, 1.0, max_per_rank)
+    # too many devices: the other candidate keeps every replica and packs the unpopular experts onto
+    # the devices left, least-loaded (taken below when its busiest device is less loaded)
+    left = N - sum(replicas.values())
+    keep = None
+    if sum(replicas.values()) + len(bins) > N and small and left >= 1 and left * max_per_rank >= len(small):
+        keep = [[e] for e in sorted(replicas, key=lambda e: (-n_e[e], e)) for _ in range(replicas[e])]
+        keep += least_loaded(small, left, max_per_rank)
     while sum(replicas.values()) + len(bins) > N and any(r > 1 for r in replicas.values()):
         e = min((e for e, r in replicas.items() if r > 1), key=lambda e: (n_e[e] / (replicas[e] - 1), e))
         replicas[e] -= 1
@@ -242,6 +258,8 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         for e in sorted(replicas, key=lambda e: (-n_e[e], e)):
             devices += [[e] for _ in range(replicas[e])]
         devices += bins
+    if keep is not None and max_load(keep, n_e) < max_load(devices, n_e):
+        devices = [d for d in keep if d]
     used = len(devices)
     devices += [[] for _ in range(N - used)]
     zero = [e for e, n in enumerate(n_e) if n <= 0.0]
