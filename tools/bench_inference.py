@@ -1,4 +1,4 @@
-"""Benchmark expert-parallel inference with Lina's two-phase scheduling: modes none, phase1, phase1_2.
+"""Benchmark expert-parallel inference with Lina's two-phase scheduling: none, phase1, phase1_2, lina.
 
 Run under torchrun; EP = world size (every rank holds E / world experts and serves its own
 batches of requests, DP = world size):
@@ -8,30 +8,45 @@ batches of requests, DP = world size):
       -- tools/bench_inference.py --skew 1.2 --json inf_cluster.json
 
 Model: --load CKPT (any layout; requests tokenized with its tokenizer), else a seeded random-init
-GPT-2 MoE (every block MoE, top-2) on byte ids (vocabulary 256), its gate weights scaled by
---gate-scale so that routing depends on the token: the repository bundles no trained checkpoint. Requests: windows of --prompt-len tokens of the bundled sample corpus's valid split,
+GPT-2 MoE (every block MoE, top-2, byte ids, vocabulary 256), its gate weights scaled by
+--gate-scale so that routing depends on the token (the repository bundles no trained
+checkpoint). `--model` picks its size (explicit flags override):
+  representative (default)  4 blocks, M 256, 16 experts of H 4096, prompts of 128 + 2 new tokens:
+                            the expert GEMMs dominate the MoE layer (printed: their share)
+  small                     4 blocks, M 256, 8 experts of H 1024, prompts of 64 + 4 new tokens
+Requests: windows of --prompt-len tokens of the bundled sample corpus's valid split,
 --batch-size per rank per batch, each extended greedily by --new-tokens (prefill + decode on the
 KV-cache engine). The profile (tools/profile_expert_paths.py's format, --path-length) is made on
-the train split, identically on every rank, with the same router. `--skew S` adds a gate bias per
-MoE layer, calibrated on the train split (--skew-iters corrections by the log ratio of target to
-measured shares) so that the share of choices of the i-th expert of a seeded per-layer permutation
-follows a Zipf law (i + 1)^-S (S = 0: no bias, the model's own popularity).
+the train split, with the same router. `--skew S` adds a gate bias per MoE layer, calibrated on
+the train split (--skew-iters corrections by the log ratio of target to measured shares) so that
+the share of choices of the i-th expert of a seeded per-layer permutation follows a Zipf law
+(i + 1)^-S (S = 0: no bias, the model's own popularity).
 
-Modes take turns batch by batch (after --warmup batches each) through the same engine:
+Expert share: before the timed batches, one batch in mode none; the expert GEMMs' time over the
+MoE layer's own compute (its wall time minus the time inside its collectives, waits included),
+and over its whole wall time; sums over layer calls and ranks.
+
+Modes take turns batch by batch (after --warmup batches each) through the same engine, all with
+every expert resident on every rank (gathered once; a replica moves no weights):
   none      the trained placement (expert e on rank e // (E / world)), dropless uneven all-to-all
   phase1    Lina's phase 1: placement from the path estimate carried by the previous layer's exchange
   phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ
+  lina      what --lina-inference runs: phase1_2 checked against none over the first
+            --lina-probe-forwards forwards (in the warm-up), kept only if faster (lina_decision)
+  engine    skew 0 only: the engine's own dropless MoE layer (no gate-bias hook), the check that
+            none is a fair baseline
 A batch's latency is the slowest rank's; a MoE layer call's time is the slowest rank's for that
 call (prefill and decode calls alike). Estimation accuracy: share of tokens whose estimated top
 expert (their path's most likely) was their actual first choice (layers after the first).
 popularity_skew: top expert / least popular expert of the actual choice counts (mean over
-layers, in mode none); phase_ms: median planning time per layer call (the phase overhead);
-rows_max_over_mean: the busiest rank's expert rows over the mean, averaged over layer calls (what
-the placement does to the load, free of timing noise).
+layers); phase_ms: median planning time per layer call (the estimate for the next layer, eq. (1),
+the placement: the phase overhead); rows_max_over_mean: the busiest rank's expert rows over the
+mean, summed over layer calls (what the placement does to the load, free of timing noise).
 
 Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_median,
-layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, popularity_skew,
-phase_ms_median, phase2_rate, world_size, rows_max_over_mean).
+layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, model,
+popularity_skew, phase_ms_median, phase2_rate, world_size, rows_max_over_mean, lina_decision,
+expert_share_of_compute, expert_share_of_call).
 """
 
 from __future__ import annotations

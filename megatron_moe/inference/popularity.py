@@ -141,9 +141,16 @@ class PathProfile:
         if paths.size(0) == 0:
             return torch.zeros((0, E), dtype=torch.float64, device="cpu")
         seen, table = self._table(m)
-        U = seen.size(0)
+        U, p = seen.size(0), seen.size(1)
+        paths = paths.cpu()
+        if E**p < 2**62:  # a path as a base-E number: seen paths are sorted, so a binary search finds it
+            digits = torch.tensor([E ** (p - 1 - j) for j in range(p)], dtype=torch.long, device="cpu")
+            seen_code, code = (seen * digits).sum(dim=1), (paths * digits).sum(dim=1)
+            at = torch.searchsorted(seen_code, code).clamp(max=max(U - 1, 0))
+            found = seen_code[at] == code if U else torch.zeros_like(code, dtype=torch.bool)
+            return table[torch.where(found, at, torch.full_like(at, U))]  # row U: never seen
         # distinct rows of seen and asked paths together: each asked path finds its seen row (or none)
-        _, inverse = unique_rows(torch.cat([seen, paths.cpu()]))
+        _, inverse = unique_rows(torch.cat([seen, paths]))
         row_of = torch.full((int(inverse.max()) + 1,), U, dtype=torch.long, device="cpu")  # U: never seen
         row_of[inverse[:U]] = torch.arange(U, device="cpu")
         return table[row_of[inverse[U:]]]
