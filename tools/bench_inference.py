@@ -152,7 +152,7 @@ def calibrate_skew(
         engine.generate(prompts, 1)
         for m, c in enumerate(layer_counts(runner, n_moe)):
             share = (c + 0.5) / (c + 0.5).sum()
-            bias[m] = bias[m] + 0.5 * (target[m].log() - share.log()).to(device=engine.device, dtype=torch.float32)
+            bias[m] = bias[m] + (target[m].log() - share.log()).to(device=engine.device, dtype=torch.float32)
     return bias
 
 

@@ -291,8 +291,9 @@ class ScheduledMoE:
 
 
 def gather_experts(engine: InferenceEngine) -> list[ExpertWeights]:
-    """Per MoE layer, read-only copies of every expert's (fc_w [E, H, M], fc_b [E, H], proj_w [E, M, H],
-    proj_b [E, M]) gathered over the EP group (collective; once per engine, shareable by runners)."""
+    """Per MoE layer, every expert's (fc_w [E, H, M], fc_b [E, H], proj_w [E, M, H], proj_b [E, M]) gathered
+    over the EP group, detached and only read (on a group of one: the parameters themselves). Collective;
+    once per engine, shareable by runners."""
     group = engine.ps.group("ep")
     out = []
     with torch.no_grad():
