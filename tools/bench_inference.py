@@ -8,12 +8,15 @@ batches of requests, DP = world size):
       -- tools/bench_inference.py --skew 1.2 --json inf_cluster.json
 
 Model: --load CKPT (any layout; requests tokenized with its tokenizer), else a seeded random-init
-GPT-2 MoE (every block MoE, top-2, byte ids, vocabulary 256), its gate weights scaled by
+GPT-2 MoE (every block MoE, byte ids, vocabulary 256), its gate weights scaled by
 --gate-scale so that routing depends on the token (the repository bundles no trained
 checkpoint). `--model` picks its size (explicit flags override):
-  representative (default)  4 blocks, M 256, 16 experts of H 4096, prompts of 128 + 2 new tokens:
-                            the expert GEMMs dominate the MoE layer (printed: their share)
-  small                     4 blocks, M 256, 8 experts of H 1024, prompts of 64 + 4 new tokens
+  representative (default)  4 blocks, M 256, 4 experts of H 4096, top-1 (the paper's inference
+                            setting and its 4-expert model), prompts of 128 + 2 new tokens, 16
+                            requests per rank: the expert GEMMs dominate the MoE layer (printed)
+  wide16                    the same with 16 experts, top-2, 8 requests per rank
+  small                     4 blocks, M 256, 8 experts of H 1024, top-2, prompts of 64 + 4 new
+                            tokens, 8 requests per rank
 Requests: windows of --prompt-len tokens of the bundled sample corpus's valid split,
 --batch-size per rank per batch, each extended greedily by --new-tokens (prefill + decode on the
 KV-cache engine). The profile (tools/profile_expert_paths.py's format, --path-length) is made on
@@ -74,10 +77,19 @@ from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
 # --model presets (flags given explicitly override them)
 MODELS = {
-    # the expert FFN dominates the MoE layer: wide experts (H = 16 M), long prompts, few decode steps
-    "representative": dict(layers=4, hidden=256, ffn_hidden_size=4096, experts=16, prompt_len=128, new_tokens=2),
+    # the paper's inference setting (top-1; its 4-expert model, few experts per device) with the expert
+    # FFN dominating the MoE layer: wide experts (H = 16 M), long prompts, few decode steps
+    "representative": dict(
+        layers=4, hidden=256, ffn_hidden_size=4096, experts=4, topk=1, prompt_len=128, new_tokens=2, batch_size=16
+    ),
+    # the paper's 16-expert width, top-2 (8 experts per device on 2 ranks)
+    "wide16": dict(
+        layers=4, hidden=256, ffn_hidden_size=4096, experts=16, topk=2, prompt_len=128, new_tokens=2, batch_size=8
+    ),
     # the earlier default: a few ms of expert compute per layer call, small against communication
-    "small": dict(layers=4, hidden=256, ffn_hidden_size=1024, experts=8, prompt_len=64, new_tokens=4),
+    "small": dict(
+        layers=4, hidden=256, ffn_hidden_size=1024, experts=8, topk=2, prompt_len=64, new_tokens=4, batch_size=8
+    ),
 }
 
 
@@ -89,7 +101,7 @@ def bench_config(args) -> Config:
     m.ffn_hidden_size = args.ffn_hidden_size
     m.seq_length = m.max_position_embeddings = args.prompt_len + args.new_tokens
     m.vocab_size, cfg.train.seed = 256, 1234
-    moe.num_experts, moe.moe_router_topk, moe.moe_layer_freq = args.experts, 2, 1
+    moe.num_experts, moe.moe_router_topk, moe.moe_layer_freq = args.experts, args.topk, 1
     return cfg
 
 
@@ -185,7 +197,7 @@ def main() -> int:
     p.add_argument("--skew-iters", type=int, default=8, help="corrections of the gate bias towards the Zipf shares")
     p.add_argument("--batches", type=int, default=8, help="timed batches per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed batches per mode first")
-    p.add_argument("--batch-size", type=int, default=8, help="requests per rank per batch")
+    p.add_argument("--batch-size", type=int, help="requests per rank per batch; default: from --model")
     p.add_argument("--prompt-len", type=int, help="default: from --model")
     p.add_argument("--new-tokens", type=int, help="default: from --model")
     p.add_argument("--calib-batches", type=int, default=8, help="profile windows: this x batch size")
@@ -195,6 +207,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, help="default: from --model")
     p.add_argument("--ffn-hidden-size", type=int, help="expert hidden size; default: from --model")
     p.add_argument("--experts", type=int, help="default: from --model")
+    p.add_argument("--topk", type=int, help="experts per token; default: from --model")
     p.add_argument("--gate-scale", type=float, default=8.0, help="random-init model: gate weights x this")
     p.add_argument("--lina-probe-forwards", type=int, default=2, help="mode lina: forwards probed (in the warm-up)")
     p.add_argument("--json", help="write the results here")

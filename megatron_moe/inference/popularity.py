@@ -24,7 +24,8 @@ devices left, least-loaded, gives a less loaded busiest device (then that); if e
 expert is down to one replica, everything is packed onto the N devices largest first, each into
 the least-loaded device with room (`least_loaded`: under the per-device expert limit,
 first-fit-decreasing with a grown capacity balanced badly). Experts with no estimate are spread
-over the free devices (else they go to the device holding the fewest experts); free devices left
+over the free devices (else each goes to the device of least estimated load: the paper assigns
+them at random); free devices left
 over take extra replicas of the expert with the highest load per replica. A replica set splits
 its expert's tokens evenly.
 """
@@ -232,10 +233,15 @@ def least_loaded(items: list[tuple[int, float]], num_bins: int, max_items: int) 
     return bins
 
 
-def max_load(devices: list[list[int]], n_e: list[float]) -> float:
-    """The busiest device's load when expert e's n_e splits evenly over the devices holding it."""
+def device_loads(devices: list[list[int]], n_e: list[float]) -> list[float]:
+    """Each device's load when expert e's n_e splits evenly over the devices holding it."""
     count = {e: sum(e in d for d in devices) for d in devices for e in d}
-    return max((sum(n_e[e] / count[e] for e in d) for d in devices), default=0.0)
+    return [sum(n_e[e] / count[e] for e in d) for d in devices]
+
+
+def max_load(devices: list[list[int]], n_e: list[float]) -> float:
+    """The busiest device's load (`device_loads`)."""
+    return max(device_loads(devices, n_e), default=0.0)
 
 
 def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Placement:
@@ -275,8 +281,11 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         spots = [d for d in free if len(devices[d]) < max_per_rank] if free else []
         if spots:
             target = min(spots, key=lambda d: (len(devices[d]), d))
-        else:
-            target = min((d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (len(devices[d]), d))
+        else:  # the least estimated load (ties: fewest experts, lower device)
+            load = device_loads(devices, n_e)
+            target = min(
+                (d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (load[d], len(devices[d]), d)
+            )
         devices[target].append(e)
     count = {e: sum(e in d for d in devices) for e in range(E)}
     for d in range(N):  # still empty: one more replica of the busiest
