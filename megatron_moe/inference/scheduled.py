@@ -15,7 +15,7 @@ batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
   placement of layer m:
     none      the trained layout (expert e on rank e // (E / D))
     phase1    planned from the estimate carried by layer m-1's exchange (layer 0: the profile's
-              overall distribution), eq. (1) and `popularity.plan_placement`
+              overall distribution), eq. (1) scaled to sum to D, and `popularity.plan_placement`
     phase1_2  phase 1, then phase 2: when the top-2k experts of the actual counts differ from
               those of the estimate, re-plan from the actual counts (`phase2_triggered`)
   dispatch: the choices of expert e, in (source rank, token) order, are split evenly over its
@@ -193,7 +193,13 @@ class ScheduledMoE:
         if self.mode == "none" or estimate is None:
             self.phase2_triggered.append(False)
             return static_placement(self.E, self.D)
-        placement = plan_placement(estimate, self.D, self.max_per_rank)
+        # eq. (1) counts only each path's top-k probabilities, so its n_e sum to less than D: packing
+        # them into devices of capacity 1 would crowd experts onto too few devices; plan with the
+        # same proportions over all D devices (phase 2's n_e from the counts sum to D already)
+        total_est = sum(estimate)
+        placement = plan_placement(
+            [self.D * x / total_est for x in estimate] if total_est > 0 else estimate, self.D, self.max_per_rank
+        )
         trigger = False
         if self.mode == "phase1_2":
             n = min(2 * self.k, self.E)
