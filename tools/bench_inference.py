@@ -196,7 +196,7 @@ def main() -> int:
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of the gate bias (0: none)")
     p.add_argument("--skew-iters", type=int, default=8, help="corrections of the gate bias towards the Zipf shares")
     p.add_argument("--batches", type=int, default=8, help="timed batches per mode")
-    p.add_argument("--warmup", type=int, default=1, help="untimed batches per mode first")
+    p.add_argument("--warmup", type=int, default=2, help="untimed batches per mode first")
     p.add_argument("--batch-size", type=int, help="requests per rank per batch; default: from --model")
     p.add_argument("--prompt-len", type=int, help="default: from --model")
     p.add_argument("--new-tokens", type=int, help="default: from --model")
@@ -209,7 +209,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, help="default: from --model")
     p.add_argument("--topk", type=int, help="experts per token; default: from --model")
     p.add_argument("--gate-scale", type=float, default=8.0, help="random-init model: gate weights x this")
-    p.add_argument("--lina-probe-forwards", type=int, default=2, help="mode lina: forwards probed (in the warm-up)")
+    p.add_argument("--lina-probe-forwards", type=int, default=4, help="mode lina: forwards probed (in the warm-up)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     for k, v in MODELS[args.model].items():
