@@ -27,7 +27,8 @@ from megatron_moe.inference.popularity import (
     save_profile,
     top_experts,
 )
-from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint, use_lina
+from megatron_moe.inference.fallback import use_lina
+from megatron_moe.inference.scheduled import ScheduledMoE, gate_fingerprint
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 from megatron_moe.testing import spawn
@@ -197,8 +198,8 @@ def test_eq1_and_first_fit_decreasing_on_a_hand_made_profile():
     assert plan_placement([2.4, 0.9, 0.5, 0.2], 4, 4).hosts == [[0, 1], [2], [3], [3]]
     assert first_fit_decreasing([(0, 0.1), (1, 0.1), (2, 0.1)], 1.0, 2) == [[0, 1], [2]]  # at most 2 per bin
     # two devices: 1.6 rounds to 2 replicas, the bin {1, 2} makes 3 > 2 devices, so expert 0 keeps one
-    # replica; expert 3 (no estimate) joins the device holding the fewest experts (device 0)
-    assert plan_placement([1.6, 0.3, 0.1, 0.0], 2, 4).hosts == [[0], [1], [1], [0]]
+    # replica; expert 3 (no estimate) joins the device of least estimated load (device 1: 0.4 < 1.6)
+    assert plan_placement([1.6, 0.3, 0.1, 0.0], 2, 4).hosts == [[0], [1], [1], [1]]
     assert top_experts([1.0, 3.0, 2.0, 3.0], 2) == {1, 3}
     # expert 0's 5 choices split 2 + 3 over its replicas on devices 0, 1; device 3 runs experts 1 and 2
     assert device_rows(plan_placement(n_e, 4, 4), [5, 2, 1, 4], 4) == [2, 3, 4, 3]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
-from megatron_moe.inference.scheduled import use_lina
+from megatron_moe.inference.fallback import use_lina
 from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
 
 
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help="with --lina-inference: unpopular experts packed onto one rank at most",
+    )
+    p.add_argument(
+        "--lina-probe-forwards",
+        type=int,
+        default=4,
+        help="with --lina-inference: forwards run both ways at the start; the scheduling is kept only if faster",
     )
     return p
 
@@ -144,7 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             new = _one_process_capacity(cap_model, args, temperature, requests, eod)
         else:
             if args.lina_inference:
-                use_lina(engine, args.lina_inference, args.max_experts_per_rank)
+                use_lina(
+                    engine, args.lina_inference, args.max_experts_per_rank, probe_forwards=args.lina_probe_forwards
+                )
             new = serve(
                 engine,
                 [ids for ids, _ in requests],

@@ -5,4 +5,5 @@ profile and two-phase scheduling (paper section 5).
   engine      InferenceEngine: prefill + decode, dropless MoE, DP ranks serve their own requests
   popularity  expert-path profile (JSON), estimation (eq. 1), replicate / first-fit-decreasing packing
   scheduled   the MoE layer under a placement (replicas of popular experts, packed unpopular ones)
+  fallback    --lina-inference: the scheduled layer checked against unscheduled inference, kept only if faster
 """

@@ -17,12 +17,17 @@ top-k experts; n_e = N * sum_t P_j(t)(e) / N_t devices for expert e.
 
 Placement (`plan_placement`): experts with n_e >= 1 are popular and get round(n_e) replicas on
 devices of their own; the others (0 < n_e < 1) are packed first-fit-decreasing into devices of
-capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout holds). When that needs more than N devices, the
-replica whose removal leaves the least load per remaining replica goes first; if every popular
-expert is down to one replica, everything is repacked first-fit-decreasing with a capacity grown
-by 25 % until it fits. Experts with no estimate are spread over the free devices (else they go
-to the device holding the fewest experts); free devices left over take extra replicas of the
-expert with the highest load per replica. A replica set splits its expert's tokens evenly.
+capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout
+holds). When that needs more than N devices, the replica whose removal leaves the least load per
+remaining replica goes first, unless keeping every replica and packing the others onto the
+devices left, least-loaded, gives a less loaded busiest device (then that); if every popular
+expert is down to one replica, everything is packed onto the N devices largest first, each into
+the least-loaded device with room (`least_loaded`: under the per-device expert limit,
+first-fit-decreasing with a grown capacity balanced badly). Experts with no estimate are spread
+over the free devices (else each goes to the device of least estimated load: the paper assigns
+them at random); free devices left
+over take extra replicas of the expert with the highest load per replica. A replica set splits
+its expert's tokens evenly.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class PathProfile:
     top_k: int
     tokens: list[dict[tuple[int, ...], int]] = field(default_factory=list)
     counts: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # token_popularity's lookups
 
     @property
     def num_layers(self) -> int:
@@ -110,6 +116,7 @@ class PathProfile:
             self.tokens = [{} for _ in experts]
             self.counts = [{} for _ in experts]
         E = self.num_experts
+        self._tables.clear()
         for m, exp in enumerate(experts):
             p = self.path_len(m)
             hist = (
@@ -130,19 +137,37 @@ class PathProfile:
     # ------------------------------------------------------------------ estimation
     def token_popularity(self, m: int, paths: torch.Tensor) -> torch.Tensor:
         """[N_t, E] P_path(e) of each token's path (rows of `paths` [N_t, p]), kept only for the
-        top-k experts of that path (others 0)."""
-        E, k = self.num_experts, self.top_k
-        out = torch.zeros((paths.size(0), E), dtype=torch.float64, device="cpu")
+        top-k experts of that path (others 0). One table lookup per call (`_table`), no loop over paths."""
+        E = self.num_experts
         if paths.size(0) == 0:
-            return out
-        keys, inverse = unique_rows(paths.cpu())
-        for u in range(keys.size(0)):
-            dist = torch.tensor(self.distribution(m, tuple(int(x) for x in keys[u])), dtype=torch.float64, device="cpu")
-            top = torch.topk(dist, k).indices
-            row = torch.zeros(E, dtype=torch.float64, device="cpu")
-            row[top] = dist[top]
-            out[inverse == u] = row
-        return out
+            return torch.zeros((0, E), dtype=torch.float64, device="cpu")
+        seen, table = self._table(m)
+        U, p = seen.size(0), seen.size(1)
+        paths = paths.cpu()
+        if E**p < 2**62:  # a path as a base-E number: seen paths are sorted, so a binary search finds it
+            digits = torch.tensor([E ** (p - 1 - j) for j in range(p)], dtype=torch.long, device="cpu")
+            seen_code, code = (seen * digits).sum(dim=1), (paths * digits).sum(dim=1)
+            at = torch.searchsorted(seen_code, code).clamp(max=max(U - 1, 0))
+            found = seen_code[at] == code if U else torch.zeros_like(code, dtype=torch.bool)
+            return table[torch.where(found, at, torch.full_like(at, U))]  # row U: never seen
+        # distinct rows of seen and asked paths together: each asked path finds its seen row (or none)
+        _, inverse = unique_rows(torch.cat([seen, paths]))
+        row_of = torch.full((int(inverse.max()) + 1,), U, dtype=torch.long, device="cpu")  # U: never seen
+        row_of[inverse[:U]] = torch.arange(U, device="cpu")
+        return table[row_of[inverse[U:]]]
+
+    def _table(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen paths [U, p], their top-k-kept P_path [U + 1, E], the last row the layer's overall
+        distribution for paths never seen); built once per layer, dropped by `add`."""
+        if m not in self._tables:
+            E, k, p = self.num_experts, self.top_k, self.path_len(m)
+            keys = sorted(self.counts[m])
+            seen = torch.tensor(keys, dtype=torch.long, device="cpu").view(len(keys), p)
+            rows = [self.distribution(m, key) for key in keys] + [self.distribution(m, (-1,) * p)]
+            dist = torch.tensor(rows, dtype=torch.float64, device="cpu").view(len(rows), E)
+            top = torch.topk(dist, min(k, E), dim=1).indices
+            self._tables[m] = (seen, torch.zeros_like(dist).scatter(1, top, dist.gather(1, top)))
+        return self._tables[m]
 
 
 def devices_per_expert(popularity_sum: torch.Tensor, num_tokens: int, num_devices: int) -> list[float]:
@@ -196,6 +221,29 @@ def first_fit_decreasing(items: list[tuple[int, float]], capacity: float, max_it
     return bins
 
 
+def least_loaded(items: list[tuple[int, float]], num_bins: int, max_items: int) -> list[list[int]]:
+    """Pack (expert, size) items into exactly `num_bins` bins: largest first (ties: lower expert id),
+    each into the least-loaded bin holding fewer than max_items (ties: lower bin); empty bins kept."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0.0] * num_bins
+    for e, size in sorted(items, key=lambda it: (-it[1], it[0])):
+        b = min((b for b in range(num_bins) if len(bins[b]) < max_items), key=lambda b: (loads[b], b))
+        bins[b].append(e)
+        loads[b] += size
+    return bins
+
+
+def device_loads(devices: list[list[int]], n_e: list[float]) -> list[float]:
+    """Each device's load when expert e's n_e splits evenly over the devices holding it."""
+    count = {e: sum(e in d for d in devices) for d in devices for e in d}
+    return [sum(n_e[e] / count[e] for e in d) for d in devices]
+
+
+def max_load(devices: list[list[int]], n_e: list[float]) -> float:
+    """The busiest device's load (`device_loads`)."""
+    return max(device_loads(devices, n_e), default=0.0)
+
+
 def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Placement:
     """Replicate popular experts, pack unpopular ones (module docstring)."""
     E, N = len(n_e), num_devices
@@ -205,21 +253,26 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
     replicas = {e: max(1, int(math.floor(n + 0.5))) for e, n in enumerate(n_e) if n >= 1.0}
     small = [(e, n) for e, n in enumerate(n_e) if 0.0 < n < 1.0]
     bins = first_fit_decreasing(small, 1.0, max_per_rank)
+    # too many devices: the other candidate keeps every replica and packs the unpopular experts onto
+    # the devices left, least-loaded (taken below when its busiest device is less loaded)
+    left = N - sum(replicas.values())
+    keep = None
+    if sum(replicas.values()) + len(bins) > N and small and left >= 1 and left * max_per_rank >= len(small):
+        keep = [[e] for e in sorted(replicas, key=lambda e: (-n_e[e], e)) for _ in range(replicas[e])]
+        keep += least_loaded(small, left, max_per_rank)
     while sum(replicas.values()) + len(bins) > N and any(r > 1 for r in replicas.values()):
         e = min((e for e, r in replicas.items() if r > 1), key=lambda e: (n_e[e] / (replicas[e] - 1), e))
         replicas[e] -= 1
     devices: list[list[int]] = []
     if sum(replicas.values()) + len(bins) > N:  # one replica each and still too many: repack all
-        cap = 1.0
-        items = [(e, n) for e, n in enumerate(n_e) if n > 0.0]
-        while len(first_fit_decreasing(items, cap, max_per_rank)) > N:
-            cap *= 1.25
-        devices = first_fit_decreasing(items, cap, max_per_rank)
+        devices = [b for b in least_loaded([(e, n) for e, n in enumerate(n_e) if n > 0.0], N, max_per_rank) if b]
         replicas = {}
     else:
         for e in sorted(replicas, key=lambda e: (-n_e[e], e)):
             devices += [[e] for _ in range(replicas[e])]
         devices += bins
+    if keep is not None and max_load(keep, n_e) < max_load(devices, n_e):
+        devices = [d for d in keep if d]
     used = len(devices)
     devices += [[] for _ in range(N - used)]
     zero = [e for e, n in enumerate(n_e) if n <= 0.0]
@@ -228,8 +281,11 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         spots = [d for d in free if len(devices[d]) < max_per_rank] if free else []
         if spots:
             target = min(spots, key=lambda d: (len(devices[d]), d))
-        else:
-            target = min((d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (len(devices[d]), d))
+        else:  # the least estimated load (ties: fewest experts, lower device)
+            load = device_loads(devices, n_e)
+            target = min(
+                (d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (load[d], len(devices[d]), d)
+            )
         devices[target].append(e)
     count = {e: sum(e in d for d in devices) for e in range(E)}
     for d in range(N):  # still empty: one more replica of the busiest

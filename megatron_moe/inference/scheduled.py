@@ -3,9 +3,10 @@
 Legend: R tokens of this rank, E experts, k choices, D ranks of the EP group (N in the paper),
 M model dim, H ffn hidden dim.
 
-Every rank keeps a read-only copy of every expert of every MoE layer (gathered once over the EP
-group when scheduling is switched on: no gradients, nothing written back), so any rank can run
-any expert. Per MoE layer m:
+Every rank keeps a read-only copy of every expert of every MoE layer (`gather_experts`: gathered
+once over the EP group when scheduling is switched on, no gradients, nothing written back; runners
+of one engine can share it), so any rank can run any expert: a replica costs no weight transfer per
+batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
 
   route (dropless)  -> local choice counts [E]
   one all-gather over the EP group of [counts E | estimate for layer m+1 E | R]: the count
@@ -14,7 +15,7 @@ any expert. Per MoE layer m:
   placement of layer m:
     none      the trained layout (expert e on rank e // (E / D))
     phase1    planned from the estimate carried by layer m-1's exchange (layer 0: the profile's
-              overall distribution), eq. (1) and `popularity.plan_placement`
+              overall distribution), eq. (1) scaled to sum to D, and `popularity.plan_placement`
     phase1_2  phase 1, then phase 2: when the top-2k experts of the actual counts differ from
               those of the estimate, re-plan from the actual counts (`phase2_triggered`)
   dispatch: the choices of expert e, in (source rank, token) order, are split evenly over its
@@ -24,6 +25,10 @@ any expert. Per MoE layer m:
 
 `gate_bias` (per MoE layer [E]; benchmarks only: a skewed popularity) is added to the router
 logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
+Mode none makes no estimate (nothing to plan). Per call the runner records its wall time, the
+time inside its collectives (`comm_s`: the count exchange and both all-to-alls, waits for slower
+ranks included), the expert GEMMs (`expert_s`) and the planning (`plan_s`: the estimate for the
+next layer, eq. (1) and the placement; the phase overhead).
 """
 
 from __future__ import annotations
@@ -41,10 +46,8 @@ from megatron_moe.inference.engine import InferenceEngine
 from megatron_moe.inference.popularity import (
     Placement,
     PathProfile,
-    check_profile,
     device_rows,
     devices_per_expert,
-    load_profile,
     model_fingerprint,
     plan_placement,
     static_placement,
@@ -52,6 +55,7 @@ from megatron_moe.inference.popularity import (
 )
 
 MODES = ("none", "phase1", "phase1_2")
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class ScheduledMoE:
@@ -65,6 +69,7 @@ class ScheduledMoE:
         max_per_rank: int = 4,
         gate_bias: Optional[list[torch.Tensor]] = None,
         record_into: Optional[PathProfile] = None,
+        weights: Optional[list[ExpertWeights]] = None,
     ):
         if mode not in MODES:
             raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
@@ -82,16 +87,7 @@ class ScheduledMoE:
         self.gate_bias = gate_bias
         self.record_into = record_into  # count this rank's paths into a profile (benchmarks)
         self._choices: list[torch.Tensor] = []
-        with torch.no_grad():  # read-only copies of every expert (Trans, once)
-            self.weights = []
-            for b in self.blocks:
-                ex = engine.block(b).moe.experts
-                self.weights.append(
-                    tuple(
-                        all_gather_raw(t.detach(), self.group, dim=0).clone()
-                        for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)
-                    )
-                )
+        self.weights = weights if weights is not None else gather_experts(engine)
         self.reset_stats()
         self.history: list[torch.Tensor] = []  # first choices of this forward's earlier MoE layers
         self.next_estimate: Optional[list[float]] = None
@@ -105,6 +101,8 @@ class ScheduledMoE:
         self.actual: list[list[float]] = []
         self.plan_s: list[float] = []  # time spent planning (phase overhead)
         self.call_s: list[float] = []  # wall time of each MoE layer call
+        self.comm_s: list[float] = []  # time inside this call's collectives (waits included)
+        self.expert_s: list[float] = []  # time in this call's expert GEMMs
         self.rows: list[list[int]] = []  # expert rows each rank computed, per call
         self.hits = self.predicted = 0  # tokens whose estimated top expert was right
 
@@ -116,7 +114,7 @@ class ScheduledMoE:
             torch.zeros(self.E, dtype=torch.float64, device="cpu"),
             torch.full((R,), -1, dtype=torch.long, device="cpu"),
         )
-        if self.profile is None or m + 1 >= len(self.blocks):
+        if self.profile is None or self.mode == "none" or m + 1 >= len(self.blocks):
             return none
         p = self.profile.path_len(m + 1)
         hist = self.history[m + 1 - p : m + 1]
@@ -163,10 +161,14 @@ class ScheduledMoE:
         self._choices.append(expert)
         if self.record_into is not None and m + 1 == len(self.blocks):
             self.record_into.add(self.history, self._choices)
+        t_est = time.perf_counter()
         pop_next, self._guess = self._estimate_next(m, first)
+        est_s = time.perf_counter() - t_est
         counts = torch.bincount(expert.reshape(-1), minlength=self.E).to(torch.float64).cpu()
         msg = torch.cat([counts, pop_next, torch.tensor([float(R)], dtype=torch.float64, device="cpu")])
+        t_comm = time.perf_counter()
         table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()  # [D, 2E+1]
+        self.comm_s.append(time.perf_counter() - t_comm)
         counts_DE = table[:, : self.E].round().long()
         t0 = time.perf_counter()
         placement = self._placement(m, est_here, counts_DE)
@@ -176,7 +178,7 @@ class ScheduledMoE:
             if self.mode != "none" and m + 1 < len(self.blocks)
             else None
         )
-        self.plan_s.append(time.perf_counter() - t0)
+        self.plan_s.append(time.perf_counter() - t0 + est_s)
         self.rows.append(device_rows(placement, counts_DE.sum(dim=0).tolist(), self.D))
         y = self._dispatch_compute_combine(m, x, h, expert, weight, counts_DE, placement)
         out = (x + block.drop(y))[None]
@@ -191,7 +193,13 @@ class ScheduledMoE:
         if self.mode == "none" or estimate is None:
             self.phase2_triggered.append(False)
             return static_placement(self.E, self.D)
-        placement = plan_placement(estimate, self.D, self.max_per_rank)
+        # eq. (1) counts only each path's top-k probabilities, so its n_e sum to less than D: packing
+        # them into devices of capacity 1 would crowd experts onto too few devices; plan with the
+        # same proportions over all D devices (phase 2's n_e from the counts sum to D already)
+        total_est = sum(estimate)
+        placement = plan_placement(
+            [self.D * x / total_est for x in estimate] if total_est > 0 else estimate, self.D, self.max_per_rank
+        )
         trigger = False
         if self.mode == "phase1_2":
             n = min(2 * self.k, self.E)
@@ -228,17 +236,16 @@ class ScheduledMoE:
         start = torch.cumsum(counts_DE[me], 0) - counts_DE[me]
         within = torch.arange(e_sorted.numel(), device="cpu") - start[e_sorted.cpu()]
         gidx = before_E[e_sorted.cpu()] + within  # index among expert e's choices
-        dest = torch.empty_like(gidx)
-        for e in range(E):
-            sel = e_sorted.cpu() == e
-            if not bool(sel.any()):
-                continue
-            hosts = placement.hosts[e]
-            cuts = [(j * int(total_E[e])) // len(hosts) for j in range(len(hosts) + 1)]
-            bounds = torch.tensor(cuts, dtype=torch.long, device="cpu")
-            j = torch.searchsorted(bounds, gidx[sel], right=True) - 1
-            dest[sel] = torch.tensor(hosts, dtype=torch.long, device="cpu")[j]
-        send_order = torch.argsort(dest * (E + 1) + e_sorted.cpu(), stable=True)  # by (dest, expert, token)
+        # replica j of expert e (r_e hosts, c_e choices) takes indices [j c_e // r_e, (j + 1) c_e // r_e):
+        # the replica of index g is ((g + 1) r_e - 1) // c_e
+        e_cpu = e_sorted.cpu()
+        n_hosts = torch.tensor([len(h) for h in placement.hosts], dtype=torch.long, device="cpu")
+        first_host = torch.cumsum(n_hosts, 0) - n_hosts
+        host_list = torch.tensor([d for h in placement.hosts for d in h], dtype=torch.long, device="cpu")
+        r_e = n_hosts[e_cpu]
+        j = ((gidx + 1) * r_e - 1) // total_E[e_cpu].clamp(min=1)
+        dest = host_list[first_host[e_cpu] + j]
+        send_order = torch.argsort(dest * (E + 1) + e_cpu, stable=True)  # by (dest, expert, token)
         send_tok = token.cpu()[send_order]
         send_counts = torch.bincount(dest, minlength=D).tolist()
         # what every source sends me, per expert: my replica's share of [before, before + count)
@@ -256,10 +263,18 @@ class ScheduledMoE:
                     recv_blocks.append((s, e, n))
         recv_counts = [sum(n for s2, _, n in recv_blocks if s2 == s) for s in range(D)]
         send_x = h.index_select(0, send_tok.to(dev))
+        t_comm = time.perf_counter()
         recv_x = all_to_all_raw(send_x, self.group, recv_counts, send_counts)
-        recv_exp = torch.tensor([e for _, e, n in recv_blocks for _ in range(n)], dtype=torch.long, device="cpu")
+        t_exp = time.perf_counter()
+        recv_exp = torch.repeat_interleave(
+            torch.tensor([e for _, e, _ in recv_blocks], dtype=torch.long, device="cpu"),
+            torch.tensor([n for _, _, n in recv_blocks], dtype=torch.long, device="cpu"),
+        )
         out = self._experts(m, recv_x, recv_exp)
+        t_back = time.perf_counter()
         back = all_to_all_raw(out, self.group, send_counts, recv_counts)  # in my send order
+        self.comm_s[-1] += (t_exp - t_comm) + (time.perf_counter() - t_back)
+        self.expert_s.append(t_back - t_exp)
         y = torch.zeros((R, M), dtype=h.dtype, device=dev)
         w = weight.reshape(-1)[order][send_order.to(dev)].to(h.dtype)
         return y.index_add(0, send_tok.to(dev), back * w[:, None])
@@ -281,22 +296,21 @@ class ScheduledMoE:
         return self.hits / self.predicted if self.predicted else None
 
 
+def gather_experts(engine: InferenceEngine) -> list[ExpertWeights]:
+    """Per MoE layer, every expert's (fc_w [E, H, M], fc_b [E, H], proj_w [E, M, H], proj_b [E, M]) gathered
+    over the EP group, detached and only read (on a group of one: the parameters themselves). Collective;
+    once per engine, shareable by runners."""
+    group = engine.ps.group("ep")
+    out = []
+    with torch.no_grad():
+        for b in engine.moe_blocks:
+            ex = engine.block(b).moe.experts
+            parts = [all_gather_raw(t.detach(), group, dim=0) for t in (ex.fc_w, ex.fc_b, ex.proj_w, ex.proj_b)]
+            out.append((parts[0], parts[1], parts[2], parts[3]))
+    return out
+
+
 def gate_fingerprint(engine: InferenceEngine) -> dict:
     """The model fingerprint a profile must carry (popularity.model_fingerprint)."""
     gates: list[torch.Tensor] = [engine.block(b).moe.router.gate_w for b in engine.moe_blocks]
     return model_fingerprint(engine.cfg, gates)
-
-
-def use_lina(
-    engine: InferenceEngine,
-    profile_path: str,
-    max_per_rank: int = 4,
-    mode: str = "phase1_2",
-    gate_bias: Optional[list[torch.Tensor]] = None,
-) -> ScheduledMoE:
-    """Load and check a profile and make the engine's MoE blocks run under Lina's scheduling."""
-    profile = load_profile(profile_path)
-    check_profile(profile, gate_fingerprint(engine), profile_path, len(engine.moe_blocks))
-    runner = ScheduledMoE(engine, profile, mode, max_per_rank, gate_bias)
-    engine.set_ffn_runner(runner)
-    return runner
