@@ -78,7 +78,7 @@ def ffn_hidden_size(m: "ModelConfig") -> int:
     """The MLP hidden size H (ModelConfig.__post_init__ fills in its default, 4 * M)."""
     if m.ffn_hidden_size is None:
         raise ValueError(
-            "ModelConfig.ffn_hidden_size is None; build the config through ModelConfig (--ffn-hidden-size)"
+            "ModelConfig.ffn_hidden_size (--ffn-hidden-size) is None; its __post_init__ sets 4 * hidden_size"
         )
     return m.ffn_hidden_size
 
