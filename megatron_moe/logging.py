@@ -148,8 +148,8 @@ class MetricsLogger:
         if self.wandb is not None:
             import wandb
 
-            payload = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k != "iteration"}
-            payload = {f"{prefix}/{k}": v for k, v in payload.items()}
+            scalars = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k != "iteration"}
+            payload: dict[str, object] = {f"{prefix}/{k}": v for k, v in scalars.items()}
             for name, counts in (histograms or {}).items():
                 import numpy as np
 

@@ -160,31 +160,31 @@ def solve_axes(
     for t in names:
         if t not in rng.tensors:
             raise ValueError(f"tensor {t!r} has no dims in AxisRange.tensors")
-        var[t] = {d: m.NewBoolVar(f"{t}@{d}") for d in rng.tensors[t]}
-        m.AddExactlyOne(var[t].values())
+        var[t] = {d: m.new_bool_var(f"{t}@{d}") for d in rng.tensors[t]}
+        m.add_exactly_one(var[t].values())
     for op in ops:
         options = op_options(op, rng.tensors)
         if not options:
             return None
-        picks = [m.NewBoolVar(f"{op.name}#{i}") for i in range(len(options))]
-        m.AddExactlyOne(picks)
+        picks = [m.new_bool_var(f"{op.name}#{i}") for i in range(len(options))]
+        m.add_exactly_one(picks)
         for pick, opt in zip(picks, options):
             for t, d in opt.items():
-                m.AddImplication(pick, var[t][d])
+                m.add_implication(pick, var[t][d])
     for t in rng.range_inputs(start, end):
         allowed = [var[t][d] for d in rng.tensors[t] if d in rng.batch_dims]
         if not allowed:
             return None
-        m.AddBoolOr(allowed)
+        m.add_bool_or(allowed)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1  # deterministic, and the problems are tiny
     solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.Solve(m)
+    status = solver.solve(m)
     if status == cp_model.INFEASIBLE:
         return None
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT gave no answer for ops {start}..{end} within {time_limit_s} s")
-    return {t: next(d for d, v in var[t].items() if solver.Value(v)) for t in names}
+    return {t: next(d for d, v in var[t].items() if solver.value(v)) for t in names}
 
 
 def feasibility(rng: AxisRange) -> Callable[[int, int], bool]:

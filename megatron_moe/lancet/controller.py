@@ -43,7 +43,7 @@ import json
 import statistics
 import time
 from collections import deque
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,9 @@ from megatron_moe.lancet.planner import (
     top_candidates,
 )
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
+from megatron_moe.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
+from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher
 from megatron_moe.parallel_state import ParallelState
 
 
@@ -94,7 +95,7 @@ class LancetController:
     def __init__(self, model: GPT2MoE, ps: ParallelState, opts, plan: Optional[LancetPlan]):
         self.model, self.ps, self.opts, self.plan = model, ps, opts, plan
         self.wgrad: Optional[WgradRuntime] = None
-        self.timings: dict[int, deque] = {}  # MoE block -> forward ms of its partitioned range
+        self.timings: dict[int, deque[float]] = {}  # MoE block -> forward ms of its partitioned range
         self.range_runners: dict[int, PartitionedRange] = {}
         self._handles: list = []
         self._runners: list[int] = []  # blocks given a runner
@@ -108,12 +109,12 @@ class LancetController:
             return self
         if plan.wgrad:
             self.wgrad = WgradRuntime(plan.assignment)
-            self._install_wgrad()
+            self._install_wgrad(self.wgrad)
         if plan.ranges:
             self._install_partitions(plan)
         return self
 
-    def part_dispatcher(self, layer) -> TokenDispatcher:
+    def part_dispatcher(self, layer) -> UnevenDispatcher | PaddedDispatcher:
         """The dispatcher of a partitioned layer's parts: its --moe-schedule's, with handles."""
         if layer.schedule == "s2":
             return layer.dispatcher
@@ -130,7 +131,7 @@ class LancetController:
         return d
 
     def _install_partitions(self, plan: LancetPlan) -> None:
-        blocks = self.model.blocks
+        blocks = self.model.block_list()
         is_moe = [b.is_moe for b in blocks]
         if self.model.cfg.model.dropout and plan.ranges:
             raise ValueError("--lancet-partition needs --hidden-dropout 0 to stay equivalent")
@@ -175,10 +176,12 @@ class LancetController:
                 continue
             self._runners.append(l)
 
-    def _install_wgrad(self) -> None:
-        rt = self.wgrad
-        for l, block in enumerate(self.model.blocks):
-            mods = [(block.attn.qkv, f"L{l}.attn.qkv.dW"), (block.attn.proj, f"L{l}.attn.proj.dW")]
+    def _install_wgrad(self, rt: WgradRuntime) -> None:
+        for l, block in enumerate(self.model.block_list()):
+            mods: list[tuple[ColumnParallelLinear | RowParallelLinear, str]] = [
+                (block.attn.qkv, f"L{l}.attn.qkv.dW"),
+                (block.attn.proj, f"L{l}.attn.proj.dW"),
+            ]
             if block.is_moe:
                 block.moe.experts.set_dw_queue(rt, f"L{l}.moe.expert.")
                 block.moe.dispatcher.set_dw_queue(rt)
@@ -240,7 +243,7 @@ class LancetController:
         plan = self.plan or LancetPlan()
         d = plan.to_json()
         for r in d["ranges"]:
-            t = self.timings.get(r["layer"], [])
+            t: Sequence[float] = self.timings.get(r["layer"], [])
             r["measured_forward_ms"] = statistics.median(t) if t else None
             runner = self.range_runners.get(r["layer"])
             if runner is not None and runner.axes is not None:  # CP-SAT's dim and the runtime's, per op

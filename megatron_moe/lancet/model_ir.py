@@ -38,7 +38,7 @@ from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.partitioned_moe import RangeAxes, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
-from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.model.gpt2 import GPT2MoE, ffn_hidden_size
 from megatron_moe.moe.comm_profile import comm_model_for
 from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity
@@ -121,7 +121,7 @@ def model_shapes(model: GPT2MoE, ps: ParallelState, B: int, T: int) -> Shapes:
         B,
         T,
         m.hidden_size,
-        m.ffn_hidden_size,
+        ffn_hidden_size(m),
         m.num_attention_heads // mp,
         mp,
         E,
@@ -350,7 +350,8 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
     sim: list[SimOp] = [SimOp("embed", "compute", costs.embed_ms)]
     axis_ops = [AxisOp("embed", "elementwise", ("ids",), ("x0",))]
     spans = [(0, 1)]
-    mo = ModelOps(sim, None, spans)
+    starts: dict[int, dict[int, str]] = {}  # see ModelOps
+    ends: dict[int, dict[int, str]] = {}
     nbytes = sh.a2a_bytes() if sh is not None else None
     for l, block in enumerate(model.blocks):
         j0, moe = len(sim), block.is_moe
@@ -361,7 +362,7 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
             j = len(sim)
             if op in ("ln1", "ln2", "moe.gate"):
                 if moe:
-                    mo.starts.setdefault(l, {})[j] = {"ln1": "attn", "ln2": "ln2", "moe.gate": "gate"}[op]
+                    starts.setdefault(l, {})[j] = {"ln1": "attn", "ln2": "ln2", "moe.gate": "gate"}[op]
             if op in COMM_OPS:
                 sim.append(SimOp(f"L{l}.{op}", "comm", 0.0, nbytes))
             else:
@@ -369,24 +370,23 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
             spans.append((len(axis_ops), len(axis_ops) + len(per_op[op])))
             axis_ops += per_op[op]
         if moe:
-            mo.ends.setdefault(l, {})[len(sim)] = "block"
+            ends.setdefault(l, {})[len(sim)] = "block"
         if l > 0 and model.blocks[l - 1].is_moe:  # after this block's attn.proj: end of l-1's range
-            mo.ends.setdefault(l - 1, {})[j0 + 4] = "next_attn"
+            ends.setdefault(l - 1, {})[j0 + 4] = "next_attn"
         prev = _last_moe_before(model, l)
         if prev is not None and prev < l - 1:  # dense blocks prev+1..l-1 lie between two MoE blocks
             if moe:
-                mo.ends.setdefault(prev, {})[j0] = "dense"
-                mo.ends[prev][j0 + 4] = "dense_next_attn"
+                ends.setdefault(prev, {})[j0] = "dense"
+                ends[prev][j0 + 4] = "dense_next_attn"
     prev = _last_moe_before(model, len(model.blocks))
     if prev is not None and prev < len(model.blocks) - 1:  # dense blocks after the last MoE block
-        mo.ends.setdefault(prev, {})[len(sim)] = "dense"
+        ends.setdefault(prev, {})[len(sim)] = "dense"
     L = len(model.blocks)
     tensors["logits"] = ("B", "T", "V")
     sim.append(SimOp("head", "compute", costs.head_ms))
     spans.append((len(axis_ops), len(axis_ops) + 1))
     axis_ops.append(AxisOp("head", "linear", (f"x{L}",), ("logits",), {"contract": "M", "out_dim": "V"}))
-    mo.axis = AxisRange(tensors, axis_ops)
-    return mo
+    return ModelOps(sim, AxisRange(tensors, axis_ops), spans, starts, ends)
 
 
 def op_span(mo: ModelOps, spec) -> tuple[int, int]:

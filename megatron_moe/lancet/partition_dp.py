@@ -96,7 +96,10 @@ def plan_partitions(
     ranges = []
     n = num_groups
     while n > 0:
-        i, k, p = choice[n]
+        entry = choice[n]
+        # Every n >= 1 gets a choice: (n - 1, 1) is always a candidate with a finite cost.
+        assert entry is not None, f"no plan chosen for prefix {n}"
+        i, k, p = entry
         ranges.append(PlannedRange(i, n, k, p))
         n = i
     return PartitionPlan(best[num_groups], ranges[::-1])

@@ -53,13 +53,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, MutableSequence, Optional, Sequence
 
 import torch
 
 from megatron_moe.distributed import streams
 from megatron_moe.distributed.collectives import gather_from_group
-from megatron_moe.moe.dispatcher import TokenDispatcher, UnevenDispatcher
+from megatron_moe.moe.dispatcher import PaddedDispatcher, UnevenDispatcher
 from megatron_moe.moe.router import RouteResult, aux_loss_terms, choice_counts, z_loss_of
 from megatron_moe.profiling import annotate
 
@@ -158,7 +158,9 @@ class _CapacityPassing:
     def __init__(self, router, S: int):
         self.router, self.S = router, S
         self.offsets = torch.zeros(router.k, router.num_experts, dtype=torch.int64, device=router.gate_w.device)
-        self.next_token, self.sums = 0, None
+        self.next_token = 0
+        # running (sum of gates [E], first-choice counts [E], z-loss sum or None) over the parts so far
+        self.sums: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
 
     def part(self, h_sM: torch.Tensor) -> RouteResult:
         router, lo = self.router, self.next_token
@@ -170,11 +172,17 @@ class _CapacityPassing:
         self.offsets += choice_counts(expert, router.num_experts)  # on the router's device (CUDA: no host copy)
         gate_sum, first, _ = aux_loss_terms(gates, expert)
         z = z_loss_of(logits) * h_sM.size(0) if router.z_coeff else None
-        new = (gate_sum, first, z)
-        self.sums = new if self.sums is None else tuple(None if a is None else a + b for a, b in zip(self.sums, new))
+        if self.sums is None:
+            self.sums = (gate_sum, first, z)
+        else:
+            g0, f0, z0 = self.sums
+            # z is None for every part or for none (router.z_coeff is fixed)
+            self.sums = (g0 + gate_sum, f0 + first, None if z0 is None or z is None else z0 + z)
         return r
 
     def aux(self) -> torch.Tensor:
+        if self.sums is None:
+            raise RuntimeError("capacity passing: aux() before any part was routed")
         return self.router.aux_of_sums(*self.sums, self.S)
 
 
@@ -195,10 +203,10 @@ class PartitionedRange:
         block: "Block",
         spec: RangeSpec,
         skip_attn: bool,
-        dispatcher: TokenDispatcher,
-        timings: Optional[list] = None,
-        tail: tuple = (),
-        attn_next: Optional[tuple] = None,
+        dispatcher: UnevenDispatcher | PaddedDispatcher,
+        timings: Optional[MutableSequence[float]] = None,
+        tail: Sequence[tuple[int, "Block"]] = (),
+        attn_next: Optional[tuple[int, "Block"]] = None,
         axes: Optional[RangeAxes] = None,
         stream_api: Any = streams,
     ):
@@ -310,12 +318,13 @@ class PartitionedRange:
         """Plan a part and launch its dispatch (S2's padded dispatcher runs the whole part now)."""
         d = self.dispatcher
         with annotate("moe/dispatch"):
-            plan = d.plan([route])
             if isinstance(d, UnevenDispatcher):
-                d.dispatch_start(tok_sM, plan)
-                return plan, route, None
-            x_in = d.dispatch(tok_sM, plan)
-        return plan, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), plan)
+                uneven = d.plan([route])
+                d.dispatch_start(tok_sM, uneven)
+                return uneven, route, None
+            padded = d.plan([route])
+            x_in = d.dispatch(tok_sM, padded)
+        return padded, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), padded)
 
     def _finish(self, started: list, M: int, device: torch.device, side_end: list):
         """Experts of each part as its tokens arrive (launching the returns), then each part's

@@ -157,19 +157,34 @@ def _layer_of(name: str) -> int:
 def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float) -> dict:
     """Forward and backward simulation of every DP range; the backward is the range reversed with
     compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm."""
-    out = {"forward_ms": 0.0, "backward_ms": 0.0, "exposed_ms": 0.0, "layer_exposed": {}}
+    forward_ms = backward_ms = exposed_ms = 0.0
+    layer_exposed: dict[int, float] = {}
     for r in dp.ranges:
         ops = mo.sim[r.start : r.end]
         f = simulate(ops, r.k, comm, overhead_ms)
         back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes) for o in reversed(ops)]
         b = simulate(back, r.k, comm, overhead_ms)
-        out["forward_ms"] += f.makespan_ms
-        out["backward_ms"] += b.makespan_ms
-        out["exposed_ms"] += f.exposed_comm_ms + b.exposed_comm_ms
+        forward_ms += f.makespan_ms
+        backward_ms += b.makespan_ms
+        exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
         if r.k > 1:
             for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
-                out["layer_exposed"][layer] = b.exposed_comm_ms
-    return out
+                layer_exposed[layer] = b.exposed_comm_ms
+    return {
+        "forward_ms": forward_ms,
+        "backward_ms": backward_ms,
+        "exposed_ms": exposed_ms,
+        "layer_exposed": layer_exposed,
+    }
+
+
+def _range_spec(mo: ModelOps, r: PlannedRange) -> RangeSpec:
+    """The RangeSpec of a partitioned DP range (plan_ops partitions only ranges the runtime can run)."""
+    where = runtime_range(mo, r.start, r.end)
+    if where is None:
+        raise RuntimeError(f"planned range of ops [{r.start}, {r.end}) in {r.k} parts is not a runtime range")
+    layer, start, end = where
+    return RangeSpec(layer, start, end, r.k)
 
 
 def residual_graph(graph: Graph, layer_exposed: dict) -> Graph:
@@ -247,7 +262,7 @@ def make_plan(
     else:
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
-    ranges = [RangeSpec(*runtime_range(mo, r.start, r.end), r.k) for r in dp.ranges if r.k > 1]
+    ranges = [_range_spec(mo, r) for r in dp.ranges if r.k > 1]
     if partition and opts.lancet_force_partitions > 1:  # every MoE block, whatever the prediction
         ranges = [
             RangeSpec(

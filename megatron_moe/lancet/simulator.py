@@ -86,7 +86,8 @@ def split_stages(ops: Sequence[SimOp]) -> list[list[SimOp]]:
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
+    total, cur_s = 0.0, 0.0
+    cur_e: float | None = None  # end of the current merged interval; None before the first one
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
             if cur_e is not None:

@@ -118,7 +118,7 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, ref: WeightRef):
-        w = ref.param
+        w: torch.Tensor = ref.param  # becomes a plain (cast) tensor below
         dt = _autocast_dtype(x)
         if dt is not None:  # do what autocast does to F.linear, and keep the cast tensors
             x, w = x.to(dt), w.to(dt)
@@ -147,7 +147,7 @@ class _DeferredBmm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias_E1O, ref: WeightRef):
-        w = ref.param
+        w: torch.Tensor = ref.param  # becomes a plain (cast) tensor below
         dt = _autocast_dtype(x)
         if dt is not None:
             x, w = x.to(dt), w.to(dt)

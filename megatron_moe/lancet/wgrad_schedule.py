@@ -119,9 +119,9 @@ def exposed_comm_ms(graph: Graph, assignment: Mapping[str, Sequence[str]]) -> fl
                 raise ValueError(f"dW {w!r} assigned to more than one all-to-all")
             seen.add(w)
     total = 0.0
-    for a in graph.of_kind("a2a"):
-        hidden = sum(graph[w].cost_ms for w in assignment.get(a.name, ()))
-        total += max(0.0, a.cost_ms - hidden)
+    for a2a in graph.of_kind("a2a"):
+        hidden = sum(graph[w].cost_ms for w in assignment.get(a2a.name, ()))
+        total += max(0.0, a2a.cost_ms - hidden)
     return total
 
 

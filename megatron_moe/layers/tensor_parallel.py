@@ -127,7 +127,9 @@ class RowParallelLinear(nn.Module):
         )
         self.dw_queue, self.dw_name = None, ""
 
-    set_dw_queue = ColumnParallelLinear.set_dw_queue
+    def set_dw_queue(self, queue, name: str) -> None:
+        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
+        self.dw_queue, self.dw_name = queue, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_group(_linear(self, x, None), self.group)

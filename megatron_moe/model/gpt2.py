@@ -13,7 +13,7 @@ from the same weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ from megatron_moe.layers.tensor_parallel import (
 from megatron_moe.moe.layer import MoELayer
 
 if TYPE_CHECKING:
-    from megatron_moe.config import Config
+    from megatron_moe.config import Config, ModelConfig
     from megatron_moe.parallel_state import ParallelState
 
 
@@ -74,17 +74,25 @@ class Attention(nn.Module):
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 
+def ffn_hidden_size(m: "ModelConfig") -> int:
+    """The MLP hidden size H (ModelConfig.__post_init__ fills in its default, 4 * M)."""
+    if m.ffn_hidden_size is None:
+        raise ValueError(
+            "ModelConfig.ffn_hidden_size (--ffn-hidden-size) is None; its __post_init__ sets 4 * hidden_size"
+        )
+    return m.ffn_hidden_size
+
+
 class MLP(nn.Module):
     """GPT-2 MLP, hidden dim split over MP. [B, T, M] -> [B, T, M]."""
 
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, device: torch.device):
         super().__init__()
         m = cfg.model
-        self.fc = ColumnParallelLinear(
-            m.hidden_size, m.ffn_hidden_size, ps, seed, f"{name}.fc", std=m.init_method_std, device=device
-        )
+        H = ffn_hidden_size(m)
+        self.fc = ColumnParallelLinear(m.hidden_size, H, ps, seed, f"{name}.fc", std=m.init_method_std, device=device)
         self.proj = RowParallelLinear(
-            m.ffn_hidden_size,
+            H,
             m.hidden_size,
             ps,
             seed,
@@ -183,8 +191,12 @@ class GPT2MoE(nn.Module):
             if not hasattr(p, "_shard"):
                 tag(p, ShardSpec(), p.shape)
 
+    def block_list(self) -> list[Block]:
+        """The transformer blocks in order (iterating the nn.ModuleList yields untyped Modules)."""
+        return cast("list[Block]", list(self.blocks))  # the constructor fills it with Blocks only
+
     def moe_layers(self) -> list[MoELayer]:
-        return [b.moe for b in self.blocks if b.is_moe]
+        return [b.moe for b in self.block_list() if b.is_moe]
 
     def set_block_runner(self, idx: int, fn: Optional[Callable]) -> None:
         """Run block `idx` with `fn(x) -> (x, aux)` instead of the block (None: the block again)."""
