@@ -168,7 +168,7 @@ def test_dp2_trainer_stalled_peer_prints_one_error_and_exits_1(sample_data, tmp_
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr[-3000:]
     assert re.match(
-        r"error: \[rank 0\] .*all_reduce.* on group '(dp|expert_dp|world)' \(global ranks \[0, 1\]\) "
+        r"error: \[rank 0\] .*all_reduce.* on group '(dp|expert_dp|world|lina_dp|lina_expert_dp)' \(global ranks \[0, 1\]\) "
         rf"(\([^)]*\) )?did not finish within --comm-timeout {TIMEOUT_S:g} s",
         errors[0],
     ), errors[0]
