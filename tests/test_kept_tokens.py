@@ -165,3 +165,64 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
             torch.testing.assert_close(got["dx"], ref["dx"], rtol=0, atol=1e-6, msg=tag)
             for n in ref["grads"]:
                 torch.testing.assert_close(got["grads"][n], ref["grads"][n], rtol=0, atol=1e-6, msg=f"{tag} {n}")
+
+
+# ----------------------------------------------------------------------------- the experts' path, chosen once
+
+
+def _decide_ranks(rank, world):
+    from megatron_moe.moe.kept import decide_path
+
+    # rank 0 alone would pick "padded", rank 1 alone "kept"; the slowest rank's times say "kept"
+    mine = [{"padded": 1.0, "kept": 2.0, "overlap": 3.0}, {"padded": 5.0, "kept": 2.5, "overlap": 3.0}][rank]
+    return decide_path(mine, None, torch.device("cpu"))  # None: the default (world) group
+
+
+def test_every_rank_takes_the_path_of_the_slowest_rank_times():
+    assert spawn(_decide_ranks, 2) == ["kept", "kept"]
+
+
+def _trial_ranks(rank, world):
+    """EP2 baseline: a kept-only layer through its whole path trial (padded, kept, overlap) and past it,
+    against a padded layer, forward + backward on the same inputs (different on each rank)."""
+    from megatron_moe.moe.layer import KEPT_TRIALS
+
+    ps = initialize_model_parallel(1, 2, 1)
+    try:
+        out = []
+        cfg, ref_cfg = config(), config()
+        cfg.moe.moe_kept_only, ref_cfg.moe.moe_kept_only = True, False
+        layer = MoELayer(cfg, ps, seed=7, name="moe", layer_idx=1)
+        ref = MoELayer(ref_cfg, ps, seed=7, name="moe", layer_idx=1)
+        calls = 1 + 3 * KEPT_TRIALS + 2  # warm-up, trial rounds, the choice, one forward after it
+        for call in range(calls):
+            g = torch.Generator(device="cpu").manual_seed(1000 * call + 13 * rank)
+            x = torch.randn(B, cfg.model.seq_length, cfg.model.hidden_size, generator=g, device="cpu")
+            got = []
+            for lay in (layer, ref):
+                xi = x.clone().requires_grad_()
+                y, aux = lay(xi)
+                (y.pow(2).sum() + aux).backward()
+                got.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in lay.named_parameters()}))
+                lay.zero_grad(set_to_none=True)
+            kept = int(torch.stack([r.counts for r in layer.router.last_routes]).sum())
+            out.append((got, kept))
+        return out, layer.path_choice, sorted(layer.path_times), ref.path_choice
+    finally:
+        destroy_model_parallel()
+
+
+def test_ranks_with_different_fills_take_the_same_path_and_every_path_equals_the_padded_layer():
+    results = spawn(_trial_ranks, 2)
+    (calls0, choice0, tried0, ref0), (calls1, choice1, tried1, ref1) = results
+    assert choice0 == choice1 and choice0 in ("padded", "kept", "overlap")
+    assert tried0 == tried1 == ["kept", "overlap", "padded"]  # the trial timed all three paths
+    assert ref0 is None and ref1 is None  # --no-moe-kept-only: no trial
+    assert any(k0 != k1 for (_, k0), (_, k1) in zip(calls0, calls1))  # the ranks' fills differ
+    for rank, calls in enumerate(results[i][0] for i in range(2)):
+        for call, ((got, ref), _) in enumerate(calls):
+            tag = f"rank {rank} call {call}"
+            torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-6, msg=tag)
+            torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-6, msg=tag)
+            for n in ref[2]:
+                torch.testing.assert_close(got[2][n], ref[2][n], rtol=0, atol=1e-6, msg=f"{tag} {n}")

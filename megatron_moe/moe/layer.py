@@ -24,6 +24,7 @@ baseline; s2 (a padded buffer by construction) is refused.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -32,8 +33,9 @@ import torch.nn as nn
 from megatron_moe.config import DROPLESS_S2_ERROR
 from megatron_moe.distributed.collectives import gather_from_group, scatter_to_group
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher, UnevenPlan
+from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
+from megatron_moe.moe.kept import PATHS, decide_path
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
 from megatron_moe.moe.router import Router
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 SCHEDULES = ("baseline", "s1", "s2")
+KEPT_TRIALS = 2  # timed forwards of each path before the experts' path is fixed (`MoELayer.expert_path`)
 
 
 class MoELayer(nn.Module):
@@ -84,6 +87,9 @@ class MoELayer(nn.Module):
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
+        # the experts' path (`expert_path`): fixed after the trial, or given (--moe-expert-path)
+        self.path_choice: Optional[str] = None if moe.moe_expert_path == "auto" else moe.moe_expert_path
+        self.path_calls, self.path_times = 0, {}  # the trial's forwards and seconds per path
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -103,7 +109,7 @@ class MoELayer(nn.Module):
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(
-                self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks, self.kept_only
+                self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks
             )
         if old is not None:  # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
@@ -118,6 +124,37 @@ class MoELayer(nn.Module):
         if chunks > 1 and self.dropless:
             raise ValueError(DROPLESS_ERROR)
         self.pipeline_chunks = chunks
+
+    def expert_path(self, d: PaddedDispatcher) -> str:
+        """How the padded dispatcher `d`'s experts compute in this forward (`moe.kept.PATHS`; --moe-kept-only).
+
+        Measured, then fixed, identically on every rank: forward 0 warms up on kept rows, the next
+        KEPT_TRIALS rounds time each candidate once per round (padded, kept rows, and kept rows
+        with the all-to-alls pipelined when `d.pipelines`; the same values either way), and the
+        next forward all-reduces the times (MAX over the world, `moe.kept.decide_path`) and keeps
+        the fastest for good (--moe-expert-path fixes it instead). Padded under Lancet's deferred dW
+        (it takes the batched GEMMs)."""
+        if not self.kept_only or self.experts.deferred_bmm is not None:
+            return "padded"
+        paths = [p for p in PATHS if p != "overlap" or d.pipelines]
+        if self.path_choice is None and self.path_calls > KEPT_TRIALS * len(paths):
+            times = {p: self.path_times.get(p, 0.0) for p in paths}
+            self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device)
+        if self.path_choice is not None:
+            return self.path_choice
+        return "kept" if self.path_calls == 0 else paths[(self.path_calls - 1) % len(paths)]
+
+    def path_pending(self) -> bool:
+        """True while the experts' path trial is under way (`expert_path` will change with the next forwards)."""
+        padded = isinstance(self.dispatcher, PaddedDispatcher)
+        return padded and self.kept_only and self.experts.deferred_bmm is None and self.path_choice is None
+
+    def _timed(self, path: str, seconds: float) -> None:
+        """Count a forward of the trial of `expert_path` and add its time."""
+        if self.kept_only and self.path_choice is None:
+            if self.path_calls > 0:
+                self.path_times[path] = self.path_times.get(path, 0.0) + seconds
+            self.path_calls += 1
 
     @property
     def last_stats(self) -> dict:
@@ -147,7 +184,8 @@ class MoELayer(nn.Module):
                 routes, aux, kept = route_s1(self.router, x_l, S, self.s1_local_capacity)
                 self.router.record(routes, kept, G * S * self.router.k)
                 return routes, aux, x_l.reshape(-1, M)
-            routes = [self.router.route(x_GSM[g], g) for g in range(G)]
+            xs = [x_GSM.view(S, M)] if G == 1 else x_GSM.unbind(0)  # a view: no zero-filled gradient
+            routes = [self.router.route(x_g, g) for g, x_g in enumerate(xs)]
             self.router.record(routes)
             return routes, torch.stack([self.router.aux(r) for r in routes]).mean(), x_GSM.reshape(G * S, M)
 
@@ -170,7 +208,6 @@ class MoELayer(nn.Module):
                 "s2",
                 self.saa,
                 self.schedule_choice.saa_chunks,
-                self.kept_only,
             )
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
@@ -179,17 +216,25 @@ class MoELayer(nn.Module):
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
+        path, t0 = self.expert_path(d) if isinstance(d, PaddedDispatcher) else "", time.perf_counter()
         with annotate("moe/dispatch"):
-            plan = d.plan(routes)
+            plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
+        if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
+            y = d.exchange(tokens, plan, self.experts)
+            self._timed(path, time.perf_counter() - t0)
+            return self.dispatcher.track_output(y.reshape(B, T, M)), aux
+        with annotate("moe/dispatch"):
             x_in = d.dispatch(tokens, plan)
-        ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None  # dropless: rows per expert
-        kept = plan.kept if self.kept_only else None  # rows holding a kept token
+        ragged = plan.expert_rows  # rows per local expert: dropless, or a padded buffer's kept rows
+        kept = plan.kept if self.kept_only and isinstance(plan, UnevenPlan) else None  # S1: rows holding a token
         if placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
             y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
+            if path:
+                self._timed(path, time.perf_counter() - t0)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
         return self.dispatcher.track_output(y.reshape(B, T, M)), aux
