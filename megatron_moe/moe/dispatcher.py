@@ -34,10 +34,14 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   `moe.placement`) changes where a token goes: to a replica on this rank's EP rank
   instead of the expert's owner; the receiver's rows are then grouped by the experts it
   computes (owned and replicas, `UnevenPlan.expert_rows` rows each).
-Kept rows (`moe.kept`): both padded layouts carry `plan.kept`, the rows of the expert
-input that hold a kept token (the padded buffer's: every source's per-expert counts, one
-small all-gather launched in `plan`, waited for by the experts), so the experts compute only
-those (`Experts.forward_kept`).
+Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" or "overlap"
+carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
+per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
+the wire); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
+local expert; with one rank holding every expert straight from the tokens, no buffer at all)
+and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
+the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
+`Experts.forward_exchange`). S1's zero-padded input carries `plan.kept` for `Experts.forward_kept`.
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their

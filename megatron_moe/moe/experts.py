@@ -13,9 +13,11 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
 grouped by local expert, `counts` [E_l] rows each; each expert computes its own
 row range (no padding rows, no FLOPs on them).
-A capacity-padded input [E_l, N, M] with `kept` rows (`moe.kept.KeptRows`: the rows that
-hold a kept token) is packed to those rows, computed as a ragged input and scattered back
-(zeros elsewhere): the GEMMs never multiply padding.
+The capacity-padded schedules hand over only the rows that hold a kept token, as a ragged
+input (the dispatcher gathers them, `moe.kept`); S1's zero-padded input [E_l, N, M] with `kept`
+rows (`moe.kept.KeptRows`) is packed to those rows here and scattered back (zeros elsewhere):
+the GEMMs never multiply padding. `forward_exchange` runs the experts between the baseline's two
+all-to-alls, one local expert at a time, overlapping the transfers of the others.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
-"""Kept rows: which rows of a padded expert input [E_l, N, M] hold a kept token.
+"""Kept rows: which rows of a padded expert input hold a kept token, and which path the experts take.
 
-Legend: G routing groups, E experts (E_l local ones), D = N_EP * N_ESP ranks of the
-EP x ESP group (sources, in that group's rank order), Cs slots one source sends per
-(group, expert) block (C in the baseline, C_mp in S2), N = D * G * Cs rows per local expert.
+Legend: G routing groups, E experts (E_l local ones), D = N_EP * N_ESP ranks of the EP x ESP group
+(sources, in that group's rank order), Cs slots one source sends per (group, expert) block (C in
+the baseline, C_mp in S2), N = D * G * Cs rows per local expert, K kept rows.
 
-The capacity-padded dispatchers lay the expert input out as blocks of Cs rows, one block
-per (source, group) and local expert, in that order. The router gives the kept choices
-of an expert slots 0, 1, ... (a prefix of its capacity), so a source knows how many
-leading rows of each block it sends may hold a token: `sent_rows` (the highest kept slot
-+ 1, so the index stays exact even if a router left holes). The sources exchange these
-[G, E] counts (`exchange_sent_rows`: one small all-gather over the EP x ESP group, launched
-asynchronously in `plan` so that it travels while the dispatch all-to-all is prepared and
-sent; the experts wait for it), and `padded_kept_rows` turns them into the kept rows of this
-rank's expert input, grouped by local expert. The experts then compute only those rows (`Experts.forward_kept`): rows
-that hold no token never reach a GEMM; their outputs are zero and never read (the
-combine reads kept rows only), and their gradients are zero either way.
+The capacity-padded dispatchers lay the expert input out as blocks of Cs rows, one block per
+(source, group) and local expert. The router gives the kept choices of an expert slots 0, 1, ...
+(a prefix of its capacity), so a source knows how many leading rows of each block it sends may hold
+a token: `sent_rows` (the highest kept slot + 1, so the index stays exact even if a router left
+holes). The sources exchange these [G, E] counts (`exchange_sent_rows`: one small all-gather over
+the EP x ESP group, launched asynchronously in `plan`, waited for only once the dispatch all-to-all
+is on the wire), and `padded_kept_rows` turns them into the kept rows of this rank's received
+buffer, grouped by local expert. The dispatcher gathers exactly those rows for the experts
+(`PaddedDispatcher.dispatch`) and scatters their outputs back into the padded return buffer: rows
+that hold no token never reach a GEMM; their outputs are zero and never read (the combine reads
+kept rows only), and their gradients are zero either way.
+
+Which path (PATHS: the padded compute, kept rows, or kept rows with the all-to-alls pipelined by
+local expert) is measured per layer in its first forwards and fixed with `decide_path`: one MAX
+all-reduce over the world, so every rank takes the same path (`MoELayer.expert_path`).
 
 The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
 """
