@@ -132,9 +132,10 @@ class MoEConfig:
     )
     moe_expert_path: str = opt(
         "auto",
-        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (each path timed in the "
-        "first forwards, the fastest kept on every rank), padded, kept (rows only), overlap (kept rows, "
-        "all-to-alls pipelined by local expert)",
+        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (padded when under "
+        "a tenth of the capacity slots must stay empty, else kept rows, with or without the overlap as measured "
+        "in the first forwards), padded, kept (rows only), overlap (kept rows, all-to-alls pipelined by "
+        "local expert)",
         choices=["auto", "padded", "kept", "overlap"],
     )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")

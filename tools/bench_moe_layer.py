@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
     base = next((r["ms_median"] for r in rows if r["schedule"] == "baseline"), None)
     for r in rows:
         r["speedup_vs_baseline"] = None if base is None else base / r["ms_median"]
-        r["experts_path"] = layers[r["schedule"]].path_choice
+        r["experts_path"] = layers[r["schedule"]].path_last or None
     summary = auto_vs_fastest(rows)
     if rank == 0:
         print_table(args, world, rows, layers)

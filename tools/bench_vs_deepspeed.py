@@ -9,10 +9,10 @@ Defaults: E=4, top-2, 512 tokens per rank (--micro-batch-size 2 x --seq-length 2
 H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Variants, timed
 round robin so a slow spell of a shared machine hits them alike (an iteration's time is the
 slowest rank's):
-  ours         our MoE layer as a run gets it (--moe-kept-only, the default): its experts' path
-               (padded, kept rows, kept rows with the all-to-alls pipelined by local expert) is
-               measured in its first forwards and fixed (`MoELayer.expert_path`; warm-up runs
-               until it is; the table prints the choice)
+  ours         our MoE layer as a run gets it (--moe-kept-only, --moe-expert-path auto, the
+               defaults): padded or kept rows from the share of slots that must stay empty, and
+               kept rows with or without the overlap as measured in its first forwards
+               (`MoELayer.expert_path`; warm-up runs until the path is fixed; the table prints it)
   ours-kept    the same layer held on kept rows
   ours-overlap the same layer held on kept rows with the pipelined all-to-alls (several EP ranks)
   ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
     while layer is not None and layer.path_pending():  # the same count of forwards on every rank
         steps["ours"]()
     if layer is not None:
-        info["ours_path"] = layer.path_choice
+        info["ours_path"] = layer.path_last
     times = {v: [] for v in steps}
     for _ in range(args.iters):
         for v, step in steps.items():
@@ -276,7 +276,7 @@ def describe(args) -> str:
 def print_table(args, rows: list, info: list) -> None:
     print(f"MoE layer fwd+bwd: {describe(args)}")
     if info[0].get("ours_path"):
-        print(f"ours: experts' path measured and fixed: {info[0]['ours_path']}")
+        print(f"ours: experts' path {info[0]['ours_path']}")
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")

@@ -17,8 +17,9 @@ that hold no token never reach a GEMM; their outputs are zero and never read (th
 kept rows only), and their gradients are zero either way.
 
 Which path (PATHS: the padded compute, kept rows, or kept rows with the all-to-alls pipelined by
-local expert) is measured per layer in its first forwards and fixed with `decide_path`: one MAX
-all-reduce over the world, so every rank takes the same path (`MoELayer.expert_path`).
+local expert) a layer takes is decided the same on every rank (`MoELayer.expert_path`): padded or
+kept from the layer's shape, and between the two kept forms, which give the same bits, by a short
+measurement fixed with `decide_path` (one MAX all-reduce over the world).
 
 The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
 """

@@ -35,7 +35,7 @@ from megatron_moe.distributed.collectives import gather_from_group, scatter_to_g
 from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.kept import PATHS, decide_path
+from megatron_moe.moe.kept import decide_path
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
 from megatron_moe.moe.router import Router
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 SCHEDULES = ("baseline", "s1", "s2")
-KEPT_TRIALS = 2  # timed forwards of each path before the experts' path is fixed (`MoELayer.expert_path`)
+KEPT_TRIALS = 2  # timed forwards of kept rows and of the overlap before one is fixed (`MoELayer.expert_path`)
+KEPT_MIN_EMPTY = 0.1  # kept rows when at least this share of the capacity slots must stay empty (`expert_path`)
 
 
 class MoELayer(nn.Module):
@@ -87,9 +88,10 @@ class MoELayer(nn.Module):
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
-        # the experts' path (`expert_path`): fixed after the trial, or given (--moe-expert-path)
-        self.path_choice: Optional[str] = None if moe.moe_expert_path == "auto" else moe.moe_expert_path
-        self.path_calls, self.path_times = 0, {}  # the trial's forwards and seconds per path
+        self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
+        self.path_choice: Optional[str] = None  # kept or overlap, measured (auto)
+        self.path_calls, self.path_times = 0, {}  # that trial's forwards and seconds per path
+        self.path_last = ""  # the path of the last forward with a padded dispatcher
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -125,33 +127,41 @@ class MoELayer(nn.Module):
             raise ValueError(DROPLESS_ERROR)
         self.pipeline_chunks = chunks
 
-    def expert_path(self, d: PaddedDispatcher) -> str:
-        """How the padded dispatcher `d`'s experts compute in this forward (`moe.kept.PATHS`; --moe-kept-only).
+    def expert_path(self, d: PaddedDispatcher, tokens: int) -> str:
+        """How the padded dispatcher `d`'s experts compute this forward of `tokens` tokens per routing
+        group (`moe.kept.PATHS`; --moe-kept-only, --moe-expert-path).
 
-        Measured, then fixed, identically on every rank: forward 0 warms up on kept rows, the next
-        KEPT_TRIALS rounds time each candidate once per round (padded, kept rows, and kept rows
-        with the all-to-alls pipelined when `d.pipelines`; the same values either way), and the
-        next forward all-reduces the times (MAX over the world, `moe.kept.decide_path`) and keeps
-        the fastest for good (--moe-expert-path fixes it instead). Padded under Lancet's deferred dW
-        (it takes the batched GEMMs)."""
+        auto decides from what every rank has identically, so every rank takes the same path and a
+        run is reproducible bit for bit (also across a resume): the padded compute when fewer than
+        KEPT_MIN_EMPTY of the capacity slots must stay empty (1 - k*S / (E*C): at capacity factor 1
+        nearly every slot holds a token and packing costs more than the padding saves), else kept
+        rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
+        gives the same bits as kept rows, so between those two the layer measures: after a warm-up
+        forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of the times over the world
+        (`moe.kept.decide_path`) fixes the faster for good. Padded under Lancet's deferred dW."""
         if not self.kept_only or self.experts.deferred_bmm is not None:
             return "padded"
-        paths = [p for p in PATHS if p != "overlap" or d.pipelines]
-        if self.path_choice is None and self.path_calls > KEPT_TRIALS * len(paths):
-            times = {p: self.path_times.get(p, 0.0) for p in paths}
+        if self.path_flag != "auto":
+            return self.path_flag
+        k, E, C = self.router.k, self.num_experts, self.router.capacity(tokens)
+        if 1.0 - k * tokens / (E * C) < KEPT_MIN_EMPTY:
+            return "padded"
+        if not d.pipelines:
+            return "kept"
+        if self.path_choice is None and self.path_calls > 2 * KEPT_TRIALS:
+            times = {p: self.path_times.get(p, 0.0) for p in ("kept", "overlap")}
             self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device)
         if self.path_choice is not None:
             return self.path_choice
-        return "kept" if self.path_calls == 0 else paths[(self.path_calls - 1) % len(paths)]
+        return ("kept", "overlap")[self.path_calls % 2]  # 0: warm-up (kept), then overlap, kept, ...
 
     def path_pending(self) -> bool:
-        """True while the experts' path trial is under way (`expert_path` will change with the next forwards)."""
-        padded = isinstance(self.dispatcher, PaddedDispatcher)
-        return padded and self.kept_only and self.experts.deferred_bmm is None and self.path_choice is None
+        """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it)."""
+        return self.path_last in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None
 
     def _timed(self, path: str, seconds: float) -> None:
-        """Count a forward of the trial of `expert_path` and add its time."""
-        if self.kept_only and self.path_choice is None:
+        """Count a forward of the kept / overlap trial of `expert_path` and add its time."""
+        if path in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None:
             if self.path_calls > 0:
                 self.path_times[path] = self.path_times.get(path, 0.0) + seconds
             self.path_calls += 1
@@ -216,7 +226,9 @@ class MoELayer(nn.Module):
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
-        path, t0 = self.expert_path(d) if isinstance(d, PaddedDispatcher) else "", time.perf_counter()
+        path = self.expert_path(d, x_GSM.size(1)) if isinstance(d, PaddedDispatcher) else ""
+        self.path_last = path
+        t0 = time.perf_counter()
         with annotate("moe/dispatch"):
             plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
         if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
