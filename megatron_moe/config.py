@@ -130,6 +130,14 @@ class MoEConfig:
         "experts compute only the rows of the capacity-padded buffer that hold a "
         "kept token; --no-moe-kept-only multiplies the padding too (same values)",
     )
+    moe_expert_path: str = opt(
+        "auto",
+        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (padded when under "
+        "a tenth of the capacity slots must stay empty, else kept rows, with or without the overlap as measured "
+        "in the first forwards), padded, kept (rows only), overlap (kept rows, all-to-alls pipelined by "
+        "local expert)",
+        choices=["auto", "padded", "kept", "overlap"],
+    )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
 
     def __post_init__(self) -> None:

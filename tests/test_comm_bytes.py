@@ -10,13 +10,13 @@ from megatron_moe.testing import spawn
 
 
 def _baseline_records(rank, world, mp, ep, esp, k):
-    res = run_layout(tiny_config(k), mp, ep, esp)
+    res = run_layout(tiny_config(k, moe_expert_path="kept"), mp, ep, esp)  # kept rows: their count exchange
     return [(r.op, r.group, r.sent, r.recv) for r in res["records"]]
 
 
 def test_baseline_bytes_match_formula():
     mp, ep, esp, k = 1, 2, 2, 2
-    cfg = tiny_config(k)
+    cfg = tiny_config(k, moe_expert_path="kept")
     S = MICRO_BATCH * cfg.model.seq_length
     E, M = cfg.moe.num_experts, cfg.model.hidden_size
     C = max(math.ceil(k * cfg.moe.moe_expert_capacity_factor * S / E), cfg.moe.moe_min_capacity)

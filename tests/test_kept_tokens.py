@@ -46,7 +46,7 @@ def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
 
 def config(schedule: str = "baseline"):
     """The tiny model's MoE layer (M=32) with H=128, top-2, capacity factor 1."""
-    cfg = tiny_config(k=2, schedule=schedule, cf=1.0)
+    cfg = tiny_config(k=2, schedule=schedule, cf=1.0, moe_expert_path="kept")  # auto would pick padded at cf 1
     cfg.model.ffn_hidden_size = 128
     return cfg
 
@@ -165,3 +165,83 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
             torch.testing.assert_close(got["dx"], ref["dx"], rtol=0, atol=1e-6, msg=tag)
             for n in ref["grads"]:
                 torch.testing.assert_close(got["grads"][n], ref["grads"][n], rtol=0, atol=1e-6, msg=f"{tag} {n}")
+
+
+# ----------------------------------------------------------------------------- the experts' path, chosen once
+
+
+def _decide_ranks(rank, world):
+    from megatron_moe.moe.kept import decide_path
+
+    # rank 0 alone would pick "padded", rank 1 alone "kept"; the slowest rank's times say "kept"
+    mine = [{"padded": 1.0, "kept": 2.0, "overlap": 3.0}, {"padded": 5.0, "kept": 2.5, "overlap": 3.0}][rank]
+    return decide_path(mine, None, torch.device("cpu"))  # None: the default (world) group
+
+
+def test_every_rank_takes_the_path_of_the_slowest_rank_times():
+    assert spawn(_decide_ranks, 2) == ["kept", "kept"]
+
+
+def test_auto_computes_padded_when_nearly_every_slot_holds_a_token_else_kept_rows():
+    from megatron_moe.moe.layer import KEPT_MIN_EMPTY
+
+    S = B * config().model.seq_length
+    for cf, want in ((1.0, "padded"), (1.05, "padded"), (1.25, "kept")):
+        cfg = tiny_config(k=2, cf=cf)  # --moe-expert-path auto
+        layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
+        C = layer.router.capacity(S)
+        assert (1 - 2 * S / (4 * C) >= KEPT_MIN_EMPTY) == (want == "kept"), cf
+        assert layer.expert_path(layer.dispatcher, S) == want, cf  # one process: no overlap to try
+    cfg = tiny_config(k=2, cf=1.25, moe_kept_only=False)
+    layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
+    assert layer.expert_path(layer.dispatcher, S) == "padded"  # --no-moe-kept-only
+
+
+def _trial_ranks(rank, world):
+    """EP2 baseline, capacity factor 1.25: a kept-only layer through its whole kept / overlap trial and
+    past it, against a padded layer, forward + backward on the same inputs (different on each rank)."""
+    from megatron_moe.moe.layer import KEPT_TRIALS
+
+    ps = initialize_model_parallel(1, 2, 1)
+    try:
+        out = []
+        cfg, ref_cfg = config(), config()
+        for c in (cfg, ref_cfg):
+            c.moe.moe_expert_capacity_factor, c.moe.moe_expert_path = 1.25, "auto"
+        cfg.moe.moe_kept_only, ref_cfg.moe.moe_kept_only = True, False
+        layer = MoELayer(cfg, ps, seed=7, name="moe", layer_idx=1)
+        ref = MoELayer(ref_cfg, ps, seed=7, name="moe", layer_idx=1)
+        calls = 1 + 2 * KEPT_TRIALS + 2  # warm-up, trial rounds, the choice, one forward after it
+        for call in range(calls):
+            g = torch.Generator(device="cpu").manual_seed(1000 * call + 13 * rank)
+            x = torch.randn(B, cfg.model.seq_length, cfg.model.hidden_size, generator=g, device="cpu")
+            got = []
+            for lay in (layer, ref):
+                xi = x.clone().requires_grad_()
+                y, aux = lay(xi)
+                (y.pow(2).sum() + aux).backward()
+                got.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in lay.named_parameters()}))
+                lay.zero_grad(set_to_none=True)
+            kept = int(torch.stack([r.counts for r in layer.router.last_routes]).sum())
+            out.append((got, kept, layer.path_last))
+        return out, layer.path_choice, sorted(layer.path_times), ref.path_choice
+    finally:
+        destroy_model_parallel()
+
+
+def test_ranks_with_different_fills_take_the_same_path_and_every_path_equals_the_padded_layer():
+    results = spawn(_trial_ranks, 2)
+    (calls0, choice0, tried0, ref0), (calls1, choice1, tried1, ref1) = results
+    assert choice0 == choice1 and choice0 in ("kept", "overlap")
+    assert tried0 == tried1 == ["kept", "overlap"]  # the trial timed both kept forms
+    assert ref0 is None and ref1 is None  # --no-moe-kept-only: no trial
+    assert any(k0 != k1 for (_, k0, _), (_, k1, _) in zip(calls0, calls1))  # the ranks' fills differ
+    assert [p for *_, p in calls0] == [p for *_, p in calls1]  # the same path at every call
+    assert [p for *_, p in calls0][-1] == choice0
+    for rank, calls in enumerate(results[i][0] for i in range(2)):
+        for call, ((got, ref), _, _) in enumerate(calls):
+            tag = f"rank {rank} call {call}"
+            torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-6, msg=tag)
+            torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-6, msg=tag)
+            for n in ref[2]:
+                torch.testing.assert_close(got[2][n], ref[2][n], rtol=0, atol=1e-6, msg=f"{tag} {n}")

@@ -25,7 +25,8 @@ SCHEDS = {"s1": {"schedule": "s1"}, "s2": {"schedule": "s2"}, "s2-aas": {"schedu
 
 
 def cfg_of(k, policy="position", sched="s1", **extra):
-    return tiny_config(k, policy, **{**SCHEDS.get(sched, {"schedule": sched}), **extra})
+    # kept rows (not auto's padded at this capacity factor): the byte formulas count their exchange
+    return tiny_config(k, policy, **{**SCHEDS.get(sched, {"schedule": sched}), "moe_expert_path": "kept", **extra})
 
 
 # ----------------------------------------------------------------------------- in the spawned ranks

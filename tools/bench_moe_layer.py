@@ -15,7 +15,10 @@ interleaved across schedules (round robin) so a slow spell of a shared machine
 hits all of them alike; an iteration's time is the slowest rank's. Bytes are the
 collective observer's "sent" per collective@group, averaged over ranks (S1's uneven
 all-to-all sends differ per rank). Prints a table on rank 0; --json writes a
-list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen}.
+list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen, experts_path} and, with auto
+and any of baseline/s1/s2, a last {summary: auto_vs_fastest, auto_picked, auto_ms, fastest, fastest_ms,
+auto_over_fastest}. Layers with a padded dispatcher warm up until their experts' path
+(`MoELayer.expert_path`) is fixed.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ def run(args: argparse.Namespace) -> None:
     for s, layer in layers.items():
         for _ in range(args.warmup):
             one_iteration(layer, x, gy, device)
+        while layer.path_pending():  # the experts' path trial (`MoELayer.expert_path`): same count on every rank
+            one_iteration(layer, x, gy, device)
     for _ in range(args.iters):
         for s, layer in layers.items():
             times[s].append(one_iteration(layer, x, gy, device))
@@ -173,13 +178,39 @@ def run(args: argparse.Namespace) -> None:
     base = next((r["ms_median"] for r in rows if r["schedule"] == "baseline"), None)
     for r in rows:
         r["speedup_vs_baseline"] = None if base is None else base / r["ms_median"]
+        r["experts_path"] = layers[r["schedule"]].path_last or None
+    summary = auto_vs_fastest(rows)
     if rank == 0:
         print_table(args, world, rows, layers)
+        if summary is not None:
+            print(
+                f"auto picked {summary['auto_picked']}: {summary['auto_ms']:.2f} ms; fastest measured schedule "
+                f"{summary['fastest']}: {summary['fastest_ms']:.2f} ms; auto / fastest = {summary['auto_over_fastest']:.3f}"
+            )
         if args.json:
             tmp = f"{args.json}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump(rows if summary is None else rows + [summary], f, indent=1)
             os.replace(tmp, args.json)
+
+
+def auto_vs_fastest(rows: list) -> dict | None:
+    """auto's median against the fastest measured schedule it chooses among (baseline, s1, s2), or None
+    when auto or all of those were not run."""
+    by = {r["schedule"]: r for r in rows}
+    cands = [s for s in ("baseline", "s1", "s2") if s in by]
+    if "auto" not in by or not cands:
+        return None
+    fastest = min(cands, key=lambda s: by[s]["ms_median"])
+    auto_ms, best_ms = by["auto"]["ms_median"], by[fastest]["ms_median"]
+    return {
+        "summary": "auto_vs_fastest",
+        "auto_picked": by["auto"]["chosen"],
+        "auto_ms": auto_ms,
+        "fastest": fastest,
+        "fastest_ms": best_ms,
+        "auto_over_fastest": auto_ms / best_ms,
+    }
 
 
 def print_table(args, world: int, rows: list, layers: dict) -> None:

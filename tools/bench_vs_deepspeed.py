@@ -9,7 +9,12 @@ Defaults: E=4, top-2, 512 tokens per rank (--micro-batch-size 2 x --seq-length 2
 H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Variants, timed
 round robin so a slow spell of a shared machine hits them alike (an iteration's time is the
 slowest rank's):
-  ours         our MoE layer, experts on kept rows only (--moe-kept-only, the default)
+  ours         our MoE layer as a run gets it (--moe-kept-only, --moe-expert-path auto, the
+               defaults): padded or kept rows from the share of slots that must stay empty, and
+               kept rows with or without the overlap as measured in its first forwards
+               (`MoELayer.expert_path`; warm-up runs until the path is fixed; the table prints it)
+  ours-kept    the same layer held on kept rows
+  ours-overlap the same layer held on kept rows with the pipelined all-to-alls (several EP ranks)
   ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
   deepspeed    deepspeed.moe.layer.MoE with the same E, k, capacity factor, min capacity and
                EP size (its expert: Linear -> tanh-GELU -> Linear, our experts' function); skipped with a message when
@@ -18,7 +23,8 @@ slowest rank's):
                (this rank's local experts and their kept counts; no routing, no communication)
 --profile N: afterwards, rank 0 profiles N iterations of each variant with torch.profiler
 and prints the ops by self CPU time. Prints a table on rank 0; --json writes
-{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor}], kept_rows, padded_rows}.
+{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor}], kept_rows, padded_rows,
+ours_path}.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
-VARIANTS = ("ours", "ours-padded", "deepspeed", "floor")
+VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "floor")
 
 
 def bench_defaults() -> Config:
@@ -125,7 +131,7 @@ class Floor:
     def __init__(self, layer: MoELayer, cfg: Config, x: torch.Tensor, ps, device: torch.device):
         x_GSM = x.detach().reshape(1, -1, x.size(-1))
         routes, _, _ = layer.route(x_GSM, split=False)
-        plan = layer.dispatcher.plan(routes)  # collective: every rank takes part
+        plan = layer.dispatcher.plan(routes, "kept")  # collective: every rank takes part
         self.counts = plan.kept.counts
         self.padded = layer.dispatcher.num_local * layer.dispatcher.n_ep * plan.groups * plan.slots
         m = cfg.model
@@ -146,12 +152,16 @@ class Floor:
 def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
     """One callable per variant (a forward + backward), and what the floor keeps."""
     steps, info = {}, {}
-    for name, kept in (("ours", True), ("ours-padded", False)):
+    fixed = {"ours-kept": "kept", "ours-overlap": "overlap"}
+    for name, kept in (("ours", True), ("ours-kept", True), ("ours-overlap", True), ("ours-padded", False)):
         if name not in args.variant_list and not (name == "ours" and "floor" in args.variant_list):
             continue
         cfg = copy.deepcopy(args.cfg)
         cfg.moe.moe_schedule, cfg.moe.moe_kept_only = "baseline", kept
+        cfg.moe.moe_expert_path = fixed.get(name, cfg.moe.moe_expert_path)  # held on one path: no trial
         layer = MoELayer(cfg, ps, cfg.train.seed, "bench.moe", 1, device=device)
+        if name == "ours":
+            info["layer"] = layer
 
         def ours(layer=layer):
             y, aux = layer(x)
@@ -163,7 +173,7 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
         if name == "ours" and "floor" in args.variant_list:
             floor = Floor(layer, args.cfg, x, ps, device)
             steps["floor"] = floor.step
-            info = {"kept_rows": floor.counts, "padded_rows": floor.padded}
+            info.update(kept_rows=floor.counts, padded_rows=floor.padded)
     if "deepspeed" in args.variant_list:
         ds = deepspeed_layer(args.cfg, ps.size("ep"))
         if ds is not None:
@@ -209,9 +219,14 @@ def run(args: argparse.Namespace) -> None:
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
     steps, info = make_steps(args, ps, x, gy, device)
+    layer = info.pop("layer", None)
     for step in steps.values():
         for _ in range(args.warmup):
             step()
+    while layer is not None and layer.path_pending():  # the same count of forwards on every rank
+        steps["ours"]()
+    if layer is not None:
+        info["ours_path"] = layer.path_last
     times = {v: [] for v in steps}
     for _ in range(args.iters):
         for v, step in steps.items():
@@ -238,6 +253,7 @@ def run(args: argparse.Namespace) -> None:
                 "rows": rows,
                 "kept_rows": [i.get("kept_rows") for i in every],
                 "padded_rows": [i.get("padded_rows") for i in every],
+                "ours_path": every[0].get("ours_path"),
             }
             tmp = f"{args.json}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
@@ -259,14 +275,16 @@ def describe(args) -> str:
 
 def print_table(args, rows: list, info: list) -> None:
     print(f"MoE layer fwd+bwd: {describe(args)}")
+    if info[0].get("ours_path"):
+        print(f"ours: experts' path {info[0]['ours_path']}")
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")
-    print(f"{'variant':<13}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
+    print(f"{'variant':<14}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
     for r in rows:
         ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
         fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
-        print(f"{r['variant']:<13}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
+        print(f"{r['variant']:<14}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
 
 
 def profile(args, steps: dict) -> None:

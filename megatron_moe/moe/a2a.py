@@ -52,6 +52,21 @@ def _launch(
     return observer.Work(work, token)
 
 
+def start_raw(send_RM: torch.Tensor, group, out: Optional[torch.Tensor] = None):
+    """Launch an even all-to-all of `send` [D*B, ...] (block d to rank d) outside autograd, into `out`
+    (default a new tensor); returns the handle `wait_raw` takes. Recorded by the observer."""
+    send_RM = send_RM.contiguous()
+    out = torch.empty_like(send_RM) if out is None else out
+    return out, _launch(send_RM, out, group, None, None), send_RM
+
+
+def wait_raw(handle, group) -> torch.Tensor:
+    """Wait for a `start_raw` all-to-all; returns the received rows (block d from rank d)."""
+    out, work, _send = handle
+    comm_errors.wait(work, "all_to_all", group)
+    return out
+
+
 def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:
     """Even all-to-all of counts [D, X] (row j goes to rank j); returns [D, X] (row j from rank j), on CPU."""
     if group_size(group) == 1:

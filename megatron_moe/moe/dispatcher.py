@@ -34,10 +34,14 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
   `moe.placement`) changes where a token goes: to a replica on this rank's EP rank
   instead of the expert's owner; the receiver's rows are then grouped by the experts it
   computes (owned and replicas, `UnevenPlan.expert_rows` rows each).
-Kept rows (`moe.kept`): both padded layouts carry `plan.kept`, the rows of the expert
-input that hold a kept token (the padded buffer's: every source's per-expert counts, one
-small all-gather launched in `plan`, waited for by the experts), so the experts compute only
-those (`Experts.forward_kept`).
+Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" or "overlap"
+carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
+per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
+the wire); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
+local expert; with one rank holding every expert straight from the tokens, no buffer at all)
+and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
+the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
+`Experts.forward_exchange`). S1's zero-padded input carries `plan.kept` for `Experts.forward_kept`.
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
@@ -58,8 +62,16 @@ from megatron_moe.distributed import observer
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
-from megatron_moe.moe.kept import KeptRows, exchange_sent_rows, padded_kept_rows_later, sent_rows, uneven_kept_rows
+from megatron_moe.moe.kept import (
+    PATHS,
+    KeptRows,
+    exchange_sent_rows,
+    padded_kept_rows_later,
+    sent_rows,
+    uneven_kept_rows,
+)
 from megatron_moe.moe.router import RouteResult
+from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -97,6 +109,12 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.
         return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
     return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add(0, idx.token, rows)
+
+
+def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
+    """y [S, M] = weighted sum of each token's rows of y [K, M], row i belonging to kept choice i of `idx`."""
+    weighted = y_KM * idx.weight[:, None].to(y_KM.dtype)
+    return y_KM.new_zeros(num_tokens, y_KM.size(1)).index_add(0, idx.token, weighted)
 
 
 class _Notify(torch.autograd.Function):
@@ -194,17 +212,35 @@ class TokenDispatcher:
 @dataclass
 class PaddedPlan:
     """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2);
-    kept: the rows of the expert input that hold a token (None: not exchanged)."""
+    kept: the rows of the expert input that hold a token (None: the experts get the padded input);
+    direct: one rank holds every expert and the buffer never travels, so the kept rows are gathered
+    from the tokens themselves (`idx` sorted by row, grouped by expert); exchange: the baseline's
+    all-to-alls and the experts run as one pipeline by local expert (`PaddedDispatcher.exchange`;
+    `idx` rows in its layout [E_l, N_EP, G*Cs])."""
 
     idx: DispatchIndex
     groups: int
     slots: int
     tokens: int
     kept: Optional[KeptRows] = None
+    direct: bool = False
+    exchange: bool = False
+
+    @property
+    def expert_rows(self) -> Optional[list[int]]:
+        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input)."""
+        return None if self.kept is None else self.kept.counts
 
 
 class PaddedDispatcher(TokenDispatcher):
-    """Capacity-padded dispatch: "baseline" or "s2" (module docstring)."""
+    """Capacity-padded dispatch: "baseline" or "s2" (module docstring).
+
+    `plan(routes, kept=True)` makes the expert input ragged: only the rows that hold a kept
+    token, grouped by local expert (`PaddedPlan.expert_rows` each); `combine` then takes the
+    experts' output on those rows. The pack and scatter are the dispatch's own index ops:
+    one gather from the received buffer (baseline: in its all-to-all layout; one rank
+    holding every expert: from the tokens, no buffer at all), one scatter into the return
+    buffer. Otherwise the expert input is the padded [E_l, N, M]."""
 
     def __init__(
         self,
@@ -214,19 +250,27 @@ class PaddedDispatcher(TokenDispatcher):
         mode: str = "baseline",
         saa: bool = True,
         saa_chunks: int = SAA_CHUNKS,
-        kept_only: bool = True,
     ):
         if mode not in ("baseline", "s2"):
             raise ValueError(f"unknown padded dispatch mode {mode!r}")
         super().__init__(ps, num_experts, layer_idx, 1.0 / ps.size("mp") if mode == "baseline" else 1.0)
-        self.mode, self.saa, self.saa_chunks, self.kept_only = mode, saa, saa_chunks, kept_only
+        self.mode, self.saa, self.saa_chunks = mode, saa, saa_chunks
 
     def slots_per_group(self, capacity: int) -> int:
         """Buffer slots of one group: C, or C rounded up to a multiple of N_MP (S2)."""
         return capacity if self.mode == "baseline" else -(-capacity // self.n_mp) * self.n_mp
 
-    def plan(self, routes: list[RouteResult]) -> PaddedPlan:
-        """One index over the buffer holding every group side by side."""
+    @property
+    def local_only(self) -> bool:
+        """True when the buffer is the expert input itself (one rank holds every expert, no MP split)."""
+        return self.n_ep * self.n_esp == 1 and (self.mode == "baseline" or self.n_mp == 1)
+
+    def plan(self, routes: list[RouteResult], path: str = "padded") -> PaddedPlan:
+        """One index over the buffer holding every group side by side. `path` (`moe.kept.PATHS`):
+        "padded" expert input, "kept" rows only (ragged), or "overlap": kept rows with the all-to-alls
+        pipelined by local expert (`exchange`; needs `pipelines`, else as "kept")."""
+        if path not in PATHS:
+            raise ValueError(f"unknown expert path {path!r}; one of {PATHS}")
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
         idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
@@ -235,39 +279,101 @@ class PaddedDispatcher(TokenDispatcher):
             torch.cat([i.row for i in idxs]),
             torch.cat([i.weight for i in idxs]),
         )
-        return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs) if self.kept_only else None)
+        if path == "padded":
+            return PaddedPlan(idx, G, Cs, G * S)
+        if self.local_only:  # expert e's kept rows are the buffer rows e*G*Cs + ..., in ascending order
+            order = torch.argsort(idx.row)
+            idx = DispatchIndex(idx.token[order], idx.row[order], idx.weight[order])
+            counts = torch.bincount(idx.row // (G * Cs), minlength=self.num_experts).tolist()
+            return PaddedPlan(idx, G, Cs, G * S, KeptRows(idx.row, counts), direct=True)
+        if (
+            path == "overlap" and self.pipelines
+        ):  # buffer rows by local expert, then destination: row (e_l*N_EP + ep)*GC + ...
+            GC, E_l = G * Cs, self.num_local
+            e, rest = idx.row // GC, idx.row % GC
+            row = ((e % E_l) * self.n_ep + e // E_l) * GC + rest
+            return PaddedPlan(
+                DispatchIndex(idx.token, row, idx.weight),
+                G,
+                Cs,
+                G * S,
+                self.kept_rows(routes, Cs, False),
+                exchange=True,
+            )
+        return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs))
 
-    def kept_rows(self, routes: list[RouteResult], Cs: int) -> KeptRows:
-        """Rows of this rank's expert input that hold a kept token (`moe.kept`; S2 blocks: C_mp slots
-        from r*C_mp of each source's MP rank r)."""
-        width = Cs // self.n_mp if self.mode == "s2" else Cs
-        lo = self.ps.rank("mp") * width if self.mode == "s2" else 0
+    @property
+    def pipelines(self) -> bool:
+        """True when the kept-rows baseline runs its all-to-alls and experts as one pipeline by local
+        expert (`exchange`): several EP ranks, one ESP rank, no deferred-dW queue."""
+        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1 and self.dw is None
+
+    def kept_rows(self, routes: list[RouteResult], Cs: int, received_layout: bool = True) -> KeptRows:
+        """Rows of this rank's expert input that hold a kept token (`moe.kept`; baseline: of the received
+        buffer as the all-to-all lays it out; S2 blocks: C_mp slots from r*C_mp of each source's MP rank r)."""
+        s2 = self.mode == "s2"
+        width = Cs // self.n_mp if s2 else Cs
+        lo = self.ps.rank("mp") * width if s2 else 0
         wait = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))  # in flight until used
-        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, width, routes[0].slot.device)
+        dev = routes[0].slot.device
+        n_esp = self.n_esp if received_layout and not s2 else None
+        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, width, dev, n_esp)
+
+    def exchange(self, x_TM: torch.Tensor, plan: PaddedPlan, experts) -> torch.Tensor:
+        """dispatch -> experts -> combine of an `exchange` plan: y [T, M]. The all-to-alls go one local
+        expert at a time and overlap the experts (`Experts.forward_exchange`)."""
+        E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
+        with annotate("moe/dispatch"):
+            buf = dispatch(x_TM, plan.idx, E * GC).view(self.num_local, self.n_ep * GC, M)
+        assert plan.kept is not None
+        out = experts.forward_exchange(buf, plan.kept, self.ps.group("ep"), self.grad_scale)
+        with annotate("moe/combine"):
+            return combine(out.view(E * GC, M), plan.idx, plan.tokens)
 
     def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
+        """Expert input: padded [E_l, N, M], or the kept rows [K, M] (grouped by local expert)."""
+        if plan.direct:
+            return x_TM.index_select(0, plan.idx.token)
         E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
         buf = dispatch(x_TM, plan.idx, E * GC)
         if self.mode == "s2":
             ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
             buf = buf.view(E, plan.groups, self.n_mp, ctx.C_mp, M)
-            return a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
+            x_in = a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
+            return x_in if plan.kept is None else x_in.reshape(-1, M).index_select(0, plan.kept.rows)
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
         gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)  # [N_ESP, E, GC, M]
         send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)  # by destination EP rank
-        recv = a2a.run(send, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw))
-        return recv.permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
+        op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
+        recv = a2a.start(send, op)
+        if plan.kept is not None:  # the kept rows straight from the received layout [N_EP, E_l, N_ESP, GC, M]
+            rows = plan.kept.rows  # waits for the count exchange while the tokens travel
+            return a2a.finish(recv, op).reshape(-1, M).index_select(0, rows)
+        return a2a.finish(recv, op).permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
 
     def combine(self, y_LNM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
+        """y [T, M] from the experts' output (padded [E_l, N, M], or on the kept rows [K, M])."""
+        if plan.direct:
+            return combine_rows(y_LNM, plan.idx, plan.tokens)
         E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
+        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
+        if plan.kept is not None:  # scatter the kept rows into the padded layout of the next step
+            N = n_ep * n_esp * (GC if self.mode == "baseline" else plan.groups * (plan.slots // self.n_mp))
+            y_LNM = y_LNM.new_zeros(E_l * N, M).index_copy(0, plan.kept.rows, y_LNM)
         if self.mode == "s2":
             ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
-            out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_LNM, self.dw, self.a2a_name("combine"))
+            y_s2 = y_LNM.view(E_l, -1, M)
+            out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_s2, self.dw, self.a2a_name("combine"))
             return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
-        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
-        full = all_reduce(y_LNM, self.ps.group("esp"))  # sum of the H slices
-        back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
+        if plan.kept is not None:
+            back = y_LNM.view(n_ep, E_l, n_esp, GC, M)  # already in the return layout
+            back = all_reduce(back, self.ps.group("esp"))  # sum of the H slices
+        else:
+            full = all_reduce(y_LNM, self.ps.group("esp"))  # sum of the H slices
+            back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
         ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
+        if n_esp == 1:
+            return combine(ret.reshape(E * GC, M), plan.idx, plan.tokens)
         out = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]  # ESP split: our buffer
         return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
 

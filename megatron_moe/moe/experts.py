@@ -13,13 +13,16 @@ The forward returns each ESP rank's *partial* output; schedules sum them.
 Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
 grouped by local expert, `counts` [E_l] rows each; each expert computes its own
 row range (no padding rows, no FLOPs on them).
-A capacity-padded input [E_l, N, M] with `kept` rows (`moe.kept.KeptRows`: the rows that
-hold a kept token) is packed to those rows, computed as a ragged input and scattered back
-(zeros elsewhere): the GEMMs never multiply padding.
+The capacity-padded schedules hand over only the rows that hold a kept token, as a ragged
+input (the dispatcher gathers them, `moe.kept`); S1's zero-padded input [E_l, N, M] with `kept`
+rows (`moe.kept.KeptRows`) is packed to those rows here and scattered back (zeros elsewhere):
+the GEMMs never multiply padding. `forward_exchange` runs the experts between the baseline's two
+all-to-alls, one local expert at a time, overlapping the transfers of the others.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,6 +33,7 @@ from megatron_moe.distributed.collectives import scale_grad
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
+from megatron_moe.moe import a2a
 from megatron_moe.moe.kept import KeptRows
 from megatron_moe.profiling import annotate
 
@@ -166,6 +170,18 @@ class Experts(nn.Module):
             start += n
         return torch.cat(outs)
 
+    def forward_exchange(self, buf_LRM: torch.Tensor, kept: KeptRows, group, grad_scale: float = 1.0) -> torch.Tensor:
+        """The experts between the two all-to-alls of `group`, pipelined by local expert (`_ExchangedMLP`):
+        buf [E_l, D*B, M] (slice e, block d: rank d's local expert e) -> the same layout holding the
+        partial outputs of the rows that hold a token (`kept`, rows of the received [E_l, D*B, M])."""
+        if self.deferred_bmm is not None:
+            raise ValueError("the pipelined kept-rows exchange cannot be combined with --lancet-wgrad")
+        fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        M, dt = buf_LRM.size(-1), buf_LRM.dtype
+        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
+        return _ExchangedMLP.apply(buf_LRM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), kept, group)
+
     def forward_kept(self, x_ENM: torch.Tensor, kept: KeptRows, grad_scale: float = 1.0) -> torch.Tensor:
         """Padded x [E_l, N, M] -> partial y [E_l, N, M] computed on the `kept` rows only (zeros elsewhere)."""
         E_l, N, M = x_ENM.shape
@@ -175,26 +191,51 @@ class Experts(nn.Module):
         return y_KM.new_zeros(E_l * N, M).index_copy(0, kept.rows, y_KM).view(E_l, N, M)
 
 
+def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
+    """One expert on its rows x [n, M], into a_out / h_out [n, H] (pre- and post-activation), y_out [n, M]."""
+    torch.addmm(fc_b, x, fc_w.t(), out=a_out)
+    torch.ops.aten.gelu.out(a_out, approximate="tanh", out=h_out)
+    torch.addmm(bias, h_out, proj_w.t(), out=y_out)
+
+
+def _mlp_backward(gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias) -> torch.Tensor:
+    """One expert's weight and bias gradients (written into the given slices) from gy [n, M]; returns dx [n, M]."""
+    torch.mm(gy.t(), h, out=d_proj_w)
+    torch.sum(gy, dim=0, out=d_bias)
+    da = torch.ops.aten.gelu_backward(gy.mm(proj_w), a, approximate="tanh")
+    torch.mm(da.t(), x, out=d_fc_w)
+    torch.sum(da, dim=0, out=d_fc_b)
+    return da.mm(fc_w)
+
+
+def _grads_like(fc_w, proj_w, like):
+    """Uninitialized (d_fc_w, d_fc_b, d_proj_w, d_bias), every expert's slice written by `_mlp_backward`."""
+    return (
+        torch.empty_like(fc_w),
+        like.new_empty(fc_w.shape[:2]),
+        torch.empty_like(proj_w),
+        like.new_empty(proj_w.shape[:2]),
+    )
+
+
 class _GroupedMLP(torch.autograd.Function):
     """The experts' MLPs on a ragged input: x [R, M] (rows grouped by expert, `counts` [E_l]) ->
     y [R, M] = gelu(x W1_e^T + b1_e) W2_e^T + b2_e per row range, with fc_w [E_l, H, M], fc_b [E_l, H],
     proj_w [E_l, M, H], bias [E_l, M].
 
-    One GEMM per expert and step, each writing into its rows of one preallocated output (forward)
-    or its slice of one [E_l, ...] gradient (backward): no per-expert gradient buffers to fill and
-    add, no concatenation; the activation runs once over all R rows."""
+    One expert at a time, forward and backward, every step of an expert (GEMM, activation, GEMM)
+    on its rows while they are in cache, each writing into its rows of one preallocated output
+    (forward) or its slice of one [E_l, ...] gradient (backward): no per-expert gradient buffers to
+    fill and add, no concatenation."""
 
     @staticmethod
     def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts):
         R, M, H = x_RM.size(0), x_RM.size(1), fc_w.size(1)
-        spans = [(sum(counts[:e]), sum(counts[: e + 1])) for e in range(len(counts))]
-        a_RH = x_RM.new_empty(R, H)
+        ends = list(itertools.accumulate(counts))
+        spans = [(end - n, end) for n, end in zip(counts, ends)]
+        a_RH, h_RH, y_RM = x_RM.new_empty(R, H), x_RM.new_empty(R, H), x_RM.new_empty(R, M)
         for e, (lo, hi) in enumerate(spans):
-            torch.addmm(fc_b[e], x_RM[lo:hi], fc_w[e].t(), out=a_RH[lo:hi])
-        h_RH = gelu_tanh(a_RH)
-        y_RM = x_RM.new_empty(R, M)
-        for e, (lo, hi) in enumerate(spans):
-            torch.addmm(bias[e], h_RH[lo:hi], proj_w[e].t(), out=y_RM[lo:hi])
+            _mlp_forward(x_RM[lo:hi], fc_w[e], fc_b[e], proj_w[e], bias[e], a_RH[lo:hi], h_RH[lo:hi], y_RM[lo:hi])
         ctx.spans = spans
         ctx.save_for_backward(x_RM, a_RH, h_RH, fc_w, proj_w)
         return y_RM
@@ -203,21 +244,58 @@ class _GroupedMLP(torch.autograd.Function):
     def backward(ctx, gy_RM):
         x_RM, a_RH, h_RH, fc_w, proj_w = ctx.saved_tensors
         gy_RM = gy_RM.contiguous()
-        d_proj_w, d_bias = torch.empty_like(proj_w), gy_RM.new_empty(proj_w.shape[:2])
-        dh_RH = torch.empty_like(h_RH)
+        d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, gy_RM)
+        dx_RM = torch.empty_like(x_RM)
         for e, (lo, hi) in enumerate(ctx.spans):
-            torch.mm(gy_RM[lo:hi].t(), h_RH[lo:hi], out=d_proj_w[e])
-            torch.sum(gy_RM[lo:hi], dim=0, out=d_bias[e])
-            torch.mm(gy_RM[lo:hi], proj_w[e], out=dh_RH[lo:hi])
-        da_RH = torch.ops.aten.gelu_backward(dh_RH, a_RH, approximate="tanh")
-        d_fc_w, d_fc_b = torch.empty_like(fc_w), da_RH.new_empty(fc_w.shape[:2])
-        dx_RM = torch.empty_like(x_RM) if ctx.needs_input_grad[0] else None
-        for e, (lo, hi) in enumerate(ctx.spans):
-            torch.mm(da_RH[lo:hi].t(), x_RM[lo:hi], out=d_fc_w[e])
-            torch.sum(da_RH[lo:hi], dim=0, out=d_fc_b[e])
-            if dx_RM is not None:
-                torch.mm(da_RH[lo:hi], fc_w[e], out=dx_RM[lo:hi])
+            g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
+            dx_RM[lo:hi] = _mlp_backward(gy_RM[lo:hi], x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi], fc_w[e], proj_w[e], *g)
         return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None
+
+
+class _ExchangedMLP(torch.autograd.Function):
+    """All-to-all in, experts, all-to-all back, one local expert at a time and overlapped: expert e's
+    input travels while expert e-1 computes, and its output goes back while expert e+1 computes.
+
+    buf [E_l, D*B, M]: row block d of slice e goes to rank d of `group` and holds the rows of its
+    local expert e; the same slice of the result holds what rank d computed on them. rows[e]: the rows
+    of the received [D*B, M] that hold a kept token (only they are computed; the rest of the result
+    is zero). Backward is the same pipeline on the gradients."""
+
+    @staticmethod
+    def forward(ctx, buf_LRM, fc_w, fc_b, proj_w, bias, kept, group):
+        E_l, N = buf_LRM.size(0), buf_LRM.size(1)
+        recv = [a2a.start_raw(buf_LRM[e], group) for e in range(E_l)]
+        ends = list(itertools.accumulate(kept.counts))  # waits for the count exchange while the tokens travel
+        rows = [kept.rows[end - n : end] - e * N for e, (n, end) in enumerate(zip(kept.counts, ends))]
+        ctx.rows, ctx.group = rows, group
+        H, saved, back, out = fc_w.size(1), [], [], torch.empty_like(buf_LRM)
+        for e, r in enumerate(rows):
+            x = a2a.wait_raw(recv[e], group).index_select(0, r)
+            a, h, y = x.new_empty(x.size(0), H), x.new_empty(x.size(0), H), torch.empty_like(x)
+            _mlp_forward(x, fc_w[e], fc_b[e], proj_w[e], bias[e], a, h, y)
+            back.append(a2a.start_raw(buf_LRM.new_zeros(buf_LRM.shape[1:]).index_copy_(0, r, y), group, out[e]))
+            saved += [x, a, h]
+        ctx.save_for_backward(fc_w, proj_w, *saved)
+        for w in back:
+            a2a.wait_raw(w, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_LRM):
+        fc_w, proj_w, *saved = ctx.saved_tensors
+        rows, group = ctx.rows, ctx.group
+        g_LRM = g_LRM.contiguous()
+        d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, g_LRM)
+        recv = [a2a.start_raw(g_LRM[e], group) for e in range(len(rows))]
+        back, g_buf = [], torch.empty_like(g_LRM)
+        for e, r in enumerate(rows):
+            gy = a2a.wait_raw(recv[e], group).index_select(0, r)
+            x, a, h = saved[3 * e : 3 * e + 3]
+            dx = _mlp_backward(gy, x, a, h, fc_w[e], proj_w[e], d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
+            back.append(a2a.start_raw(g_LRM.new_zeros(g_LRM.shape[1:]).index_copy_(0, r, dx), group, g_buf[e]))
+        for w in back:
+            a2a.wait_raw(w, group)
+        return g_buf, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None
 
 
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:

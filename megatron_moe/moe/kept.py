@@ -1,20 +1,25 @@
-"""Kept rows: which rows of a padded expert input [E_l, N, M] hold a kept token.
+"""Kept rows: which rows of a padded expert input hold a kept token, and which path the experts take.
 
-Legend: G routing groups, E experts (E_l local ones), D = N_EP * N_ESP ranks of the
-EP x ESP group (sources, in that group's rank order), Cs slots one source sends per
-(group, expert) block (C in the baseline, C_mp in S2), N = D * G * Cs rows per local expert.
+Legend: G routing groups, E experts (E_l local ones), D = N_EP * N_ESP ranks of the EP x ESP group
+(sources, in that group's rank order), Cs slots one source sends per (group, expert) block (C in
+the baseline, C_mp in S2), N = D * G * Cs rows per local expert, K kept rows.
 
-The capacity-padded dispatchers lay the expert input out as blocks of Cs rows, one block
-per (source, group) and local expert, in that order. The router gives the kept choices
-of an expert slots 0, 1, ... (a prefix of its capacity), so a source knows how many
-leading rows of each block it sends may hold a token: `sent_rows` (the highest kept slot
-+ 1, so the index stays exact even if a router left holes). The sources exchange these
-[G, E] counts (`exchange_sent_rows`: one small all-gather over the EP x ESP group, launched
-asynchronously in `plan` so that it travels while the dispatch all-to-all is prepared and
-sent; the experts wait for it), and `padded_kept_rows` turns them into the kept rows of this
-rank's expert input, grouped by local expert. The experts then compute only those rows (`Experts.forward_kept`): rows
-that hold no token never reach a GEMM; their outputs are zero and never read (the
-combine reads kept rows only), and their gradients are zero either way.
+The capacity-padded dispatchers lay the expert input out as blocks of Cs rows, one block per
+(source, group) and local expert. The router gives the kept choices of an expert slots 0, 1, ...
+(a prefix of its capacity), so a source knows how many leading rows of each block it sends may hold
+a token: `sent_rows` (the highest kept slot + 1, so the index stays exact even if a router left
+holes). The sources exchange these [G, E] counts (`exchange_sent_rows`: one small all-gather over
+the EP x ESP group, launched asynchronously in `plan`, waited for only once the dispatch all-to-all
+is on the wire), and `padded_kept_rows` turns them into the kept rows of this rank's received
+buffer, grouped by local expert. The dispatcher gathers exactly those rows for the experts
+(`PaddedDispatcher.dispatch`) and scatters their outputs back into the padded return buffer: rows
+that hold no token never reach a GEMM; their outputs are zero and never read (the combine reads
+kept rows only), and their gradients are zero either way.
+
+Which path (PATHS: the padded compute, kept rows, or kept rows with the all-to-alls pipelined by
+local expert) a layer takes is decided the same on every rank (`MoELayer.expert_path`): padded or
+kept from the layer's shape, and between the two kept forms, which give the same bits, by a short
+measurement fixed with `decide_path` (one MAX all-reduce over the world).
 
 The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
 """
@@ -27,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import observer
-from megatron_moe.distributed.collectives import group_size
+from megatron_moe.distributed.collectives import all_reduce_raw, group_size
 from megatron_moe.moe.router import RouteResult
 
 
@@ -98,33 +103,71 @@ def exchange_sent_rows(rows_GE: torch.Tensor, group) -> Callable[[], torch.Tenso
 
 
 def padded_kept_rows_later(
-    wait: Callable[[], torch.Tensor], ep_rank: int, num_local: int, block: int, device: torch.device
+    wait: Callable[[], torch.Tensor],
+    ep_rank: int,
+    num_local: int,
+    block: int,
+    device: torch.device,
+    n_esp: Optional[int] = None,
 ) -> KeptRows:
     """`padded_kept_rows` once the count exchange `wait` returns (on first use of the rows)."""
 
     def resolve():
-        kept = padded_kept_rows(wait(), ep_rank, num_local, block, device)
+        kept = padded_kept_rows(wait(), ep_rank, num_local, block, device, n_esp)
         return kept.rows, kept.counts
 
     return KeptRows(resolve=resolve)
 
 
 def padded_kept_rows(
-    rows_DGE: torch.Tensor, ep_rank: int, num_local: int, block: int, device: torch.device
+    rows_DGE: torch.Tensor,
+    ep_rank: int,
+    num_local: int,
+    block: int,
+    device: torch.device,
+    n_esp: Optional[int] = None,
 ) -> KeptRows:
-    """The kept rows of this rank's expert input [E_l, D*G*block, M] from every source's
-    `sent_rows` (experts ep_rank*E_l ... of each source's blocks)."""
+    """The kept rows of this rank's expert input from every source's `sent_rows` (experts
+    ep_rank*E_l ... of each source's blocks), grouped by local expert, then source, group, slot.
+
+    Rows index the expert input [E_l, D*G*block, M] (default), or, with `n_esp`, the baseline's
+    received buffer [N_EP, E_l, N_ESP, G*block, M] as it comes off the all-to-all (source d =
+    ep*N_ESP + esp), so the kept rows are gathered from it directly, with no reordering copy."""
     D, G, _ = rows_DGE.shape
-    n_LB = rows_DGE[:, :, ep_rank * num_local : (ep_rank + 1) * num_local].permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
+    L = num_local
+    n_LB = rows_DGE[:, :, ep_rank * L : (ep_rank + 1) * L].permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
     host = n_LB.device
-    starts = torch.arange(n_LB.numel(), dtype=torch.int64, device=host) * block  # block b of expert e: (e*D*G+b)*block
+    if n_esp is None:  # block (e, d, g) of the expert input starts at ((e*D + d)*G + g) * block
+        starts = torch.arange(n_LB.numel(), dtype=torch.int64, device=host) * block
+    else:  # block (e, d = ep*N_ESP + esp, g) of the received buffer: (((ep*E_l + e)*N_ESP + esp)*G + g) * block
+        e = torch.arange(L, dtype=torch.int64, device=host).view(L, 1, 1)
+        d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
+        g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
+        starts = ((((d // n_esp) * L + e) * n_esp + d % n_esp) * G + g).reshape(-1) * block
     total = int(n_LB.sum())
     within = torch.arange(total, dtype=torch.int64, device=host) - torch.repeat_interleave(n_LB.cumsum(0) - n_LB, n_LB)
     rows = torch.repeat_interleave(starts, n_LB) + within
-    counts = n_LB.view(num_local, D * G).sum(dim=1).tolist()
+    counts = n_LB.view(L, D * G).sum(dim=1).tolist()
     return KeptRows(rows.to(device), counts)
 
 
 def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:
     """The received rows of a zero-padded uneven expert input (their rows, sorted: grouped by expert)."""
     return KeptRows(torch.sort(recv_row).values, list(per_expert))
+
+
+# How a padded dispatcher's experts compute: the whole buffer, its kept rows, or its kept rows with the
+# all-to-alls pipelined by local expert (`PaddedDispatcher.plan`).
+PATHS = ("padded", "kept", "overlap")
+
+
+def decide_path(times_s: dict[str, float], world, device: torch.device) -> str:
+    """The fastest of the measured paths (`times_s`: this rank's seconds of each, in PATHS order), from
+    one MAX all-reduce over `world`: every rank compares the slowest rank's times and takes the same
+    path whatever it measured itself (ranks on different paths would order their collectives
+    differently). Ties go to the earlier path. Every rank of `world` must call it at the same point
+    with the same paths."""
+    names = [p for p in PATHS if p in times_s]
+    t = torch.tensor([times_s[p] for p in names], dtype=torch.float64, device=device)
+    all_reduce_raw(t, world, op="max")
+    return names[int(torch.argmin(t))]

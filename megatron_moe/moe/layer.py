@@ -24,6 +24,7 @@ baseline; s2 (a padded buffer by construction) is refused.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -32,8 +33,9 @@ import torch.nn as nn
 from megatron_moe.config import DROPLESS_S2_ERROR
 from megatron_moe.distributed.collectives import gather_from_group, scatter_to_group
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher, UnevenPlan
+from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
+from megatron_moe.moe.kept import decide_path
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
 from megatron_moe.moe.router import Router
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 SCHEDULES = ("baseline", "s1", "s2")
+KEPT_TRIALS = 2  # timed forwards of kept rows and of the overlap before one is fixed (`MoELayer.expert_path`)
+KEPT_MIN_EMPTY = 0.1  # kept rows when at least this share of the capacity slots must stay empty (`expert_path`)
 
 
 class MoELayer(nn.Module):
@@ -84,6 +88,10 @@ class MoELayer(nn.Module):
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
+        self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
+        self.path_choice: Optional[str] = None  # kept or overlap, measured (auto)
+        self.path_calls, self.path_times = 0, {}  # that trial's forwards and seconds per path
+        self.path_last = ""  # the path of the last forward with a padded dispatcher
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -103,7 +111,7 @@ class MoELayer(nn.Module):
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(
-                self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks, self.kept_only
+                self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks
             )
         if old is not None:  # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
@@ -119,6 +127,45 @@ class MoELayer(nn.Module):
         if chunks > 1 and self.dropless:
             raise ValueError(DROPLESS_ERROR)
         self.pipeline_chunks = chunks
+
+    def expert_path(self, d: PaddedDispatcher, tokens: int) -> str:
+        """How the padded dispatcher `d`'s experts compute this forward of `tokens` tokens per routing
+        group (`moe.kept.PATHS`; --moe-kept-only, --moe-expert-path).
+
+        auto decides from what every rank has identically, so every rank takes the same path and a
+        run is reproducible bit for bit (also across a resume): the padded compute when fewer than
+        KEPT_MIN_EMPTY of the capacity slots must stay empty (1 - k*S / (E*C): at capacity factor 1
+        nearly every slot holds a token and packing costs more than the padding saves), else kept
+        rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
+        gives the same bits as kept rows, so between those two the layer measures: after a warm-up
+        forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of the times over the world
+        (`moe.kept.decide_path`) fixes the faster for good. Padded under Lancet's deferred dW."""
+        if not self.kept_only or self.experts.deferred_bmm is not None:
+            return "padded"
+        if self.path_flag != "auto":
+            return self.path_flag
+        k, E, C = self.router.k, self.num_experts, self.router.capacity(tokens)
+        if 1.0 - k * tokens / (E * C) < KEPT_MIN_EMPTY:
+            return "padded"
+        if not d.pipelines:
+            return "kept"
+        if self.path_choice is None and self.path_calls > 2 * KEPT_TRIALS:
+            times = {p: self.path_times.get(p, 0.0) for p in ("kept", "overlap")}
+            self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device)
+        if self.path_choice is not None:
+            return self.path_choice
+        return ("kept", "overlap")[self.path_calls % 2]  # 0: warm-up (kept), then overlap, kept, ...
+
+    def path_pending(self) -> bool:
+        """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it)."""
+        return self.path_last in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None
+
+    def _timed(self, path: str, seconds: float) -> None:
+        """Count a forward of the kept / overlap trial of `expert_path` and add its time."""
+        if path in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None:
+            if self.path_calls > 0:
+                self.path_times[path] = self.path_times.get(path, 0.0) + seconds
+            self.path_calls += 1
 
     @property
     def last_stats(self) -> dict:
@@ -148,7 +195,8 @@ class MoELayer(nn.Module):
                 routes, aux, kept = route_s1(self.router, x_l, S, self.s1_local_capacity)
                 self.router.record(routes, kept, G * S * self.router.k)
                 return routes, aux, x_l.reshape(-1, M)
-            routes = [self.router.route(x_GSM[g], g) for g in range(G)]
+            xs = [x_GSM.view(S, M)] if G == 1 else x_GSM.unbind(0)  # a view: no zero-filled gradient
+            routes = [self.router.route(x_g, g) for g, x_g in enumerate(xs)]
             self.router.record(routes)
             return routes, torch.stack([self.router.aux(r) for r in routes]).mean(), x_GSM.reshape(G * S, M)
 
@@ -171,7 +219,6 @@ class MoELayer(nn.Module):
                 "s2",
                 self.saa,
                 self.schedule_choice.saa_chunks,
-                self.kept_only,
             )
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
@@ -180,17 +227,27 @@ class MoELayer(nn.Module):
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
+        path = self.expert_path(d, x_GSM.size(1)) if isinstance(d, PaddedDispatcher) else ""
+        self.path_last = path
+        t0 = time.perf_counter()
         with annotate("moe/dispatch"):
-            plan = d.plan(routes)
+            plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
+        if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
+            y = d.exchange(tokens, plan, self.experts)
+            self._timed(path, time.perf_counter() - t0)
+            return self.dispatcher.track_output(y.reshape(B, T, M)), aux
+        with annotate("moe/dispatch"):
             x_in = d.dispatch(tokens, plan)
-        ragged = plan.expert_rows if isinstance(plan, UnevenPlan) else None  # dropless: rows per expert
-        kept = plan.kept if self.kept_only else None  # rows holding a kept token
+        ragged = plan.expert_rows  # rows per local expert: dropless, or a padded buffer's kept rows
+        kept = plan.kept if self.kept_only and isinstance(plan, UnevenPlan) else None  # S1: rows holding a token
         if placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
             y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
+            if path:
+                self._timed(path, time.perf_counter() - t0)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
         return self.dispatcher.track_output(y.reshape(B, T, M)), aux
