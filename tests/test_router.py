@@ -170,3 +170,23 @@ def test_router_equals_dense_mask_formulation_on_random_logits():
                 assert torch.equal(r.slot, slot), (trial, k, cf)
                 assert torch.allclose(r.weight, w, atol=1e-7)
                 assert math.isclose(r.aux_loss.item(), aux.item(), rel_tol=1e-6)
+
+
+def test_routes_kept_past_the_forward_hold_no_graph():
+    """The router keeps its last routes for statistics and placement; detached, so they hold neither
+    the step's activations nor the gradient accumulators of earlier layers' parameters (whose shapes
+    Lina's expert packing changes between steps)."""
+    from equivalence import global_batch, tiny_config
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.parallel_state import local_state
+
+    cfg = tiny_config(k=2, num_experts=4)
+    cfg.moe.moe_layer_freq = 1  # two MoE blocks: the second router's input depends on the first's experts
+    model = GPT2MoE(cfg, local_state())
+    ids, labels = global_batch(1)
+    lm, aux = model(ids, labels)
+    (lm + aux).backward()
+    routes = [r for layer in model.moe_layers() for r in layer.router.last_routes]
+    assert len(model.moe_layers()) == 2 and routes
+    for r in routes:
+        assert all(t.grad_fn is None and not t.requires_grad for t in (r.weight, r.aux_loss, r.z_loss, r.gates))

@@ -290,7 +290,9 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts)
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()
-    clock = ExpertClock(model)
+    # the expert clock's full backward hooks keep the last call's graph (and so the parameters' gradient
+    # accumulators, with their shapes) alive until the next call: it starts once packing is over
+    clock: Optional[ExpertClock] = None
     steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
     warmup = a.warmup if packing is None else max(a.warmup, packing.start)
     it = 0
@@ -303,7 +305,10 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         if packing is not None and warming:
             packing.step_begins()
         log.clear()
-        clock.intervals.clear()
+        if clock is None and not warming:
+            clock = ExpertClock(model)
+        if clock is not None:
+            clock.intervals.clear()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
@@ -338,9 +343,11 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             )
             a2a_all.append([1e3 * e.duration for e in log.of("all_to_all")])
             overlap.append(log.summary()["overlap_ms"])
+            assert clock is not None  # created before the first measured iteration
             eff.append(pipelining_efficiency(log.of("all_to_all"), clock.intervals))
     log.stop()
-    clock.remove()
+    if clock is not None:
+        clock.remove()
     experts_per_rank = cfg.moe.num_experts // ps.size("ep")
     decisions = [] if packing is None else packing.decisions
     if packing is not None:

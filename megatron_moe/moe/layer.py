@@ -48,7 +48,10 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("baseline", "s1", "s2")
 KEPT_TRIALS = 2  # timed forwards of kept rows and of the overlap before one is fixed (`MoELayer.expert_path`)
-KEPT_MIN_EMPTY = 0.1  # kept rows when at least this share of the capacity slots must stay empty (`expert_path`)
+# kept rows when at least this share of the capacity slots must stay empty (`expert_path`): 0, since kept rows
+# measured faster than the padded compute even at capacity factor 1.0 with 99% of the slots filled (quiet rerun
+# of tools/bench_vs_deepspeed.py, docs/BENCHMARKS.md); a positive value sends nearly full layers to the padded GEMMs
+KEPT_MIN_EMPTY = 0.0
 
 
 class MoELayer(nn.Module):

@@ -32,7 +32,7 @@ from per-part counts: `choose_experts` -> `slot_positions` (with offsets) ->
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -66,6 +66,16 @@ class RouteResult:
     @property
     def num_dropped(self) -> int:
         return int((self.slot < 0).sum())
+
+    def detached(self) -> "RouteResult":
+        """The same routing without autograd history (what is kept past the forward)."""
+        return replace(
+            self,
+            weight=self.weight.detach(),
+            aux_loss=self.aux_loss.detach(),
+            z_loss=self.z_loss.detach(),
+            gates=self.gates.detach(),
+        )
 
 
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
@@ -356,5 +366,8 @@ class Router(nn.Module):
             choices = sum(r.slot.numel() for r in routes)
         counts = kept_E.detach().cpu()
         self.last_stats = {"counts": counts, "dropped": int(choices) - int(counts.sum()), "choices": int(choices)}
-        self.last_routes = routes
+        # detached: the routes' graph reaches back through every earlier layer, and kept past the step it
+        # would hold that step's activations and the parameters' gradient accumulators (their shapes:
+        # Lina's expert packing changes the experts' shapes between steps)
+        self.last_routes = [r.detached() for r in routes]
         self.calls += 1
