@@ -297,7 +297,12 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     warmup = a.warmup if packing is None else max(a.warmup, packing.start)
     it = 0
     while len(steps) < a.iters:
-        warming = it < warmup or (packing is not None and packing.busy)  # the same on every rank
+        # the same on every rank: the warm-up, a packing trial, the experts' path trial (`MoELayer.expert_path`)
+        warming = (
+            it < warmup
+            or (packing is not None and packing.busy)
+            or any(layer.path_pending() for layer in model.moe_layers())
+        )
         ids = torch.randint(
             0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"
         ).to(ps.device)
