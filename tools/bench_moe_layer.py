@@ -180,6 +180,9 @@ def run(args: argparse.Namespace) -> None:
         r["speedup_vs_baseline"] = None if base is None else base / r["ms_median"]
         r["experts_path"] = layers[r["schedule"]].path_last or None
     summary = auto_vs_fastest(rows)
+    if summary is not None:  # the auto row carries the comparison (the JSON stays one object per schedule)
+        auto_row = next(r for r in rows if r["schedule"] == "auto")
+        auto_row.update({k: summary[k] for k in ("fastest", "fastest_ms", "auto_over_fastest")})
     if rank == 0:
         print_table(args, world, rows, layers)
         if summary is not None:
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
         if args.json:
             tmp = f"{args.json}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
-                json.dump(rows if summary is None else rows + [summary], f, indent=1)
+                json.dump(rows, f, indent=1)
             os.replace(tmp, args.json)
 
 
