@@ -410,6 +410,16 @@ class OptimizationsConfig:
         "whatever the medians (tests)",
         choices=["faster", "slower"],
     )
+    lina_trial_iters: int = opt(
+        3,
+        "Lina: after a warm-up, time this many iterations with Lina and as many with the plain bucketed "
+        "gradient all-reduce (alternating) and keep Lina only if its median step is faster (0: always Lina)",
+    )
+    lina_trial_force_outcome: Optional[str] = opt(
+        None,
+        "Lina trial: decide as if Lina were faster / slower whatever the medians (tests)",
+        choices=["faster", "slower"],
+    )
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
     lancet_max_partitions: int = opt(8, "Lancet rho: max partitions")
@@ -463,6 +473,7 @@ class OptimizationsConfig:
                 "lina_pipeline_chunks": AT_LEAST_ONE,
                 "lina_max_experts_per_rank": NON_NEGATIVE,
                 "lina_packing_trial_iters": NON_NEGATIVE,
+                "lina_trial_iters": NON_NEGATIVE,
                 "lancet_max_partitions": AT_LEAST_ONE,
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
@@ -479,6 +490,8 @@ class OptimizationsConfig:
             raise ValueError("--lina-packing-force needs --lina-packing")
         if self.lina_packing_force_outcome is not None and not (self.lina_packing and self.lina_packing_trial_iters):
             raise ValueError("--lina-packing-force-outcome needs --lina-packing and --lina-packing-trial-iters >= 1")
+        if self.lina_trial_force_outcome is not None and not (self.lina and self.lina_trial_iters):
+            raise ValueError("--lina-trial-force-outcome needs --lina and --lina-trial-iters >= 1")
 
 
 @dataclass

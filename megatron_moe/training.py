@@ -56,6 +56,7 @@ from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
+from megatron_moe.distributed.lina_trial import LinaTrial
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
@@ -301,6 +302,11 @@ class Trainer:
             self.iteration, self.consumed = meta["iteration"], meta["consumed_samples"]
             self.checkpoint_meta = meta
         o = cfg.opts
+        self.lina_trial = (  # Lina kept only if measured faster than the plain gradient sync (`distributed.lina_trial`)
+            LinaTrial(self.grad_sync, applied.lina, self.ps, o.lina_trial_iters, o.lina_trial_force_outcome)
+            if applied.lina is not None and o.lina_trial_iters
+            else None
+        )
         self.packing = (  # Lina's expert packing: a layout change between iterations (`moe.packing`)
             ExpertPacking(
                 self.model,
@@ -518,6 +524,8 @@ class Trainer:
         start_iter = self.iteration
         while self.iteration < t.train_iters:
             self.profiler.before_step(self.iteration)
+            if self.lina_trial is not None:
+                self.lina_trial.before_step()  # Lina or the plain sync for this step (between iterations only)
             if self.packing is not None:
                 self.packing.step_begins()  # times this step; drops what an evaluation recorded
             t0 = time.perf_counter()
@@ -534,6 +542,10 @@ class Trainer:
                 tokens_per_s=tokens_per_iter / dt,
                 tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size,
             )
+            if self.lina_trial is not None:
+                verdict = self.lina_trial.after_step()
+                if verdict is not None:
+                    self.logger.line(f"> {verdict}")
             if self.packing is not None:
                 for decision in self.packing.step_done(self.iteration):
                     self.logger.line(f"> {decision}")
@@ -591,6 +603,8 @@ class Trainer:
         if self.lancet is not None and self.cfg.opts.lancet_report:
             times = sorted(h["ms_per_iter"] for h in (history or [])[1:]) or [None]
             self.lancet.write_report(measured_iter_ms=times[len(times) // 2])
+        if self.lina_trial is not None:
+            self.lina_trial.close()
         self.grad_sync.remove()
         if self.packing is not None:
             self.packing.close()

@@ -138,6 +138,16 @@ class GradSync:
         make_lina_groups(self.ps)
         scheduler.attach(model)
 
+    def use_scheduler(self, scheduler) -> None:
+        """Between iterations: hand gradients to `scheduler` (one `set_scheduler` attached before), or with
+        None go back to the bucketed all-reduces. Refused while an iteration's gradients are being
+        synced or the scheduler being left still has micro-ops (it must be drained)."""
+        if self._next or self._submitted or any(x is not None for x in self._launched) or any(self._ready):
+            raise RuntimeError("GradSync.use_scheduler: gradients of this iteration are being synced")
+        if self.scheduler is not None and not self.scheduler.idle:
+            raise RuntimeError("GradSync.use_scheduler: the scheduler being left still has micro-ops")
+        self.scheduler = scheduler
+
     def reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._launched: list[Optional[tuple]] = [None] * len(self.buckets)

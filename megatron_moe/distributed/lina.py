@@ -557,6 +557,12 @@ class LinaScheduler:
                 self._totals[k] = self._totals.get(k, 0) + v
         self.iterations += 1
 
+    @property
+    def idle(self) -> bool:
+        """No micro-op queued, being filled or in flight (true after every `drain()`)."""
+        with self._cv:
+            return not self._pending and not self._queue and not self._inflight and not self._open
+
     # ------------------------------------------------------------------ reporting, teardown
     def summary(self) -> dict:
         """`observer.summarize` totals (ms) over every drained iteration, plus the partition

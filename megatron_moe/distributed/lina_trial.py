@@ -1,0 +1,152 @@
+"""Lina's trial: keep Lina's scheduler only where it makes steps faster than the plain gradient sync.
+
+Lina's micro-ops are exactly the plain all-reduce's values (the curve is the same either way), but
+whether they are faster depends on the model and the link: on a model whose gradient all-reduce is
+heavy, or on localhost, holding micro-ops back can cost more than it saves. So after `WARMUP_ITERS`
+iterations with Lina, the trial times `iters` iterations with Lina and `iters` with the plain bucketed
+all-reduce (`GradSync` without a scheduler), alternating (Lina first), each step's time MAX-reduced
+over the world so that every rank sees the same numbers and decides the same; Lina stays on only if
+its median step is strictly lower (`keep_lina`), else GradSync goes on without it for the rest of the
+run and the scheduler is closed (its threads are idle: every iteration drains it). Switching happens
+only between iterations (`before_step` / `after_step`, around the trainer's step).
+`force_outcome` ("faster" / "slower", --lina-trial-force-outcome) decides whatever the medians (tests).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed.comm_errors import guard
+
+if TYPE_CHECKING:
+    from megatron_moe.distributed.grad_sync import GradSync
+    from megatron_moe.distributed.lina import LinaScheduler
+    from megatron_moe.parallel_state import ParallelState
+
+WARMUP_ITERS = 2  # iterations with Lina before the trial times anything (allocations, Lina's link rate)
+OUTCOMES = ("faster", "slower")  # --lina-trial-force-outcome
+
+
+def keep_lina(lina_ms: list[float], plain_ms: list[float]) -> bool:
+    """The trial's rule: keep Lina only when its median step time is strictly below the plain one's."""
+    if not lina_ms or not plain_ms:
+        raise ValueError("keep_lina needs step times with and without Lina")
+    return statistics.median(lina_ms) < statistics.median(plain_ms)
+
+
+def trial_arm(step: int, warmup: int, iters: int) -> Optional[str]:
+    """What the `step`-th iteration (0-based) of the run is timed with: "lina" / "plain" (alternating, Lina
+    first) during the trial, None during the warm-up and after the trial."""
+    k = step - warmup
+    if k < 0 or k >= 2 * iters:
+        return None
+    return "lina" if k % 2 == 0 else "plain"
+
+
+class LinaTrial:
+    """The trial of one run (module docstring). The trainer calls `before_step()` before each training
+    iteration and `after_step(iteration)` after its optimizer step; `after_step` returns the log line
+    of the decision at the iteration that ends the trial, else None. `decision` holds it afterwards."""
+
+    def __init__(
+        self,
+        grad_sync: "GradSync",
+        scheduler: "LinaScheduler",
+        ps: "ParallelState",
+        iters: int,
+        force_outcome: Optional[str] = None,
+        warmup: int = WARMUP_ITERS,
+    ):
+        if iters < 1:
+            raise ValueError(f"--lina-trial-iters must be >= 1 for a trial, got {iters}")
+        if force_outcome is not None and force_outcome not in OUTCOMES:
+            raise ValueError(f"--lina-trial-force-outcome must be one of {OUTCOMES}, got {force_outcome!r}")
+        self.grad_sync, self.scheduler, self.ps = grad_sync, scheduler, ps
+        self.iters, self.force_outcome, self.warmup = iters, force_outcome, warmup
+        self.cuda = ps.device.type == "cuda"
+        self.steps = 0  # iterations seen by this trial
+        self.times: dict[str, list] = {"lina": [], "plain": []}  # (start, end) stamps per arm
+        self._arm: Optional[str] = None  # the arm of the iteration being timed
+        self._start = None
+        self.decision: Optional[dict] = None
+        self.done = False
+
+    def _stamp(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def before_step(self) -> None:
+        """Between iterations: put the next iteration's gradient sync in place and start its clock."""
+        if self.done:
+            return
+        self._arm = trial_arm(self.steps, self.warmup, self.iters)
+        if self._arm is not None:
+            self.grad_sync.use_scheduler(self.scheduler if self._arm == "lina" else None)
+            self._start = self._stamp()
+
+    def after_step(self) -> Optional[str]:
+        """After the optimizer step: record the iteration's time; at the trial's end decide (collective)."""
+        if self.done:
+            return None
+        if self._arm is not None:
+            self.times[self._arm].append((self._start, self._stamp()))
+        self.steps += 1
+        if self.steps < self.warmup + 2 * self.iters:
+            return None
+        return self.decide()
+
+    def _durations_ms(self, spans: list) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in spans]
+        return [1e3 * (b - a) for a, b in spans]
+
+    def max_over_world(self, values: list[float]) -> list[float]:
+        """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.ps.device)
+        if self.ps.layout.world_size > 1:
+            with guard("lina trial all_reduce", self.ps.group("world")):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
+        return t.tolist()
+
+    def decide(self) -> str:
+        """Compare the medians (MAX over the world), keep or drop Lina for the rest of the run; the log line."""
+        n = self.iters
+        both = self.max_over_world(self._durations_ms(self.times["lina"]) + self._durations_ms(self.times["plain"]))
+        lina_ms, plain_ms = both[:n], both[n:]
+        a, b = statistics.median(lina_ms), statistics.median(plain_ms)
+        if self.force_outcome is None:
+            keep = keep_lina(lina_ms, plain_ms)
+            why = "<" if keep else ">="
+        else:
+            keep = self.force_outcome == "faster"
+            why = f"forced {self.force_outcome} (--lina-trial-force-outcome)"
+        if keep:
+            self.grad_sync.use_scheduler(self.scheduler)
+            verdict = "Lina kept"
+        else:
+            self.grad_sync.use_scheduler(None)
+            self.scheduler.close()
+            verdict = "Lina off for the rest of the run: plain bucketed gradient all-reduce"
+        line = (
+            f"lina trial after iteration {self.steps}: median step {a:.1f} ms with Lina vs {b:.1f} ms without "
+            f"over {n} iterations each (max over ranks), {why}: {verdict}"
+        )
+        self.decision = {"lina_ms": a, "plain_ms": b, "keep": keep, "line": line}
+        self.done = True
+        return line
+
+    def close(self) -> None:
+        """The run ends (or stops) before the trial did: Lina back in place, so that `GradSync.remove`
+        closes it as without a trial. Nothing once the trial decided."""
+        if not self.done:
+            self.grad_sync.use_scheduler(self.scheduler)
+            self.done = True
