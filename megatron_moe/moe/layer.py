@@ -233,13 +233,12 @@ class MoELayer(nn.Module):
         path = self.expert_path(d, x_GSM.size(1)) if isinstance(d, PaddedDispatcher) else ""
         self.path_last = path
         t0 = time.perf_counter()
-        with annotate("moe/dispatch"):
-            plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
+        plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
         if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
-            y = d.exchange(tokens, plan, self.experts)
+            y = d.exchange(tokens, plan, self.experts)  # its own "moe/dispatch" / "moe/combine" ranges
             self._timed(path, time.perf_counter() - t0)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
-        with annotate("moe/dispatch"):
+        with annotate("moe/dispatch"):  # one range per forward (the plan is routing metadata, before it)
             x_in = d.dispatch(tokens, plan)
         ragged = plan.expert_rows  # rows per local expert: dropless, or a padded buffer's kept rows
         kept = plan.kept if self.kept_only and isinstance(plan, UnevenPlan) else None  # S1: rows holding a token
