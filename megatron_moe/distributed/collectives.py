@@ -68,6 +68,16 @@ def all_reduce_raw(t: torch.Tensor, group, async_op: bool = False, op: str = "su
     return work
 
 
+def max_over_group(values: list[float], group, device: torch.device, what: str) -> list[float]:
+    """`values` reduced element-wise with MAX over `group` (every rank passes as many): a decision taken
+    from measured times is then the same on every rank. `what` names the collective in a timeout error."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group_size(group) > 1:
+        with guard(what, group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
     n = group_size(group)

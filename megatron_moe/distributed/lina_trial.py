@@ -19,9 +19,8 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_moe.distributed.comm_errors import guard
+from megatron_moe.distributed.collectives import max_over_group
 
 if TYPE_CHECKING:
     from megatron_moe.distributed.grad_sync import GradSync
@@ -111,11 +110,7 @@ class LinaTrial:
 
     def max_over_world(self, values: list[float]) -> list[float]:
         """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.ps.device)
-        if self.ps.layout.world_size > 1:
-            with guard("lina trial all_reduce", self.ps.group("world")):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
-        return t.tolist()
+        return max_over_group(values, self.ps.group("world"), self.ps.device, "lina trial all_reduce")
 
     def decide(self) -> str:
         """Compare the medians (MAX over the world), keep or drop Lina for the rest of the run; the log line."""

@@ -47,10 +47,8 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_moe.distributed.collectives import all_gather_raw
-from megatron_moe.distributed.comm_errors import guard
+from megatron_moe.distributed.collectives import all_gather_raw, max_over_group
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard_tensor, unshard_tensor
@@ -254,11 +252,7 @@ class ExpertPacking:
 
     def max_over_world(self, values: list[float]) -> list[float]:
         """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.ps.device)
-        if self.ps.layout.world_size > 1:
-            with guard("packing all_reduce", self.ps.group("world")):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
-        return t.tolist()
+        return max_over_group(values, self.ps.group("world"), self.ps.device, "packing all_reduce")
 
     def micro_op_ms(self) -> tuple[float, float]:
         """(FFN micro-op ms, forward all-to-all micro-op ms): this rank's means of the last iteration."""
