@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -134,3 +135,20 @@ class StepProfiler:
         os.replace(tmp, path)
         self.prof, self.written = None, path
         return path
+
+
+def stamp(cuda: bool):
+    """A point in time: a CUDA event recorded on the current stream, or perf_counter seconds."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def span_ms(spans: list, cuda: bool) -> list[float]:
+    """Durations (ms) of (start, end) stamps; on CUDA after a synchronize (the events completed)."""
+    if cuda:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in spans]
+    return [1e3 * (b - a) for a, b in spans]

@@ -15,12 +15,11 @@ only between iterations (`before_step` / `after_step`, around the trainer's step
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING, Optional
 
-import torch
 
 from megatron_moe.distributed.collectives import max_over_group
+from megatron_moe.profiling import span_ms, stamp
 
 if TYPE_CHECKING:
     from megatron_moe.distributed.grad_sync import GradSync
@@ -75,13 +74,6 @@ class LinaTrial:
         self.decision: Optional[dict] = None
         self.done = False
 
-    def _stamp(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def before_step(self) -> None:
         """Between iterations: put the next iteration's gradient sync in place and start its clock."""
         if self.done:
@@ -89,24 +81,18 @@ class LinaTrial:
         self._arm = trial_arm(self.steps, self.warmup, self.iters)
         if self._arm is not None:
             self.grad_sync.use_scheduler(self.scheduler if self._arm == "lina" else None)
-            self._start = self._stamp()
+            self._start = stamp(self.cuda)
 
     def after_step(self) -> Optional[str]:
         """After the optimizer step: record the iteration's time; at the trial's end decide (collective)."""
         if self.done:
             return None
         if self._arm is not None:
-            self.times[self._arm].append((self._start, self._stamp()))
+            self.times[self._arm].append((self._start, stamp(self.cuda)))
         self.steps += 1
         if self.steps < self.warmup + 2 * self.iters:
             return None
         return self.decide()
-
-    def _durations_ms(self, spans: list) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in spans]
-        return [1e3 * (b - a) for a, b in spans]
 
     def max_over_world(self, values: list[float]) -> list[float]:
         """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
@@ -115,7 +101,7 @@ class LinaTrial:
     def decide(self) -> str:
         """Compare the medians (MAX over the world), keep or drop Lina for the rest of the run; the log line."""
         n = self.iters
-        both = self.max_over_world(self._durations_ms(self.times["lina"]) + self._durations_ms(self.times["plain"]))
+        both = self.max_over_world(span_ms(self.times["lina"], self.cuda) + span_ms(self.times["plain"], self.cuda))
         lina_ms, plain_ms = both[:n], both[n:]
         a, b = statistics.median(lina_ms), statistics.median(plain_ms)
         if self.force_outcome is None:

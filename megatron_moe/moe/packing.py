@@ -43,7 +43,6 @@ reshard` brings it back to the original one.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -51,6 +50,7 @@ import torch
 from megatron_moe.distributed.collectives import all_gather_raw, max_over_group
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
+from megatron_moe.profiling import span_ms, stamp
 from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard_tensor, unshard_tensor
 from megatron_moe.moe.placement import PARAMS
 
@@ -105,23 +105,6 @@ def regroup(t: torch.Tensor, spec: ShardSpec, old_ep_group, new_ep_coord: tuple[
     gathered = all_gather_raw(t.detach().unsqueeze(0), old_ep_group, dim=0)  # [N_old, ...]
     full = unshard_tensor({(("ep", j),): gathered[j] for j in range(gathered.size(0))}, ep_spec)
     return shard_tensor(full, ep_spec, {"ep": new_ep_coord})
-
-
-def stamp(cuda: bool):
-    """A point in time: a CUDA event recorded on the current stream, or perf_counter seconds."""
-    if cuda:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def span_ms(spans: list, cuda: bool) -> list[float]:
-    """Durations (ms) of (start, end) stamps; on CUDA after a synchronize (the events completed)."""
-    if cuda:
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in spans]
-    return [1e3 * (b - a) for a, b in spans]
 
 
 class StepClock:
