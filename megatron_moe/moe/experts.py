@@ -140,35 +140,23 @@ class Experts(nn.Module):
             raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
         fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
-        M, dt = x_RM.size(1), x_RM.dtype
-        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
-        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts))
+        return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b)
 
-    def expert_weights(self, grad_scale: float = 1.0) -> list[tuple[torch.Tensor, ...]]:
-        """(fc_w [H_l, M], fc_b [H_l], proj_w [M, H_l], proj_b [M_l]) of each local expert, their
-        gradients scaled by `grad_scale`."""
-        fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
-        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
-        return [(fc_w[e], fc_b[e], proj_w[e], proj_b[e]) for e in range(self.num_local)]
-
-    def forward_weights(
-        self, x_RM: torch.Tensor, counts: list[int], weights: list[tuple[torch.Tensor, ...]]
+    def forward_grouped(
+        self,
+        x_RM: torch.Tensor,
+        counts: list[int],
+        fc_w: torch.Tensor,
+        fc_b: torch.Tensor,
+        proj_w: torch.Tensor,
+        proj_b: torch.Tensor,
     ) -> torch.Tensor:
-        """x [R, M] grouped by expert (`counts[i]` rows for `weights[i]`, an `expert_weights` tuple of
-        a local expert or of a Pro-Prophet replica) -> partial y [R, M]."""
-        if len(counts) != len(weights) or sum(counts) != x_RM.size(0):
-            raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
-        if self.deferred_bmm is not None:
-            raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
-        M = x_RM.size(1)
-        outs, start = [], 0
-        for (fc_w, fc_b, proj_w, proj_b), n in zip(weights, counts):  # n = 0: empty GEMMs (zero grads, no FLOPs)
-            x = x_RM[start : start + n]
-            bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(0)))  # [M], zeros off our columns
-            h = gelu_tanh(torch.addmm(fc_b.to(x.dtype), x, fc_w.t().to(x.dtype)))
-            outs.append(torch.addmm(bias.to(h.dtype), h, proj_w.t().to(h.dtype)))
-            start += n
-        return torch.cat(outs)
+        """x [R, M] grouped by expert (`counts[i]` rows for slice i of fc_w [X, H_l, M], fc_b [X, H_l],
+        proj_w [X, M, H_l], proj_b [X, M_l]: this layer's experts or Pro-Prophet replicas) -> partial
+        y [R, M], one `_GroupedMLP`."""
+        M, dt = x_RM.size(1), x_RM.dtype
+        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [X, M], zeros off our columns
+        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts))
 
     def forward_exchange(self, buf_LRM: torch.Tensor, kept: KeptRows, group, grad_scale: float = 1.0) -> torch.Tensor:
         """The experts between the two all-to-alls of `group`, pipelined by local expert (`_ExchangedMLP`):

@@ -367,7 +367,12 @@ class PlacedLayer:
 
     def run_experts(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float) -> torch.Tensor:
         """The experts on the ragged input x [R, M] (rows per compute expert), replicas included;
-        prefetches the next MoE layer's Trans around the compute (scheduled)."""
+        prefetches the next MoE layer's Trans around the compute (scheduled).
+
+        The compute experts in expert order are the held replicas below this rank's own experts,
+        the own experts, the replicas above: the own ones run exactly as without placement
+        (`Experts.forward_ragged`), each group of replicas as one grouped MLP on views of the Trans
+        buffers (no copy of any weight)."""
         ex = self.exchange if self.exchange is not None else self.new_exchange()
         self.exchange = None
         nxt = self.runtime.next_placed(self.layer_idx) if self.runtime.schedule else None
@@ -375,22 +380,24 @@ class PlacedLayer:
         x_RM, *reps = _UseReplicas.apply(x_RM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
         if nxt is not None:
             self.runtime.prefetch(nxt, 0)
-        own = iter(e.expert_weights(grad_scale))
-        from_reps = iter(zip(*(scale_rows(t, grad_scale) for t in reps)))
-        me = self.runtime.ps.rank("ep")
-        weights = [
-            next(own) if self.placement.owner(x) == me else next(from_reps) for x in self.placement.compute_experts(me)
-        ]
+        reps = [scale_grad(t, grad_scale) for t in reps]
+        me, n_own = self.runtime.ps.rank("ep"), e.num_local
+        below = sum(1 for x in ex.held if x < me * n_own)  # replicas computed before the own experts
+        groups = ((0, below), (below, below + n_own), (below + n_own, len(counts)))  # compute-expert ranges
+        parts, row = [], 0
         with annotate("moe/experts"):
-            y = e.forward_weights(x_RM, counts, weights)
+            for i, (lo, hi) in enumerate(groups):
+                rows = sum(counts[lo:hi])
+                x, row = x_RM[row : row + rows], row + rows
+                if i == 1:
+                    parts.append(e.forward_ragged(x, counts[lo:hi], grad_scale))
+                elif hi > lo:
+                    r0, r1 = (lo, hi) if i == 0 else (lo - n_own, hi - n_own)  # rows of the held replicas
+                    parts.append(e.forward_grouped(x, counts[lo:hi], *(t[r0:r1] for t in reps)))
+            y = torch.cat(parts) if len(parts) > 1 else parts[0]
         if nxt is not None:
             self.runtime.prefetch(nxt, 1)
         return y
-
-
-def scale_rows(t: torch.Tensor, grad_scale: float) -> list[torch.Tensor]:
-    """The rows of a replica tensor [R, ...] with their gradients scaled by `grad_scale`."""
-    return list(scale_grad(t, grad_scale).unbind(0))
 
 
 def routed_counts(layer) -> torch.Tensor:
