@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration
+from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration, with_overhead
 from megatron_moe.pro_prophet.clock import LayerClock
 from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import plan
@@ -101,6 +101,33 @@ def test_the_planner_plans_with_the_fitted_overlap_efficiency():
     assert fitted == Calibration(1.0, 1.0, 0.0) and cal.model.calibration == fitted
     assert plan(counts, cal.model, alpha=0.0).as_dict() == {}  # the planner now keeps expert 0 home
     assert not cal.fit_due(2)
+
+
+def test_the_fixed_overhead_of_replicas_is_measured_per_placed_layer():
+    placed = [LayerTerms(8.0, 5.0, 5.0, 3.0, 6.0, True), LayerTerms(9.0, 4.0, 4.0, 4.0, 8.0, True)]
+    half = [LayerTerms(7.0, 6.0, 6.0, 2.0, 4.0, True), LayerTerms(9.0, 0.0, 0.0, 4.0, 8.0)]
+    plain = [LayerTerms(10.0, 0.0, 0.0, 3.0, 6.0), LayerTerms(12.0, 0.0, 0.0, 4.0, 8.0)]
+    cal = Calibration(1.3, 1.0, 0.4)
+
+    def t(ts):
+        return sum(x.time(True, cal) for x in ts)
+
+    # 2.5 s more per layer with replicas than the model says; the plain sample is exact
+    samples = [(plain, t(plain)), (placed, t(placed) + 5.0), (half, t(half) + 2.5)]
+    got = with_overhead(samples, True, cal)
+    assert got.overhead == pytest.approx(2.5, rel=1e-12) and (got.scale, got.comm, got.eta) == (1.3, 1.0, 0.4)
+    assert with_overhead([(plain, t(plain)), (placed, t(placed))], True, cal).overhead == 0.0
+    assert with_overhead([(placed, t(placed) + 5.0)], True, cal) == cal  # nothing to compare with
+    assert with_overhead([(plain, t(plain)), (placed, t(placed) - 3.0)], True, cal).overhead == 0.0  # clamped
+    assert t(placed) + 5.0 == pytest.approx(sum(x.time(True, got) for x in placed), rel=1e-12)
+
+
+def test_the_planner_keeps_the_empty_plan_when_the_gain_is_below_the_overhead():
+    counts = np.array([[10, 0], [10, 0]])  # no placement: 3 * 20 = 60; expert 0 on rank 1: 30 + (16 - 10) = 36
+    assert plan(counts, unit_model(calibration=Calibration(overhead=23.0)), alpha=0.0).as_dict() == {0: (1,)}
+    assert plan(counts, unit_model(calibration=Calibration(overhead=25.0)), alpha=0.0).as_dict() == {}
+    with pytest.raises(ValueError, match="Calibration.overhead must be a finite number >= 0"):
+        Calibration(overhead=-1.0)
 
 
 def test_calibration_iterations_alternate_no_placement_and_the_plan():

@@ -49,6 +49,7 @@ model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -60,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.config import Config
@@ -73,6 +75,16 @@ from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
 MODES = ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
+# --model presets: (hidden size M, expert hidden size H, tokens per rank); explicit flags override
+MODELS = {"paper": (256, 2048, 4096), "small": (256, 1024, 2048)}
+# --breakdown: profiler ranges / autograd nodes per part of the step (totals of the listed events, ms)
+PARTS = {
+    "gate": ("moe/router",),
+    "all_to_all": ("_Start", "_Finish", "_StartBackward", "_FinishBackward"),
+    "experts": ("moe/experts", "_GroupedMLPBackward"),
+    "trans_wait": ("pro_prophet/trans_wait",),
+    "agg_wait": ("pro_prophet/agg_wait",),
+}
 GATE_NOISE = 1.3  # std of the unbiased gate logits (Gumbel noise's is pi / sqrt(6) = 1.28)
 
 
@@ -81,11 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skew", type=float, nargs="+", default=[0.0, 1.2], help="Zipf exponents of expert popularity")
     p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated")
     p.add_argument("--blocks", type=int, default=2, help="blocks (dense FFN + MoE layer)")
-    p.add_argument("--hidden-size", type=int, default=256, help="model dim M")
-    p.add_argument("--ffn-hidden-size", type=int, default=1024, help="expert hidden dim H")
+    p.add_argument("--model", choices=sorted(MODELS), default="paper", help="size preset (M, H, tokens per rank)")
+    p.add_argument("--hidden-size", type=int, default=None, help="model dim M (default: from --model)")
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="expert hidden dim H (default: from --model)")
     p.add_argument("--experts-per-rank", type=int, default=4, help="E / EP")
     p.add_argument("--topk", type=int, default=1, choices=[1, 2], help="experts per token")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per iteration")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank per iteration (default: from --model)")
     p.add_argument("--alpha", type=float, default=0.25, help="--pro-prophet-alpha")
     p.add_argument("--n", type=int, default=0, help="--pro-prophet-n")
     p.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
@@ -94,7 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibrate-iters", type=int, default=4, help="iterations the calibration samples (0: off)")
     p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    p.add_argument(
+        "--breakdown", action="store_true", help="profile one extra iteration per mode: the step's parts per rank"
+    )
     a = p.parse_args(argv)
+    preset = MODELS[a.model]
+    for name, value in zip(("hidden_size", "ffn_hidden_size", "tokens"), preset):
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in a.modes if m not in MODES]
     if bad:
@@ -208,20 +228,28 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     plain = Placement.of(E, n_ep, {})
     model_for = perf[kind_of(mode)]
     rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top")}
+    rows["breakdown"] = None
     log = CommLog().start()
-    for it in range(a.warmup + a.iters):
+    n_run = a.warmup + a.iters
+    for it in range(n_run + int(a.breakdown)):
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
         used = [runtime.placement_of(m.layer_idx) if runtime else plain for m in model.moes]
         model.moe_s, model.moe_bwd = [], []
+        profiled = it == n_run  # --breakdown: one extra iteration under the profiler, outside the medians
+        prof = profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
         dist.barrier()
         log.clear()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        out.float().pow(2).mean().backward()
-        opt.step()
-        step = time.perf_counter() - t0
+        with prof:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            out.float().pow(2).mean().backward()
+            opt.step()
+            step = time.perf_counter() - t0
         moe = sum(model.moe_s) + sum(b[1] - b[0] for b in model.moe_bwd if len(b) == 2)
+        if profiled:
+            rows["breakdown"] = step_parts(prof, 1e3 * step, 1e3 * moe, ps)
+            break
         sent = {op: sum(e.sent for e in log.of(op)) for op in ("trans", "agg")}
         if runtime is not None:  # the counts came with the dispatchers' count exchanges
             counts = runtime.collected_counts()  # [L, N_EP, E]
@@ -252,6 +280,37 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     return rows
 
 
+def step_parts(prof, step_ms: float, moe_ms: float, ps) -> list[dict]:
+    """Per EP rank (gathered): the profiled step's parts [ms], each the total time of its `PARTS`
+    events (forward ranges and autograd nodes, waits for the peer included), plus step and MoE time
+    (the layers' forward + backward spans) and dense = step - MoE (dense FFNs, norms, optimizer)."""
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        totals[ev.key] = totals.get(ev.key, 0.0) + ev.cpu_time_total / 1e3
+    mine = [step_ms, moe_ms] + [sum(totals.get(n, 0.0) for n in names) for names in PARTS.values()]
+    every = torch.zeros(ps.size("ep"), len(mine), dtype=torch.float64, device=ps.device)
+    every[ps.rank("ep")] = torch.tensor(mine, dtype=torch.float64, device=ps.device)
+    dist.all_reduce(every)  # each rank fills its own row
+    out = []
+    for rank, row in enumerate(every.cpu().tolist()):
+        d = {"rank": rank, "step_ms": row[0], "moe_ms": row[1], "dense_ms": row[0] - row[1]}
+        d.update({f"{k}_ms": v for k, v in zip(PARTS, row[2:])})
+        out.append(d)
+    return out
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """The --breakdown rows: one line per mode, skew and rank."""
+    keys = ["step", "dense", "moe", *PARTS]
+    head = f"{'skew':>5s} {'mode':22s} {'rank':>4s} " + " ".join(f"{k:>10s}" for k in keys)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for b in r.get("breakdown_ms") or []:
+            vals = " ".join(f"{b[k + '_ms']:10.1f}" for k in keys)
+            lines.append(f"{r['skew']:5.2f} {r['mode']:22s} {b['rank']:4d} {vals}")
+    return "\n".join(lines)
+
+
 def predicted_ms(terms: list, overlap: bool, cal: Calibration) -> float:
     """Median over iterations of the model's T'' [ms] of the MoE layers (terms: per iteration, per layer)."""
     return statistics.median(1e3 * sum(t.time(overlap, cal) for t in ts) for ts in terms)
@@ -271,7 +330,7 @@ def measure_perf(cfg: Config, ps, a) -> dict:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s}"
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -279,7 +338,7 @@ def table(rows: list[dict]) -> str:
             f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
             f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
             f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f} "
-            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f}"
+            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f}"
         )
     return "\n".join(lines)
 
@@ -358,10 +417,14 @@ def run(a: argparse.Namespace) -> None:
                     "calibration_scale": cal.scale,
                     "calibration_comm": cal.comm,
                     "calibration_eta": cal.eta,
+                    "calibration_overhead_ms": 1e3 * cal.overhead,
+                    "breakdown_ms": r["breakdown"],
                 }
             )
     if rank == 0:
         print(table(results), flush=True)
+        if a.breakdown:
+            print(breakdown_table(results), flush=True)
         if a.json:
             atomic_write_json(a.json, results, sort_keys=False)
             print(f"wrote {a.json}", flush=True)

@@ -202,7 +202,7 @@ class ReplicaExchange:
         """Wait for `work` on `op`'s side stream; the caller's stream then waits for that stream (CPU:
         the host waits, in program order)."""
         side = self.side[op]
-        with streams.use(side):
+        with streams.use(side), annotate(f"pro_prophet/{op}_wait"):
             comm_errors.wait(work, op, self.group)
         streams.wait_stream(streams.current_stream(self.device), side)
 
@@ -485,6 +485,8 @@ class ProProphet:
         """A forward hook for the MoE layer before `nxt`: its output carries the wait for `nxt`'s Agg."""
 
         def hook(module, args, output):
+            if nxt.dispatcher.placement is None:
+                return None  # `nxt` runs without replicas this iteration: nothing to wait for
             y = output[0] if isinstance(output, tuple) else output
             if not (torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad):
                 return None

@@ -19,7 +19,11 @@ on the relative error:
     transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
     plan): scale in closed form for each eta of a grid of `ETA_STEPS + 1` values, the eta with the
     least residual, among equally good ones the one nearest the prior (1.0, the paper's).
-Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Like Lancet's
+Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Then the fixed
+overhead of a layer with replicas (`Calibration.overhead`): the mean residual (measured - T'') of
+the samples with replicas minus that of the samples without, per layer with replicas, clamped at
+0 (0 when either kind of sample is missing); the planner then keeps the empty plan unless the
+modelled gain exceeds it. Like Lancet's
 contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
 
 `Calibrator` holds the model the planner uses and says what the first iterations do:
@@ -84,7 +88,7 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
     if not overlap:
         scale, comm, _ = _scale_comm(rows(prior_eta))
         if scale > 0:
-            return Calibration(scale, comm, prior_eta)
+            return with_overhead(samples, overlap, Calibration(scale, comm, prior_eta))
         raise ValueError("fit_calibration: no positive scale fits the samples")
     fits = [(_scale_given(rows(i / ETA_STEPS)), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
     fits = [f for f in fits if f[0][0] > 0]
@@ -93,7 +97,24 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
     least = min(r for (_, r), _ in fits)
     tied = [f for f in fits if f[0][1] <= least * (1 + TIE) + 1e-15]
     (scale, _), eta = min(tied, key=lambda f: (abs(f[1] - prior_eta), -f[1]))
-    return Calibration(scale, 1.0, eta)
+    return with_overhead(samples, overlap, Calibration(scale, 1.0, eta))
+
+
+def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Calibration:
+    """`cal` plus the fixed overhead of a layer with replicas (module docstring) measured on `samples`."""
+    placed: list[tuple[float, int]] = []
+    plain: list[tuple[float, int]] = []
+    for terms, m in samples:
+        n = sum(1 for t in terms if t.placed)
+        resid = m - sum(t.time(overlap, cal) for t in terms)
+        (placed if n else plain).append((resid, n))
+    if not placed or not plain:
+        return cal
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    extra = mean([r for r, _ in placed]) - mean([r for r, _ in plain])
+    if extra <= TIE * mean([m for _, m in samples]):  # none measured (within rounding)
+        return cal
+    return replace(cal, overhead=extra / mean([n for _, n in placed]))
 
 
 class Calibrator:

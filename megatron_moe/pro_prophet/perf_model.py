@@ -32,7 +32,10 @@ X = max(0, T_Trans - eta (T_FEC + fnec_s)) + max(0, T_Agg - eta (T_BEC + bnec_s)
 `scale` is how much slower the layer runs than its parts profiled one at a time, `comm` what an
 exposed second of Trans / Agg really costs, `eta` in [0, 1] the share of the compute window that
 really hides a transfer (CPU ranks: gloo's transfers take cycles from the compute they overlap).
-scale = comm = eta = 1 (the default) is the paper's form exactly.
+`overhead` [s] is the measured fixed cost of running a layer with replicas at all (the replica
+path's bookkeeping, the extra autograd nodes and messages) beyond what Trans / Agg cost: added to
+T'' of a layer with at least one moved expert, so a plan whose modelled gain is below it loses to
+the empty plan. scale = comm = eta = 1, overhead = 0 (the default) is the paper's form exactly.
 
 Constants come from `fit_constants` (least squares on (size, time) samples) or
 `measure_constants` (the project's collective profiler on the real EP group, plus a timed
@@ -90,11 +93,13 @@ class PerfConstants:
 class Calibration:
     """What the run measures beyond the profiled constants (module docstring): `scale` > 0 multiplies
     the all-to-all and expert compute terms, `comm` >= 0 the exposed Trans / Agg, `eta` in [0, 1] is
-    the overlap efficiency of eq. (8)'s hiding windows. The defaults (1, 1, 1): the paper's equations."""
+    the overlap efficiency of eq. (8)'s hiding windows, `overhead` >= 0 [s] the fixed cost of a layer
+    with replicas. The defaults (1, 1, 1, 0): the paper's equations."""
 
     scale: float = 1.0
     comm: float = 1.0
     eta: float = 1.0
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.scale) or self.scale <= 0:
@@ -103,18 +108,22 @@ class Calibration:
             raise ValueError(f"Calibration.comm must be a finite number >= 0, got {self.comm!r}")
         if not np.isfinite(self.eta) or not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"Calibration.eta must be in [0, 1], got {self.eta!r}")
+        if not np.isfinite(self.overhead) or self.overhead < 0:
+            raise ValueError(f"Calibration.overhead must be a finite number >= 0, got {self.overhead!r}")
 
 
 @dataclass(frozen=True)
 class LayerTerms:
-    """One layer's terms under one placement [s]: base = 4 T_A2A + 3 T_FEC, Trans, Agg, and the compute
-    windows eq. (8) hides them behind (fwd = T_FEC + fnec_s, bwd = T_BEC + bnec_s)."""
+    """One layer's terms under one placement [s]: base = 4 T_A2A + 3 T_FEC, Trans, Agg, the compute
+    windows eq. (8) hides them behind (fwd = T_FEC + fnec_s, bwd = T_BEC + bnec_s), and whether the
+    layer runs with replicas (`placed`: at least one moved expert)."""
 
     base: float
     trans: float
     agg: float
     fwd_window: float
     bwd_window: float
+    placed: bool = False
 
     def exposed(self, overlap: bool, eta: float) -> float:
         """Trans + Agg time not hidden: all of it (eq. (6)), or what exceeds eta x the windows (eq. (8))."""
@@ -123,8 +132,9 @@ class LayerTerms:
         return max(0.0, self.trans - eta * self.fwd_window) + max(0.0, self.agg - eta * self.bwd_window)
 
     def time(self, overlap: bool, cal: Calibration) -> float:
-        """T'' of the layer (eq. (6) or (8), calibrated)."""
-        return cal.scale * self.base + cal.comm * self.exposed(overlap, cal.eta)
+        """T'' of the layer (eq. (6) or (8), calibrated; the fixed overhead when placed)."""
+        fixed = cal.overhead if self.placed else 0.0
+        return cal.scale * self.base + cal.comm * self.exposed(overlap, cal.eta) + fixed
 
 
 @dataclass(frozen=True)
@@ -175,13 +185,14 @@ class PerfModel:
         c = self.constants
         return sum(c.bcast_alpha + c.bcast_beta * self.grad_elements * r / num_devices for r in reached)
 
-    def combine(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float) -> float:
+    def combine(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float, placed: bool = False) -> float:
         """Eq. (6), or eq. (8) when `overlap`: the layer's time from its terms (calibrated)."""
-        return self.layer_terms(t_a2a, t_fec, t_trans, t_agg).time(self.overlap, self.calibration)
+        return self.layer_terms(t_a2a, t_fec, t_trans, t_agg, placed).time(self.overlap, self.calibration)
 
-    def layer_terms(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float) -> LayerTerms:
+    def layer_terms(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float, placed: bool = False) -> LayerTerms:
         """The terms `combine` and the calibration fit work on."""
-        return LayerTerms(4 * t_a2a + 3 * t_fec, t_trans, t_agg, t_fec + self.fnec_s, 2 * t_fec + self.bnec_s)
+        fwd, bwd = t_fec + self.fnec_s, 2 * t_fec + self.bnec_s
+        return LayerTerms(4 * t_a2a + 3 * t_fec, t_trans, t_agg, fwd, bwd, placed)
 
     # -- whole layer -----------------------------------------------------------------------
     def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
@@ -191,10 +202,10 @@ class PerfModel:
     def terms(self, counts_DE, replicas: Replicas | None = None) -> LayerTerms:
         """The `LayerTerms` of one layer for the counts [D, E] under `replicas`."""
         b = self.breakdown(counts_DE, replicas)
-        return self.layer_terms(b["a2a"], b["fec"], b["trans"], b["agg"])
+        return self.layer_terms(b["a2a"], b["fec"], b["trans"], b["agg"], b["placed"])
 
     def breakdown(self, counts_DE, replicas: Replicas | None = None) -> dict:
-        """Every term of the model for one layer: a2a, fec, bec, trans, agg, total [s]."""
+        """Every term of the model for one layer: a2a, fec, bec, trans, agg, total [s], placed (any replica)."""
         counts = check_counts(counts_DE)
         d, e = counts.shape
         reps = normalize_replicas(replicas, d, e)
@@ -209,7 +220,8 @@ class PerfModel:
             "bec": 2 * t_fec,
             "trans": t_trans,
             "agg": t_agg,
-            "total": self.combine(t_a2a, t_fec, t_trans, t_agg),
+            "placed": bool(reached),
+            "total": self.combine(t_a2a, t_fec, t_trans, t_agg, bool(reached)),
         }
 
 
