@@ -72,6 +72,8 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
             ids, labels = global_batch(ps.size("dp"), seed=10 * it + mb)
             sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
             lm, aux = model(ids[sl], labels[sl])
+            if it == ITERS - 1 and mb == 0:
+                out["nodes"] = _node_names(lm + aux)
             (lm + aux).backward()
             routed = routed + torch.stack([routed_counts(la) for la in layers])
         evs = [e for e in log.records if e.op not in ("trans", "agg")]
@@ -90,6 +92,19 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
         out["fitted"] = calib.fitted
         out["expected_last"] = [plan(c, calib.model, alpha=0.0).replicas for c in out["counts"][-1]]
     return out
+
+
+def _node_names(loss: torch.Tensor) -> set[str]:
+    """Class names of every autograd node the loss's backward runs."""
+    names, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return names
 
 
 def _exchange(ps) -> dict:
@@ -151,6 +166,14 @@ def test_plan_under_the_all_to_all_equals_the_plan_at_the_end_on_every_rank(per_
         assert flight["seen"] == [False] * 2 + [True] * (2 * (ITERS - 1)), flight["seen"]
         assert end["seen"] == [False] * (2 * ITERS)
     assert per_rank[0]["flight"]["plans"] == per_rank[1]["flight"]["plans"]
+
+
+def test_an_empty_plan_puts_no_pro_prophet_node_in_the_graph(per_rank):
+    ours = {"_AggWaitLaterBackward", "_AggWaitBackward", "_UseReplicasBackward"}
+    for r, res in enumerate(per_rank):
+        assert not ours & res["still"]["nodes"], f"rank {r}: {sorted(ours & res['still']['nodes'])}"
+        assert res["still"]["nodes"] == res["plain"]["nodes"], f"rank {r}: the graph differs from the plain run's"
+        assert {"_AggWaitLaterBackward", "_UseReplicasBackward"} <= res["flight"]["nodes"], f"rank {r}"
 
 
 def test_trans_and_agg_are_complete_when_their_consumer_reads_them(per_rank):
