@@ -119,6 +119,9 @@ def test_the_fixed_overhead_of_replicas_is_measured_per_placed_layer():
     assert with_overhead([(plain, t(plain)), (placed, t(placed))], True, cal).overhead == 0.0
     assert with_overhead([(placed, t(placed) + 5.0)], True, cal) == cal  # nothing to compare with
     assert with_overhead([(plain, t(plain)), (placed, t(placed) - 3.0)], True, cal).overhead == 0.0  # clamped
+    # two no-replica samples 1 s apart: 0.5 s of noise comes off the 5 s measured over two placed layers
+    noisy = [(plain, t(plain) - 0.5), (plain, t(plain) + 0.5), (placed, t(placed) + 5.0)]
+    assert with_overhead(noisy, True, cal).overhead == pytest.approx(2.25, rel=1e-12)
     assert t(placed) + 5.0 == pytest.approx(sum(x.time(True, got) for x in placed), rel=1e-12)
 
 

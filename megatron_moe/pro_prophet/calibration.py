@@ -21,9 +21,10 @@ on the relative error:
     least residual, among equally good ones the one nearest the prior (1.0, the paper's).
 Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Then the fixed
 overhead of a layer with replicas (`Calibration.overhead`): the mean residual (measured - T'') of
-the samples with replicas minus that of the samples without, per layer with replicas, clamped at
-0 (0 when either kind of sample is missing); the planner then keeps the empty plan unless the
-modelled gain exceeds it. Like Lancet's
+the samples with replicas minus that of the samples without, less the run's own noise (the largest
+deviation of a no-replica residual from their mean: those iterations ran the same work), per layer
+with replicas, clamped at 0 (0 when either kind of sample is missing); the planner then keeps the
+empty plan unless the modelled gain exceeds it. Like Lancet's
 contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
 
 `Calibrator` holds the model the planner uses and says what the first iterations do:
@@ -111,7 +112,9 @@ def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) ->
     if not placed or not plain:
         return cal
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    extra = mean([r for r, _ in placed]) - mean([r for r, _ in plain])
+    base = mean([r for r, _ in plain])
+    noise = max(abs(r - base) for r, _ in plain)  # what identical no-replica iterations differed by
+    extra = mean([r for r, _ in placed]) - base - noise
     if extra <= TIE * mean([m for _, m in samples]):  # none measured (within rounding)
         return cal
     return replace(cal, overhead=extra / mean([n for _, n in placed]))
