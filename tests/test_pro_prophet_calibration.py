@@ -45,10 +45,10 @@ def test_fit_without_scheduler_fits_scale_and_comm():
     assert got.eta == 1.0  # eq. (6) has no window: the prior, untouched
 
 
-def test_comm_and_eta_keep_their_priors_when_nothing_moved():
+def test_eta_keeps_its_prior_and_comm_follows_the_scale_when_nothing_moved():
     still = [([terms(10.0, 0.0, 0.0, 3.0, 6.0)], 13.0), ([terms(20.0, 0.0, 0.0, 3.0, 6.0)], 26.0)]
     got = fit_calibration(still, overlap=True, prior_eta=0.6)
-    assert got.eta == 0.6 and got.comm == 1.0 and got.scale == pytest.approx(1.3, rel=1e-12)
+    assert got.eta == 0.6 and got.scale == pytest.approx(1.3, rel=1e-12) and got.comm == got.scale
 
 
 def test_one_plan_tells_the_overlap_efficiency_and_ties_go_to_the_prior():
@@ -122,6 +122,9 @@ def test_the_fixed_overhead_of_replicas_is_measured_per_placed_layer():
     # two no-replica samples 1 s apart: 0.5 s of noise comes off the 5 s measured over two placed layers
     noisy = [(plain, t(plain) - 0.5), (plain, t(plain) + 0.5), (placed, t(placed) + 5.0)]
     assert with_overhead(noisy, True, cal).overhead == pytest.approx(2.25, rel=1e-12)
+    # placed samples 1.6 s apart (+4.2, +5.8: mean +5): 0.8 s of noise, the larger spread, comes off
+    noisy = [(plain, t(plain) - 0.5), (plain, t(plain) + 0.5), (placed, t(placed) + 4.2), (placed, t(placed) + 5.8)]
+    assert with_overhead(noisy, True, cal).overhead == pytest.approx(2.1, rel=1e-12)
     assert t(placed) + 5.0 == pytest.approx(sum(x.time(True, got) for x in placed), rel=1e-12)
 
 

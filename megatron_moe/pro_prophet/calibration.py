@@ -19,11 +19,13 @@ on the relative error:
     transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
     plan): scale in closed form for each eta of a grid of `ETA_STEPS + 1` values, the eta with the
     least residual, among equally good ones the one nearest the prior (1.0, the paper's).
-Without any transfer in the samples only scale is fitted (comm, eta: priors 1.0). Then the fixed
-overhead of a layer with replicas (`Calibration.overhead`): the mean residual (measured - T'') of
-the samples with replicas minus that of the samples without, less the run's own noise (the largest
-deviation of a no-replica residual from their mean: those iterations ran the same work), per layer
-with replicas, clamped at 0 (0 when either kind of sample is missing); the planner then keeps the
+Without any transfer in the samples only scale is fitted, and comm = scale (the transfers are taken
+to slow down like everything else the run measured: a plan is then judged as by the uncalibrated
+model, not one whose compute alone got dearer) with eta at its prior. Then the fixed
+overhead of a layer with replicas (`Calibration.overhead`): per layer with replicas, the mean
+extra residual (measured - T'') of the samples with replicas over that of the samples without,
+less the run's own noise (the larger spread of either kind: the iterations of a kind ran about the
+same work), clamped at 0 (0 when either kind of sample is missing); the planner then keeps the
 empty plan unless the modelled gain exceeds it. Like Lancet's
 contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
 
@@ -85,7 +87,8 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
         return [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
 
     if not any(x > 0 for _, x, _ in rows(0.0)):  # nothing moved: only the scale can be seen
-        return Calibration(_scale_given(rows(0.0))[0], 1.0, prior_eta)
+        scale = _scale_given(rows(0.0))[0]
+        return Calibration(scale, scale, prior_eta)
     if not overlap:
         scale, comm, _ = _scale_comm(rows(prior_eta))
         if scale > 0:
@@ -103,21 +106,28 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
 
 def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Calibration:
     """`cal` plus the fixed overhead of a layer with replicas (module docstring) measured on `samples`."""
-    placed: list[tuple[float, int]] = []
-    plain: list[tuple[float, int]] = []
+    plain: list[float] = []  # residual (measured - T'') of each sample without replicas
+    placed: list[tuple[float, int]] = []  # (residual, layers with replicas) of the others
     for terms, m in samples:
         n = sum(1 for t in terms if t.placed)
         resid = m - sum(t.time(overlap, cal) for t in terms)
-        (placed if n else plain).append((resid, n))
+        if n:
+            placed.append((resid, n))
+        else:
+            plain.append(resid)
     if not placed or not plain:
         return cal
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    base = mean([r for r, _ in plain])
-    noise = max(abs(r - base) for r, _ in plain)  # what identical no-replica iterations differed by
-    extra = mean([r for r, _ in placed]) - base - noise
-    if extra <= TIE * mean([m for _, m in samples]):  # none measured (within rounding)
+    base = mean(plain)
+    per_layer = [(r - base) / n for r, n in placed]  # each placed sample's extra per layer with replicas
+    extra = mean(per_layer)
+    noise = max(  # the spread of either kind of sample, per layer with replicas
+        max(abs(r - base) for r in plain) / mean([n for _, n in placed]),
+        max(abs(x - extra) for x in per_layer),
+    )
+    if extra - noise <= TIE * mean([m for _, m in samples]):  # none measured beyond the noise
         return cal
-    return replace(cal, overhead=extra / mean([n for _, n in placed]))
+    return replace(cal, overhead=extra - noise)
 
 
 class Calibrator:
