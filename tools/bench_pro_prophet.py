@@ -4,13 +4,35 @@ performance model's prediction, per placement mode and gate skew, on dropless Mo
 Run under torchrun (every rank runs every mode; EP = the world size):
 
   torchrun --nproc-per-node 2 tools/bench_pro_prophet.py --skew 0 1.2 --json pp_local.json
-  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit -- \\
-      tools/bench_pro_prophet.py --skew 0 1.2 --json pp_cluster.json
+  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit --timeout 1200 -- \\
+      tools/bench_pro_prophet.py --skew 0 1.2 --iters 6 --warmup 8 --json pp_cluster.json
+  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit --timeout 1200 -- \\
+      tools/bench_pro_prophet.py --model small --skew 0 1.2 --iters 6 --warmup 8 --json pp_cluster_small.json
   scripts/emulate_cluster.sh --nodes 4 --procs-per-node 1 --inter-node-rate 400mbit -- \\
       tools/bench_pro_prophet.py --skew 0 1.2 --json pp_cluster_ep4.json     # EP4, 16 experts
 
 The model: --blocks blocks, each a dense FFN (LayerNorm, M -> 4M -> M: the non-expert compute)
-and a dropless MoE layer (`moe.layer.MoELayer`, E experts over EP ranks). The MoE layer's input
+and a dropless MoE layer (`moe.layer.MoELayer`, E experts over EP ranks). Sizes (--model, each
+overridable by --hidden-size, --ffn-hidden-size, --tokens):
+  paper (default)  M 256, H 2048, 4096 tokens per rank: what Pro-Prophet targets, expert compute
+                   the largest part of the step, so imbalance costs real time. Measured with
+                   --breakdown (emulated 2 nodes x 1 process, 400 Mbit/s, `none`, shared machine,
+                   load average about 20, so shares not times): at skew 1.2 the busiest rank's
+                   expert compute was 65 % of its step (5589 of 8631 ms) and the other rank spent
+                   71 % waiting in the all-to-all for it; at skew 0 the experts were 50-56 %.
+                   The expert FFN is 2x the dense FFN's FLOPs per token, and a rank's tokens for a
+                   popular expert outnumber H (at skew 1.2 the other rank sends expert 0 about
+                   1760 tokens), so moving an expert moves fewer bytes than it keeps off the link.
+  small            M 256, H 1024, 2048 tokens per rank (the earlier default, docs/BENCHMARKS.md
+                   sessions 3-4): expert and dense FFN equal per token; there perfect balance at
+                   no cost bounds the speed-up near 1.17x (MoE layer 480 ms at skew 0, 574-588 ms at
+                   1.2, of a step near 700 ms on a quiet machine).
+--breakdown profiles one extra iteration per mode (torch.profiler, CPU; outside the medians) and
+prints per rank: step, dense (= step - MoE layers), MoE layers (forward + backward), and within
+them the gate (`moe/router`), the all-to-alls (`_Start` / `_Finish` forward and backward: launch
+plus wait, so a rank waiting for a slower peer shows it here), expert compute (`moe/experts` +
+`_GroupedMLPBackward`) and the exposed Trans / Agg waits (`pro_prophet/trans_wait`,
+`pro_prophet/agg_wait`); the JSON rows carry it as `breakdown_ms`. The MoE layer's input
 is LayerNorm(h) + u with a fixed vector u, and the gate carries a bias along u: logit_e =
 LayerNorm(h) . w_e + log p_e with p_e proportional to (e + 1) ** -skew (a Zipf law over the
 experts; skew 0: uniform), while LayerNorm(h) . w_e has a standard deviation of about 1.3 (as
@@ -43,7 +65,8 @@ by all ranks per iteration (the collective observer). Medians over the measured 
 Prints a table and, with --json PATH, writes a list of objects (one per mode and skew) with keys
 mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, predicted_ms,
 trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min, predicted_uncalibrated_ms,
-model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta).
+model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta,
+calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown).
 """
 
 from __future__ import annotations
