@@ -6,6 +6,7 @@ One spawn per world size runs every case of that size (EP2; EP4, EP2 x DP2, EP2 
 without placement in the same process, scheduled and blocking, top-1 and top-2.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -264,3 +265,21 @@ def test_bench_tool_refuses_bad_input_with_exit_2():
     assert out.returncode == 2 and "unknown mode(s) ['best']" in out.stderr, out.stderr
     out = subprocess.run([sys.executable, tool, "--warmup", "6"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "--warmup (6) must exceed --calibrate-skip + --calibrate-iters (6)" in out.stderr
+
+
+def _bench_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_pro_prophet.py")
+    spec = importlib.util.spec_from_file_location("bench_pro_prophet", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_model_presets_and_overrides():
+    bench = _bench_module()
+    a = bench.parse_args([])
+    assert (a.model, a.hidden_size, a.ffn_hidden_size, a.tokens) == ("paper", 256, 2048, 4096)
+    a = bench.parse_args(["--model", "small"])
+    assert (a.hidden_size, a.ffn_hidden_size, a.tokens) == (256, 1024, 2048)
+    a = bench.parse_args(["--model", "small", "--tokens", "512", "--ffn-hidden-size", "384"])
+    assert (a.hidden_size, a.ffn_hidden_size, a.tokens) == (256, 384, 512)
