@@ -18,6 +18,9 @@ Algorithm 1 (`plan`), as in the paper with ties made explicit:
            only add Trans/Agg volume); append x to L
       T <- T'(placement of L); if T < T_best: T_best, cnt <- T, |L|
   return the placement of L[:cnt]
+T' is the model's calibrated time: a layer with replicas also pays the measured fixed overhead
+(`perf_model.Calibration.overhead`), so a plan whose modelled gain is below it is never kept and
+the empty plan (no Trans / Agg, no replica path at all) wins.
 Every quantity is an integer or a float computed in the same order from the same inputs, so
 equal counts and constants give the same plan on every rank.
 """
