@@ -17,9 +17,10 @@ overridable by --hidden-size, --ffn-hidden-size, --tokens):
   paper (default)  M 256, H 2048, 4096 tokens per rank: what Pro-Prophet targets, expert compute
                    the largest part of the step, so imbalance costs real time. Measured with
                    --breakdown (emulated 2 nodes x 1 process, 400 Mbit/s, `none`, shared machine,
-                   load average about 20, so shares not times): at skew 1.2 the busiest rank's
-                   expert compute was 65 % of its step (5589 of 8631 ms) and the other rank spent
-                   71 % waiting in the all-to-all for it; at skew 0 the experts were 50-56 %.
+                   load average about 20, so shares not times; two runs): at skew 1.2 the
+                   busiest rank's expert compute was 52-65 % of its step (3373 of 6434 ms, 5589 of
+                   8631 ms) and the other rank spent 58-71 % waiting in the all-to-all for it; at
+                   skew 0 the experts were 43-56 %.
                    The expert FFN is 2x the dense FFN's FLOPs per token, and a rank's tokens for a
                    popular expert outnumber H (at skew 1.2 the other rank sends expert 0 about
                    1760 tokens), so moving an expert moves fewer bytes than it keeps off the link.
