@@ -21,9 +21,11 @@ overridable by --hidden-size, --ffn-hidden-size, --tokens):
                    busiest rank's expert compute was 52-65 % of its step (3373 of 6434 ms, 5589 of
                    8631 ms) and the other rank spent 58-71 % waiting in the all-to-all for it; at
                    skew 0 the experts were 43-56 %.
-                   The expert FFN is 2x the dense FFN's FLOPs per token, and a rank's tokens for a
-                   popular expert outnumber H (at skew 1.2 the other rank sends expert 0 about
-                   1760 tokens), so moving an expert moves fewer bytes than it keeps off the link.
+                   The expert FFN is 2x the dense FFN's FLOPs per token. Moving expert 0 at skew
+                   1.2 (the other rank routes it about 1760 tokens) keeps about as many bytes off
+                   the link as Trans + Agg cost (4 all-to-alls x 1760 x M x 4 B = 7.2 MB vs
+                   2 x 2 M H x 4 B = 8.4 MB), and Trans runs on the direction the skewed
+                   all-to-all leaves idle (owner -> replica rank).
   small            M 256, H 1024, 2048 tokens per rank (the earlier default, docs/BENCHMARKS.md
                    sessions 3-4): expert and dense FFN equal per token; there perfect balance at
                    no cost bounds the speed-up near 1.17x (MoE layer 480 ms at skew 0, 574-588 ms at
