@@ -86,7 +86,7 @@ MEGATRON_MOE_NO_TRITON=1 bench parm_no_triton bench_moe_layer.py --schedules bas
 bench lancet bench_lancet.py
 bench lina bench_lina.py --rounds 2
 # their own flags: Pro-Prophet's model of dense FFN + MoE blocks (EP = the GPUs), the inference engine
-bench_with pro_prophet bench_pro_prophet.py "${PRO_PROPHET_ARGS[@]}" --skew 0 1.2 --iters 10 --warmup 3
+bench_with pro_prophet bench_pro_prophet.py "${PRO_PROPHET_ARGS[@]}" --skew 0 1.2 --iters 10 --warmup 8
 bench_with inference bench_inference.py "${INFERENCE_ARGS[@]}" --experts "$((2 * NGPU))" --skew 1.2 \
     --batches 8 --warmup 2
 
