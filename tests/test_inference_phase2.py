@@ -14,7 +14,7 @@ from megatron_moe.inference.popularity import (
     plan_placement,
     traffic_aware_replan,
 )
-from megatron_moe.inference.scheduled import rates
+from megatron_moe.inference.scheduled import ScheduledMoE, rates
 
 # 2 devices, 4 experts: device 0's tokens chose experts 0 (1), 1 (4) and 3 (2); device 1's chose expert 2 (6)
 COUNTS = [[1, 4, 0, 2], [0, 0, 6, 0]]
@@ -86,3 +86,8 @@ def test_replicas_filling_every_device_leave_room_for_experts_without_estimate()
     # expert 0 would take both devices' slots (n_e 2 -> 2 replicas) and 3 unestimated experts need
     # room under at most 2 per device: expert 0 gives up its replica on device 1
     assert plan_placement([2.0, 0.0, 0.0, 0.0], 2, 2).hosts == [[0], [0], [1], [1]]
+
+
+def test_unknown_phase2_pricing_is_refused():
+    with pytest.raises(ValueError, match=r"phase-2 pricing must be one of \('traffic', 'compute'\), got 'both'"):
+        ScheduledMoE(None, None, "none", phase2_pricing="both")  # type: ignore[arg-type]

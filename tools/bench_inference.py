@@ -33,7 +33,9 @@ Modes take turns batch by batch (after --warmup batches each) through the same e
 every expert resident on every rank (gathered once; a replica moves no weights):
   none      the trained placement (expert e on rank e // (E / world)), dropless uneven all-to-all
   phase1    Lina's phase 1: placement from the path estimate carried by the previous layer's exchange
-  phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ
+  phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ,
+            priced by compute and link traffic (keeps phase 1's placement unless cheaper)
+  phase1_2c the same with the earlier phase 2: re-plan for compute balance alone
   lina      what --lina-inference runs: phase1_2 checked against none over the first
             --lina-probe-forwards forwards (in the warm-up), kept only if faster (lina_decision)
   engine    skew 0 only: the engine's own dropless MoE layer (no gate-bias hook), the check that
@@ -274,6 +276,10 @@ def main() -> int:
             mode: ScheduledMoE(engine, profile, mode, args.max_experts_per_rank, bias, weights=weights)
             for mode in MODES
         }
+        # the earlier phase 2 (re-plan for compute balance alone), the measured comparison
+        runners["phase1_2c"] = ScheduledMoE(
+            engine, profile, "phase1_2", args.max_experts_per_rank, bias, weights=weights, phase2_pricing="compute"
+        )
         # lina: what --lina-inference runs (phase1_2 checked against none over the first forwards,
         # which fall in the warm-up batch; the unscheduled way has the same gate bias)
         unscheduled = ScheduledMoE(engine, None, "none", args.max_experts_per_rank, bias, weights=weights)

@@ -65,6 +65,9 @@ from megatron_moe.inference.popularity import (
 )
 
 MODES = ("none", "phase1", "phase1_2")
+# phase 2: "traffic" prices compute and link (traffic_aware_replan); "compute" re-plans for compute
+# balance alone (the earlier phase 2; benchmarks compare the two)
+PRICINGS = ("traffic", "compute")
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -80,9 +83,13 @@ class ScheduledMoE:
         gate_bias: Optional[list[torch.Tensor]] = None,
         record_into: Optional[PathProfile] = None,
         weights: Optional[list[ExpertWeights]] = None,
+        phase2_pricing: str = "traffic",
     ):
         if mode not in MODES:
             raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
+        if phase2_pricing not in PRICINGS:
+            raise ValueError(f"phase-2 pricing must be one of {PRICINGS}, got {phase2_pricing!r}")
+        self.phase2_pricing = phase2_pricing
         if mode != "none" and profile is None:
             raise ValueError(f"mode {mode} needs a profile (--lina-inference)")
         ps = engine.ps
@@ -227,7 +234,11 @@ class ScheduledMoE:
         if self.mode == "phase1_2":
             n = min(2 * self.k, self.E)
             trigger = top_experts(estimate, n) != top_experts([float(a) for a in actual], n)
-            if trigger:
+            if trigger and self.phase2_pricing == "compute":
+                total = max(sum(actual), 1)
+                placement = plan_placement([self.D * a / total for a in actual], self.D, self.max_per_rank)
+                choice = "replan"
+            elif trigger:
                 placement, choice = traffic_aware_replan(placement, counts_DE.tolist(), self.max_per_rank, *rate)
         self.phase2_triggered.append(trigger)
         self.phase2_choice.append(choice)
