@@ -91,3 +91,22 @@ def test_replicas_filling_every_device_leave_room_for_experts_without_estimate()
 def test_unknown_phase2_pricing_is_refused():
     with pytest.raises(ValueError, match=r"phase-2 pricing must be one of \('traffic', 'compute'\), got 'both'"):
         ScheduledMoE(None, None, "none", phase2_pricing="both")  # type: ignore[arg-type]
+
+
+def test_every_expert_everywhere_when_single_additions_do_not_pay():
+    # device 0 chose experts 0, 1 3 and 2 times, device 1 2 and 3 times; trained layout: 5 rows each,
+    # 2 rows each way over the link (5 + 2 + 2 = 9)
+    counts = [[3, 2], [2, 3]]
+    static = Placement([[0], [1]])
+    assert layer_cost(static, counts, 1.0, 1.0) == 9.0
+    # one replica more makes a device compute 7 or 8 rows: no single addition pays
+    assert add_replicas(static, counts, 2, 1.0, 1.0).hosts == [[0], [1]]
+    # both experts on both devices: expert 0's replica 0 takes indices [0, 2) (device 0's), replica 1
+    # [2, 5) (device 0's third crosses); expert 1's replica 0 [0, 2) and replica 1 [2, 5) all stay local:
+    # rows 4 and 6, one row each way (6 + 1 + 1 = 8)
+    everywhere = Placement([[0, 1], [0, 1]])
+    assert link_rows(everywhere, counts) == ([1, 0], [0, 1])
+    assert layer_cost(everywhere, counts, 1.0, 1.0) == 8.0
+    assert traffic_aware_replan(static, counts, 2, 1.0, 1.0) == (everywhere, "everywhere")
+    # at most one expert per device: not a candidate
+    assert traffic_aware_replan(static, counts, 1, 1.0, 1.0) == (static, "keep")

@@ -53,7 +53,8 @@ or for bytes the busiest sender): a2a_bytes (mean over layer calls of the bytes 
 in both all-to-alls, counted from the rows sent), a2a_ms_median, expert_ms_median,
 phase_overhead_ms (median planning time, phase 2 included), ms_per_batch (phase, count exchange,
 all-to-alls, expert GEMMs and whole MoE layers summed over a batch's layer calls) and
-phase2_choices (what a triggered phase 2 did: keep, keep+replicas, replan, replan+replicas).
+phase2_choices (what a triggered phase 2 did: keep, keep+replicas, replan, replan+replicas,
+everywhere).
 
 Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_median,
 layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, model,

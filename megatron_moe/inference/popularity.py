@@ -34,7 +34,8 @@ expert rows but may move a replica away from the device whose tokens it served, 
 tokens over the link. Each candidate is priced by `layer_cost`: the busiest device's expert rows
 times the seconds per row plus the busiest sender's and receiver's link rows (`link_rows`, exact
 for the dispatch's even split) times the seconds per row on the link; phase 1's placement is kept
-unless a candidate (the compute-only re-plan, either with replicas added greedily) costs less.
+unless a candidate (the compute-only re-plan, either with replicas added greedily, every chosen
+expert on every device) costs less.
 """
 
 from __future__ import annotations
@@ -384,9 +385,10 @@ def traffic_aware_replan(
     kept: Placement, counts_DE: list[list[int]], max_per_rank: int, row_s: float, link_row_s: float
 ) -> tuple[Placement, str]:
     """Phase 2 priced by compute and link traffic (module docstring): candidates are `kept` (phase 1's
-    placement), the compute-only re-plan from the actual counts, and each with replicas added
-    (`add_replicas`); the lowest `layer_cost` wins, the first of that order on ties (`kept` first). Returns (placement, which):
-    which is "keep", "replan", "keep+replicas" or "replan+replicas"."""
+        placement), the compute-only re-plan from the actual counts, and each with replicas added
+        (`add_replicas`), and every chosen expert on every device where `max_per_rank` allows; the lowest
+    `layer_cost` wins, the first of that order on ties (`kept` first). Returns (placement, which):
+        which is "keep", "keep+replicas", "replan", "replan+replicas" or "everywhere"."""
     D = len(counts_DE)
     actual = [float(sum(counts_DE[s][e] for s in range(D))) for e in range(len(kept.hosts))]
     total = max(sum(actual), 1.0)
@@ -398,6 +400,12 @@ def traffic_aware_replan(
         ("replan", replan),
         ("replan+replicas", add_replicas(replan, counts_DE, limit, row_s, link_row_s)),
     ]
+    # every chosen expert on every device (when the limit allows): each device serves its own choices
+    # of an expert up to an even share, which one-at-a-time additions may not reach
+    chosen = [e for e, a in enumerate(actual) if a > 0]
+    everywhere = [list(range(D)) if a > 0 else list(kept.hosts[e]) for e, a in enumerate(actual)]
+    if all(sum(d in h for h in everywhere) <= limit for d in range(D)) and chosen:
+        cands.append(("everywhere", Placement(everywhere)))
     best_name, best = cands[0]
     best_cost = layer_cost(best, counts_DE, row_s, link_row_s)
     for name, p in cands[1:]:
