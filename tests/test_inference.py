@@ -285,6 +285,7 @@ def _layouts(rank, world, ckpt, layouts, lina_profile):
                     runner.estimated,
                     runner.actual,
                     runner.phase2_triggered,
+                    runner.phase2_choice,
                 )
             eng.set_ffn_runner(ScheduledMoE(eng, None, "none"))
             none = eng.generate(mine, NEW, keep_logits=True)
@@ -318,13 +319,14 @@ def test_greedy_under_mp2_ep2_and_mp2xep2_equals_one_process_and_lina_keeps_the_
     for rank, res in enumerate(four):
         tokens, logits, runs, none = res["lina"]
         assert tokens == expect[rank::4]
-        for mode, (t, lg, estimated, actual, fired) in runs.items():
+        for mode, (t, lg, estimated, actual, fired, choices) in runs.items():
             assert t == tokens
             for a, b in zip(lg, logits):  # replicas run GEMMs of other row counts: fp32 round-off only
                 assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{mode}: logits differ by {float((a - b).abs().max())}"
-            for est, act, f in zip(estimated, actual, fired):
+            for est, act, f, choice in zip(estimated, actual, fired, choices):
                 differs = est is not None and top_experts(est, 4) != top_experts(act, 4)
                 assert f == (differs and mode == "phase1_2")
+                assert (choice is not None) == f  # a triggered phase 2 priced its options
                 triggered += f
                 untriggered += (not f) and est is not None and mode == "phase1_2"
         for a, b in zip(none, logits):  # the trained placement: the same GEMMs, the same bits

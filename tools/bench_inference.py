@@ -33,7 +33,9 @@ Modes take turns batch by batch (after --warmup batches each) through the same e
 every expert resident on every rank (gathered once; a replica moves no weights):
   none      the trained placement (expert e on rank e // (E / world)), dropless uneven all-to-all
   phase1    Lina's phase 1: placement from the path estimate carried by the previous layer's exchange
-  phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ
+  phase1_2  phase 1 plus phase 2: re-plan from the actual counts when the top-2k experts differ,
+            priced by compute and link traffic (keeps phase 1's placement unless cheaper)
+  phase1_2c the same with the earlier phase 2: re-plan for compute balance alone
   lina      what --lina-inference runs: phase1_2 checked against none over the first
             --lina-probe-forwards forwards (in the warm-up), kept only if faster (lina_decision)
   engine    skew 0 only: the engine's own dropless MoE layer (no gate-bias hook), the check that
@@ -46,10 +48,18 @@ layers); phase_ms: median planning time per layer call (the estimate for the nex
 the placement: the phase overhead); rows_max_over_mean: the busiest rank's expert rows over the
 mean, summed over layer calls (what the placement does to the load, free of timing noise).
 
+Where the time goes (second table, measured per scheduled runner; per layer call the slowest rank,
+or for bytes the busiest sender): a2a_bytes (mean over layer calls of the bytes sent to other ranks
+in both all-to-alls, counted from the rows sent), a2a_ms_median, expert_ms_median,
+phase_overhead_ms (median planning time, phase 2 included), ms_per_batch (phase, count exchange,
+all-to-alls, expert GEMMs and whole MoE layers summed over a batch's layer calls) and
+phase2_choices (what a triggered phase 2 did: keep, keep+replicas, replan, replan+replicas,
+everywhere).
+
 Prints a table; --json PATH writes a list of objects with keys mode, layer_ms_median,
 layer_ms_p95, batch_ms_median, batch_ms_p95, estimation_accuracy (plus skew, model,
 popularity_skew, phase_ms_median, phase2_rate, world_size, rows_max_over_mean, lina_decision,
-expert_share_of_compute, expert_share_of_call).
+expert_share_of_compute, expert_share_of_call, and the time-split keys above).
 """
 
 from __future__ import annotations
@@ -267,6 +277,10 @@ def main() -> int:
             mode: ScheduledMoE(engine, profile, mode, args.max_experts_per_rank, bias, weights=weights)
             for mode in MODES
         }
+        # the earlier phase 2 (re-plan for compute balance alone), the measured comparison
+        runners["phase1_2c"] = ScheduledMoE(
+            engine, profile, "phase1_2", args.max_experts_per_rank, bias, weights=weights, phase2_pricing="compute"
+        )
         # lina: what --lina-inference runs (phase1_2 checked against none over the first forwards,
         # which fall in the warm-up batch; the unscheduled way has the same gate bias)
         unscheduled = ScheduledMoE(engine, None, "none", args.max_experts_per_rank, bias, weights=weights)
@@ -346,6 +360,7 @@ def summarize(
     imbalance = sum(max(x) for x in per_call) * world / total if total else 1.0
     sched = isinstance(r, ScheduledMoE)
     fired = [f for f, est in zip(r.phase2_triggered, r.estimated) if est is not None] if sched else []
+    split = time_split(r, device, args.batches) if sched else {}
     return {
         "mode": mode,
         "layer_ms_median": statistics.median(calls.tolist()) * 1e3,
@@ -361,7 +376,38 @@ def summarize(
         "world_size": world,
         "rows_max_over_mean": imbalance,
         "lina_decision": decision,
+        **split,
         **share,
+    }
+
+
+def time_split(r: ScheduledMoE, device: torch.device, batches: int) -> dict:
+    """Where a scheduled runner's MoE-layer time goes, measured (collective: per layer call the slowest
+    rank's time / the busiest sender's bytes): a2a_bytes, the mean over layer calls of the bytes the
+    busiest rank sent to other ranks in both all-to-alls; *_ms_median per layer call; *_ms_per_batch
+    summed over a batch's layer calls (phase overhead, count exchange, both all-to-alls, expert GEMMs,
+    the whole call); phase2_choices, how often a triggered phase 2 kept phase 1's placement or re-planned."""
+    per_call = torch.tensor(
+        [r.a2a_bytes, r.plan_s, r.exchange_s, r.a2a_s, r.expert_s, r.call_s], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+    a2a_b, plan, exch, a2a, expert, call = per_call.tolist()
+    if not call:
+        return {}
+    choices: dict[str, int] = {}
+    for c in r.phase2_choice:
+        if c is not None:
+            choices[c] = choices.get(c, 0) + 1
+    return {
+        "a2a_bytes": statistics.fmean(a2a_b) if a2a_b else 0.0,
+        "phase_overhead_ms": statistics.median(plan) * 1e3,
+        "a2a_ms_median": statistics.median(a2a) * 1e3,
+        "expert_ms_median": statistics.median(expert) * 1e3,
+        "ms_per_batch": {
+            k: sum(v) * 1e3 / batches
+            for k, v in (("phase", plan), ("exchange", exch), ("a2a", a2a), ("expert", expert), ("layer", call))
+        },
+        "phase2_choices": choices,
     }
 
 
@@ -386,6 +432,20 @@ def report(rows: list[dict], args, world: int) -> None:
             f"{x['mode']:<9} {x['layer_ms_median']:12.2f} {x['layer_ms_p95']:7.2f} "
             f"{x['batch_ms_median']:12.1f} {x['batch_ms_p95']:8.1f} {acc:>7} {x['popularity_skew']:8.2f} "
             f"{x['phase_ms_median']:8.3f} {x['phase2_rate']:6.2f} {x['rows_max_over_mean']:13.2f}"
+        )
+    for x in rows:
+        if "a2a_bytes" not in x:
+            continue
+        t = x["ms_per_batch"]
+        if x is rows[0]:  # mode none: a scheduled runner
+            print(
+                f"{'mode':<9} {'a2a KB/layer':>12} {'a2a ms med':>10} {'expert ms med':>13} {'phase ms med':>12}"
+                f"   per batch ms: phase / exchange / a2a / expert / MoE layers   phase 2"
+            )
+        print(
+            f"{x['mode']:<9} {x['a2a_bytes'] / 1024:12.1f} {x['a2a_ms_median']:10.2f} {x['expert_ms_median']:13.2f} "
+            f"{x['phase_overhead_ms']:12.3f}   {t['phase']:.1f} / {t['exchange']:.1f} / {t['a2a']:.1f} / "
+            f"{t['expert']:.1f} / {t['layer']:.1f}   {x['phase2_choices'] or '-'}"
         )
     by = {x["mode"]: x for x in rows}
     n, p = by["none"], by["phase1_2"]

@@ -25,9 +25,17 @@ expert is down to one replica, everything is packed onto the N devices largest f
 the least-loaded device with room (`least_loaded`: under the per-device expert limit,
 first-fit-decreasing with a grown capacity balanced badly). Experts with no estimate are spread
 over the free devices (else each goes to the device of least estimated load: the paper assigns
-them at random); free devices left
-over take extra replicas of the expert with the highest load per replica. A replica set splits
-its expert's tokens evenly.
+them at random; when replicas fill every device, the most replicated expert gives up its replica
+on the highest device); free devices left over take extra replicas of the expert with the highest
+load per replica. A replica set splits its expert's tokens evenly.
+
+Phase 2, traffic-aware (`traffic_aware_replan`): a re-plan from the actual counts balances the
+expert rows but may move a replica away from the device whose tokens it served, sending those
+tokens over the link. Each candidate is priced by `layer_cost`: the busiest device's expert rows
+times the seconds per row plus the busiest sender's and receiver's link rows (`link_rows`, exact
+for the dispatch's even split) times the seconds per row on the link; phase 1's placement is kept
+unless a candidate (the compute-only re-plan, either with replicas added greedily, every chosen
+expert on every device) costs less.
 """
 
 from __future__ import annotations
@@ -282,6 +290,9 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
         if spots:
             target = min(spots, key=lambda d: (len(devices[d]), d))
         else:  # the least estimated load (ties: fewest experts, lower device)
+            if all(len(dd) >= max_per_rank for dd in devices):  # replicas took every slot: drop one
+                most = max(range(E), key=lambda x: (sum(x in dd for dd in devices), -x))
+                devices[max(d for d in range(N) if most in devices[d])].remove(most)
             load = device_loads(devices, n_e)
             target = min(
                 (d for d in range(N) if len(devices[d]) < max_per_rank), key=lambda d: (load[d], len(devices[d]), d)
@@ -301,6 +312,107 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
 def top_experts(load: list[float], n: int) -> set[int]:
     """The n experts with the highest load (ties: lower expert id)."""
     return set(sorted(range(len(load)), key=lambda e: (-load[e], e))[:n])
+
+
+# ----------------------------------------------------------------------------- traffic-aware phase 2
+def link_rows(placement: Placement, counts_DE: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(rows each device sends to other devices, rows each receives from them) in the dispatch
+    all-to-all: expert e's choices, in (source device, token) order, split evenly over its replicas
+    (replica j takes indices [j c // r, (j + 1) c // r) of its c choices); a choice whose replica sits
+    on its own device stays off the link. The combine all-to-all sends the same rows back."""
+    D = len(counts_DE)
+    sent, recv = [0] * D, [0] * D
+    for e, hosts in enumerate(placement.hosts):
+        c, r = sum(counts_DE[s][e] for s in range(D)), len(hosts)
+        lo = 0
+        for s in range(D):
+            n = counts_DE[s][e]
+            for j, d in enumerate(hosts):
+                if d == s:
+                    continue
+                a, b = j * c // r, (j + 1) * c // r
+                x = max(0, min(b, lo + n) - max(a, lo))
+                sent[s] += x
+                recv[d] += x
+            lo += n
+    return sent, recv
+
+
+def layer_cost(placement: Placement, counts_DE: list[list[int]], row_s: float, link_row_s: float) -> float:
+    """Modelled MoE-layer time of a placement: the busiest device's expert rows x `row_s` (seconds per
+    expert row) plus the busiest sender's and the busiest receiver's link rows x `link_row_s`
+    (seconds per row crossing between devices; the dispatch, then the combine sending them back)."""
+    D = len(counts_DE)
+    rows = device_rows(placement, [sum(counts_DE[s][e] for s in range(D)) for e in range(len(placement.hosts))], D)
+    sent, recv = link_rows(placement, counts_DE)
+    return max(rows, default=0) * row_s + (max(sent, default=0) + max(recv, default=0)) * link_row_s
+
+
+def add_replicas(
+    placement: Placement, counts_DE: list[list[int]], max_per_rank: int, row_s: float, link_row_s: float
+) -> Placement:
+    """Greedy: add the replica (expert e on a device not yet holding it, fewer than `max_per_rank`
+    experts there) that lowers `layer_cost` most, until none does (ties: lower expert, then device).
+    Never removes a replica; hosts stay in device order."""
+    hosts = [list(h) for h in placement.hosts]
+    D = len(counts_DE)
+    held = [sum(d in h for h in hosts) for d in range(D)]
+    cost = layer_cost(Placement(hosts), counts_DE, row_s, link_row_s)
+    while True:
+        best: Optional[tuple[float, int, int]] = None
+        for e in range(len(hosts)):
+            if not any(counts_DE[s][e] for s in range(D)):
+                continue
+            for d in range(D):
+                if d in hosts[e] or held[d] >= max_per_rank:
+                    continue
+                c = layer_cost(
+                    Placement([sorted(h + [d]) if i == e else h for i, h in enumerate(hosts)]),
+                    counts_DE,
+                    row_s,
+                    link_row_s,
+                )
+                if c < cost and (best is None or c < best[0]):
+                    best = (c, e, d)
+        if best is None:
+            return Placement(hosts)
+        cost, e, d = best
+        hosts[e] = sorted(hosts[e] + [d])
+        held[d] += 1
+
+
+def traffic_aware_replan(
+    kept: Placement, counts_DE: list[list[int]], max_per_rank: int, row_s: float, link_row_s: float
+) -> tuple[Placement, str]:
+    """Phase 2 priced by compute and link traffic (module docstring): candidates are `kept` (phase 1's
+        placement), the compute-only re-plan from the actual counts, and each with replicas added
+        (`add_replicas`), and every chosen expert on every device where `max_per_rank` allows; the lowest
+    `layer_cost` wins, the first of that order on ties (`kept` first). Returns (placement, which):
+        which is "keep", "keep+replicas", "replan", "replan+replicas" or "everywhere"."""
+    D = len(counts_DE)
+    actual = [float(sum(counts_DE[s][e] for s in range(D))) for e in range(len(kept.hosts))]
+    total = max(sum(actual), 1.0)
+    replan = plan_placement([D * a / total for a in actual], D, max_per_rank)
+    limit = max(max_per_rank, -(-len(kept.hosts) // D))
+    cands = [
+        ("keep", kept),
+        ("keep+replicas", add_replicas(kept, counts_DE, limit, row_s, link_row_s)),
+        ("replan", replan),
+        ("replan+replicas", add_replicas(replan, counts_DE, limit, row_s, link_row_s)),
+    ]
+    # every chosen expert on every device (when the limit allows): each device serves its own choices
+    # of an expert up to an even share, which one-at-a-time additions may not reach
+    chosen = [e for e, a in enumerate(actual) if a > 0]
+    everywhere = [list(range(D)) if a > 0 else list(kept.hosts[e]) for e, a in enumerate(actual)]
+    if all(sum(d in h for h in everywhere) <= limit for d in range(D)) and chosen:
+        cands.append(("everywhere", Placement(everywhere)))
+    best_name, best = cands[0]
+    best_cost = layer_cost(best, counts_DE, row_s, link_row_s)
+    for name, p in cands[1:]:
+        c = layer_cost(p, counts_DE, row_s, link_row_s)
+        if c < best_cost:
+            best_name, best, best_cost = name, p, c
+    return best, best_name
 
 
 # ----------------------------------------------------------------------------- files

@@ -9,15 +9,21 @@ of one engine can share it), so any rank can run any expert: a replica costs no 
 batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
 
   route (dropless)  -> local choice counts [E]
-  one all-gather over the EP group of [counts E | estimate for layer m+1 E | R]: the count
-    exchange the dropless dispatcher needs anyway, carrying phase 1's estimate for the next layer
-    (no extra round trip); every rank then knows every rank's counts and plans alike
+  one all-gather over the EP group of [counts E | estimate for layer m+1 E | R | 4 measured sums
+    (`rates`)]: the count exchange the dropless dispatcher needs anyway, carrying phase 1's
+    estimate for the next layer (no extra round trip); every rank then knows every rank's counts
+    and plans alike
   placement of layer m:
     none      the trained layout (expert e on rank e // (E / D))
     phase1    planned from the estimate carried by layer m-1's exchange (layer 0: the profile's
               overall distribution), eq. (1) scaled to sum to D, and `popularity.plan_placement`
     phase1_2  phase 1, then phase 2: when the top-2k experts of the actual counts differ from
-              those of the estimate, re-plan from the actual counts (`phase2_triggered`)
+              those of the estimate (`phase2_triggered`), re-plan from the actual counts priced
+              by compute and link traffic (`popularity.traffic_aware_replan`: phase 1's placement
+              is kept unless a re-plan lowers the modelled layer time; `phase2_choice`). The
+              rates are measured (seconds per expert row; seconds of the dispatch all-to-all per
+              row the busiest rank sends to others), summed over earlier calls and carried in the
+              same all-gather, so every rank prices alike
   dispatch: the choices of expert e, in (source rank, token) order, are split evenly over its
     replicas; one uneven all-to-all there, experts computed on the received rows, one back,
     weighted combine. Every choice meets the same expert weights as in the trained layout, so the
@@ -27,8 +33,10 @@ batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
 logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
 Mode none makes no estimate (nothing to plan). Per call the runner records its wall time, the
 time inside its collectives (`comm_s`: the count exchange and both all-to-alls, waits for slower
-ranks included), the expert GEMMs (`expert_s`) and the planning (`plan_s`: the estimate for the
-next layer, eq. (1) and the placement; the phase overhead).
+ranks included; `exchange_s` the count all-gather, `a2a_s` both all-to-alls), the bytes this rank
+sent to other ranks in both all-to-alls (`a2a_bytes`, counted from the rows sent), the expert
+GEMMs (`expert_s`) and the planning (`plan_s`: the estimate for the next layer, eq. (1) and the
+placement, phase 2 included; the phase overhead).
 """
 
 from __future__ import annotations
@@ -48,13 +56,18 @@ from megatron_moe.inference.popularity import (
     PathProfile,
     device_rows,
     devices_per_expert,
+    link_rows,
     model_fingerprint,
     plan_placement,
     static_placement,
     top_experts,
+    traffic_aware_replan,
 )
 
 MODES = ("none", "phase1", "phase1_2")
+# phase 2: "traffic" prices compute and link (traffic_aware_replan); "compute" re-plans for compute
+# balance alone (the earlier phase 2; benchmarks compare the two)
+PRICINGS = ("traffic", "compute")
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -70,9 +83,13 @@ class ScheduledMoE:
         gate_bias: Optional[list[torch.Tensor]] = None,
         record_into: Optional[PathProfile] = None,
         weights: Optional[list[ExpertWeights]] = None,
+        phase2_pricing: str = "traffic",
     ):
         if mode not in MODES:
             raise ValueError(f"scheduling mode must be one of {MODES}, got {mode!r}")
+        if phase2_pricing not in PRICINGS:
+            raise ValueError(f"phase-2 pricing must be one of {PRICINGS}, got {phase2_pricing!r}")
+        self.phase2_pricing = phase2_pricing
         if mode != "none" and profile is None:
             raise ValueError(f"mode {mode} needs a profile (--lina-inference)")
         ps = engine.ps
@@ -104,6 +121,13 @@ class ScheduledMoE:
         self.comm_s: list[float] = []  # time inside this call's collectives (waits included)
         self.expert_s: list[float] = []  # time in this call's expert GEMMs
         self.rows: list[list[int]] = []  # expert rows each rank computed, per call
+        self.a2a_s: list[float] = []  # time in this call's two all-to-alls (waits included)
+        self.exchange_s: list[float] = []  # time in this call's count all-gather
+        self.a2a_bytes: list[int] = []  # bytes this rank sent to other ranks in both all-to-alls
+        self.phase2_choice: list[Optional[str]] = []  # what a triggered phase 2 did (traffic_aware_replan)
+        # measured rates, summed over calls: (dispatch all-to-all s, busiest sender's rows), (expert s, rows)
+        self.link_meas = [0.0, 0.0]
+        self.expert_meas = [0.0, 0.0]
         self.hits = self.predicted = 0  # tokens whose estimated top expert was right
 
     # ------------------------------------------------------------------ estimation
@@ -165,14 +189,16 @@ class ScheduledMoE:
         pop_next, self._guess = self._estimate_next(m, first)
         est_s = time.perf_counter() - t_est
         counts = torch.bincount(expert.reshape(-1), minlength=self.E).to(torch.float64).cpu()
-        msg = torch.cat([counts, pop_next, torch.tensor([float(R)], dtype=torch.float64, device="cpu")])
+        meas = [float(R), *self.link_meas, *self.expert_meas]
+        msg = torch.cat([counts, pop_next, torch.tensor(meas, dtype=torch.float64, device="cpu")])
         t_comm = time.perf_counter()
-        table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()  # [D, 2E+1]
-        self.comm_s.append(time.perf_counter() - t_comm)
+        table = all_gather_raw(msg.to(x.device)[None], self.group, dim=0).cpu()  # [D, 2E+5]
+        self.exchange_s.append(time.perf_counter() - t_comm)
+        self.comm_s.append(self.exchange_s[-1])
         counts_DE = table[:, : self.E].round().long()
         t0 = time.perf_counter()
-        placement = self._placement(m, est_here, counts_DE)
-        total_tokens = float(table[:, -1].sum())
+        placement = self._placement(m, est_here, counts_DE, rates(table[:, 2 * self.E + 1 :].sum(dim=0).tolist()))
+        total_tokens = float(table[:, 2 * self.E].sum())
         self.next_estimate = (
             devices_per_expert(table[:, self.E : 2 * self.E].sum(dim=0), int(total_tokens), self.D)
             if self.mode != "none" and m + 1 < len(self.blocks)
@@ -185,13 +211,17 @@ class ScheduledMoE:
         self.call_s.append(time.perf_counter() - start)
         return out
 
-    def _placement(self, m: int, estimate: Optional[list[float]], counts_DE: torch.Tensor) -> Placement:
-        """The placement of layer m for this mode (phase 2 re-plans from the actual counts)."""
+    def _placement(
+        self, m: int, estimate: Optional[list[float]], counts_DE: torch.Tensor, rate: tuple[float, float]
+    ) -> Placement:
+        """The placement of layer m for this mode (phase 2: `traffic_aware_replan` from the actual counts,
+        priced with `rate` = (s per expert row, s per link row), the same on every rank)."""
         actual = counts_DE.sum(dim=0).tolist()
         self.actual.append([float(a) for a in actual])
         self.estimated.append(estimate)
         if self.mode == "none" or estimate is None:
             self.phase2_triggered.append(False)
+            self.phase2_choice.append(None)
             return static_placement(self.E, self.D)
         # eq. (1) counts only each path's top-k probabilities, so its n_e sum to less than D: packing
         # them into devices of capacity 1 would crowd experts onto too few devices; plan with the
@@ -200,14 +230,18 @@ class ScheduledMoE:
         placement = plan_placement(
             [self.D * x / total_est for x in estimate] if total_est > 0 else estimate, self.D, self.max_per_rank
         )
-        trigger = False
+        trigger, choice = False, None
         if self.mode == "phase1_2":
             n = min(2 * self.k, self.E)
             trigger = top_experts(estimate, n) != top_experts([float(a) for a in actual], n)
-            if trigger:
+            if trigger and self.phase2_pricing == "compute":
                 total = max(sum(actual), 1)
                 placement = plan_placement([self.D * a / total for a in actual], self.D, self.max_per_rank)
+                choice = "replan"
+            elif trigger:
+                placement, choice = traffic_aware_replan(placement, counts_DE.tolist(), self.max_per_rank, *rate)
         self.phase2_triggered.append(trigger)
+        self.phase2_choice.append(choice)
         return placement
 
     # ------------------------------------------------------------------ the all-to-alls
@@ -266,6 +300,13 @@ class ScheduledMoE:
         t_comm = time.perf_counter()
         recv_x = all_to_all_raw(send_x, self.group, recv_counts, send_counts)
         t_exp = time.perf_counter()
+        # measured: the rows that crossed to other ranks (dispatch, and the same back), in bytes
+        row_bytes = M * h.element_size()
+        self.a2a_bytes.append((sum(send_counts) - send_counts[me] + sum(recv_counts) - recv_counts[me]) * row_bytes)
+        busiest = max(link_rows(placement, counts_DE.tolist())[0], default=0)
+        if busiest:  # the dispatch starts in step after the all-gather: its time is the link's
+            self.link_meas[0] += t_exp - t_comm
+            self.link_meas[1] += busiest
         recv_exp = torch.repeat_interleave(
             torch.tensor([e for _, e, _ in recv_blocks], dtype=torch.long, device="cpu"),
             torch.tensor([n for _, _, n in recv_blocks], dtype=torch.long, device="cpu"),
@@ -273,8 +314,12 @@ class ScheduledMoE:
         out = self._experts(m, recv_x, recv_exp)
         t_back = time.perf_counter()
         back = all_to_all_raw(out, self.group, send_counts, recv_counts)  # in my send order
-        self.comm_s[-1] += (t_exp - t_comm) + (time.perf_counter() - t_back)
+        self.a2a_s.append((t_exp - t_comm) + (time.perf_counter() - t_back))
+        self.comm_s[-1] += self.a2a_s[-1]
         self.expert_s.append(t_back - t_exp)
+        if recv_x.size(0):
+            self.expert_meas[0] += t_back - t_exp
+            self.expert_meas[1] += recv_x.size(0)
         y = torch.zeros((R, M), dtype=h.dtype, device=dev)
         w = weight.reshape(-1)[order][send_order.to(dev)].to(h.dtype)
         return y.index_add(0, send_tok.to(dev), back * w[:, None])
@@ -294,6 +339,18 @@ class ScheduledMoE:
     def estimation_accuracy(self) -> Optional[float]:
         """Share of tokens whose estimated top expert (their path's most likely) was their first choice."""
         return self.hits / self.predicted if self.predicted else None
+
+
+def rates(sums: list[float]) -> tuple[float, float]:
+    """(s per expert row, s per link row) from the summed measurements [link s, link rows, expert s,
+    expert rows] of every rank (`ScheduledMoE.link_meas`, `expert_meas`); an unmeasured rate is taken
+    equal to the other, both 1 before any measurement (then only their ratio matters)."""
+    link_s, link_n, exp_s, exp_n = sums
+    row = exp_s / exp_n if exp_n > 0 and exp_s > 0 else None
+    link = link_s / link_n if link_n > 0 and link_s > 0 else None
+    if row is None:
+        row = link if link is not None else 1.0
+    return row, (link if link is not None else row)
 
 
 def gather_experts(engine: InferenceEngine) -> list[ExpertWeights]:
