@@ -37,7 +37,9 @@ time below is forward + backward):
 Algorithm 1 (`choose_schedule`): the paper compares only t_D1 and t_D2 and takes
 S1 on a tie; `auto` also prices the baseline and takes it when it is strictly
 cheaper than both (small layers, where S1/S2's extra collectives' latencies
-dominate). S1 is impossible when N_MP does not divide S.
+dominate). S1 is impossible when N_MP does not divide S. The runtime's `auto` takes this
+as a ranking and keeps the fastest schedule measured on the real layer
+(`moe.schedule_trial`; `Choice.measured`, `Choice.scale`).
 `expert_flops` is the compute term (simulator, and `auto` at a measured throughput): the
 baseline runs every token's expert FFN on each of the N_MP ranks, S1 and S2 once; with
 kept=True (the runtime's kept-row experts) only kept rows count, N_ESP min(k S, E C) per
