@@ -142,7 +142,7 @@ class MoEConfig:
     parm_auto_measure_iters: int = opt(
         5,
         "--moe-schedule auto: after the cost model ranks baseline, S1 and S2, time this many forward + backward "
-        "rounds of each on the real layer (after one warm-up round) and keep the fastest median, max over ranks "
+        "rounds of each on the real layer (after two warm-up rounds) and keep the fastest median, max over ranks "
         "(0: the cost model's choice)",
     )
     parm_auto_force_fastest: Optional[str] = opt(

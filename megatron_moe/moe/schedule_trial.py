@@ -4,8 +4,8 @@
 does to one MoE layer:
   1. Algorithm 1 on the fitted cost model (`comm_profile.choose_for_layer`) ranks baseline, S1 and S2;
   2. with `--parm-auto-measure-iters N` > 0, `measure_schedules` runs the layer itself under each
-     candidate (S1 only where the tokens of a routing group split over MP): one untimed round, then N
-     rounds of forward + backward on a fixed input of the training shape, the candidates taking turns
+     candidate (S1 only where the tokens of a routing group split over MP): WARMUP_ROUNDS untimed rounds,
+     then N rounds of forward + backward on a fixed input of the training shape, the candidates taking turns
      in each round (round robin, so a slow spell of a shared machine hits all alike). Each pass is
      timed with `profiling.stamp` / `span_ms` (CUDA events on the compute stream, which waits for the
      collectives; on CPU the gloo collectives return when complete), after a barrier so every rank
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("megatron_moe.parm")
 
 SCHEDULES = ("baseline", "s1", "s2")
+WARMUP_ROUNDS = 2  # untimed rounds first: allocations, the groups' first collectives, caches
 INPUT_SEED = 8191  # the measurement's input: drawn on the host from its own generator (no global RNG)
 
 
@@ -116,12 +117,12 @@ def measure_schedules(
     path = (layer.path_calls, dict(layer.path_times), layer.path_last, layer.path_choice)
     spans: dict = {s: [] for s in ranked}
     try:
-        for it in range(iters + 1):  # round 0 warms up (allocations, first-call costs)
+        for it in range(WARMUP_ROUNDS + iters):
             for j in range(len(ranked)):
                 s = ranked[(it + j) % len(ranked)]
                 layer.use_schedule(s, choice.saa_chunks, choice)
                 span = _one_pass(layer, x, gy, params, cuda)
-                if it > 0:
+                if it >= WARMUP_ROUNDS:
                     spans[s].append(span)
     finally:
         torch.set_rng_state(cpu_rng)
