@@ -139,6 +139,18 @@ class MoEConfig:
         choices=["auto", "padded", "kept", "overlap"],
     )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
+    parm_auto_measure_iters: int = opt(
+        5,
+        "--moe-schedule auto: after the cost model ranks baseline, S1 and S2, time this many forward + backward "
+        "rounds of each on the real layer (after two warm-up rounds) and keep the fastest median, max over ranks "
+        "(0: the cost model's choice)",
+    )
+    parm_auto_force_fastest: Optional[str] = opt(
+        None,
+        "--moe-schedule auto with --parm-auto-measure-iters >= 1: measure, then keep this schedule whatever "
+        "the medians (tests)",
+        choices=["baseline", "s1", "s2"],
+    )
 
     def __post_init__(self) -> None:
         check_fields(
@@ -150,8 +162,13 @@ class MoEConfig:
                 "moe_min_capacity": NON_NEGATIVE,
                 "moe_aux_loss_coeff": NON_NEGATIVE,
                 "moe_z_loss_coeff": NON_NEGATIVE,
+                "parm_auto_measure_iters": NON_NEGATIVE,
             },
         )
+        if self.parm_auto_force_fastest is not None and not (
+            self.moe_schedule == "auto" and self.parm_auto_measure_iters
+        ):
+            raise ValueError("--parm-auto-force-fastest needs --moe-schedule auto and --parm-auto-measure-iters >= 1")
         if self.moe_router_topk not in (1, 2):
             raise ValueError(f"--moe-router-topk must be 1 or 2, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:

@@ -4,9 +4,11 @@
     for line in applied.changes: log(line)
 
 1. Parm (--moe-schedule auto): Algorithm 1 per MoE layer from collective costs
-   profiled on the run's real groups (or the --comm-profile cache), the same
-   choice on every rank (`moe.comm_profile.choose_for_layer`); the layer takes
-   the chosen dispatcher (`MoELayer.use_schedule`). Explicit schedules stay.
+   profiled on the run's real groups (or the --comm-profile cache) ranks the
+   schedules, then the layer times each on its real groups and keeps the fastest
+   (--parm-auto-measure-iters, `moe.schedule_trial.auto_schedule`), the same
+   choice on every rank; the layer takes the chosen dispatcher
+   (`MoELayer.use_schedule`). Explicit schedules stay.
 2. Lina (--lina): gradient all-reduce goes to a `LinaScheduler` in micro-ops;
    it listens to the dispatchers of the MoE layers that exchange tokens.
 3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
@@ -40,8 +42,8 @@ from megatron_moe.distributed.lina import LinaScheduler
 from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.arguments import validate_pro_prophet
-from megatron_moe.moe.comm_profile import choose_for_layer
 from megatron_moe.moe.placement import ProProphet, parse_plan
+from megatron_moe.moe.schedule_trial import auto_schedule
 from megatron_moe.parallel_state import ParallelState
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import PerfModel, measure_constants
@@ -96,8 +98,7 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
                 f"(uneven all-to-all, ragged experts)"
             )
         elif layer.requested == "auto":
-            choice = choose_for_layer(cfg, ps, layer.layer_idx)
-            layer.use_schedule(choice.schedule, choice.saa_chunks, choice)
+            choice = auto_schedule(cfg, ps, layer)  # the model's ranking, confirmed by measurement
             out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
         else:
             out.changes.append(

@@ -9,8 +9,9 @@ Run under torchrun (plain localhost or the emulated cluster of scripts/emulate_c
 
 Flags: the trainer's (model, MoE, parallelism, training groups; `--help` lists them) plus
 --schedules, --iters, --warmup, --json.
-Schedules: baseline, s1, s2, auto (Algorithm 1's pick from the fitted cost model,
---comm-profile caches the fit) and s2-aas (S2 with SAA off). Iterations are
+Schedules: baseline, s1, s2, auto (Algorithm 1's ranking from the fitted cost model,
+--comm-profile caches the fit, then --parm-auto-measure-iters rounds of each candidate timed on the
+auto layer, the fastest kept; 0: the model's pick) and s2-aas (S2 with SAA off). Iterations are
 interleaved across schedules (round robin) so a slow spell of a shared machine
 hits all of them alike; an iteration's time is the slowest rank's. Bytes are the
 collective observer's "sent" per collective@group, averaged over ranks (S1's uneven
@@ -36,8 +37,9 @@ from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
-from megatron_moe.moe.comm_profile import choose_for_layer
+from megatron_moe.moe.dispatcher import PaddedDispatcher
 from megatron_moe.moe.layer import MoELayer
+from megatron_moe.moe.schedule_trial import auto_schedule
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
@@ -139,14 +141,15 @@ def run(args: argparse.Namespace) -> None:
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
     layers = {s: MoELayer(make_config(args, s), ps, t.seed, "bench.moe", 1, device=device) for s in args.schedule_list}
-    if "auto" in layers:  # Parm's Algorithm 1 on the real groups, as optimizations.apply does
-        choice = choose_for_layer(make_config(args, "auto"), ps, 1)
-        layers["auto"].use_schedule(choice.schedule, choice.saa_chunks, choice)
+    if "auto" in layers:  # as optimizations.apply does: the model's ranking, then measured on the layer
+        auto_schedule(make_config(args, "auto"), ps, layers["auto"])
     times = {s: [] for s in layers}
     for s, layer in layers.items():
         for _ in range(args.warmup):
             one_iteration(layer, x, gy, device)
-        while layer.path_pending():  # the experts' path trial (`MoELayer.expert_path`): same count on every rank
+        # the experts' path trial (`MoELayer.expert_path`, same count on every rank); only a dispatcher that
+        # pipelines has one (S2's "kept" forwards look pending to `path_pending` for ever)
+        while layer.path_pending() and isinstance(layer.dispatcher, PaddedDispatcher) and layer.dispatcher.pipelines:
             one_iteration(layer, x, gy, device)
     for _ in range(args.iters):
         for s, layer in layers.items():

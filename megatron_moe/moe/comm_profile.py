@@ -17,7 +17,8 @@
 `choose_for_layer(cfg, ps, layer_idx)` applies Algorithm 1 to one MoE layer of
 the model config, with each schedule's expert compute at the throughput measured
 on this machine (`expert_throughput`, MIN over the world), and logs the choice and
-predicted times on rank 0.
+predicted times on rank 0. `moe.schedule_trial.auto_schedule` then confirms it by timing
+the candidates on the real layer (--parm-auto-measure-iters).
 """
 
 from __future__ import annotations
