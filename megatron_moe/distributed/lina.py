@@ -56,11 +56,12 @@ Communicators and streams (CUDA; on the CPU the stream calls are no-ops):
   * GradSync hands over each group's gradients with Lina's dedicated
     communicator of that group (`grad_sync.lina_group`: "lina_dp",
     "lina_expert_dp", a second process group over the same ranks that nothing
-    else uses), issued by the one launcher thread in queue order;
+    else uses), issued in queue order under the scheduler's lock (by `submit`
+    or the launcher thread, one launch at a time);
   * each communicator has its side stream ("lina-dp", "lina-expert_dp"). A
     micro-op records, when it is queued, a marker on the submitter's current
     stream (its gradient, or the coalesced copy, is produced there); the
-    launcher makes the side stream wait for that marker and issues the
+    launching thread makes the side stream wait for that marker and issues the
     all-reduce under `streams.use(side)`, and `record_stream`s the chunk on it;
   * the reaper waits for the all-reduce on the side stream (`work.wait()` under
     `use(side)`: the GPU waits, the host does not), copies a coalesced buffer
@@ -268,8 +269,8 @@ class LinaScheduler:
             self._wake_launcher()
 
     def a2a_start(self, group: str) -> None:
-        """Listener hook (collectives): an all-to-all starts now. Holds the lock the launcher
-        launches under, so a launch is either before this or after the matching a2a_end."""
+        """Listener hook (collectives): an all-to-all starts now. Holds the lock every launch
+        happens under, so a launch is either before this or after the matching a2a_end."""
         with self._cv:
             now = time.perf_counter()
             if self._a2a_in_flight == 0:
