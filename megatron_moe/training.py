@@ -245,7 +245,8 @@ class StopControl:
         flags = [float(self.received), float(self.limit_s > 0 and time.time() - self.start >= self.limit_s)]
         if self.collective:
             t = torch.tensor(flags, dtype=torch.float32, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
+            with guard("stop-flag all_reduce", self.ps.group("world")):  # a stalled peer: a named timeout
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
             flags = t.tolist()
         if flags[0]:
             return "SIGUSR1"
