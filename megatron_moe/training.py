@@ -56,11 +56,11 @@ from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.distributed.lina_trial import LinaTrial
+from megatron_moe.distributed.lina_trial import LinaTrial, packing_start
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.packing import ExpertPacking
+from megatron_moe.moe.packing import PACK_START, ExpertPacking
 from megatron_moe.moe.placement import Placement, gather_counts, routed_counts
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
@@ -245,7 +245,8 @@ class StopControl:
         flags = [float(self.received), float(self.limit_s > 0 and time.time() - self.start >= self.limit_s)]
         if self.collective:
             t = torch.tensor(flags, dtype=torch.float32, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
+            with guard("stop-flag all_reduce", self.ps.group("world")):  # a stalled peer: a named timeout
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.group("world"))
             flags = t.tolist()
         if flags[0]:
             return "SIGUSR1"
@@ -315,6 +316,13 @@ class Trainer:
                 cfg.moe.num_experts,
                 o.lina_max_experts_per_rank,
                 o.lina_packing_force,
+                # first due after the Lina trial and the K steps a packing decision compares (`lina_trial`)
+                start=packing_start(
+                    self.iteration,
+                    0 if self.lina_trial is None else self.lina_trial.length,
+                    o.lina_packing_trial_iters,
+                    PACK_START,
+                ),
                 trial_iters=o.lina_packing_trial_iters,
                 force_outcome=o.lina_packing_force_outcome,
             )
@@ -524,10 +532,12 @@ class Trainer:
         start_iter = self.iteration
         while self.iteration < t.train_iters:
             self.profiler.before_step(self.iteration)
+            # packing sees no step of the Lina trial (`lina_trial.packing_start`): the trial runs first
+            packing = self.packing if self.lina_trial is None or not self.lina_trial.running else None
             if self.lina_trial is not None:
                 self.lina_trial.before_step()  # Lina or the plain sync for this step (between iterations only)
-            if self.packing is not None:
-                self.packing.step_begins()  # times this step; drops what an evaluation recorded
+            if packing is not None:
+                packing.step_begins()  # times this step; drops what an evaluation recorded
             t0 = time.perf_counter()
             with annotate("train/step"):
                 rec = self.train_step([next(it) for _ in range(self.num_micro)])
@@ -546,9 +556,10 @@ class Trainer:
                 verdict = self.lina_trial.after_step()
                 if verdict is not None:
                     self.logger.line(f"> {verdict}")
-            if self.packing is not None:
-                for decision in self.packing.step_done(self.iteration):
+            if packing is not None:
+                for decision in packing.step_done(self.iteration):
                     self.logger.line(f"> {decision}")
+            if self.packing is not None:
                 rec["experts_per_rank"] = self.packing.experts_per_rank
             history.append(rec)
             if bar is not None:

@@ -102,6 +102,10 @@ def test_bench_lina_with_its_launcher_thread_exits_0(tmp_path):
         "0.001",
         "--modes",
         "no_lina,lina",
+        "--lina-trial-iters",
+        "1",
+        "--lina-trial-force-outcome",
+        "slower",
         "--json",
         str(out),
     )
@@ -109,3 +113,9 @@ def test_bench_lina_with_its_launcher_thread_exits_0(tmp_path):
     assert "terminate called" not in run.stderr
     rows = json.loads(out.read_text())
     assert [(r["mode"], r["partition_mb"]) for r in rows] == [("no_lina", None), ("lina", 0.001)]
+    # mode lina went through the trainer's Lina trial (forced to find Lina slower: measured on the plain sync)
+    lina = rows[1]
+    assert (lina["lina_kept"], lina["lina_kept_rounds"], rows[0]["lina_kept"]) == (False, [False], None)
+    assert lina["trial_lina_ms_median"] > 0 and lina["trial_plain_ms_median"] > 0
+    assert lina["trial_ms_total"] == lina["trial_lina_ms_median"] + lina["trial_plain_ms_median"]  # K = 1
+    assert "forced slower (--lina-trial-force-outcome): Lina off" in lina["lina_trial"][0]["line"]

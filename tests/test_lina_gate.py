@@ -1,6 +1,7 @@
 """Lina's gate, seen from the event log: once an all-to-all is announced (`a2a_imminent`, what the
 backward of an MoE layer's output calls), no gradient micro-op is launched until that all-to-all
-has completed; then every queued micro-op runs."""
+has completed; then every queued micro-op runs. With the gate open and nothing in flight, `submit`
+launches the micro-op itself (from the grad-ready hook), before it returns: no thread hand-off."""
 
 import time
 
@@ -33,14 +34,26 @@ def _announce_then_all_to_all(rank, world):
         sched.drain()
         a2a = log.of("all_to_all")
         lina = log.of("all_reduce", tags=("lina",))
-        return announced, [(e.launch, e.finish) for e in a2a], [e.launch for e in lina], grad, out
+        one = torch.full((256,), float(rank + 1))
+        sched.submit("dense", one, grad_group)  # gate open, nothing in flight: launched by submit itself
+        launched_by_submit = len(log.of("all_reduce", tags=("lina",))) - len(lina)
+        sched.drain()
+        return (
+            announced,
+            [(e.launch, e.finish) for e in a2a],
+            [e.launch for e in lina],
+            grad,
+            out,
+            launched_by_submit,
+            one,
+        )
     finally:
         sched.close()
         log.stop()
 
 
 def test_no_micro_op_launches_between_the_announcement_and_the_all_to_all_end():
-    for rank, (announced, a2a, launches, grad, out) in enumerate(spawn(_announce_then_all_to_all, 2)):
+    for rank, (announced, a2a, launches, grad, out, direct, one) in enumerate(spawn(_announce_then_all_to_all, 2)):
         assert len(a2a) == 1 and a2a[0][1] is not None
         a2a_launch, a2a_finish = a2a[0]
         assert announced < a2a_launch
@@ -49,3 +62,5 @@ def test_no_micro_op_launches_between_the_announcement_and_the_all_to_all_end():
         assert not early, f"rank {rank}: {len(early)} micro-ops launched while the all-to-all was imminent"
         assert torch.equal(grad, torch.full_like(grad, 3.0))  # summed over both ranks
         assert out.tolist() == [2 * rank, 2 * rank + 1, 10 + 2 * rank, 11 + 2 * rank]
+        assert direct == 1, f"rank {rank}: submit with the gate open launched {direct} micro-ops before returning"
+        assert torch.equal(one, torch.full_like(one, 3.0))

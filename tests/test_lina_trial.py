@@ -13,7 +13,8 @@ import pytest
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.distributed import observer
-from megatron_moe.distributed.lina_trial import keep_lina, trial_arm
+from megatron_moe.distributed.lina_trial import WARMUP_ITERS, keep_lina, packing_start, trial_arm
+from megatron_moe.moe.packing import PACK_EVERY, PACK_START, TRIAL_ITERS, packing_due
 from megatron_moe.testing import spawn
 from megatron_moe.training import Trainer
 from tiny_run import tiny_args
@@ -108,3 +109,25 @@ def test_trial_alternates_after_the_warm_up_and_refuses_bad_flags():
         parse_args(["--lina-trial-force-outcome", "slower"])
     with pytest.raises(ValueError, match="--lina-trial-iters must be >= 0, got -1"):
         parse_args(["--lina", "--lina-trial-iters", "-1"])
+
+
+def test_packing_window_follows_the_lina_trial():
+    """The trainer's step schedule: the Lina trial (iterations first+1 .. first+length) first, then the
+    K iterations a packing decision compares (due-K+1 .. due), never overlapping; the earliest such due."""
+    length = WARMUP_ITERS + 2 * 3  # the default trial: 2 warm-up iterations, 3 with Lina, 3 without
+    assert packing_start(0, length, TRIAL_ITERS, PACK_START) == 11  # window 9-11 after the trial's 1-8
+    assert packing_start(0, 0, TRIAL_ITERS, PACK_START) == PACK_START  # no trial: iteration 10 as before
+    assert packing_start(0, 2 + 2 * 1, 3, PACK_START) == PACK_START  # a short trial (1-4) leaves 8-10 free
+    assert packing_start(20, length, 3, PACK_START) == 31  # resumed at 20: trial 21-28, window 29-31
+    for first in (0, 5, 20):
+        for trial_iters in (1, 3, 6):
+            for k in (1, 3, 5):
+                length = WARMUP_ITERS + 2 * trial_iters
+                start = packing_start(first, length, k, PACK_START)
+                trial = set(range(first + 1, first + length + 1))
+                dues = [i for i in range(first + 1, first + 60) if packing_due(i, start, PACK_EVERY)]
+                assert dues[0] == start >= PACK_START
+                for due in dues:  # no packing window holds a step of the Lina trial
+                    assert not trial & set(range(due - k + 1, due + 1)), (first, trial_iters, k, due)
+                if start > PACK_START:  # and the first due is the earliest that can be
+                    assert trial & set(range(start - k, start)), (first, trial_iters, k)

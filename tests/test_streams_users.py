@@ -138,7 +138,12 @@ def _lina_on_side_streams(rank: int, world: int) -> dict:
             "values": [t.tolist() for _, t in grads],
             "ops": [(e.group, e.nbytes, e.info["index"], e.launch, e.finish) for e in evs],
             "main": [e for e in rec.log if e[1] == "MainThread"],
-            "launcher": rec.of("lina-launcher"),
+            # launches: by the submitting thread when the head may go at once, else by the launcher thread
+            "launcher": [
+                e
+                for e in rec.log
+                if e[1].startswith("lina-launcher") or (e[1] == "MainThread" and e[3].startswith("lina-"))
+            ],
             "reaper": rec.of("lina-reaper"),
         }
     finally:
@@ -181,9 +186,9 @@ def test_lina_micro_ops_run_on_one_side_stream_per_communicator_after_their_grad
         record_t = [t for t, _, c, _, _ in r["reaper"] if c == "record"]
         assert all(op[4] is not None and op[4] <= t for op, t in zip(r["ops"], record_t)), "done before finish"
         # the consumer (drain) waits on its stream for the last done marker of each side stream
-        waits = [(c, s, d) for _, _, c, s, d in r["main"] if c == "wait_event"]
+        waits = [(c, s, d) for _, _, c, s, d in r["main"] if c == "wait_event" and s == "compute"]
         assert waits == [("wait_event", "compute", done[4]), ("wait_event", "compute", done[3])]
-        last_wait = max(t for t, _, c, _, _ in r["main"] if c == "wait_event")
+        last_wait = max(t for t, _, c, s, _ in r["main"] if c == "wait_event" and s == "compute")
         assert last_wait >= max(record_t)
 
 

@@ -16,8 +16,13 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
   lina_partition  + micro-ops of each --partitions size, up to --max-in-flight in
                   flight under the link-rate launch budget;
   lina_pipeline   + all-to-alls in --pipeline-chunks micro-ops pipelined with the experts;
-  lina            everything: lina_pipeline + expert packing (`moe.packing`) with the
-                  trainer's trial: after max(--warmup, K + 1) iterations Lina's rule is asked
+  lina            the full system as the trainer runs it: lina_pipeline, then the trainer's
+                  Lina trial (`distributed.lina_trial`, the same code): after --warmup
+                  iterations, --lina-trial-iters K with Lina and K with the plain bucketed sync
+                  (no_lina's), alternating, MAX over ranks; Lina stays only if its median step is
+                  lower, else the mode goes on (and is measured) with the plain sync. Then
+                  expert packing (`moe.packing`) with its trial, its window after the Lina
+                  trial (`lina_trial.packing_start`): Lina's rule is asked
                   (FFN vs all-to-all micro-op time, MAX over ranks; --force-packing packs
                   whatever the times); a pack is kept only if the median step of the K
                   iterations after it (K = --packing-trial-iters) is below that of the K
@@ -25,8 +30,9 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
                   pack is followed by the next one (up to --max-experts-per-rank). Those
                   iterations are the mode's warm-up; the measured ones run in the final layout.
 The modes take turns, --rounds times; each turn builds the model, runs
---warmup iterations (mode lina: until its packing is decided), then --iters
-measured ones; an iteration is
+--warmup iterations (mode lina: until its Lina trial and its packing are decided),
+then --iters measured ones (mode lina's medians exclude the trial's steps, as the
+trainer amortizes them over a run; their cost is reported separately); an iteration is
 forward, backward, gradient sync and an SGD step, started together on all
 ranks (a barrier). Step time: max over ranks; backward all-to-all time
 (a2a_bwd_ms): how long a backward all-to-all was in flight (the union of
@@ -42,7 +48,11 @@ during which an expert forward or backward ran, from the experts' module
 hooks): mean over ranks; medians over iterations. experts_per_rank: after
 the mode's last iteration (packing changes it in mode lina); the layout is
 restored before the next mode. packing_decisions (mode lina): per round, the
-packing and trial decisions with their times and log lines.
+packing and trial decisions with their times and log lines. Mode lina's Lina trial:
+lina_kept (true / false when every round decided the same, else null; lina_kept_rounds
+per round), trial_lina_ms_median / trial_plain_ms_median (the trial's own medians, MAX
+over ranks, median over rounds), trial_ms_total (the trial's 2K timed steps summed,
+mean over rounds), lina_trial (per round: the decision and its log line).
 
 --model representative (default): 4 blocks, MoE at 2 and 4, M=256, H=1024, top-2,
 2048 tokens per rank: all-to-all buffers of 4 MB, ~9 MB of dense gradients, so the
@@ -54,8 +64,8 @@ experts per rank with EP = world size, so the all-to-alls cross nodes.
 Prints a table and, with --json PATH, writes a list of objects with keys mode,
 partition_mb, step_ms_median, a2a_bwd_ms_median, a2a_alone_ms_median, a2a_slowdown,
 a2a_share, speedup_vs_no_lina, pipelining_efficiency_median, experts_per_rank (plus
-packing_decisions,
-a2a_total_ms_median, a2a_bwd_raw_ms_median, overlap_ms_median, model, world_size,
+packing_decisions, lina_kept, lina_kept_rounds, trial_lina_ms_median, trial_plain_ms_median,
+trial_ms_total, lina_trial, a2a_total_ms_median, a2a_bwd_raw_ms_median, overlap_ms_median, model, world_size,
 load_avg_1min).
 """
 
@@ -78,6 +88,7 @@ from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
 from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.distributed.lina_trial import OUTCOMES as TRIAL_OUTCOMES, LinaTrial, packing_start
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
@@ -87,7 +98,7 @@ from megatron_moe.parallel_state import device_and_backend, initialize_model_par
 
 MODELS = ("representative", "heavy_allreduce")
 ALL_MODES = ("alone", "no_lina", "lina_priority", "lina_partition", "lina_pipeline", "lina")
-PER_ROUND = ("experts_per_rank", "packing_decisions")  # run_mode's values that are not per iteration
+PER_ROUND = ("experts_per_rank", "packing_decisions", "lina_trial")  # run_mode's values that are not per iteration
 WHOLE_TENSORS_MB = 1024.0  # lina_priority: a micro-op is one whole gradient tensor (no partitioning)
 
 
@@ -160,7 +171,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="mode lina: iterations timed before and after a pack; kept only when faster (--lina-packing-trial-iters)",
     )
     p.add_argument(
-        "--modes", default="alone,no_lina,lina", help=f"modes to run, comma-separated, or 'all' ({','.join(ALL_MODES)})"
+        "--lina-trial-iters",
+        type=int,
+        default=Config().opts.lina_trial_iters,
+        help="mode lina: the trainer's Lina trial (--lina-trial-iters): after --warmup iterations, this many with "
+        "Lina and as many with the plain bucketed sync, alternating; Lina kept only if faster (0: no trial)",
+    )
+    p.add_argument(
+        "--lina-trial-force-outcome",
+        default=None,
+        choices=TRIAL_OUTCOMES,
+        help="mode lina: the trial decides this whatever the medians (--lina-trial-force-outcome; checks)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["alone,no_lina,lina"],
+        help=f"modes to run, comma- or space-separated, or 'all' ({','.join(ALL_MODES)})",
     )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     a = p.parse_args(argv)
@@ -176,7 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--partitions must be comma-separated numbers, got {a.partitions!r}")
     if not a.partitions or any(x <= 0 for x in a.partitions):
         p.error("--partitions sizes must be positive")
-    a.modes = list(ALL_MODES) if a.modes.strip() == "all" else [m.strip() for m in a.modes.split(",") if m.strip()]
+    names = [m.strip() for x in a.modes for m in x.split(",") if m.strip()]
+    a.modes = list(ALL_MODES) if names == ["all"] else names
     bad = [m for m in a.modes if m not in ALL_MODES]
     if bad:
         p.error(f"--modes: unknown mode(s) {bad}; choose from {', '.join(ALL_MODES)} or all")
@@ -186,6 +214,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-in-flight and --pipeline-chunks must be >= 1")
     if a.max_experts_per_rank < 0:
         p.error("--max-experts-per-rank must be >= 0")
+    if a.lina_trial_iters < 0:
+        p.error("--lina-trial-iters must be >= 0 (0: mode lina runs without the trial)")
+    if a.lina_trial_force_outcome is not None and a.lina_trial_iters < 1:
+        p.error("--lina-trial-force-outcome needs --lina-trial-iters >= 1")
     if a.packing_trial_iters < 1:
         p.error("--packing-trial-iters must be >= 1 (mode lina keeps a pack only when measured faster)")
     return a
@@ -214,10 +246,22 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
     return sched, (1 if mode == "lina_partition" else a.pipeline_chunks)
 
 
-def packing_for(a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int) -> Optional[ExpertPacking]:
+def trial_for(a: argparse.Namespace, mode: str, sync: Optional[GradSync], sched, ps) -> Optional[LinaTrial]:
+    """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): --warmup iterations with Lina, then
+    --lina-trial-iters with Lina and as many with the plain bucketed sync (no_lina's), alternating; the rest
+    of the mode runs with whatever it kept. None for the other modes or with --lina-trial-iters 0."""
+    if mode != "lina" or not a.lina_trial_iters or sync is None or sched is None:
+        return None
+    return LinaTrial(sync, sched, ps, a.lina_trial_iters, a.lina_trial_force_outcome, warmup=a.warmup)
+
+
+def packing_for(
+    a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int, trial: Optional[LinaTrial]
+) -> Optional[ExpertPacking]:
     """Mode lina's expert packing: first due after max(--warmup, K + 1) iterations (the K before
-    a pack leave the first, slow, iteration out), then every K, so a kept pack's trial ends where
-    the next pack is due; `run_mode` warms up until nothing is on trial."""
+    a pack leave the first, slow, iteration out) and after the Lina trial and K more iterations
+    (`lina_trial.packing_start`, as in the trainer: no packing window holds a trial step), then every
+    K, so a kept pack's trial ends where the next pack is due; `run_mode` warms up until nothing is on trial."""
     if mode != "lina":
         return None
     k = a.packing_trial_iters
@@ -228,7 +272,7 @@ def packing_for(a: argparse.Namespace, mode: str, model, opt, ps, num_experts: i
         num_experts,
         a.max_experts_per_rank,
         a.force_packing,
-        start=max(a.warmup, k + 1),
+        start=packing_start(0, 0 if trial is None else trial.length, k, max(a.warmup, k + 1)),
         every=k,
         trial_iters=k,
     )
@@ -287,7 +331,8 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     ep_before = ps.size("ep")
-    packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts)
+    trial = trial_for(a, mode, sync, sched, ps)
+    packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts, trial)
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()
     # the expert clock's full backward hooks keep the last call's graph (and so the parameters' gradient
@@ -297,23 +342,29 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     warmup = a.warmup if packing is None else max(a.warmup, packing.start)
     it = 0
     while len(steps) < a.iters:
-        # the same on every rank: the warm-up, a packing trial, the experts' path trial (`MoELayer.expert_path`)
+        # the same on every rank: the warm-up, the Lina trial, a packing trial, the experts' path trial
+        # (`MoELayer.expert_path`)
+        in_trial = trial is not None and trial.running
         warming = (
             it < warmup
+            or in_trial
             or (packing is not None and packing.busy)
             or any(layer.path_pending() for layer in model.moe_layers())
         )
+        packing_now = packing is not None and warming and not in_trial  # packing sees no trial step
         ids = torch.randint(
             0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"
         ).to(ps.device)
         dist.barrier()
-        if packing is not None and warming:
+        if packing_now:
             packing.step_begins()
         log.clear()
         if clock is None and not warming:
             clock = ExpertClock(model)
         if clock is not None:
             clock.intervals.clear()
+        if trial is not None and in_trial:
+            trial.before_step()  # Lina or the plain sync for this step; starts the trial's clock
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
@@ -328,7 +379,11 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         step = time.perf_counter() - t0
         del lm, aux  # their graph holds the parameters' gradient accumulators: none may outlive a step
         it += 1
-        if packing is not None and warming:  # between steps, outside the measured time
+        if trial is not None and in_trial:
+            verdict = trial.after_step()  # at the trial's last step: the decision (collective), between steps
+            if verdict is not None and ps.global_rank == 0:
+                print(f"    {mode}: {verdict}", flush=True)
+        if packing_now:  # between steps, outside the measured time
             for decision in packing.step_done(it):
                 if ps.global_rank == 0:
                     print(f"    {mode}: {decision}", flush=True)
@@ -355,6 +410,16 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         clock.remove()
     experts_per_rank = cfg.moe.num_experts // ps.size("ep")
     decisions = [] if packing is None else packing.decisions
+    trial_info = None
+    if trial is not None and trial.decision is not None:  # the same numbers on every rank (MAX over the world)
+        d = trial.decision
+        trial_info = {
+            "lina_kept": d["keep"],
+            "lina_ms_median": d["lina_ms"],
+            "plain_ms_median": d["plain_ms"],
+            "trial_ms_total": d["trial_ms_total"],
+            "line": d["line"],
+        }
     if packing is not None:
         packing.close()
         if ps.size("ep") != ep_before:
@@ -395,13 +460,47 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         "sync_after_backward_ms": (ov[2] / world).tolist(),
         "experts_per_rank": [experts_per_rank],
         "packing_decisions": [decisions],
+        "lina_trial": [trial_info],
     }
 
 
+def trial_summary(rounds: list[Optional[dict]]) -> dict:
+    """Mode lina's trial over the rounds (one trial per round, `run_mode`'s lina_trial): whether Lina was
+    kept (True / False when every round agreed, else None; per round in lina_kept_rounds), the medians
+    over the rounds of the trial's own medians (ms, MAX over ranks), and the trial's cost: its 2K timed
+    steps summed (trial_ms_total, mean over the rounds). No trial (--lina-trial-iters 0): all None."""
+    done = [r for r in rounds if r is not None]
+    if not done:
+        return {
+            "lina_kept": None,
+            "lina_kept_rounds": None,
+            "trial_lina_ms_median": None,
+            "trial_plain_ms_median": None,
+            "trial_ms_total": None,
+        }
+    kept = [r["lina_kept"] for r in done]
+    return {
+        "lina_kept": kept[0] if all(k == kept[0] for k in kept) else None,
+        "lina_kept_rounds": kept,
+        "trial_lina_ms_median": statistics.median(r["lina_ms_median"] for r in done),
+        "trial_plain_ms_median": statistics.median(r["plain_ms_median"] for r in done),
+        "trial_ms_total": statistics.fmean(r["trial_ms_total"] for r in done),
+    }
+
+
+TABLE_NOTE = (
+    "step ms / bwd a2a / ...: medians of the measured iterations only; in mode lina they exclude the Lina trial's "
+    "steps (as the trainer amortizes them over a run) and run with what it kept ('kept': Lina, 'plain': the "
+    "no_lina sync, 'mixed': the rounds differed); 'trial ms': the trial's 2K timed steps summed (MAX over "
+    "ranks per step, mean over rounds), its medians in the JSON (trial_lina_ms_median, trial_plain_ms_median)"
+)
+
+
 def table(rows: list[dict]) -> str:
+    """The rows as a text table, with the note on what the medians exclude when a row ran the Lina trial."""
     head = (
         f"{'mode':14s} {'part MB':>8s} {'step ms':>9s} {'vs no_lina':>10s} {'bwd a2a ms':>11s} {'slowdown':>9s} "
-        f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s} {'exp/rank':>8s}"
+        f"{'a2a share':>9s} {'overlap ms':>11s} {'pipe eff':>9s} {'exp/rank':>8s} {'lina':>6s} {'trial ms':>9s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -409,9 +508,20 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{r['mode']:14s} {part:>8s} {r['step_ms_median']:9.1f} {r['speedup_vs_no_lina']:9.2f}x "
             f"{r['a2a_bwd_ms_median']:11.2f} {r['a2a_slowdown']:8.2f}x {r['a2a_share']:9.2f} "
-            f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f} {r['experts_per_rank']:8d}"
+            f"{r['overlap_ms_median']:11.2f} {r['pipelining_efficiency_median']:9.2f} {r['experts_per_rank']:8d} "
+            f"{kept_word(r.get('lina_kept_rounds'), r.get('lina_kept')):>6s} "
+            f"{'-' if r.get('trial_ms_total') is None else format(r['trial_ms_total'], '.1f'):>9s}"
         )
+    if any(r.get("lina_kept_rounds") for r in rows):
+        lines.append(f"note: {TABLE_NOTE}")
     return "\n".join(lines)
+
+
+def kept_word(rounds: Optional[list], kept: Optional[bool]) -> str:
+    """The table's 'lina' column: '-' (no trial), 'kept', 'plain' or 'mixed'."""
+    if not rounds:
+        return "-"
+    return "mixed" if kept is None else ("kept" if kept else "plain")
 
 
 def main(argv=None) -> None:
@@ -468,6 +578,8 @@ def run(a: argparse.Namespace) -> None:
             **{f"{k}_median": statistics.median(v) for k, v in pooled[(mode, part)].items() if k not in PER_ROUND},
             "experts_per_rank": pooled[(mode, part)]["experts_per_rank"][-1],  # after the last round
             "packing_decisions": pooled[(mode, part)]["packing_decisions"] if mode == "lina" else None,
+            **trial_summary(pooled[(mode, part)]["lina_trial"]),
+            "lina_trial": pooled[(mode, part)]["lina_trial"] if mode == "lina" else None,
         }
         for mode, part in plan
     ]

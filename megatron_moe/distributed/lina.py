@@ -14,18 +14,23 @@ Here:
     concatenated gradients of one group, as in the paper (a slice may span
     small tensors: they are copied into one buffer and back), so a model of
     many small tensors does not pay one round trip per tensor;
-  * a launcher thread launches the queue head (async all-reduce) whenever
-    the gate is open and the launch budget allows it; a reaper thread waits
-    for the launched micro-ops in launch order. Several micro-ops may be in
-    flight (up to `max_in_flight`), so a micro-op no longer costs a round
-    trip of idle link;
+  * the queue head is launched (async all-reduce) whenever the gate is open
+    and the launch budget allows it: directly by `submit` (the grad-ready
+    hook) when it may go at once, else by a launcher thread that sleeps until
+    something opens the gate or frees budget (an all-to-all's end, a layer's
+    backward done, a micro-op finished, `drain`): no polling on the CPU and
+    no wake-up that cannot launch, so the threads take little from the
+    ranks' compute on a busy host; a reaper thread waits for the launched
+    micro-ops in launch order. Several micro-ops may be in flight (up to
+    `max_in_flight`), so a micro-op no longer costs a round trip of idle link;
   * the gate (the priority rule): closed while an all-to-all of this rank is
     in flight (the `a2a_start`/`a2a_end` notifications of the collective
     observer) or imminent (`a2a_imminent()`, which every MoE layer's
     dispatcher calls once `attach(model)` registered the scheduler, when
     backward reaches the combine step); the gate check and the launch happen
     under the lock `a2a_start` takes, so no micro-op is ever launched between
-    an all-to-all's start and its end on this rank;
+    an all-to-all's start and its end on this rank (whichever thread launches,
+    every launch takes the queue head under that lock);
   * the launch budget (`launch_budget`): bytes in flight must drain, at the
     measured link rate (EWMA of micro-op service times), within the time to
     this rank's next all-to-all plus a drain bound `drain_ms` (0: a tenth of
@@ -51,11 +56,12 @@ Communicators and streams (CUDA; on the CPU the stream calls are no-ops):
   * GradSync hands over each group's gradients with Lina's dedicated
     communicator of that group (`grad_sync.lina_group`: "lina_dp",
     "lina_expert_dp", a second process group over the same ranks that nothing
-    else uses), issued by the one launcher thread in queue order;
+    else uses), issued in queue order under the scheduler's lock (by `submit`
+    or the launcher thread, one launch at a time);
   * each communicator has its side stream ("lina-dp", "lina-expert_dp"). A
     micro-op records, when it is queued, a marker on the submitter's current
     stream (its gradient, or the coalesced copy, is produced there); the
-    launcher makes the side stream wait for that marker and issues the
+    launching thread makes the side stream wait for that marker and issues the
     all-reduce under `streams.use(side)`, and `record_stream`s the chunk on it;
   * the reaper waits for the all-reduce on the side stream (`work.wait()` under
     `use(side)`: the GPU waits, the host does not), copies a coalesced buffer
@@ -201,7 +207,12 @@ class LinaScheduler:
         # the stream calls (the `streams` module; a test passes a recorder with the same functions)
         self.sx = stream_api
         self._last_done: dict[str, tuple[torch.device, streams.Marker]] = {}  # kind -> its side's last point
-        self._cv = threading.Condition()
+        # one lock; three conditions on it, so that each notification wakes only the thread it concerns:
+        # _cv the caller in drain(), _launch_cv the launcher, _reap_cv the reaper
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._launch_cv = threading.Condition(self._lock)
+        self._reap_cv = threading.Condition(self._lock)
         self._queue: deque[MicroOp] = deque()
         self._open_kind: tuple = ("", None)
         self._open: list = []  # coalescing: (view, handle, part, parts) of the micro-op being filled
@@ -255,11 +266,11 @@ class LinaScheduler:
         """An MoE layer's backward finished: an imminent flag it left (no all-to-all came) is void."""
         with self._cv:
             self._imminent = False
-            self._cv.notify_all()
+            self._wake_launcher()
 
     def a2a_start(self, group: str) -> None:
-        """Listener hook (collectives): an all-to-all starts now. Holds the lock the launcher
-        launches under, so a launch is either before this or after the matching a2a_end."""
+        """Listener hook (collectives): an all-to-all starts now. Holds the lock every launch
+        happens under, so a launch is either before this or after the matching a2a_end."""
         with self._cv:
             now = time.perf_counter()
             if self._a2a_in_flight == 0:
@@ -280,7 +291,8 @@ class LinaScheduler:
             if self._a2a_in_flight == 0 and self._a2a_busy_since is not None and self._anchor is not None:
                 ms = 1e3 * (time.perf_counter() - self._a2a_busy_since)
                 self.a2a_ms = ms if self.a2a_ms is None else (1 - RATE_ALPHA) * self.a2a_ms + RATE_ALPHA * ms
-            self._cv.notify_all()
+            # not launched here: this may run on a communication library's callback thread
+            self._wake_launcher()
 
     def _gate_open(self) -> bool:
         if self._device_pending:  # drop the all-to-alls the device has completed
@@ -360,7 +372,7 @@ class LinaScheduler:
                 ]
                 for t in self._threads:
                     t.start()
-            self._cv.notify_all()
+            self._pump()  # from the hook, when the gate and the budget let the head go now
         return handle
 
     def _close_open(self, now: float) -> None:
@@ -384,62 +396,86 @@ class LinaScheduler:
         communicator, so dp and expert-dp micro-ops never queue behind each other); None on the CPU."""
         return self.sx.side_stream(op.chunk.device, f"lina-{op.kind}")
 
+    def _notify_all(self) -> None:
+        """Wake every waiting thread (an error, close; under the lock)."""
+        for cv in (self._cv, self._launch_cv, self._reap_cv):
+            cv.notify_all()
+
     def _fail(self, err: BaseException) -> None:
         with self._cv:
             if self._error is None:
                 self._error = err
-            self._cv.notify_all()
+            self._notify_all()
+
+    def _launchable(self) -> bool:
+        """The queue head may be launched now (under the lock)."""
+        return not self._closed and self._error is None and bool(self._queue) and self._may_launch(self._queue[0])
+
+    def _wake_launcher(self) -> None:
+        """Wake the launcher only when it can launch (under the lock; CUDA: also while it polls)."""
+        if self._launchable() or self._device_pending:
+            self._launch_cv.notify()
+
+    def _pump(self) -> None:
+        """Launch queue heads, in order, while the gate and the budget allow (under the lock, by whichever
+        thread holds it: a2a_start cannot slip between a gate check and its launch)."""
+        while self._launchable():
+            op = self._queue.popleft()
+            if not self._launch(op):
+                return
 
     def _run(self) -> None:
-        """Launcher thread: launch the queue head whenever the gate and the budget allow it."""
+        """Launcher thread: sleep until the queue head may go (nothing to poll on the CPU), launch it."""
         while True:
             with self._cv:
-                while (
-                    not self._closed and self._error is None and not (self._queue and self._may_launch(self._queue[0]))
-                ):
+                while not self._closed and self._error is None and not self._launchable():
                     # a device-side completion notifies nobody: poll while one is awaited
-                    self._cv.wait(DEVICE_POLL_S if self._device_pending else None)
+                    self._launch_cv.wait(DEVICE_POLL_S if self._device_pending else None)
                 if self._closed or self._error is not None:
                     return
-                op = self._queue.popleft()
-                # launch under the lock: a2a_start cannot slip between the gate check and the launch
-                try:
-                    with (
-                        annotate("lina/micro_op"),
-                        observer.tagged(
-                            "lina",
-                            queued=op.queued,
-                            index=op.index,
-                            part=op.part,
-                            parts=op.parts,
-                            pieces=len(op.pieces),
-                            self_timed=True,
-                        ),
-                    ):
-                        op.launched = time.perf_counter()
-                        side = self.side(op)
-                        # the side stream starts after the gradient was produced (rule 2 of streams.py);
-                        # the all-reduce is issued on it, never on the compute stream
-                        self.sx.wait_event(side, op.ready)
-                        with self.sx.use(side):
-                            op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
-                        op.event = observer.last_event()
-                        self.sx.record_stream(op.chunk, side)  # read there; the caller may free it
-                except Exception as e:  # noqa: BLE001  (reported by drain on the main thread)
-                    self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
-                    self._cv.notify_all()
-                    return
-                self._inflight.append(op)
-                self._inflight_bytes += op.nbytes
-                self.max_concurrent = max(self.max_concurrent, len(self._inflight))
-                self._cv.notify_all()
+                self._pump()
+
+    def _launch(self, op: MicroOp) -> bool:
+        """Launch `op` (the queue head just taken, under the lock); False (and the error kept for drain)
+        when the launch failed."""
+        try:
+            with (
+                annotate("lina/micro_op"),
+                observer.tagged(
+                    "lina",
+                    queued=op.queued,
+                    index=op.index,
+                    part=op.part,
+                    parts=op.parts,
+                    pieces=len(op.pieces),
+                    self_timed=True,
+                ),
+            ):
+                op.launched = time.perf_counter()
+                side = self.side(op)
+                # the side stream starts after the gradient was produced (rule 2 of streams.py);
+                # the all-reduce is issued on it, never on the compute stream
+                self.sx.wait_event(side, op.ready)
+                with self.sx.use(side):
+                    op.work = all_reduce_raw(op.chunk, op.group, async_op=True)
+                op.event = observer.last_event()
+                self.sx.record_stream(op.chunk, side)  # read there; the caller may free it
+        except Exception as e:  # noqa: BLE001  (reported by drain on the main thread)
+            self._error = RuntimeError(f"Lina: launching micro-op #{op.index} failed: {e!r}")
+            self._notify_all()
+            return False
+        self._inflight.append(op)
+        self._inflight_bytes += op.nbytes
+        self.max_concurrent = max(self.max_concurrent, len(self._inflight))
+        self._reap_cv.notify()
+        return True
 
     def _reap(self) -> None:
         """Reaper thread: wait for the launched micro-ops in launch order; measure the link rate."""
         while True:
             with self._cv:
                 while not self._closed and self._error is None and not self._inflight:
-                    self._cv.wait()
+                    self._reap_cv.wait()
                 if self._closed or self._error is not None:
                     return
                 op = self._inflight[0]
@@ -493,7 +529,8 @@ class LinaScheduler:
                     handle.remaining -= 1
                     if handle.remaining == 0:
                         handle.done_event.set()
-                self._cv.notify_all()
+                self._cv.notify_all()  # drain(), if it waits
+                self._wake_launcher()  # budget freed
 
     def _await_device(self, op: MicroOp) -> None:
         """Block the reaper (not the caller) until the device completed `op` (CUDA: its `done` event;
@@ -515,7 +552,8 @@ class LinaScheduler:
         with self._cv:
             self._close_open(time.perf_counter())
             self._draining = True
-            self._cv.notify_all()
+            self._pump()  # the gate is open now
+            self._wake_launcher()
             try:
                 while self._pending and self._error is None:
                     # the reaper's own wait times out first; this bounds a wedged launcher
@@ -581,7 +619,7 @@ class LinaScheduler:
         """Stop the threads, remove hooks and listeners, log and return the summary."""
         with self._cv:
             self._closed = True
-            self._cv.notify_all()
+            self._notify_all()
         for t in self._threads:  # idle, they exit at once; in a wait, within the timeout
             t.join(timeout=self.timeout_s + 5.0)
             if t.is_alive():

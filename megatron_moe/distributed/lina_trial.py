@@ -10,6 +10,12 @@ its median step is strictly lower (`keep_lina`), else GradSync goes on without i
 run and the scheduler is closed (its threads are idle: every iteration drains it). Switching happens
 only between iterations (`before_step` / `after_step`, around the trainer's step).
 `force_outcome` ("faster" / "slower", --lina-trial-force-outcome) decides whatever the medians (tests).
+
+The trial and expert packing's own trial (`moe.packing`) must not overlap: a packing decision compares
+the K steps before a pack with the K after it, and a "before" window holding trial steps (half of
+them run without Lina) would compare different gradient syncs. So the Lina trial runs first and
+packing is first due at `packing_start` (its window starts after the trial's last step); while the
+trial runs, packing is not told about the steps at all (`LinaTrial.running`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ def keep_lina(lina_ms: list[float], plain_ms: list[float]) -> bool:
     if not lina_ms or not plain_ms:
         raise ValueError("keep_lina needs step times with and without Lina")
     return statistics.median(lina_ms) < statistics.median(plain_ms)
+
+
+def packing_start(first_iteration: int, trial_steps: int, window: int, pack_start: int) -> int:
+    """The first iteration (counted as iterations done) at which expert packing may be considered in a run
+    that starts after `first_iteration` iterations with a Lina trial of `trial_steps` iterations (0: none):
+    not before `pack_start`, and late enough that the `window` iterations a packing decision compares
+    (the last `window` up to and including it) all come after the trial's last one."""
+    if trial_steps <= 0:
+        return pack_start
+    return max(pack_start, first_iteration + trial_steps + window)
 
 
 def trial_arm(step: int, warmup: int, iters: int) -> Optional[str]:
@@ -74,6 +90,16 @@ class LinaTrial:
         self.decision: Optional[dict] = None
         self.done = False
 
+    @property
+    def length(self) -> int:
+        """Iterations from the first one this trial sees to the one that decides, inclusive."""
+        return self.warmup + 2 * self.iters
+
+    @property
+    def running(self) -> bool:
+        """The next iteration belongs to the trial (its warm-up, an arm, or the deciding one)."""
+        return not self.done
+
     def before_step(self) -> None:
         """Between iterations: put the next iteration's gradient sync in place and start its clock."""
         if self.done:
@@ -102,7 +128,7 @@ class LinaTrial:
         """Compare the medians (MAX over the world), keep or drop Lina for the rest of the run; the log line."""
         n = self.iters
         both = self.max_over_world(span_ms(self.times["lina"], self.cuda) + span_ms(self.times["plain"], self.cuda))
-        lina_ms, plain_ms = both[:n], both[n:]
+        lina_ms, plain_ms = both[:n], both[n:]  # per step, MAX over the world
         a, b = statistics.median(lina_ms), statistics.median(plain_ms)
         if self.force_outcome is None:
             keep = keep_lina(lina_ms, plain_ms)
@@ -121,7 +147,15 @@ class LinaTrial:
             f"lina trial after iteration {self.steps}: median step {a:.1f} ms with Lina vs {b:.1f} ms without "
             f"over {n} iterations each (max over ranks), {why}: {verdict}"
         )
-        self.decision = {"lina_ms": a, "plain_ms": b, "keep": keep, "line": line}
+        self.decision = {
+            "lina_ms": a,
+            "plain_ms": b,
+            "keep": keep,
+            "line": line,
+            "lina_steps_ms": lina_ms,
+            "plain_steps_ms": plain_ms,
+            "trial_ms_total": sum(lina_ms) + sum(plain_ms),  # the 2K timed steps (the warm-up not counted)
+        }
         self.done = True
         return line
 
