@@ -209,6 +209,16 @@ def test_auto_computes_padded_when_nearly_every_slot_holds_a_token_else_kept_row
     assert layer.expert_path(layer.dispatcher, S) == "padded"  # --no-moe-kept-only
 
 
+def test_one_ep_rank_runs_kept_rows_without_a_pending_trial():
+    # one EP rank cannot pipeline the all-to-alls: kept rows at once, no kept / overlap trial to wait for
+    # (the benchmark tools loop `while layer.path_pending()`; this used to stay True forever on one rank)
+    layer = MoELayer(tiny_config(k=2, cf=1.25), local_state(), seed=7, name="moe", layer_idx=1)
+    x = layer_input(0, layer.experts.fc_w.size(2), tiny_config().model.seq_length)
+    for _ in range(3):
+        layer(x)
+        assert (layer.path_last, layer.path_pending(), layer.path_calls) == ("kept", False, 0)
+
+
 def _trial_ranks(rank, world):
     """EP2 baseline, capacity factor 1.25: a kept-only layer through its whole kept / overlap trial and
     past it, against a padded layer, forward + backward on the same inputs (different on each rank)."""
