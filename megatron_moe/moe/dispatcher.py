@@ -37,7 +37,8 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
 Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" or "overlap"
 carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
 per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
-the wire); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
+the wire; with several EP ranks and one ESP rank the counts ride the baseline's dispatch
+all-to-all as header rows instead, and `dispatch` sets `plan.kept`); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
 local expert; with one rank holding every expert straight from the tokens, no buffer at all)
 and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
 the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
