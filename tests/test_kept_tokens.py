@@ -12,8 +12,15 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from equivalence import tiny_config
-from megatron_moe.moe.kept import padded_kept_rows
+from equivalence import MICRO_BATCH, run_layout, tiny_config
+from megatron_moe.moe.kept import (
+    header_int,
+    header_rows,
+    padded_kept_rows,
+    read_header,
+    received_kept_rows,
+    write_header,
+)
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 from megatron_moe.testing import spawn
@@ -92,6 +99,36 @@ def test_padded_kept_rows_are_each_blocks_leading_rows():
     assert kept.counts == [2, 5]
 
 
+def test_received_kept_rows_follow_the_source_blocks_and_skip_their_header_rows():
+    g = torch.Generator(device="cpu").manual_seed(3)
+    D, G, E, L, block = 2, 2, 4, 2, 5  # 2 sources, 2 groups, EP rank 1 holds experts 2, 3
+    rows_DGE = torch.randint(0, block + 1, (D, G, E), generator=g, device="cpu")
+    ref = padded_kept_rows(rows_DGE, ep_rank=1, num_local=L, block=block, device=torch.device("cpu"), n_esp=1)
+    body = L * G * block
+    got = received_kept_rows(rows_DGE[:, :, L:], block, body, torch.device("cpu"))  # no header: the same layout
+    assert (got.rows.tolist(), got.counts) == (ref.rows.tolist(), ref.counts)
+    # with h header rows after each source's block, source d's rows move by d * h
+    h = 3
+    shifted = received_kept_rows(rows_DGE[:, :, L:], block, body + h, torch.device("cpu"))
+    assert shifted.rows.tolist() == [r + (r // body) * h for r in ref.rows.tolist()]
+    assert shifted.counts == ref.counts
+
+
+def test_counts_written_into_a_buffers_header_rows_read_back_exactly():
+    counts = torch.tensor([[0, 7, 300, 5], [1000, 2, 0, 33]], dtype=torch.int64, device="cpu")  # [D=2, 4]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        itype = header_int(dtype, 1000)
+        assert itype is not None and torch.iinfo(itype).bits == 8 * dtype.itemsize
+        body, M = 3, 3  # 4 counts in rows of 3: two header rows
+        h = header_rows(counts.size(1), M)
+        buf = torch.randn(2, body + h, M, device="cpu").to(dtype)
+        before = buf[:, :body].clone()
+        write_header(buf, counts, body, itype)
+        assert h == 2 and torch.equal(read_header(buf, body, 4, itype), counts), dtype
+        assert torch.equal(buf[:, :body], before), dtype  # the slots are untouched
+    assert header_int(torch.bfloat16, 40000) is None and header_int(torch.float32, 40000) is torch.int32
+
+
 def test_one_process_expert_gemms_see_exactly_the_kept_rows_and_match_the_padded_compute():
     cfg = config()
     M, H = cfg.model.hidden_size, cfg.model.ffn_hidden_size
@@ -167,6 +204,25 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
                 torch.testing.assert_close(got["grads"][n], ref["grads"][n], rtol=0, atol=1e-6, msg=f"{tag} {n}")
 
 
+def _header_records(rank, world):
+    res = run_layout(tiny_config(k=2, moe_expert_path="kept"), 1, 2, 1)
+    return [(r.op, r.group, r.sent) for r in res["records"]]
+
+
+def test_baseline_with_one_esp_rank_sends_the_counts_in_its_dispatch_all_to_all():
+    cfg = tiny_config(k=2, moe_expert_path="kept")
+    S, E, M = MICRO_BATCH * cfg.model.seq_length, cfg.moe.num_experts, cfg.model.hidden_size
+    C = max(-(-2 * int(cfg.moe.moe_expert_capacity_factor * S) // E), cfg.moe.moe_min_capacity)
+    ep, E_l = 2, E // 2
+    h = header_rows(E_l, M)  # one routing group: E_l counts per destination
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    for recs in spawn(_header_records, 2):
+        a2a = sorted(s for o, g, s in recs if o == "all_to_all" and g == "ep")
+        # 4 all-to-alls per layer, each of every destination's E_l * C slots plus its header rows
+        assert a2a == [ep * (E_l * C + h) * M * 4] * (4 * moe_layers)
+        assert not [r for r in recs if r[0] == "all_gather"]  # no count exchange of its own
+
+
 # ----------------------------------------------------------------------------- the experts' path, chosen once
 
 
@@ -207,6 +263,16 @@ def test_auto_computes_padded_when_nearly_every_slot_holds_a_token_else_kept_row
     cfg = tiny_config(k=2, cf=1.25, moe_kept_only=False)
     layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
     assert layer.expert_path(layer.dispatcher, S) == "padded"  # --no-moe-kept-only
+
+
+def test_one_ep_rank_runs_kept_rows_without_a_pending_trial():
+    # one EP rank cannot pipeline the all-to-alls: kept rows at once, no kept / overlap trial to wait for
+    # (the benchmark tools loop `while layer.path_pending()`; this used to stay True forever on one rank)
+    layer = MoELayer(tiny_config(k=2, cf=1.25), local_state(), seed=7, name="moe", layer_idx=1)
+    x = layer_input(0, layer.experts.fc_w.size(2), tiny_config().model.seq_length)
+    for _ in range(3):
+        layer(x)
+        assert (layer.path_last, layer.path_pending(), layer.path_calls) == ("kept", False, 0)
 
 
 def _trial_ranks(rank, world):

@@ -130,8 +130,11 @@ class Floor:
 
     def __init__(self, layer: MoELayer, cfg: Config, x: torch.Tensor, ps, device: torch.device):
         x_GSM = x.detach().reshape(1, -1, x.size(-1))
-        routes, _, _ = layer.route(x_GSM, split=False)
+        routes, _, tokens = layer.route(x_GSM, split=False)
         plan = layer.dispatcher.plan(routes, "kept")  # collective: every rank takes part
+        with torch.no_grad():
+            layer.dispatcher.dispatch(tokens, plan)  # the counts may travel with the tokens
+        assert plan.kept is not None
         self.counts = plan.kept.counts
         self.padded = layer.dispatcher.num_local * layer.dispatcher.n_ep * plan.groups * plan.slots
         m = cfg.model

@@ -37,7 +37,8 @@ UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choice
 Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" or "overlap"
 carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
 per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
-the wire); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
+the wire; with several EP ranks and one ESP rank the counts ride the baseline's dispatch
+all-to-all as header rows instead, and `dispatch` sets `plan.kept`); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
 local expert; with one rank holding every expert straight from the tokens, no buffer at all)
 and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
 the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
@@ -66,9 +67,14 @@ from megatron_moe.moe.kept import (
     PATHS,
     KeptRows,
     exchange_sent_rows,
+    header_int,
+    header_rows,
     padded_kept_rows_later,
+    read_header,
+    received_kept_rows,
     sent_rows,
     uneven_kept_rows,
+    write_header,
 )
 from megatron_moe.moe.router import RouteResult
 from megatron_moe.profiling import annotate
@@ -100,7 +106,7 @@ def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Ten
     """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere (differentiable)."""
     if kernels.use_triton(x_SM):  # CUDA + triton: the fused permute (kernels/permute.py)
         return kernels.permute(x_SM, idx.token, idx.row, num_rows)
-    return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy(0, idx.row, x_SM.index_select(0, idx.token))
+    return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy_(0, idx.row, x_SM.index_select(0, idx.token))
 
 
 def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
@@ -108,13 +114,13 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.
     if kernels.use_triton(buf_RM):  # CUDA + triton: the fused unpermute (kernels/permute.py)
         return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
     rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
-    return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add(0, idx.token, rows)
+    return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add_(0, idx.token, rows)
 
 
 def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's rows of y [K, M], row i belonging to kept choice i of `idx`."""
     weighted = y_KM * idx.weight[:, None].to(y_KM.dtype)
-    return y_KM.new_zeros(num_tokens, y_KM.size(1)).index_add(0, idx.token, weighted)
+    return y_KM.new_zeros(num_tokens, y_KM.size(1)).index_add_(0, idx.token, weighted)
 
 
 class _Notify(torch.autograd.Function):
@@ -216,7 +222,9 @@ class PaddedPlan:
     direct: one rank holds every expert and the buffer never travels, so the kept rows are gathered
     from the tokens themselves (`idx` sorted by row, grouped by expert); exchange: the baseline's
     all-to-alls and the experts run as one pipeline by local expert (`PaddedDispatcher.exchange`;
-    `idx` rows in its layout [E_l, N_EP, G*Cs])."""
+    `idx` rows in its layout [E_l, N_EP, G*Cs]); sent: this rank's `moe.kept.sent_rows` [G, E] when the
+    counts ride the dispatch all-to-all (`PaddedDispatcher.header_mode`): `kept` and the buffer rows of
+    `idx` are then set by `dispatch`."""
 
     idx: DispatchIndex
     groups: int
@@ -225,6 +233,8 @@ class PaddedPlan:
     kept: Optional[KeptRows] = None
     direct: bool = False
     exchange: bool = False
+    sent: Optional[torch.Tensor] = None
+    header: int = 0  # rows of counts after each destination's block of the buffer (set by `dispatch`)
 
     @property
     def expert_rows(self) -> Optional[list[int]]:
@@ -300,7 +310,15 @@ class PaddedDispatcher(TokenDispatcher):
                 self.kept_rows(routes, Cs, False),
                 exchange=True,
             )
+        if self.header_mode:  # the counts travel in the dispatch all-to-all: `dispatch` resolves the rows
+            return PaddedPlan(idx, G, Cs, G * S, sent=sent_rows(routes))
         return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs))
+
+    @property
+    def header_mode(self) -> bool:
+        """True when the kept rows' counts ride the baseline's dispatch all-to-all as header rows (several EP
+        ranks, one ESP rank): no count exchange of their own (`moe.kept.write_header`)."""
+        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1
 
     @property
     def pipelines(self) -> bool:
@@ -342,6 +360,8 @@ class PaddedDispatcher(TokenDispatcher):
             x_in = a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
             return x_in if plan.kept is None else x_in.reshape(-1, M).index_select(0, plan.kept.rows)
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
+        if plan.sent is not None:
+            return self._dispatch_with_header(x_TM, plan)
         gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)  # [N_ESP, E, GC, M]
         send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)  # by destination EP rank
         op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
@@ -351,10 +371,45 @@ class PaddedDispatcher(TokenDispatcher):
             return a2a.finish(recv, op).reshape(-1, M).index_select(0, rows)
         return a2a.finish(recv, op).permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
 
+    def _dispatch_with_header(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
+        """Baseline kept rows, one ESP rank: the send buffer [N_EP, E_l*GC + h, M] holds each destination's
+        slots and then h header rows with this rank's counts of that destination's experts; the receiver
+        reads every source's counts from them and gathers the kept rows (`plan.kept`). Without an integer
+        type of the tokens' size (`header_int`) the counts take the all-gather instead (same on every rank)."""
+        assert plan.sent is not None
+        E_l, n_ep, M, G, Cs = self.num_local, self.n_ep, x_TM.size(1), plan.groups, plan.slots
+        body, itype = E_l * G * Cs, header_int(x_TM.dtype, Cs)
+        if itype is None:
+            plan.kept, plan.sent = self.kept_rows_of(plan.sent, Cs), None
+            return self.dispatch(x_TM, plan)
+        h = header_rows(G * E_l, M)
+        row = plan.idx.row + (plan.idx.row // body) * h  # destination blocks of body + h rows
+        plan.idx, plan.header = DispatchIndex(plan.idx.token, row, plan.idx.weight), h
+        buf = x_TM.new_zeros(n_ep, body + h, M)
+        counts = plan.sent.view(G, n_ep, E_l).transpose(0, 1).reshape(n_ep, G * E_l)  # [N_EP, G*E_l]
+        write_header(buf, counts, body, itype)
+        send = buf.view(-1, M).index_copy_(0, row, x_TM.index_select(0, plan.idx.token)).view(n_ep, body + h, M)
+        op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
+        recv = a2a.finish(a2a.start(send, op), op)
+        rows_DGL = read_header(recv, body, G * E_l, itype).view(n_ep, G, E_l)
+        plan.kept = received_kept_rows(rows_DGL, Cs, body + h, x_TM.device)
+        return recv.reshape(-1, M).index_select(0, plan.kept.rows)
+
+    def kept_rows_of(self, sent_GE: torch.Tensor, Cs: int) -> KeptRows:
+        """`kept_rows` from this rank's `sent_rows` [G, E], exchanged now (baseline layout)."""
+        wait = exchange_sent_rows(sent_GE, self.ps.group("ep_esp"))
+        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, Cs, sent_GE.device, self.n_esp)
+
     def combine(self, y_LNM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
         """y [T, M] from the experts' output (padded [E_l, N, M], or on the kept rows [K, M])."""
         if plan.direct:
             return combine_rows(y_LNM, plan.idx, plan.tokens)
+        if plan.header:  # back in the dispatch's layout (the header rows travel empty)
+            assert plan.kept is not None
+            rows = self.n_ep * (self.num_local * plan.groups * plan.slots + plan.header)
+            back = y_LNM.new_zeros(rows, y_LNM.size(-1)).index_copy_(0, plan.kept.rows, y_LNM)
+            ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
+            return combine(ret, plan.idx, plan.tokens)
         E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
         if plan.kept is not None:  # scatter the kept rows into the padded layout of the next step

@@ -186,14 +186,15 @@ def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
     torch.addmm(bias, h_out, proj_w.t(), out=y_out)
 
 
-def _mlp_backward(gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias) -> torch.Tensor:
-    """One expert's weight and bias gradients (written into the given slices) from gy [n, M]; returns dx [n, M]."""
+def _mlp_backward(gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None) -> torch.Tensor:
+    """One expert's weight and bias gradients (written into the given slices) from gy [n, M]; returns dx [n, M]
+    (written into `dx_out` when given: no copy)."""
     torch.mm(gy.t(), h, out=d_proj_w)
     torch.sum(gy, dim=0, out=d_bias)
     da = torch.ops.aten.gelu_backward(gy.mm(proj_w), a, approximate="tanh")
     torch.mm(da.t(), x, out=d_fc_w)
     torch.sum(da, dim=0, out=d_fc_b)
-    return da.mm(fc_w)
+    return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
 
 
 def _grads_like(fc_w, proj_w, like):
@@ -236,7 +237,7 @@ class _GroupedMLP(torch.autograd.Function):
         dx_RM = torch.empty_like(x_RM)
         for e, (lo, hi) in enumerate(ctx.spans):
             g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
-            dx_RM[lo:hi] = _mlp_backward(gy_RM[lo:hi], x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi], fc_w[e], proj_w[e], *g)
+            _mlp_backward(gy_RM[lo:hi], x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi], fc_w[e], proj_w[e], *g, dx_RM[lo:hi])
         return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None
 
 

@@ -21,6 +21,10 @@ local expert) a layer takes is decided the same on every rank (`MoELayer.expert_
 kept from the layer's shape, and between the two kept forms, which give the same bits, by a short
 measurement fixed with `decide_path` (one MAX all-reduce over the world).
 
+With one ESP rank, the baseline sends the counts inside its dispatch all-to-all instead (no collective of
+their own): every destination block of the send buffer ends with header rows holding the counts as
+integers (`write_header`; `read_header` and `received_kept_rows` on the receiver).
+
 The uneven dispatcher (S1) already knows where every received row lands: `uneven_kept_rows`.
 """
 
@@ -149,6 +153,58 @@ def padded_kept_rows(
     rows = torch.repeat_interleave(starts, n_LB) + within
     counts = n_LB.view(L, D * G).sum(dim=1).tolist()
     return KeptRows(rows.to(device), counts)
+
+
+# Integer views of an expert input's element size: the header rows that carry the counts in the dispatch
+# all-to-all hold them as integers of the tokens' own bytes (`write_header` / `read_header`).
+HEADER_INTS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def header_int(dtype: torch.dtype, block: int) -> Optional[torch.dtype]:
+    """The integer dtype the counts travel as inside a buffer of `dtype` (None: they do not fit; use
+    `exchange_sent_rows`). Counts are at most `block`."""
+    itype = HEADER_INTS.get(dtype.itemsize)
+    return itype if itype is not None and block <= torch.iinfo(itype).max else None
+
+
+def header_rows(num_counts: int, width: int) -> int:
+    """Rows of `width` elements that hold `num_counts` counts."""
+    return -(-num_counts // width)
+
+
+def write_header(buf_DRM: torch.Tensor, counts_DX: torch.Tensor, body: int, itype: torch.dtype) -> None:
+    """Write counts [D, X] (row d: what destination d needs) into the rows after the first `body` rows of
+    every destination block of buf [D, R, M], as `itype` integers in the buffer's own bytes (in place,
+    before the buffer enters autograd)."""
+    D, R, M = buf_DRM.shape
+    flat = buf_DRM.view(itype).view(D, R * M)
+    flat[:, body * M : body * M + counts_DX.size(1)].copy_(counts_DX)
+
+
+def read_header(recv_DRM: torch.Tensor, body: int, num_counts: int, itype: torch.dtype) -> torch.Tensor:
+    """The counts `write_header` put after the first `body` rows of every source block of recv [D, R, M]:
+    [D, num_counts] int64 on CPU (row d: from source d)."""
+    D, R, M = recv_DRM.shape
+    flat = recv_DRM.detach().view(itype).view(D, R * M)
+    return flat[:, body * M : body * M + num_counts].to(device="cpu", dtype=torch.int64)
+
+
+def received_kept_rows(rows_DGL: torch.Tensor, block: int, stride: int, device: torch.device) -> KeptRows:
+    """The kept rows of a received buffer laid out as D source blocks of `stride` rows, each holding
+    [E_l, G, block] slots (then its header), from every source's leading rows per (group, local
+    expert) `rows_DGL` [D, G, E_l]: flat row d*stride + (e*G + g)*block + i, grouped by local expert,
+    then source, group, slot (the order of `padded_kept_rows`)."""
+    D, G, L = rows_DGL.shape
+    n_LB = rows_DGL.permute(2, 0, 1).reshape(-1)  # [E_l*D*G]
+    host = n_LB.device
+    e = torch.arange(L, dtype=torch.int64, device=host).view(L, 1, 1)
+    d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
+    g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
+    starts = (d * stride + (e * G + g) * block).reshape(-1)
+    total = int(n_LB.sum())
+    within = torch.arange(total, dtype=torch.int64, device=host) - torch.repeat_interleave(n_LB.cumsum(0) - n_LB, n_LB)
+    rows = torch.repeat_interleave(starts, n_LB) + within
+    return KeptRows(rows.to(device), n_LB.view(L, D * G).sum(dim=1).tolist())
 
 
 def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:

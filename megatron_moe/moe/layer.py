@@ -95,6 +95,7 @@ class MoELayer(nn.Module):
         self.path_choice: Optional[str] = None  # kept or overlap, measured (auto)
         self.path_calls, self.path_times = 0, {}  # that trial's forwards and seconds per path
         self.path_last = ""  # the path of the last forward with a padded dispatcher
+        self.path_trial = False  # True when the last forward was part of the kept / overlap trial
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
@@ -143,6 +144,7 @@ class MoELayer(nn.Module):
         gives the same bits as kept rows, so between those two the layer measures: after a warm-up
         forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of the times over the world
         (`moe.kept.decide_path`) fixes the faster for good. Padded under Lancet's deferred dW."""
+        self.path_trial = False
         if not self.kept_only or self.experts.deferred_bmm is not None:
             return "padded"
         if self.path_flag != "auto":
@@ -157,15 +159,17 @@ class MoELayer(nn.Module):
             self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device)
         if self.path_choice is not None:
             return self.path_choice
+        self.path_trial = True
         return ("kept", "overlap")[self.path_calls % 2]  # 0: warm-up (kept), then overlap, kept, ...
 
     def path_pending(self) -> bool:
-        """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it)."""
-        return self.path_last in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None
+        """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it;
+        never when the dispatcher cannot pipeline, e.g. one EP rank: kept rows without a trial)."""
+        return self.path_trial and self.path_choice is None
 
     def _timed(self, path: str, seconds: float) -> None:
         """Count a forward of the kept / overlap trial of `expert_path` and add its time."""
-        if path in ("kept", "overlap") and self.path_flag == "auto" and self.path_choice is None:
+        if self.path_trial and self.path_choice is None:
             if self.path_calls > 0:
                 self.path_times[path] = self.path_times.get(path, 0.0) + seconds
             self.path_calls += 1
