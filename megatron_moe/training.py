@@ -304,7 +304,14 @@ class Trainer:
             self.checkpoint_meta = meta
         o = cfg.opts
         self.lina_trial = (  # Lina kept only if measured faster than the plain gradient sync (`distributed.lina_trial`)
-            LinaTrial(self.grad_sync, applied.lina, self.ps, o.lina_trial_iters, o.lina_trial_force_outcome)
+            LinaTrial(
+                self.grad_sync,
+                applied.lina,
+                self.ps,
+                o.lina_trial_iters,
+                o.lina_trial_force_outcome,
+                pipeline=self.set_lina_pipeline if o.lina_pipeline_chunks > 1 else None,
+            )
             if applied.lina is not None and o.lina_trial_iters
             else None
         )
@@ -358,6 +365,12 @@ class Trainer:
         self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
         for change in applied.changes:
             self.logger.line(f"> {change}")
+
+    def set_lina_pipeline(self, on: bool) -> None:
+        """Lina's all-to-all pipelining (`--lina-pipeline-chunks`) on or off for every MoE layer (the Lina trial)."""
+        chunks = self.cfg.opts.lina_pipeline_chunks if on else 1
+        for layer in self.model.moe_layers():
+            layer.set_pipeline_chunks(chunks)
 
     def choose_wandb_run_id(self) -> Optional[str]:
         """The wandb run id: the resumed checkpoint's, else a new one made on rank 0 and shared."""

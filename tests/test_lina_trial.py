@@ -9,11 +9,14 @@ on dp / expert_dp), Lina's scheduler drained exactly on the iterations it ran, a
 decision.
 """
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.distributed import observer
-from megatron_moe.distributed.lina_trial import WARMUP_ITERS, keep_lina, packing_start, trial_arm
+from megatron_moe.distributed.lina_trial import WARMUP_ITERS, LinaTrial, keep_lina, packing_start, trial_arm
 from megatron_moe.moe.packing import PACK_EVERY, PACK_START, TRIAL_ITERS, packing_due
 from megatron_moe.testing import spawn
 from megatron_moe.training import Trainer
@@ -42,6 +45,7 @@ def _train(args) -> dict:
     lina = trainer.applied.lina
     trial = trainer.lina_trial
     return {
+        "chunks": [layer.pipeline_chunks for layer in trainer.model.moe_layers()],
         "loss": [h["loss"] for h in hist],
         "paths": paths,
         "lina_iterations": None if lina is None else lina.iterations,
@@ -54,6 +58,9 @@ def _runs(rank, world, data):
         "plain": _train(tiny_args(data, ITERS)),
         "slower": _train(tiny_args(data, ITERS, *LINA, "--lina-trial-force-outcome", "slower")),
         "faster": _train(tiny_args(data, ITERS, *LINA, "--lina-trial-force-outcome", "faster")),
+        "pipelined_slower": _train(
+            tiny_args(data, ITERS, *LINA, "--lina-pipeline-chunks", "2", "--lina-trial-force-outcome", "slower")
+        ),
     }
 
 
@@ -94,6 +101,17 @@ def test_trial_found_faster_keeps_lina_after_the_trial(per_rank):
     assert all(r["faster"]["decision"] == per_rank[0]["faster"]["decision"] for r in per_rank)
 
 
+def test_trainer_trial_found_slower_also_stops_the_pipelining(per_rank):
+    plain = per_rank[0]["plain"]
+    for rank, runs in enumerate(per_rank):
+        run = runs["pipelined_slower"]
+        for i, (a, b) in enumerate(zip(plain["loss"], run["loss"])):
+            assert abs(a - b) < 1e-5, f"rank {rank} iteration {i + 1}: {b} vs {a}"
+        assert run["chunks"] and all(c == 1 for c in run["chunks"]), run["chunks"]
+        assert run["decision"]["line"].endswith("all-to-alls not pipelined")
+    assert all(c == 1 for c in per_rank[0]["faster"]["chunks"])  # no --lina-pipeline-chunks: never pipelined
+
+
 def test_keep_lina_only_when_its_median_is_strictly_lower():
     assert keep_lina([10.0, 30.0, 19.0], [20.0, 20.0, 1.0])  # medians 19 < 20
     assert not keep_lina([20.0, 20.0, 20.0], [10.0, 20.0, 30.0])  # equal: plain
@@ -131,3 +149,43 @@ def test_packing_window_follows_the_lina_trial():
                     assert not trial & set(range(due - k + 1, due + 1)), (first, trial_iters, k, due)
                 if start > PACK_START:  # and the first due is the earliest that can be
                     assert trial & set(range(start - k, start)), (first, trial_iters, k)
+
+
+class _Sync:
+    """GradSync's one trial-facing call, recorded."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def use_scheduler(self, scheduler) -> None:
+        self.calls.append(scheduler)
+
+
+class _Scheduler:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _OneRankTrial(LinaTrial):
+    """The trial without a process group: the MAX over one rank is the values themselves."""
+
+    def max_over_world(self, values: list[float]) -> list[float]:
+        return list(values)
+
+
+@pytest.mark.parametrize("outcome", ["slower", "faster"])
+def test_trial_turns_the_all_to_all_pipelining_with_its_arms(outcome):
+    sync, sched, pipeline = _Sync(), _Scheduler(), []
+    ps = SimpleNamespace(device=torch.device("cpu"))
+    trial = _OneRankTrial(sync, sched, ps, 2, outcome, warmup=1, pipeline=pipeline.append)
+    for _ in range(trial.length):
+        trial.before_step()
+        trial.after_step()
+    keep = outcome == "faster"
+    # warm-up untouched, then lina / plain / lina / plain, then the decision
+    assert pipeline == [True, False, True, False, keep]
+    assert sync.calls == [sched, None, sched, None, sched if keep else None]
+    assert sched.closed is not keep
+    assert trial.decision["line"].endswith("Lina kept" if keep else "not pipelined")

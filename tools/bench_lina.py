@@ -246,13 +246,29 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
     return sched, (1 if mode == "lina_partition" else a.pipeline_chunks)
 
 
-def trial_for(a: argparse.Namespace, mode: str, sync: Optional[GradSync], sched, ps) -> Optional[LinaTrial]:
+def trial_for(
+    a: argparse.Namespace, mode: str, sync: Optional[GradSync], sched, ps, model, chunks: int
+) -> Optional[LinaTrial]:
     """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): --warmup iterations with Lina, then
-    --lina-trial-iters with Lina and as many with the plain bucketed sync (no_lina's), alternating; the rest
-    of the mode runs with whatever it kept. None for the other modes or with --lina-trial-iters 0."""
+    --lina-trial-iters with Lina and as many with the plain run (no_lina's bucketed sync, all-to-alls not
+    pipelined), alternating; the rest of the mode runs with whatever it kept. None for the other modes or
+    with --lina-trial-iters 0."""
     if mode != "lina" or not a.lina_trial_iters or sync is None or sched is None:
         return None
-    return LinaTrial(sync, sched, ps, a.lina_trial_iters, a.lina_trial_force_outcome, warmup=a.warmup)
+
+    def pipeline(on: bool) -> None:
+        for layer in model.moe_layers():
+            layer.set_pipeline_chunks(chunks if on else 1)
+
+    return LinaTrial(
+        sync,
+        sched,
+        ps,
+        a.lina_trial_iters,
+        a.lina_trial_force_outcome,
+        warmup=a.warmup,
+        pipeline=pipeline if chunks > 1 else None,
+    )
 
 
 def packing_for(
@@ -331,7 +347,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     ep_before = ps.size("ep")
-    trial = trial_for(a, mode, sync, sched, ps)
+    trial = trial_for(a, mode, sync, sched, ps, model, chunks)
     packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts, trial)
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()

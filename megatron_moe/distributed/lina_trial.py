@@ -10,6 +10,9 @@ its median step is strictly lower (`keep_lina`), else GradSync goes on without i
 run and the scheduler is closed (its threads are idle: every iteration drains it). Switching happens
 only between iterations (`before_step` / `after_step`, around the trainer's step).
 `force_outcome` ("faster" / "slower", --lina-trial-force-outcome) decides whatever the medians (tests).
+With `--lina-pipeline-chunks` > 1 the trial covers Lina's all-to-all pipelining too: `pipeline(on)`
+(the trainer's callback over the MoE layers' `set_pipeline_chunks`) turns it on for the Lina arm and off
+for the plain arm, and the decision keeps both or neither, so "plain" is exactly the run without Lina.
 
 The trial and expert packing's own trial (`moe.packing`) must not overlap: a packing decision compares
 the K steps before a pack with the K after it, and a "before" window holding trial steps (half of
@@ -21,7 +24,7 @@ trial runs, packing is not told about the steps at all (`LinaTrial.running`).
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 
 from megatron_moe.distributed.collectives import max_over_group
@@ -75,6 +78,7 @@ class LinaTrial:
         iters: int,
         force_outcome: Optional[str] = None,
         warmup: int = WARMUP_ITERS,
+        pipeline: Optional[Callable[[bool], None]] = None,
     ):
         if iters < 1:
             raise ValueError(f"--lina-trial-iters must be >= 1 for a trial, got {iters}")
@@ -82,6 +86,7 @@ class LinaTrial:
             raise ValueError(f"--lina-trial-force-outcome must be one of {OUTCOMES}, got {force_outcome!r}")
         self.grad_sync, self.scheduler, self.ps = grad_sync, scheduler, ps
         self.iters, self.force_outcome, self.warmup = iters, force_outcome, warmup
+        self.pipeline = pipeline  # Lina's all-to-all pipelining on / off with the arm (None: not used)
         self.cuda = ps.device.type == "cuda"
         self.steps = 0  # iterations seen by this trial
         self.times: dict[str, list] = {"lina": [], "plain": []}  # (start, end) stamps per arm
@@ -107,6 +112,7 @@ class LinaTrial:
         self._arm = trial_arm(self.steps, self.warmup, self.iters)
         if self._arm is not None:
             self.grad_sync.use_scheduler(self.scheduler if self._arm == "lina" else None)
+            self.set_pipeline(self._arm == "lina")
             self._start = stamp(self.cuda)
 
     def after_step(self) -> Optional[str]:
@@ -119,6 +125,11 @@ class LinaTrial:
         if self.steps < self.warmup + 2 * self.iters:
             return None
         return self.decide()
+
+    def set_pipeline(self, on: bool) -> None:
+        """Lina's all-to-all pipelining on or off (nothing when the run does not pipeline)."""
+        if self.pipeline is not None:
+            self.pipeline(on)
 
     def max_over_world(self, values: list[float]) -> list[float]:
         """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
@@ -136,6 +147,7 @@ class LinaTrial:
         else:
             keep = self.force_outcome == "faster"
             why = f"forced {self.force_outcome} (--lina-trial-force-outcome)"
+        self.set_pipeline(keep)
         if keep:
             self.grad_sync.use_scheduler(self.scheduler)
             verdict = "Lina kept"
@@ -143,6 +155,8 @@ class LinaTrial:
             self.grad_sync.use_scheduler(None)
             self.scheduler.close()
             verdict = "Lina off for the rest of the run: plain bucketed gradient all-reduce"
+            if self.pipeline is not None:
+                verdict += ", all-to-alls not pipelined"
         line = (
             f"lina trial after iteration {self.steps}: median step {a:.1f} ms with Lina vs {b:.1f} ms without "
             f"over {n} iterations each (max over ranks), {why}: {verdict}"
@@ -164,4 +178,5 @@ class LinaTrial:
         closes it as without a trial. Nothing once the trial decided."""
         if not self.done:
             self.grad_sync.use_scheduler(self.scheduler)
+            self.set_pipeline(True)
             self.done = True
