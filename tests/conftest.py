@@ -77,6 +77,7 @@ MARKS: dict[str, dict[str, object]] = {
         "test_lina_trial.py": {
             "test_trial_found_slower_falls_back_to_the_plain_sync_on_the_same_curve",
             "test_trial_found_faster_keeps_lina_after_the_trial",
+            "test_trainer_trial_found_slower_also_stops_the_pipelining",
         },
         "test_lina_packing.py": {
             "test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout",
