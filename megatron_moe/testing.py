@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -23,6 +25,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_moe.parallel_state import shutdown
+
+
+def run_command(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, ...)` in a session of its own: on timeout the
+    whole process group is killed (a launcher's workers included, which `subprocess.run` would orphan),
+    then `subprocess.TimeoutExpired` is raised as by `subprocess.run`."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port() -> int:

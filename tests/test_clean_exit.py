@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from megatron_moe.testing import free_port
+from megatron_moe.testing import free_port, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProces
         *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_command(cmd, cwd=ROOT, env=env, timeout=300)
 
 
 def test_bench_moe_layer_mp2_ep2_esp2_every_schedule_exits_0(tmp_path):

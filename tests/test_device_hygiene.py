@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tiny_run import tiny_args
 from megatron_moe.arguments import parse_args
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import default_backend, device_and_backend, local_state, resolve_device
-from megatron_moe.testing import free_port
+from megatron_moe.testing import free_port, run_command
 
 LIBRARY = Path(__file__).resolve().parent.parent / "megatron_moe"
 FACTORIES = {
@@ -188,7 +187,7 @@ def _launch(nproc: int, meta: bool, script: str, args: list[str], timeout: float
             str(free_port()),
             *wrapped,
         ]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    res = run_command(cmd, cwd=ROOT, env=_env(), timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return res.stdout
 

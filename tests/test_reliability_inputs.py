@@ -4,7 +4,6 @@ are validated when opened (cached beside the index, rechecked when the files cha
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
+from megatron_moe.testing import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "pretrain_gpt_moe.py")
@@ -70,13 +70,8 @@ def run_trainer(argv, cwd, nproc=1):
             TRAINER,
         ]
     )
-    return subprocess.run(
-        launch + argv,
-        cwd=str(cwd),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"),
+    return run_command(
+        launch + argv, cwd=str(cwd), timeout=300, env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     )
 
 

@@ -5,7 +5,10 @@ test edits sys.path."""
 
 import ast
 import dataclasses
+import os
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import conftest
 from megatron_moe.arguments import build_parser
 from megatron_moe.cli import convert
 from megatron_moe.config import Config
+from megatron_moe.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,3 +137,17 @@ def test_no_tool_or_test_edits_sys_path():
             ):
                 offenders.append(path.name)
     assert not offenders, offenders
+
+
+def test_run_command_kills_the_whole_group_on_timeout(tmp_path):
+    """A launcher's workers must not outlive a timed-out test (an orphaned busy worker slows every later test)."""
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=2)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered at once; give the kernel a moment to reap
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launched command's child {child} outlived the timeout")
