@@ -230,6 +230,7 @@ class MoELayer(nn.Module):
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
         if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
+            self.path_trial = False  # not a forward of the kept / overlap trial (it resumes when unpipelined)
             y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
