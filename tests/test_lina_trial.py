@@ -64,6 +64,12 @@ def _runs(rank, world, data):
     }
 
 
+def _same_curve(plain: list, run: list, rank: int, tol: float) -> None:
+    assert len(run) == len(plain) == ITERS
+    for i, (a, b) in enumerate(zip(plain, run)):
+        assert abs(a - b) < tol, f"rank {rank} iteration {i + 1}: {b} vs {a}"
+
+
 @pytest.fixture(scope="module")
 def per_rank(sample_data) -> list:
     """The results of the one 2-process spawn of this module (its docstring)."""
@@ -75,9 +81,7 @@ def test_trial_found_slower_falls_back_to_the_plain_sync_on_the_same_curve(per_r
     assert plain["paths"] == ["plain"] and plain["decision"] is None
     for rank, runs in enumerate(per_rank):
         run = runs["slower"]
-        assert len(run["loss"]) == ITERS
-        for i, (a, b) in enumerate(zip(plain["loss"], run["loss"])):
-            assert abs(a - b) < 1e-6, f"rank {rank} iteration {i + 1}: {b} vs {a}"
+        _same_curve(plain["loss"], run["loss"], rank, 1e-6)
         # iterations 1-3 Lina, 4 plain, 5 Lina, 6 plain, 7 Lina, then plain for good (8-10)
         assert run["paths"] == ["lina", "plain", "lina", "plain", "lina", "plain"], run["paths"]
         assert run["lina_iterations"] == 5  # iterations 1, 2, 3, 5, 7
@@ -91,8 +95,7 @@ def test_trial_found_faster_keeps_lina_after_the_trial(per_rank):
     plain = per_rank[0]["plain"]
     for rank, runs in enumerate(per_rank):
         run = runs["faster"]
-        for i, (a, b) in enumerate(zip(plain["loss"], run["loss"])):
-            assert abs(a - b) < 1e-6, f"rank {rank} iteration {i + 1}: {b} vs {a}"
+        _same_curve(plain["loss"], run["loss"], rank, 1e-6)
         # iterations 1-3 Lina, 4 plain, 5 Lina, 6 plain, 7 Lina, 8 plain, then Lina again (9-10)
         assert run["paths"] == ["lina", "plain", "lina", "plain", "lina", "plain", "lina"], run["paths"]
         assert run["lina_iterations"] == 7  # every iteration but 4, 6 and 8
@@ -105,8 +108,7 @@ def test_trainer_trial_found_slower_also_stops_the_pipelining(per_rank):
     plain = per_rank[0]["plain"]
     for rank, runs in enumerate(per_rank):
         run = runs["pipelined_slower"]
-        for i, (a, b) in enumerate(zip(plain["loss"], run["loss"])):
-            assert abs(a - b) < 1e-5, f"rank {rank} iteration {i + 1}: {b} vs {a}"
+        _same_curve(plain["loss"], run["loss"], rank, 1e-5)
         assert run["chunks"] and all(c == 1 for c in run["chunks"]), run["chunks"]
         assert run["decision"]["line"].endswith("all-to-alls not pipelined")
     assert all(c == 1 for c in per_rank[0]["faster"]["chunks"])  # no --lina-pipeline-chunks: never pipelined
