@@ -152,3 +152,11 @@ def span_ms(spans: list, cuda: bool) -> list[float]:
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in spans]
     return [1e3 * (b - a) for a, b in spans]
+
+
+def trial_verdict(measured_faster: bool, force_outcome: Optional[str], flag: str) -> tuple[bool, str]:
+    """A runtime trial's verdict and its reason for the log: the measurement's ("<" / ">="), unless
+    `force_outcome` ("faster" / "slower", given by `flag`, for tests) decides whatever the times."""
+    if force_outcome is None:
+        return measured_faster, "<" if measured_faster else ">="
+    return force_outcome == "faster", f"forced {force_outcome} ({flag})"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 
 from megatron_moe.distributed.collectives import max_over_group
-from megatron_moe.profiling import span_ms, stamp
+from megatron_moe.profiling import span_ms, stamp, trial_verdict
 
 if TYPE_CHECKING:
     from megatron_moe.distributed.grad_sync import GradSync
@@ -141,12 +141,7 @@ class LinaTrial:
         both = self.max_over_world(span_ms(self.times["lina"], self.cuda) + span_ms(self.times["plain"], self.cuda))
         lina_ms, plain_ms = both[:n], both[n:]  # per step, MAX over the world
         a, b = statistics.median(lina_ms), statistics.median(plain_ms)
-        if self.force_outcome is None:
-            keep = keep_lina(lina_ms, plain_ms)
-            why = "<" if keep else ">="
-        else:
-            keep = self.force_outcome == "faster"
-            why = f"forced {self.force_outcome} (--lina-trial-force-outcome)"
+        keep, why = trial_verdict(keep_lina(lina_ms, plain_ms), self.force_outcome, "--lina-trial-force-outcome")
         self.set_pipeline(keep)
         if keep:
             self.grad_sync.use_scheduler(self.scheduler)

@@ -50,7 +50,7 @@ import torch
 from megatron_moe.distributed.collectives import all_gather_raw, max_over_group
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.profiling import span_ms, stamp
+from megatron_moe.profiling import span_ms, stamp, trial_verdict
 from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard_tensor, unshard_tensor
 from megatron_moe.moe.placement import PARAMS
 
@@ -322,12 +322,7 @@ class ExpertPacking:
         before = self.trial["before_ms"]
         after = self.max_over_world(self.steps.durations_ms())
         b, a = statistics.median(before), statistics.median(after)
-        if self.force_outcome is None:
-            faster = keep_packed(before, after)
-            why = "<" if faster else ">="
-        else:
-            faster = self.force_outcome == "faster"
-            why = f"forced {self.force_outcome} (--lina-packing-force-outcome)"
+        faster, why = trial_verdict(keep_packed(before, after), self.force_outcome, "--lina-packing-force-outcome")
         packed, back = self.ps.size("ep"), self.trial["ep_before"]
         line = (
             f"lina packing trial at iteration {iteration}: median step {a:.1f} ms over the {len(after)} "
