@@ -123,8 +123,7 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
         for flag, on in (("--lancet-wgrad", opts.lancet_wgrad), ("--lancet-partition", opts.lancet_partition)):
             if on:
                 raise ValueError(f"--lina-pipeline-chunks cannot be combined with {flag}")
-        for layer in model.moe_layers():
-            layer.set_pipeline_chunks(opts.lina_pipeline_chunks)
+        model.set_pipeline_chunks(opts.lina_pipeline_chunks)
         out.changes.append(
             f"lina: all-to-alls of every MoE layer in {opts.lina_pipeline_chunks} token-chunk "
             f"micro-ops pipelined with the experts"

@@ -368,9 +368,7 @@ class Trainer:
 
     def set_lina_pipeline(self, on: bool) -> None:
         """Lina's all-to-all pipelining (`--lina-pipeline-chunks`) on or off for every MoE layer (the Lina trial)."""
-        chunks = self.cfg.opts.lina_pipeline_chunks if on else 1
-        for layer in self.model.moe_layers():
-            layer.set_pipeline_chunks(chunks)
+        self.model.set_pipeline_chunks(self.cfg.opts.lina_pipeline_chunks if on else 1)
 
     def choose_wandb_run_id(self) -> Optional[str]:
         """The wandb run id: the resumed checkpoint's, else a new one made on rank 0 and shared."""

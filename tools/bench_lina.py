@@ -256,10 +256,6 @@ def trial_for(
     if mode != "lina" or not a.lina_trial_iters or sync is None or sched is None:
         return None
 
-    def pipeline(on: bool) -> None:
-        for layer in model.moe_layers():
-            layer.set_pipeline_chunks(chunks if on else 1)
-
     return LinaTrial(
         sync,
         sched,
@@ -267,7 +263,7 @@ def trial_for(
         a.lina_trial_iters,
         a.lina_trial_force_outcome,
         warmup=a.warmup,
-        pipeline=pipeline if chunks > 1 else None,
+        pipeline=(lambda on: model.set_pipeline_chunks(chunks if on else 1)) if chunks > 1 else None,
     )
 
 
@@ -342,8 +338,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     """
     model = GPT2MoE(cfg, ps)
     sched, chunks = mode_settings(a, mode, partition_mb)
-    for layer in model.moe_layers():
-        layer.set_pipeline_chunks(chunks)
+    model.set_pipeline_chunks(chunks)
     sync = None if mode == "alone" else GradSync(model, ps, bucket_mb=a.bucket_mb, scheduler=sched)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     ep_before = ps.size("ep")

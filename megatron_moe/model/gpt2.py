@@ -198,6 +198,11 @@ class GPT2MoE(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.block_list() if b.is_moe]
 
+    def set_pipeline_chunks(self, chunks: int) -> None:
+        """Lina's all-to-all pipelining (`MoELayer.set_pipeline_chunks`) for every MoE layer; 1: off."""
+        for layer in self.moe_layers():
+            layer.set_pipeline_chunks(chunks)
+
     def set_block_runner(self, idx: int, fn: Optional[Callable]) -> None:
         """Run block `idx` with `fn(x) -> (x, aux)` instead of the block (None: the block again)."""
         if fn is None:
