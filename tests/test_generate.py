@@ -105,7 +105,7 @@ def saved(tmp_path_factory):
     from megatron_moe.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("gen")
-    texts = [open(os.path.join(ROOT, "README.md")).read()] * 2
+    texts = [open(os.path.join(ROOT, "data", "wikitext-sample", "wiki.train.tokens")).read()]  # bundled, fixed
     save_tokenizer(train_tokenizer(texts, 300), root / "corpus_tokenizer")
     tok = load_tokenizer(root / "corpus_tokenizer")
     cfg = tiny_config(tok.vocab_size)
