@@ -1,6 +1,7 @@
 """Text generation: greedy equals an argmax loop with context cropping, top-k=1 equals greedy, top-p
 keeps the nucleus, padded vocabulary ids are never produced, tools/generate.py on any layout."""
 
+import copy
 import importlib.util
 import os
 
@@ -123,7 +124,13 @@ def test_generate_tool_on_a_sharded_checkpoint_and_a_consolidated_file(saved, ca
     ckpt, file, tok, model = saved
     assert tokenizer_path(cv.read_sharded(ckpt, progress=False).cfg) == ckpt.replace("ckpt", "corpus_tokenizer")
     prompt = "The tests"
-    expect = prompt + tok.decode(generate(model, tok.encode(prompt), 10, temperature=0, eod=tok.eod))
+    # The tool serves through the inference engine, which routes dropless (README, Inference): the
+    # reference is the same weights with --moe-dropless, not the capacity-1.0 model they were saved from.
+    dropless_cfg = copy.deepcopy(model.cfg)
+    dropless_cfg.moe.moe_dropless = True
+    dropless = GPT2MoE(dropless_cfg, local_state()).eval()
+    dropless.load_state_dict(model.state_dict())
+    expect = prompt + tok.decode(generate(dropless, tok.encode(prompt), 10, temperature=0, eod=tok.eod))
     for load in (ckpt, file):
         assert tool.main(["--load", load, "--prompt", prompt, "--greedy", "--max-new-tokens", "10"]) == 0
         assert capsys.readouterr().out == expect + "\n"
