@@ -5,7 +5,8 @@ iterations with EP4 (one expert per rank), then the same run with all of Lina (4
 all-to-alls in 2 pipelined chunks) and packing forced (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
 further), saving after packing (iteration 15, in the packed layout). That checkpoint is resharded
 to EP4 with the conversion tool and a third run continues from it in the original layout.
-Lina's own trial (--lina-trial-iters 3, the default: iterations 1-8) runs first, so packing is first due
+Lina's own trial (--lina-trial-iters 1: a warm-up of 2 iterations, up to 4 more while the layers time their
+expert path, then 1 with Lina and 1 without: at most iterations 1-8) runs first, so packing is first due
 at iteration 11 (`lina_trial.packing_start`: the 3 iterations a pack's trial compares before it, 9-11,
 follow the Lina trial), not at 10.
 The pack's trial (3 iterations timed before and after it) is forced to find the packed layout
@@ -46,7 +47,7 @@ ITERS = 20
 EP4 = ("--expert-model-parallel-size", "4")  # AdamW (the default)
 PACK = ("--lina-packing", "--lina-packing-force", "--lina-max-experts-per-rank", "2")
 KEEP, REVERT = ("--lina-packing-force-outcome", "faster"), ("--lina-packing-force-outcome", "slower")
-LINA = ("--lina", "--lina-partition-mb", "0.004", "--lina-pipeline-chunks", "2")  # the rest of Lina, on
+LINA = ("--lina", "--lina-partition-mb", "0.004", "--lina-pipeline-chunks", "2", "--lina-trial-iters", "1")
 
 
 def _train(args) -> tuple[list, list, int, int, int | None]:
@@ -100,7 +101,7 @@ def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_or
             ("pack", 11, 4, 2),
             ("trial", 14, 2, 2),
         ]
-        assert lina_decided == 8  # the Lina trial decided before packing's window (9-11) began
+        assert 4 <= lina_decided <= 8  # the Lina trial decided before packing's window (9-11) began
         assert decisions[0]["ffn_ms"] > 0 and decisions[0]["a2a_ms"] > 0  # both were measured
         assert "forced faster (--lina-packing-force-outcome): kept EP 2" in decisions[1]["line"]
         for i, (a, b) in enumerate(zip(plain, hist)):
@@ -119,7 +120,7 @@ def test_a_pack_whose_trial_is_slower_goes_back_to_ep4_on_the_same_curve(per_ran
     plain = per_rank[0]["plain"][0]
     for rank, runs in enumerate(per_rank):
         hist, decisions, ep, edp, lina_decided = runs["reverted"]
-        assert lina_decided == 8
+        assert 4 <= lina_decided <= 8
         assert (ep, edp) == (4, 1), f"rank {rank}: EP {ep} x expert-DP {edp} after the trial"
         assert [h["experts_per_rank"] for h in hist] == [1] * 10 + [2] * 3 + [1] * 7
         assert [(d["kind"], d["iteration"], d["ep_before"], d["ep"]) for d in decisions] == [

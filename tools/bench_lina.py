@@ -249,7 +249,8 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
 def trial_for(
     a: argparse.Namespace, mode: str, sync: Optional[GradSync], sched, ps, model, chunks: int
 ) -> Optional[LinaTrial]:
-    """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): --warmup iterations with Lina, then
+    """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): --warmup iterations with Lina (unpipelined,
+    and longer while the MoE layers time their expert path), then
     --lina-trial-iters with Lina and as many with the plain run (no_lina's bucketed sync, all-to-alls not
     pipelined), alternating; the rest of the mode runs with whatever it kept. None for the other modes or
     with --lina-trial-iters 0."""
@@ -264,6 +265,7 @@ def trial_for(
         a.lina_trial_force_outcome,
         warmup=a.warmup,
         pipeline=(lambda on: model.set_pipeline_chunks(chunks if on else 1)) if chunks > 1 else None,
+        settling=lambda: any(layer.path_pending() for layer in model.moe_layers()),
     )
 
 
