@@ -177,9 +177,16 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         planner=lambda counts: plan_placement(counts, calib.model, alpha, n).replicas,
         interval=opts.pro_prophet_interval,
         calibrator=calib,
+        trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
+        trial_force_outcome=opts.pro_prophet_trial_force_outcome,
     )
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
+        + (
+            f"; trial of {opts.pro_prophet_trial_iters} + {opts.pro_prophet_trial_iters} iterations after the calibration"
+            if opts.pro_prophet_trial_iters
+            else ""
+        )
     )
     return runtime

@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import comm_errors, observer, streams
-from megatron_moe.distributed.collectives import all_gather_raw, scale_grad
+from megatron_moe.distributed.collectives import all_gather_raw, max_over_group, scale_grad
 from megatron_moe.moe.experts import Experts
-from megatron_moe.profiling import annotate
+from megatron_moe.profiling import annotate, span_ms, stamp
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.clock import LayerClock
+from megatron_moe.pro_prophet.trial import PlacementTrial
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -445,7 +446,14 @@ class ProProphet:
     `calibrator` (`pro_prophet.calibration.Calibrator`, optional): the calibration iterations run
     with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
     and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
-    fitted; the planner reads `calibrator.model`, so later plans use the fit."""
+    fitted; the planner reads `calibrator.model`, so later plans use the fit.
+
+    `trial_iters` > 0 (with a planner): after the calibration (or after iteration 1 without one),
+    `pro_prophet.trial.PlacementTrial` times that many iterations with the planner's placement and
+    as many with the empty plan, alternating, and keeps placing only if it measured faster (the
+    spans between `end_iteration` calls, MAX over the world); otherwise the rest of the run has the
+    empty plan. `trial_force_outcome` decides it whatever the times. While the trial runs, plans
+    are made at the end of the iteration, not under the all-to-all (each arm then pays its own)."""
 
     def __init__(
         self,
@@ -456,6 +464,8 @@ class ProProphet:
         interval: int = 1,
         calibrator: Optional[Calibrator] = None,
         plan_in_flight: bool = True,
+        trial_iters: int = 0,
+        trial_force_outcome: Optional[str] = None,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -475,6 +485,13 @@ class ProProphet:
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
         for layer in self.layers:
             layer.dispatcher.set_counts_sink(self)
+        self.trial: Optional[PlacementTrial] = None
+        if planner is not None and trial_iters > 0:
+            start = calibrator.last if calibrator is not None and calibrator.last else 1
+            self.trial = PlacementTrial(trial_iters, start, trial_force_outcome)
+        self.cuda = ps.device.type == "cuda"
+        self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
+        self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
         # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
         self.boxes: dict[int, AggBox] = {}
         if schedule:
@@ -514,6 +531,8 @@ class ProProphet:
         for this iteration are complete and `end_iteration` will plan with the current model."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
+        if self.trial is not None and not self.trial.decided and self.ended + 1 >= self.trial.start:
+            return  # trial iterations (and the one before them) plan at their end: each arm pays its own
         if (
             self.forwards[layer_idx] != self.forwards_per_iteration
             or self._action(self.running, self.ended + 1) != "plan"
@@ -531,11 +550,15 @@ class ProProphet:
     def _action(self, iteration: int, local: int) -> str:
         """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
         iteration without placement) or "keep"."""
-        cal = self.calibrator
+        cal, trial = self.calibrator, self.trial
         if self.planner is None:
             return "keep"
+        if trial is not None and trial.decided and not trial.keep:
+            return "keep" if local > trial.end else "off"  # the empty plan from the decision on
         if cal is not None and cal.placement_off(local + 1):
             return "off"
+        if trial is not None and trial.arm(local + 1) is not None:
+            return "plan" if trial.arm(local + 1) == "placed" else "off"
         if cal is not None and cal.calibrating(local):
             return "plan"
         return "keep" if iteration % self.interval else "plan"
@@ -549,9 +572,14 @@ class ProProphet:
         """After iteration `iteration` (1-based): calibrate when due, then plan the next iteration every
         `interval` iterations from this one's counts [L, N_EP, E] (default: `collected_counts`). True
         when it planned."""
+        now = stamp(self.cuda)
         counts = self.collected_counts() if counts_LDE is None else counts_LDE
         cal = self.calibrator
         self.ended += 1
+        if self.trial is not None and self.last_stamp is not None:
+            moved = any(p.moved for p in self.plans.values())
+            self.trial.record(self.ended, (self.last_stamp, now), moved)
+        self.last_stamp = now
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
@@ -562,6 +590,8 @@ class ProProphet:
                 cal.fit(times.cpu().tolist())
                 self.clock.remove()
                 self.clock = None
+        if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:
+            self.decide_trial()
         action = self._action(iteration, self.ended)
         early, fresh = self.early, dict(self.forwards)
         self.early, self.running = {}, iteration + 1
@@ -584,6 +614,22 @@ class ProProphet:
                 plans[la.layer_idx] = self._plan(counts[i])
         self.set_plans(plans)
         return True
+
+    def decide_trial(self) -> None:
+        """The trial's arms are timed: MAX-reduce the spans over the world (one all-reduce) and decide."""
+        trial = self.trial
+        assert trial is not None
+        placed = span_ms(trial.spans["placed"], self.cuda)
+        plain = span_ms(trial.spans["plain"], self.cuda)
+        both = placed + plain
+        if dist.is_initialized():
+            both = max_over_group(both, self.ps.group("world"), self.ps.device, "pro-prophet trial all_reduce")
+        self.trial_line = trial.decide(both[: len(placed)], both[len(placed) :])
+
+    def take_trial_line(self) -> Optional[str]:
+        """The trial's verdict line, once (None before the decision and after it was taken)."""
+        line, self.trial_line = self.trial_line, None
+        return line
 
     def placement_of(self, layer_idx: int) -> Placement:
         """The placement layer `layer_idx` uses now (no replicas when none was set)."""
