@@ -157,7 +157,7 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
     layers = model.moe_layers()
     mode = "blocking Trans/Agg" if opts.pro_prophet_no_schedule else "Trans/Agg overlapped (Algorithm 2)"
     if opts.pro_prophet_force_plan is not None:
-        runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule)
+        runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule, anchor=model.wte)
         forced = parse_plan(opts.pro_prophet_force_plan, moe.num_experts, ps.size("ep"))
         runtime.set_plans({layer.layer_idx: forced for layer in layers})
         changes.append(f"pro-prophet: forced plan in every MoE layer: {forced.describe()}; {mode}")
@@ -179,6 +179,7 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         calibrator=calib,
         trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
         trial_force_outcome=opts.pro_prophet_trial_force_outcome,
+        anchor=model.wte,  # the first MoE layer's Trans starts, and its Agg is waited, at the embedding
     )
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "

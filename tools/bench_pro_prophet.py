@@ -254,7 +254,9 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[Pr
     if mode == "none":
         return None
     if mode == "heaviest_to_all":
-        return ProProphet(layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas)
+        return ProProphet(
+            layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas, anchor=model.norms[0]
+        )
     calib = Calibrator(perf[kind_of(mode)], skip=a.calibrate_skip, iters=a.calibrate_iters)
     return ProProphet(
         layers,
@@ -264,6 +266,7 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[Pr
         calibrator=calib,
         trial_iters=trial_iters(a, mode),
         trial_force_outcome=a.trial_force_outcome,
+        anchor=model.norms[0],  # scheduled: the first MoE layer's Trans starts, and its Agg waits, here
     )
 
 

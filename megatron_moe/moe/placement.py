@@ -23,14 +23,16 @@ this rank sends and receives).
 Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
              expert compute (fc before it, proj after it: the second part overlaps the
-             non-expert compute up to the next MoE layer); the first MoE layer launches its own
-             at its start. A layer waits for its Trans just before its experts run (Trans and Agg
+             non-expert compute up to the next MoE layer); the first MoE layer's is launched
+             by the runtime's anchor (see below), or at that layer's start without one. A layer waits for its Trans just before its experts run (Trans and Agg
              are issued on CUDA side streams, `distributed.streams`; no-ops on the CPU). Agg is
              launched when the experts' backward is done and waited when the gradient of the
              previous MoE layer's output is due (it overlaps the dispatch all-to-all's and the
              router's backward and the non-expert backward in between: a forward hook of the
              previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
-             the gradient of its own input is due.
+             the gradient of the runtime's anchor output is due (the trainer's: the token
+             embedding, so the wait is the last thing before the embedding's backward), or of its
+             own input without an anchor. The anchor's forward also starts the first layer's Trans.
   blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
@@ -349,7 +351,7 @@ class PlacedLayer:
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
         (scheduled) and put the Agg wait on the previous MoE layer's output (the box it set up this
-        forward) or, for the first MoE layer, on this layer's input."""
+        forward: the anchor's output for the first MoE layer) or, without a box, on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
         box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
@@ -448,6 +450,13 @@ class ProProphet:
     and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
     fitted; the planner reads `calibrator.model`, so later plans use the fit.
 
+    `anchor` (scheduled only; optional): a module that runs in the forward before the first MoE
+    layer and whose output needs a gradient (the trainer's: the token embedding). Its forward starts
+    the first MoE layer's Trans (instead of that layer's own start: the non-expert forward in between
+    hides it), and its output carries the wait for that layer's Agg (instead of the layer's own input
+    gradient: the whole non-expert backward in between hides it; the anchor's backward is the last
+    before the optimizer step).
+
     `trial_iters` > 0 (with a planner): after the calibration (or after iteration 1 without one),
     `pro_prophet.trial.PlacementTrial` times that many iterations with the planner's placement and
     as many with the empty plan, alternating, and keeps placing only if it measured faster (the
@@ -466,6 +475,7 @@ class ProProphet:
         plan_in_flight: bool = True,
         trial_iters: int = 0,
         trial_force_outcome: Optional[str] = None,
+        anchor: Optional[torch.nn.Module] = None,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -497,6 +507,18 @@ class ProProphet:
         if schedule:
             for prev, nxt in zip(self.layers, self.layers[1:]):
                 prev.register_forward_hook(self._agg_wait_hook(nxt))
+            if anchor is not None:  # the first MoE layer's Trans starts, and its Agg is waited, at the anchor
+                anchor.register_forward_pre_hook(self._trans_early_hook)
+                anchor.register_forward_hook(self._agg_wait_hook(self.layers[0]))
+
+    def _trans_early_hook(self, module, args) -> None:
+        """A forward pre-hook of the anchor: launch the first MoE layer's Trans (both parts) now, so it
+        overlaps the non-expert forward before that layer (the weights are final: the optimizer step of
+        the last iteration is over when the next forward starts)."""
+        first = self.layers[0]
+        if torch.is_grad_enabled() and first.dispatcher.placement is not None:
+            self.prefetch(first.layer_idx, 0)
+            self.prefetch(first.layer_idx, 1)
 
     def _agg_wait_hook(self, nxt):
         """A forward hook for the MoE layer before `nxt`: its output carries the wait for `nxt`'s Agg."""
