@@ -148,6 +148,30 @@ def test_calibration_iterations_alternate_no_placement_and_the_plan():
         cal.fit([1.0, 2.0])
 
 
+def test_the_trial_iterations_are_sampled_and_refitted_once_after_them():
+    cal = Calibrator(unit_model(), skip=1, iters=2)
+    cal.sample_more(4)  # a trial of 2 + 2 iterations after iteration 3
+    assert cal.refit_at == 7 and [cal.sampling(i) for i in (7, 8)] == [True, False]
+    counts = [np.array([[1, 0], [1, 0]])]  # no placement: only the scale is fitted
+    base = unit_model().terms(counts[0], None).base  # T'' at scale 1
+    due, first = [], None
+    for i in range(1, 10):
+        cal.record(i, counts, [None], 4.0 * base if i <= 3 else 8.0 * base)  # slower after the calibration
+        due.append(cal.fit_due(i))
+        if due[-1]:
+            cal.fit(cal.measured)
+            first = first or cal.fitted.scale
+    assert due == [False, False, True, False, False, False, True, False, False]
+    assert first == pytest.approx(4.0)  # the first fit: samples 2, 3 only
+    assert [m / base for m in cal.measured] == pytest.approx([4, 4, 8, 8, 8, 8]) and cal.fits == 2
+    # the refit: least squares on the relative error over all six samples, scale = sum(1/r) / sum(1/r^2)
+    r = [4, 4, 8, 8, 8, 8]
+    assert cal.fitted.scale == pytest.approx(sum(1 / x for x in r) / sum(1 / x**2 for x in r))
+    without = Calibrator(unit_model(), skip=1, iters=2)
+    without.sample_more(0)
+    assert without.refit_at == 3 and [without.fit_due(i) for i in (3, 7)] == [True, False]
+
+
 # -- the clock ------------------------------------------------------------------------------------
 class Doubler(torch.nn.Module):
     def forward(self, x):

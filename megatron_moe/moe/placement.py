@@ -448,7 +448,8 @@ class ProProphet:
     `calibrator` (`pro_prophet.calibration.Calibrator`, optional): the calibration iterations run
     with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
     and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
-    fitted; the planner reads `calibrator.model`, so later plans use the fit.
+    fitted; the planner reads `calibrator.model`, so later plans use the fit. With a trial, its
+    iterations are timed too and the model is refitted on every sample at the trial's end.
 
     `anchor` (scheduled only; optional): a module that runs in the forward before the first MoE
     layer and whose output needs a gradient (the trainer's: the token embedding). Its forward starts
@@ -499,6 +500,8 @@ class ProProphet:
         if planner is not None and trial_iters > 0:
             start = calibrator.last if calibrator is not None and calibrator.last else 1
             self.trial = PlacementTrial(trial_iters, start, trial_force_outcome)
+            if calibrator is not None:
+                calibrator.sample_more(2 * trial_iters)  # the trial's iterations refine the fit
         self.cuda = ps.device.type == "cuda"
         self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
         self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
@@ -610,6 +613,7 @@ class ProProphet:
                 if dist.is_initialized():
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
                 cal.fit(times.cpu().tolist())
+            if not cal.sampling(self.ended + 1):
                 self.clock.remove()
                 self.clock = None
         if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:

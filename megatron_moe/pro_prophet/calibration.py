@@ -36,6 +36,11 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
+  With `sample_more(n)` (the runtime's trial: n = 2K iterations alternating the fitted model's plan
+  and the empty plan) those n iterations are sampled too and the fit is made again on all samples
+  after them (`refit_at`): the trial's placed iterations run the plan the run keeps, so the refit
+  sees the cost of that very plan (Trans / Agg exposure, the replica path) at times closer to those
+  it then predicts, like Lancet's contention term fitted on the run's own measured steps.
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
 identical on every rank (a MAX all-reduce, once) and hands them in.
 """
@@ -141,9 +146,29 @@ class Calibrator:
         if skip < 0 or iters < 0:
             raise ValueError(f"Calibrator: skip and iters must be >= 0, got {skip}, {iters}")
         self.model, self.skip, self.iters = model, skip, iters
+        self.extra = 0  # iterations after `last` sampled too (`sample_more`), refitted at `refit_at`
         self.terms: list[list[LayerTerms]] = []
         self.measured: list[float] = []
         self.fitted: Calibration | None = None
+        self.fits = 0  # fits made
+
+    def sample_more(self, iterations: int) -> None:
+        """Also sample the `iterations` iterations after the calibration (the runtime's trial, which
+        runs the fitted model's plan and the empty plan) and refit on every sample after the last of
+        them: the plans after it are made, and the run's later layer times predicted, by a fit that saw
+        the plan the run keeps and times closer to the ones it predicts."""
+        if iterations < 0:
+            raise ValueError(f"Calibrator.sample_more: iterations must be >= 0, got {iterations}")
+        self.extra = iterations if self.iters else 0
+
+    @property
+    def refit_at(self) -> int:
+        """The iteration after which the last fit is made (`last` without `sample_more`)."""
+        return self.last + self.extra if self.iters else 0
+
+    def sampling(self, iteration: int) -> bool:
+        """True while iteration `iteration` (1-based) is timed for a fit still to come."""
+        return iteration <= self.refit_at
 
     @property
     def last(self) -> int:
@@ -163,13 +188,17 @@ class Calibrator:
     ) -> None:
         """Iteration `iteration` ran the layers' counts [L][D][E] under `replicas_L` and took `seconds`
         (this rank) in its MoE layers; kept when it is a sampled calibration iteration."""
-        if self.skip < iteration <= self.last:
+        if self.skip < iteration <= self.refit_at:
             self.terms.append([self.model.terms(c, r) for c, r in zip(counts_LDE, replicas_L)])
             self.measured.append(float(seconds))
 
     def fit_due(self, iteration: int) -> bool:
-        """True after the last calibration iteration, once (the runtime then calls `fit`)."""
-        return self.iters > 0 and iteration == self.last and self.fitted is None
+        """True after the last calibration iteration and after `refit_at`, once each (the runtime then
+        calls `fit`)."""
+        if not self.iters:
+            return False
+        first = iteration == self.last and self.fits == 0
+        return first or (self.extra > 0 and iteration == self.refit_at and self.fits == 1)
 
     def fit(self, measured: Sequence[float]) -> Calibration:
         """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
@@ -179,4 +208,5 @@ class Calibrator:
         samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
         self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
         self.model = replace(self.model, calibration=self.fitted)
+        self.fits += 1
         return self.fitted
