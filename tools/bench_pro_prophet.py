@@ -76,7 +76,8 @@ mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, pred
 trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min, predicted_uncalibrated_ms,
 model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta,
 calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown,
-trial: mode pro_prophet's trial decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over
+plan_ms: the median per iteration of the seconds the planner ran (every layer's plan; under the last
+dispatch all-to-all or at the iteration's end; this rank), trial: mode pro_prophet's trial decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over
 ranks), placed_steps_ms, plain_steps_ms, trial_ms_total, moved, line).
 """
 
@@ -89,7 +90,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -249,20 +250,36 @@ class BenchModel(nn.Module):
         return h
 
 
-def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[ProProphet]:
+def timed(planner: Callable, spent: list) -> Callable:
+    """`planner`, appending the seconds each call takes to `spent` (the planning cost per iteration)."""
+
+    def run(counts):
+        t0 = time.perf_counter()
+        out = planner(counts)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    return run
+
+
+def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -> Optional[ProProphet]:
     layers = list(model.moes)
     if mode == "none":
         return None
     if mode == "heaviest_to_all":
         return ProProphet(
-            layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas, anchor=model.norms[0]
+            layers,
+            ps,
+            schedule=True,
+            planner=timed(lambda c: heaviest_to_all(c, 2).replicas, spent),
+            anchor=model.norms[0],
         )
     calib = Calibrator(perf[kind_of(mode)], skip=a.calibrate_skip, iters=a.calibrate_iters)
     return ProProphet(
         layers,
         ps,
         schedule=mode == "pro_prophet",
-        planner=lambda c: plan(c, calib.model, a.alpha, a.n).replicas,
+        planner=timed(lambda c: plan(c, calib.model, a.alpha, a.n).replicas, spent),
         calibrator=calib,
         trial_iters=trial_iters(a, mode),
         trial_force_outcome=a.trial_force_outcome,
@@ -283,13 +300,14 @@ def kind_of(mode: str) -> str:
 def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     """Warm up, measure; per-iteration lists (every rank holds the same numbers)."""
     model = BenchModel(cfg, ps, skew)
-    runtime = make_runtime(model, ps, mode, perf, a)
+    spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
+    runtime = make_runtime(model, ps, mode, perf, a, spent)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     gen = torch.Generator(device="cpu").manual_seed(99 + ps.rank("ep"))
     E, n_ep, M = cfg.moe.num_experts, ps.size("ep"), cfg.model.hidden_size
     plain = Placement.of(E, n_ep, {})
     model_for = perf[kind_of(mode)]
-    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top")}
+    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
     rows["breakdown"] = None
     log = CommLog().start()
     warmup = a.warmup + 2 * trial_iters(a, mode)  # the trial's steps: unmeasured, after the calibration
@@ -298,6 +316,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
         used = [runtime.placement_of(m.layer_idx) if runtime else plain for m in model.moes]
         model.moe_s, model.moe_bwd = [], []
+        plan_s = sum(spent)  # the plans made during the last iteration and at its end (for this one)
+        spent.clear()
         profiled = it == n_run  # --breakdown: one extra iteration under the profiler, outside the medians
         prof = profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
         dist.barrier()
@@ -323,6 +343,7 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
             continue
         std = lambda v: statistics.pstdev(float(x) for x in v)  # noqa: E731
         rows["step"].append(1e3 * step)
+        rows["plan"].append(1e3 * plan_s)
         rows["moe"].append(1e3 * moe)
         rows["std_before"].append(statistics.mean(std(plain.computed_tokens(c.tolist())) for c in counts))
         rows["std_after"].append(statistics.mean(std(p.computed_tokens(c.tolist())) for p, c in zip(used, counts)))
@@ -395,7 +416,7 @@ def measure_perf(cfg: Config, ps, a) -> dict:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s} {'trial (placed / plain ms)':s}"
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s} {'plan ms':>7s} {'trial (placed / plain ms)':s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -403,7 +424,7 @@ def table(rows: list[dict]) -> str:
             f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
             f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
             f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f} "
-            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f} {trial_text(r['trial'])}"
+            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f} {r['plan_ms']:7.2f} {trial_text(r['trial'])}"
         )
     return "\n".join(lines)
 
@@ -470,7 +491,7 @@ def run(a: argparse.Namespace) -> None:
             kind = kind_of(mode)
             cal = r["calibration"] or fits.get(kind) or Calibration()
             overlap = kind == "overlap"
-            med = {k: statistics.median(r[k]) for k in ("step", "moe", "trans", "agg", "top")}
+            med = {k: statistics.median(r[k]) for k in ("step", "moe", "trans", "agg", "top", "plan")}
             pred = predicted_ms(r["terms"], overlap, cal)
             results.append(
                 {
@@ -494,6 +515,7 @@ def run(a: argparse.Namespace) -> None:
                     "calibration_overhead_ms": 1e3 * cal.overhead,
                     "breakdown_ms": r["breakdown"],
                     "trial": r["trial"],
+                    "plan_ms": med["plan"],
                 }
             )
     if rank == 0:
