@@ -17,6 +17,8 @@ from megatron_moe.arguments import parse_args
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.placement import ProProphet
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_moe.pro_prophet.calibration import Calibrator
+from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import heaviest_to_all
 from megatron_moe.pro_prophet.trial import PlacementTrial, keep_placement
 from megatron_moe.testing import spawn
@@ -119,6 +121,21 @@ def _injected(ps, rank: int, placed: list, plain: list) -> dict:
     return trial.decision
 
 
+def _start(ps, not_before: int) -> tuple:
+    """(trial start, trial end, the calibrator's last sampled iteration) of a calibrated runtime with a
+    trial of 1 + 1 iterations that must not start before iteration `not_before`."""
+    calib = Calibrator(PerfModel(PerfConstants(0, 0, 1e-6, 0, 0, 1e-6), 1, 1, 1, overlap=True), skip=1, iters=2)
+    runtime = ProProphet(
+        _model(ps).moe_layers(),
+        ps,
+        planner=lambda c: [()] * E,
+        calibrator=calib,
+        trial_iters=1,
+        trial_not_before=not_before,
+    )
+    return runtime.trial.start, runtime.trial.end, calib.refit_at
+
+
 def _run(rank, world):
     ps = initialize_model_parallel(1, 2, 1)
     try:
@@ -128,6 +145,7 @@ def _run(rank, world):
         # ranks per step is placed [0.3, 0.3] vs plain [0.2, 0.4] -> medians 0.3 vs 0.3: dropped on both
         out["disagree"] = _injected(ps, rank, [[0.1, 0.1], [0.3, 0.3]], [[0.2, 0.1], [0.1, 0.4]])
         out["agree"] = _injected(ps, rank, [[0.1, 0.2], [0.2, 0.1]], [[0.3, 0.3], [0.2, 0.2]])
+        out["starts"] = [_start(ps, not_before) for not_before in (0, 5)]
         return out
     finally:
         destroy_model_parallel()
@@ -148,6 +166,12 @@ def test_the_verdict_is_the_max_over_ranks_and_identical_on_every_rank(per_rank)
     measured = [r["measured"]["decision"] for r in per_rank]
     assert measured[0] == measured[1]  # the same times (MAX over ranks), the same verdict
     assert measured[0]["keep"] == keep_placement(measured[0]["placed_steps_ms"], measured[0]["plain_steps_ms"])
+
+
+def test_the_trial_follows_the_calibration_or_a_later_start_and_the_fit_samples_it(per_rank):
+    for r in per_rank:
+        # calibration iterations 1-3; the trial right after it, or after iteration 5 (Lina's trial)
+        assert r["starts"] == [(3, 5, 5), (5, 7, 7)]
 
 
 def test_the_runtime_alternates_then_keeps_or_drops_the_placement(per_rank):

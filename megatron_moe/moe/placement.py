@@ -463,7 +463,9 @@ class ProProphet:
     as many with the empty plan, alternating, and keeps placing only if it measured faster (the
     spans between `end_iteration` calls, MAX over the world); otherwise the rest of the run has the
     empty plan. `trial_force_outcome` decides it whatever the times. While the trial runs, plans
-    are made at the end of the iteration, not under the all-to-all (each arm then pays its own)."""
+    are made at the end of the iteration, not under the all-to-all (each arm then pays its own).
+    `trial_not_before`: the trial's first iteration comes after this one (the trainer: after Lina's
+    own trial, whose arms would otherwise alternate in step with these)."""
 
     def __init__(
         self,
@@ -477,6 +479,7 @@ class ProProphet:
         trial_iters: int = 0,
         trial_force_outcome: Optional[str] = None,
         anchor: Optional[torch.nn.Module] = None,
+        trial_not_before: int = 0,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -498,10 +501,10 @@ class ProProphet:
             layer.dispatcher.set_counts_sink(self)
         self.trial: Optional[PlacementTrial] = None
         if planner is not None and trial_iters > 0:
-            start = calibrator.last if calibrator is not None and calibrator.last else 1
+            start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
             self.trial = PlacementTrial(trial_iters, start, trial_force_outcome)
-            if calibrator is not None:
-                calibrator.sample_more(2 * trial_iters)  # the trial's iterations refine the fit
+            if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
+                calibrator.sample_more(self.trial.end - calibrator.last)
         self.cuda = ps.device.type == "cuda"
         self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
         self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
