@@ -37,10 +37,12 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
   With `sample_more(n)` (the runtime's trial: n = 2K iterations alternating the fitted model's plan
-  and the empty plan) those n iterations are sampled too and the fit is made again on all samples
-  after them (`refit_at`): the trial's placed iterations run the plan the run keeps, so the refit
-  sees the cost of that very plan (Trans / Agg exposure, the replica path) at times closer to those
-  it then predicts, like Lancet's contention term fitted on the run's own measured steps.
+  and the empty plan, from the iteration after the calibration) those n iterations are sampled too
+  and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
+  on them alone (`contention`): the layer times drift after the calibration (the replicas' plan
+  running every other iteration, other work on the machine), and these samples are the run's own
+  layer times closest to those the model then predicts, like Lancet's contention term fitted on
+  the run's own measured steps. Only a uniform factor: every plan stays the one the trial timed.
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
 identical on every rank (a MAX all-reduce, once) and hands them in.
 """
@@ -135,6 +137,19 @@ def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) ->
     return replace(cal, overhead=extra - noise)
 
 
+def contention(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Calibration:
+    """`cal` times k, the factor by which `samples` ran slower (k > 1) or faster than `cal` predicts:
+    least squares on the relative error, k = sum(u) / sum(u^2) with u = T''(cal) / measured; scale,
+    comm and overhead all multiplied (eta kept), so every modelled time is k times `cal`'s and every
+    plan the planner makes is the same (Algorithm 1 only compares modelled times). `cal` unchanged
+    when there is no sample."""
+    u = [sum(t.time(overlap, cal) for t in terms) / m for terms, m in samples if m > 0]
+    if not u or sum(u) <= 0:
+        return cal
+    k = sum(u) / sum(x * x for x in u)
+    return Calibration(cal.scale * k, cal.comm * k, cal.eta, cal.overhead * k)
+
+
 class Calibrator:
     """The planner's model and the calibration iterations (module docstring).
 
@@ -202,9 +217,17 @@ class Calibrator:
 
     def fit(self, measured: Sequence[float]) -> Calibration:
         """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
-        maximum over ranks) and plan with the result from now on."""
+        maximum over ranks) and plan with the result from now on: the first time `fit_calibration`,
+        the second (`refit_at`) that fit times the contention factor of the samples since."""
         if len(measured) != len(self.terms):
             raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
+        if self.fits and self.fitted is not None:
+            first = self.last - self.skip  # samples of the first fit; the rest came after it
+            later = [(t, m) for t, m in zip(self.terms[first:], measured[first:]) if m > 0]
+            self.fitted = contention(later, self.model.overlap, self.fitted)
+            self.model = replace(self.model, calibration=self.fitted)
+            self.fits += 1
+            return self.fitted
         samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
         self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
         self.model = replace(self.model, calibration=self.fitted)
