@@ -54,6 +54,9 @@ Modes (the same weights and batches in each):
                          else the mode runs the empty plan (the plain graph) from then on. The trial's
                          2K iterations are added to this mode's warm-up (outside the medians); the row
                          reports the verdict and the trial's own medians.
+The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
+the first MoE layer's Trans starts when the forward starts and its Agg is waited when the backward
+reaches that norm (the dense block in between hides both), as the trainer does with the embedding.
 Every mode plans iteration j+1 from iteration j's counts (`moe.placement.ProProphet`: they ride the
 dispatchers' count exchange, and the plan is made while the last dispatch all-to-all is in flight).
 The model's constants are measured once on the real EP group (`pro_prophet.perf_model.measure_constants`);
@@ -61,6 +64,13 @@ the two pro_prophet modes then calibrate it (`pro_prophet.calibration`: scale an
 fitted on the MoE-layer times of their first --calibrate-iters iterations after --calibrate-skip,
 which alternate no placement and the plan) and plan with the fit. Those iterations are part of
 the warm-up (--warmup must exceed skip + iters), so every measured iteration uses the fitted model.
+Mode pro_prophet's trial iterations are sampled too, and at its end the fit is multiplied by one
+contention factor k fitted on them (`calibration.contention`: k = sum(u) / sum(u^2), u = modelled /
+measured MoE-layer time of each trial iteration, MAX over ranks): the model then predicts the later
+iterations from the run's own most recent layer times, with every plan unchanged (a uniform factor
+does not change which plan Algorithm 1 finds fastest). No constant is tuned to this benchmark: k,
+scale, eta and the overhead are all fitted on the run's own samples, and the error is measured on
+the iterations after them (err % = predicted / measured - 1 over the measured medians).
 
 An iteration is forward, backward and an SGD step, started together on all ranks (a barrier);
 step time: max over ranks; MoE-layer time: forward + backward of the MoE layers (autograd stamps
