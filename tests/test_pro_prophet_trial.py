@@ -9,6 +9,9 @@ placement is kept only if its timed iterations were faster than those with the e
 - the trainer: the curve with the trial (dropped or kept) equals the run without placement.
 """
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -221,3 +224,31 @@ def test_trainer_curve_with_the_trial_equals_the_run_without_placement(sample_da
     # the same plans on every rank, before and after the decision
     for name in ("dropped", "kept"):
         assert [h["pro_prophet_plan"] for h in per_rank[0][name]] == [h["pro_prophet_plan"] for h in per_rank[1][name]]
+
+
+# ----------------------------------------------------------------------------- the benchmark's flags
+
+
+def _bench_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_pro_prophet.py")
+    spec = importlib.util.spec_from_file_location("bench_pro_prophet", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_trial_flags_and_column(capsys):
+    bench = _bench_module()
+    a = bench.parse_args([])
+    assert a.trial_iters == 3 and bench.trial_iters(a, "pro_prophet") == 3
+    assert [bench.trial_iters(a, m) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only")] == [0, 0, 0]
+    for argv, message in (
+        (["--trial-iters", "-1"], "--trial-iters must be >= 0"),
+        (["--trial-iters", "0", "--trial-force-outcome", "faster"], "--trial-force-outcome needs --trial-iters >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    kept = {"keep": True, "placed_ms": 1500.04, "plain_ms": 1800.0}
+    assert bench.trial_text(kept) == "kept (1500.0 / 1800.0)" and bench.trial_text(None) == "-"
+    assert bench.trial_text({**kept, "keep": False}) == "off (1500.0 / 1800.0)"
