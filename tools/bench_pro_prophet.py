@@ -86,9 +86,10 @@ mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, pred
 trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min, predicted_uncalibrated_ms,
 model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta,
 calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown,
-plan_ms: the median per iteration of the seconds the planner ran (every layer's plan; under the last
-dispatch all-to-all or at the iteration's end; this rank), trial: mode pro_prophet's trial decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over
-ranks), placed_steps_ms, plain_steps_ms, trial_ms_total, moved, line).
+plan_ms: the median per iteration of the milliseconds the planner ran (every layer's plan; under the
+last dispatch all-to-all or at the iteration's end; rank 0's), trial: mode pro_prophet's trial
+decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over ranks), placed_steps_ms,
+plain_steps_ms, trial_ms_total, moved, line).
 """
 
 from __future__ import annotations

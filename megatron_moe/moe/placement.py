@@ -24,10 +24,11 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
              expert compute (fc before it, proj after it: the second part overlaps the
              non-expert compute up to the next MoE layer); the first MoE layer's is launched
-             by the runtime's anchor (see below), or at that layer's start without one. A layer waits for its Trans just before its experts run (Trans and Agg
-             are issued on CUDA side streams, `distributed.streams`; no-ops on the CPU). Agg is
-             launched when the experts' backward is done and waited when the gradient of the
-             previous MoE layer's output is due (it overlaps the dispatch all-to-all's and the
+             by the runtime's anchor (see below), or at that layer's start without one. A layer
+             waits for its Trans just before its experts run (Trans and Agg are issued on CUDA
+             side streams, `distributed.streams`; no-ops on the CPU). Agg is launched when the
+             experts' backward is done and waited when the gradient of the previous MoE layer's
+             output is due (it overlaps the dispatch all-to-all's and the
              router's backward and the non-expert backward in between: a forward hook of the
              previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
              the gradient of the runtime's anchor output is due (the trainer's: the token
@@ -36,6 +37,10 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
+
+Trial (`ProProphet(trial_iters=K)`, `pro_prophet.trial`): after the calibration, K iterations with
+the planner's placement and K with the empty plan, alternating; the placement stays only if its
+median step (MAX over ranks) was faster, else the run goes on with the empty plan (the plain graph).
 """
 
 from __future__ import annotations
@@ -449,7 +454,8 @@ class ProProphet:
     with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
     and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
     fitted; the planner reads `calibrator.model`, so later plans use the fit. With a trial, its
-    iterations are timed too and the model is refitted on every sample at the trial's end.
+    iterations are timed too and at its end the fit is multiplied by their contention factor
+    (`calibration.contention`: every modelled time scaled alike, every plan unchanged).
 
     `anchor` (scheduled only; optional): a module that runs in the forward before the first MoE
     layer and whose output needs a gradient (the trainer's: the token embedding). Its forward starts
