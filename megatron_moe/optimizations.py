@@ -184,13 +184,11 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         # after Lina's trial (`distributed.lina_trial`), whose arms would alternate in step with these
         trial_not_before=LINA_TRIAL_WARMUP + 2 * opts.lina_trial_iters if opts.lina and opts.lina_trial_iters else 0,
     )
+    k = opts.pro_prophet_trial_iters
+    after = "the calibration" + (" and Lina's trial" if opts.lina and opts.lina_trial_iters else "")
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
-        + (
-            f"; trial of {opts.pro_prophet_trial_iters} + {opts.pro_prophet_trial_iters} iterations after the calibration"
-            if opts.pro_prophet_trial_iters
-            else ""
-        )
+        + (f"; trial of {k} + {k} iterations after {after}" if k else "")
     )
     return runtime
