@@ -479,6 +479,16 @@ class OptimizationsConfig:
         "iteration instead of planning, 'E:R[,R];E:R' = expert E "
         "replicated on EP ranks R (tests, fixed benchmarks)",
     )
+    pro_prophet_trial_iters: int = opt(
+        3,
+        "Pro-Prophet: after the calibration, time this many iterations with the planner's placement and as "
+        "many without (alternating) and keep placing only if its median step is faster (0: always place)",
+    )
+    pro_prophet_trial_force_outcome: Optional[str] = opt(
+        None,
+        "Pro-Prophet trial: decide as if the placement were faster / slower whatever the medians (tests)",
+        choices=["faster", "slower"],
+    )
 
     def __post_init__(self) -> None:
         check_fields(
@@ -499,10 +509,18 @@ class OptimizationsConfig:
                 "pro_prophet_alpha": NON_NEGATIVE,
                 "pro_prophet_n": NON_NEGATIVE,
                 "pro_prophet_interval": AT_LEAST_ONE,
+                "pro_prophet_trial_iters": NON_NEGATIVE,
             },
         )
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
+        if self.pro_prophet_trial_force_outcome is not None and not (
+            self.pro_prophet and self.pro_prophet_trial_iters and self.pro_prophet_force_plan is None
+        ):
+            raise ValueError(
+                "--pro-prophet-trial-force-outcome needs --pro-prophet, --pro-prophet-trial-iters >= 1 and no "
+                "--pro-prophet-force-plan (a forced plan is not tried)"
+            )
         if self.lina_packing_force and not self.lina_packing:
             raise ValueError("--lina-packing-force needs --lina-packing")
         if self.lina_packing_force_outcome is not None and not (self.lina_packing and self.lina_packing_trial_iters):

@@ -39,6 +39,7 @@ from typing import Optional
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina import LinaScheduler
+from megatron_moe.distributed.lina_trial import WARMUP_ITERS as LINA_TRIAL_WARMUP
 from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.arguments import validate_pro_prophet
@@ -157,7 +158,7 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
     layers = model.moe_layers()
     mode = "blocking Trans/Agg" if opts.pro_prophet_no_schedule else "Trans/Agg overlapped (Algorithm 2)"
     if opts.pro_prophet_force_plan is not None:
-        runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule)
+        runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule, anchor=model.wte)
         forced = parse_plan(opts.pro_prophet_force_plan, moe.num_experts, ps.size("ep"))
         runtime.set_plans({layer.layer_idx: forced for layer in layers})
         changes.append(f"pro-prophet: forced plan in every MoE layer: {forced.describe()}; {mode}")
@@ -177,9 +178,17 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         planner=lambda counts: plan_placement(counts, calib.model, alpha, n).replicas,
         interval=opts.pro_prophet_interval,
         calibrator=calib,
+        trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
+        trial_force_outcome=opts.pro_prophet_trial_force_outcome,
+        anchor=model.wte,  # the first MoE layer's Trans starts, and its Agg is waited, at the embedding
+        # after Lina's trial (`distributed.lina_trial`), whose arms would alternate in step with these
+        trial_not_before=LINA_TRIAL_WARMUP + 2 * opts.lina_trial_iters if opts.lina and opts.lina_trial_iters else 0,
     )
+    k = opts.pro_prophet_trial_iters
+    after = "the calibration" + (" and Lina's trial" if opts.lina and opts.lina_trial_iters else "")
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
+        + (f"; trial of {k} + {k} iterations after {after}" if k else "")
     )
     return runtime

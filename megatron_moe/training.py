@@ -572,6 +572,9 @@ class Trainer:
                 verdict = self.lina_trial.after_step()
                 if verdict is not None:
                     self.logger.line(f"> {verdict}")
+            prophet_line = self.applied.pro_prophet.take_trial_line() if self.applied.pro_prophet else None
+            if prophet_line is not None:  # Pro-Prophet's trial decided (`pro_prophet.trial`)
+                self.logger.line(f"> {prophet_line}")
             if packing is not None:
                 for decision in packing.step_done(self.iteration):
                     self.logger.line(f"> {decision}")

@@ -58,6 +58,12 @@ MARKS: dict[str, dict[str, object]] = {
         },
         "test_composition.py": {"test_every_combination_keeps_the_curve_or_is_refused_naming_both_flags"},
         "test_pro_prophet_locality.py": ALL,
+        "test_pro_prophet_trial.py": {
+            "test_the_verdict_is_the_max_over_ranks_and_identical_on_every_rank",
+            "test_the_trial_follows_the_calibration_or_a_later_start_and_the_fit_samples_it",
+            "test_the_runtime_alternates_then_keeps_or_drops_the_placement",
+            "test_trainer_curve_with_the_trial_equals_the_run_without_placement",
+        },
         "test_pro_prophet_placement.py": {
             "test_forced_plan_equals_no_placement",
             "test_trainer_curve_with_pro_prophet_equals_without_and_resumes_without_it",

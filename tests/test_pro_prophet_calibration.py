@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration, with_overhead
+from megatron_moe.pro_prophet.calibration import contention, Calibrator, fit_calibration, with_overhead
 from megatron_moe.pro_prophet.clock import LayerClock
 from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import plan
@@ -146,6 +146,44 @@ def test_calibration_iterations_alternate_no_placement_and_the_plan():
     assert Calibrator(unit_model(), iters=0).last == 0 and not Calibrator(unit_model(), iters=0).fit_due(0)
     with pytest.raises(ValueError, match="2 times for 4 samples"):
         cal.fit([1.0, 2.0])
+
+
+def test_the_trial_iterations_are_sampled_and_refitted_once_after_them():
+    cal = Calibrator(unit_model(), skip=1, iters=2)
+    cal.sample_more(4)  # a trial of 2 + 2 iterations after iteration 3
+    assert cal.refit_at == 7 and [cal.sampling(i) for i in (7, 8)] == [True, False]
+    counts = [np.array([[1, 0], [1, 0]])]  # no placement: only the scale is fitted
+    base = unit_model().terms(counts[0], None).base  # T'' at scale 1
+    due, first = [], None
+    for i in range(1, 10):
+        cal.record(i, counts, [None], 4.0 * base if i <= 3 else 8.0 * base)  # slower after the calibration
+        due.append(cal.fit_due(i))
+        if due[-1]:
+            cal.fit(cal.measured)
+            first = first or cal.fitted.scale
+    assert due == [False, False, True, False, False, False, True, False, False]
+    assert first == pytest.approx(4.0)  # the first fit: samples 2, 3 only
+    assert [m / base for m in cal.measured] == pytest.approx([4, 4, 8, 8, 8, 8]) and cal.fits == 2
+    # the refit: the first fit times the contention factor of the four later samples (2: twice as slow)
+    assert cal.fitted.scale == pytest.approx(8.0) and cal.fitted.comm == pytest.approx(2 * first)
+
+
+def test_the_contention_factor_scales_every_modelled_time_and_keeps_the_plan():
+    counts = np.array([[10, 0], [10, 0]])
+    cal = Calibration(1.0, 1.0, 0.0, overhead=0.5)
+    model = unit_model(calibration=cal)
+    terms = [model.terms(counts, [(1,), ()]), model.terms(counts, None)]
+    t = [x.time(True, cal) for x in terms]
+    k = contention([([terms[0]], 3 * t[0]), ([terms[1]], 3 * t[1])], True, cal)  # 3x slower than modelled
+    assert (k.scale, k.comm, k.eta, k.overhead) == pytest.approx((3.0, 3.0, 0.0, 1.5))
+    assert [x.time(True, k) for x in terms] == pytest.approx([3 * v for v in t])
+    slower = unit_model(calibration=k)
+    for c in (counts, np.array([[7, 3], [9, 1]]), np.array([[2, 2], [3, 9]])):
+        assert plan(c, slower, alpha=0.0).replicas == plan(c, model, alpha=0.0).replicas
+    assert contention([], True, cal) == cal
+    without = Calibrator(unit_model(), skip=1, iters=2)
+    without.sample_more(0)
+    assert without.refit_at == 3 and [without.fit_due(i) for i in (3, 7)] == [True, False]
 
 
 # -- the clock ------------------------------------------------------------------------------------

@@ -61,10 +61,25 @@ def _iterations(ps, mode: str, log: CommLog) -> dict:
         None
         if mode == "plain"
         else ProProphet(
-            layers, ps, planner=planner, plan_in_flight=mode != "end", calibrator=calib if mode == "calib" else None
+            layers,
+            ps,
+            planner=planner,
+            plan_in_flight=mode != "end",
+            calibrator=calib if mode == "calib" else None,
+            anchor=model.wte if mode == "flight" else None,  # the first layer's Trans / Agg at the embedding
         )
     )
     r, out = ps.rank("dp"), {"events": [], "a2a_bytes": [], "counts": [], "reference": [], "plans": [], "seen": seen}
+    out["started"] = started = []  # per forward of the first MoE layer with replicas: Trans started before it?
+    if runtime is not None:
+        first = layers[0]
+
+        def before_first(module, args):
+            if first.dispatcher.placement is not None:
+                ex = runtime.pending.get(first.layer_idx)
+                started.append(ex is not None and all(t is not None for t in ex.trans))
+
+        first.register_forward_pre_hook(before_first)
     for it in range(ITERS):
         log.clear()
         routed = 0
@@ -174,6 +189,17 @@ def test_an_empty_plan_puts_no_pro_prophet_node_in_the_graph(per_rank):
         assert not ours & res["still"]["nodes"], f"rank {r}: {sorted(ours & res['still']['nodes'])}"
         assert res["still"]["nodes"] == res["plain"]["nodes"], f"rank {r}: the graph differs from the plain run's"
         assert {"_AggWaitLaterBackward", "_UseReplicasBackward"} <= res["flight"]["nodes"], f"rank {r}"
+
+
+def test_the_anchor_starts_the_first_trans_and_waits_the_first_agg(per_rank):
+    """With an anchor (mode "flight": the embedding) the first MoE layer's Agg wait hangs on the anchor's
+    output (no `_AggWait` on the layer's input) and its Trans is under way when the layer's forward starts;
+    without one (mode "end") the layer starts its own Trans and `_AggWait` sits on its input."""
+    for r, res in enumerate(per_rank):
+        flight, end = res["flight"], res["end"]
+        assert "_AggWaitBackward" not in flight["nodes"] and "_AggWaitBackward" in end["nodes"], f"rank {r}"
+        assert flight["started"] == [True] * (MICRO * (ITERS - 1)), f"rank {r}: {flight['started']}"
+        assert end["started"] == [False] * (MICRO * (ITERS - 1)), f"rank {r}: {end['started']}"
 
 
 def test_trans_and_agg_are_complete_when_their_consumer_reads_them(per_rank):

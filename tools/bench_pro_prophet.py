@@ -47,7 +47,16 @@ Modes (the same weights and batches in each):
   heaviest_to_all        the 2 experts with the most tokens replicated on every other rank
                          (the paper's comparison), Trans/Agg overlapped
   pro_prophet_plan_only  Algorithm 1 (`pro_prophet.planner.plan`, eq. (6)), Trans/Agg blocking
-  pro_prophet            Algorithm 1 with eq. (8) and the block-wise scheduler (Algorithm 2)
+  pro_prophet            Algorithm 1 with eq. (8) and the block-wise scheduler (Algorithm 2), and the
+                         trainer's runtime trial (`pro_prophet.trial`, --trial-iters K): after the
+                         calibration, K iterations with the plan and K with the empty plan, alternating,
+                         step times MAX over ranks; the placement stays only if its median was faster,
+                         else the mode runs the empty plan (the plain graph) from then on. The trial's
+                         2K iterations are added to this mode's warm-up (outside the medians); the row
+                         reports the verdict and the trial's own medians.
+The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
+the first MoE layer's Trans starts when the forward starts and its Agg is waited when the backward
+reaches that norm (the dense block in between hides both), as the trainer does with the embedding.
 Every mode plans iteration j+1 from iteration j's counts (`moe.placement.ProProphet`: they ride the
 dispatchers' count exchange, and the plan is made while the last dispatch all-to-all is in flight).
 The model's constants are measured once on the real EP group (`pro_prophet.perf_model.measure_constants`);
@@ -55,6 +64,13 @@ the two pro_prophet modes then calibrate it (`pro_prophet.calibration`: scale an
 fitted on the MoE-layer times of their first --calibrate-iters iterations after --calibrate-skip,
 which alternate no placement and the plan) and plan with the fit. Those iterations are part of
 the warm-up (--warmup must exceed skip + iters), so every measured iteration uses the fitted model.
+Mode pro_prophet's trial iterations are sampled too, and at its end the fit is multiplied by one
+contention factor k fitted on them (`calibration.contention`: k = sum(u) / sum(u^2), u = modelled /
+measured MoE-layer time of each trial iteration, MAX over ranks): the model then predicts the later
+iterations from the run's own most recent layer times, with every plan unchanged (a uniform factor
+does not change which plan Algorithm 1 finds fastest). No constant is tuned to this benchmark: k,
+scale, eta and the overhead are all fitted on the run's own samples, and the error is measured on
+the iterations after them (err % = predicted / measured - 1 over the measured medians).
 
 An iteration is forward, backward and an SGD step, started together on all ranks (a barrier);
 step time: max over ranks; MoE-layer time: forward + backward of the MoE layers (autograd stamps
@@ -69,7 +85,11 @@ Prints a table and, with --json PATH, writes a list of objects (one per mode and
 mode, skew, step_ms_median, moe_ms_median, load_std_before, load_std_after, predicted_ms,
 trans_bytes, agg_bytes (plus world_size, top_expert_share, load_avg_1min, predicted_uncalibrated_ms,
 model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_comm, calibration_eta,
-calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown).
+calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown,
+plan_ms: the median per iteration of the milliseconds the planner ran (every layer's plan; under the
+last dispatch all-to-all or at the iteration's end; rank 0's), trial: mode pro_prophet's trial
+decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over ranks), placed_steps_ms,
+plain_steps_ms, trial_ms_total, moved, line).
 """
 
 from __future__ import annotations
@@ -81,7 +101,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,6 +119,7 @@ from megatron_moe.parallel_state import device_and_backend, initialize_model_par
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
+from megatron_moe.pro_prophet.trial import OUTCOMES as TRIAL_OUTCOMES
 
 MODES = ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
 # --model presets: (hidden size M, expert hidden size H, tokens per rank); explicit flags override
@@ -131,6 +152,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8, help="unmeasured iterations per mode (calibration included)")
     p.add_argument("--calibrate-skip", type=int, default=2, help="first iterations not sampled by the calibration")
     p.add_argument("--calibrate-iters", type=int, default=4, help="iterations the calibration samples (0: off)")
+    p.add_argument(
+        "--trial-iters",
+        type=int,
+        default=Config().opts.pro_prophet_trial_iters,
+        help="mode pro_prophet: the trainer's trial (--pro-prophet-trial-iters): after the calibration this many "
+        "iterations with the plan and as many without, alternating; placement kept only if faster (0: no trial)",
+    )
+    p.add_argument(
+        "--trial-force-outcome",
+        choices=list(TRIAL_OUTCOMES),
+        default=None,
+        help="mode pro_prophet: the trial decides this whatever the medians (--pro-prophet-trial-force-outcome)",
+    )
     p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     p.add_argument(
@@ -157,6 +191,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--warmup ({a.warmup}) must exceed --calibrate-skip + --calibrate-iters "
             f"({a.calibrate_skip + a.calibrate_iters}): measured iterations plan with the fitted model"
         )
+    if a.trial_iters < 0:
+        p.error("--trial-iters must be >= 0 (0: mode pro_prophet runs without the trial)")
+    if a.trial_force_outcome is not None and a.trial_iters < 1:
+        p.error("--trial-force-outcome needs --trial-iters >= 1")
     if any(s < 0 for s in a.skew):
         p.error("--skew values must be >= 0")
     return a
@@ -223,20 +261,46 @@ class BenchModel(nn.Module):
         return h
 
 
-def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a) -> Optional[ProProphet]:
+def timed(planner: Callable, spent: list) -> Callable:
+    """`planner`, appending the seconds each call takes to `spent` (the planning cost per iteration)."""
+
+    def run(counts):
+        t0 = time.perf_counter()
+        out = planner(counts)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    return run
+
+
+def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -> Optional[ProProphet]:
     layers = list(model.moes)
     if mode == "none":
         return None
     if mode == "heaviest_to_all":
-        return ProProphet(layers, ps, schedule=True, planner=lambda c: heaviest_to_all(c, 2).replicas)
+        return ProProphet(
+            layers,
+            ps,
+            schedule=True,
+            planner=timed(lambda c: heaviest_to_all(c, 2).replicas, spent),
+            anchor=model.norms[0],
+        )
     calib = Calibrator(perf[kind_of(mode)], skip=a.calibrate_skip, iters=a.calibrate_iters)
     return ProProphet(
         layers,
         ps,
         schedule=mode == "pro_prophet",
-        planner=lambda c: plan(c, calib.model, a.alpha, a.n).replicas,
+        planner=timed(lambda c: plan(c, calib.model, a.alpha, a.n).replicas, spent),
         calibrator=calib,
+        trial_iters=trial_iters(a, mode),
+        trial_force_outcome=a.trial_force_outcome,
+        anchor=model.norms[0],  # scheduled: the first MoE layer's Trans starts, and its Agg waits, here
     )
+
+
+def trial_iters(a, mode: str) -> int:
+    """K of the mode's trial (`pro_prophet.trial`): mode pro_prophet only (the others are fixed rows)."""
+    return a.trial_iters if mode == "pro_prophet" else 0
 
 
 def kind_of(mode: str) -> str:
@@ -247,20 +311,24 @@ def kind_of(mode: str) -> str:
 def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     """Warm up, measure; per-iteration lists (every rank holds the same numbers)."""
     model = BenchModel(cfg, ps, skew)
-    runtime = make_runtime(model, ps, mode, perf, a)
+    spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
+    runtime = make_runtime(model, ps, mode, perf, a, spent)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     gen = torch.Generator(device="cpu").manual_seed(99 + ps.rank("ep"))
     E, n_ep, M = cfg.moe.num_experts, ps.size("ep"), cfg.model.hidden_size
     plain = Placement.of(E, n_ep, {})
     model_for = perf[kind_of(mode)]
-    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top")}
+    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
     rows["breakdown"] = None
     log = CommLog().start()
-    n_run = a.warmup + a.iters
+    warmup = a.warmup + 2 * trial_iters(a, mode)  # the trial's steps: unmeasured, after the calibration
+    n_run = warmup + a.iters
     for it in range(n_run + int(a.breakdown)):
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
         used = [runtime.placement_of(m.layer_idx) if runtime else plain for m in model.moes]
         model.moe_s, model.moe_bwd = [], []
+        plan_s = sum(spent)  # the plans made during the last iteration and at its end (for this one)
+        spent.clear()
         profiled = it == n_run  # --breakdown: one extra iteration under the profiler, outside the medians
         prof = profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
         dist.barrier()
@@ -282,10 +350,11 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
             runtime.end_iteration(it + 1)
         else:
             counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))
-        if it < a.warmup:
+        if it < warmup:
             continue
         std = lambda v: statistics.pstdev(float(x) for x in v)  # noqa: E731
         rows["step"].append(1e3 * step)
+        rows["plan"].append(1e3 * plan_s)
         rows["moe"].append(1e3 * moe)
         rows["std_before"].append(statistics.mean(std(plain.computed_tokens(c.tolist())) for c in counts))
         rows["std_after"].append(statistics.mean(std(p.computed_tokens(c.tolist())) for p, c in zip(used, counts)))
@@ -303,6 +372,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
     cal = runtime.calibrator if runtime is not None else None
     rows["calibration"] = cal.fitted if cal is not None else None
+    trial = runtime.trial if runtime is not None else None
+    rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
     return rows
 
 
@@ -356,7 +427,7 @@ def measure_perf(cfg: Config, ps, a) -> dict:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s}"
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s} {'plan ms':>7s} {'trial (placed / plain ms)':s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -364,9 +435,16 @@ def table(rows: list[dict]) -> str:
             f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
             f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
             f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f} "
-            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f}"
+            f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f} {r['plan_ms']:7.2f} {trial_text(r['trial'])}"
         )
     return "\n".join(lines)
+
+
+def trial_text(trial: Optional[dict]) -> str:
+    """The table's trial column: the verdict and the arms' medians, or "-" (no trial)."""
+    if trial is None:
+        return "-"
+    return f"{'kept' if trial['keep'] else 'off'} ({trial['placed_ms']:.1f} / {trial['plain_ms']:.1f})"
 
 
 def main(argv=None) -> None:
@@ -417,12 +495,14 @@ def run(a: argparse.Namespace) -> None:
                     f"moe {statistics.median(r['moe']):.1f} ms, calibration {r['calibration']}",
                     flush=True,
                 )
+                if r["trial"] is not None:
+                    print(f"  skew {skew:g} {mode}: {r['trial']['line']}", flush=True)
         fits = {kind_of(m): raw[m]["calibration"] for m in ("pro_prophet_plan_only", "pro_prophet") if m in raw}
         for mode, r in raw.items():
             kind = kind_of(mode)
             cal = r["calibration"] or fits.get(kind) or Calibration()
             overlap = kind == "overlap"
-            med = {k: statistics.median(r[k]) for k in ("step", "moe", "trans", "agg", "top")}
+            med = {k: statistics.median(r[k]) for k in ("step", "moe", "trans", "agg", "top", "plan")}
             pred = predicted_ms(r["terms"], overlap, cal)
             results.append(
                 {
@@ -445,6 +525,8 @@ def run(a: argparse.Namespace) -> None:
                     "calibration_eta": cal.eta,
                     "calibration_overhead_ms": 1e3 * cal.overhead,
                     "breakdown_ms": r["breakdown"],
+                    "trial": r["trial"],
+                    "plan_ms": med["plan"],
                 }
             )
     if rank == 0:

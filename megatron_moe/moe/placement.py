@@ -23,17 +23,24 @@ this rank sends and receives).
 Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
   scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
              expert compute (fc before it, proj after it: the second part overlaps the
-             non-expert compute up to the next MoE layer); the first MoE layer launches its own
-             at its start. A layer waits for its Trans just before its experts run (Trans and Agg
-             are issued on CUDA side streams, `distributed.streams`; no-ops on the CPU). Agg is
-             launched when the experts' backward is done and waited when the gradient of the
-             previous MoE layer's output is due (it overlaps the dispatch all-to-all's and the
+             non-expert compute up to the next MoE layer); the first MoE layer's is launched
+             by the runtime's anchor (see below), or at that layer's start without one. A layer
+             waits for its Trans just before its experts run (Trans and Agg are issued on CUDA
+             side streams, `distributed.streams`; no-ops on the CPU). Agg is launched when the
+             experts' backward is done and waited when the gradient of the previous MoE layer's
+             output is due (it overlaps the dispatch all-to-all's and the
              router's backward and the non-expert backward in between: a forward hook of the
              previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
-             the gradient of its own input is due.
+             the gradient of the runtime's anchor output is due (the trainer's: the token
+             embedding, so the wait is the last thing before the embedding's backward), or of its
+             own input without an anchor. The anchor's forward also starts the first layer's Trans.
   blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
+
+Trial (`ProProphet(trial_iters=K)`, `pro_prophet.trial`): after the calibration, K iterations with
+the planner's placement and K with the empty plan, alternating; the placement stays only if its
+median step (MAX over ranks) was faster, else the run goes on with the empty plan (the plain graph).
 """
 
 from __future__ import annotations
@@ -45,11 +52,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import comm_errors, observer, streams
-from megatron_moe.distributed.collectives import all_gather_raw, scale_grad
+from megatron_moe.distributed.collectives import all_gather_raw, max_over_group, scale_grad
 from megatron_moe.moe.experts import Experts
-from megatron_moe.profiling import annotate
+from megatron_moe.profiling import annotate, span_ms, stamp
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.clock import LayerClock
+from megatron_moe.pro_prophet.trial import PlacementTrial
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -348,7 +356,7 @@ class PlacedLayer:
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
         (scheduled) and put the Agg wait on the previous MoE layer's output (the box it set up this
-        forward) or, for the first MoE layer, on this layer's input."""
+        forward: the anchor's output for the first MoE layer) or, without a box, on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
         box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
@@ -445,7 +453,25 @@ class ProProphet:
     `calibrator` (`pro_prophet.calibration.Calibrator`, optional): the calibration iterations run
     with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
     and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
-    fitted; the planner reads `calibrator.model`, so later plans use the fit."""
+    fitted; the planner reads `calibrator.model`, so later plans use the fit. With a trial, its
+    iterations are timed too and at its end the fit is multiplied by their contention factor
+    (`calibration.contention`: every modelled time scaled alike, every plan unchanged).
+
+    `anchor` (scheduled only; optional): a module that runs in the forward before the first MoE
+    layer and whose output needs a gradient (the trainer's: the token embedding). Its forward starts
+    the first MoE layer's Trans (instead of that layer's own start: the non-expert forward in between
+    hides it), and its output carries the wait for that layer's Agg (instead of the layer's own input
+    gradient: the whole non-expert backward in between hides it; the anchor's backward is the last
+    before the optimizer step).
+
+    `trial_iters` > 0 (with a planner): after the calibration (or after iteration 1 without one),
+    `pro_prophet.trial.PlacementTrial` times that many iterations with the planner's placement and
+    as many with the empty plan, alternating, and keeps placing only if it measured faster (the
+    spans between `end_iteration` calls, MAX over the world); otherwise the rest of the run has the
+    empty plan. `trial_force_outcome` decides it whatever the times. While the trial runs, plans
+    are made at the end of the iteration, not under the all-to-all (each arm then pays its own).
+    `trial_not_before`: the trial's first iteration comes after this one (the trainer: after Lina's
+    own trial, whose arms would otherwise alternate in step with these)."""
 
     def __init__(
         self,
@@ -456,6 +482,10 @@ class ProProphet:
         interval: int = 1,
         calibrator: Optional[Calibrator] = None,
         plan_in_flight: bool = True,
+        trial_iters: int = 0,
+        trial_force_outcome: Optional[str] = None,
+        anchor: Optional[torch.nn.Module] = None,
+        trial_not_before: int = 0,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -475,11 +505,32 @@ class ProProphet:
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
         for layer in self.layers:
             layer.dispatcher.set_counts_sink(self)
+        self.trial: Optional[PlacementTrial] = None
+        if planner is not None and trial_iters > 0:
+            start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
+            self.trial = PlacementTrial(trial_iters, start, trial_force_outcome)
+            if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
+                calibrator.sample_more(self.trial.end - calibrator.last)
+        self.cuda = ps.device.type == "cuda"
+        self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
+        self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
         # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
         self.boxes: dict[int, AggBox] = {}
         if schedule:
             for prev, nxt in zip(self.layers, self.layers[1:]):
                 prev.register_forward_hook(self._agg_wait_hook(nxt))
+            if anchor is not None:  # the first MoE layer's Trans starts, and its Agg is waited, at the anchor
+                anchor.register_forward_pre_hook(self._trans_early_hook)
+                anchor.register_forward_hook(self._agg_wait_hook(self.layers[0]))
+
+    def _trans_early_hook(self, module, args) -> None:
+        """A forward pre-hook of the anchor: launch the first MoE layer's Trans (both parts) now, so it
+        overlaps the non-expert forward before that layer (the weights are final: the optimizer step of
+        the last iteration is over when the next forward starts)."""
+        first = self.layers[0]
+        if torch.is_grad_enabled() and first.dispatcher.placement is not None:
+            self.prefetch(first.layer_idx, 0)
+            self.prefetch(first.layer_idx, 1)
 
     def _agg_wait_hook(self, nxt):
         """A forward hook for the MoE layer before `nxt`: its output carries the wait for `nxt`'s Agg."""
@@ -514,6 +565,8 @@ class ProProphet:
         for this iteration are complete and `end_iteration` will plan with the current model."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
+        if self.trial is not None and not self.trial.decided and self.ended + 1 >= self.trial.start:
+            return  # trial iterations (and the one before them) plan at their end: each arm pays its own
         if (
             self.forwards[layer_idx] != self.forwards_per_iteration
             or self._action(self.running, self.ended + 1) != "plan"
@@ -531,11 +584,15 @@ class ProProphet:
     def _action(self, iteration: int, local: int) -> str:
         """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
         iteration without placement) or "keep"."""
-        cal = self.calibrator
+        cal, trial = self.calibrator, self.trial
         if self.planner is None:
             return "keep"
+        if trial is not None and trial.decided and not trial.keep:
+            return "keep" if local > trial.end else "off"  # the empty plan from the decision on
         if cal is not None and cal.placement_off(local + 1):
             return "off"
+        if trial is not None and trial.arm(local + 1) is not None:
+            return "plan" if trial.arm(local + 1) == "placed" else "off"
         if cal is not None and cal.calibrating(local):
             return "plan"
         return "keep" if iteration % self.interval else "plan"
@@ -549,9 +606,14 @@ class ProProphet:
         """After iteration `iteration` (1-based): calibrate when due, then plan the next iteration every
         `interval` iterations from this one's counts [L, N_EP, E] (default: `collected_counts`). True
         when it planned."""
+        now = stamp(self.cuda)
         counts = self.collected_counts() if counts_LDE is None else counts_LDE
         cal = self.calibrator
         self.ended += 1
+        if self.trial is not None and self.last_stamp is not None:
+            moved = any(p.moved for p in self.plans.values())
+            self.trial.record(self.ended, (self.last_stamp, now), moved)
+        self.last_stamp = now
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
@@ -560,8 +622,11 @@ class ProProphet:
                 if dist.is_initialized():
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
                 cal.fit(times.cpu().tolist())
+            if not cal.sampling(self.ended + 1):
                 self.clock.remove()
                 self.clock = None
+        if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:
+            self.decide_trial()
         action = self._action(iteration, self.ended)
         early, fresh = self.early, dict(self.forwards)
         self.early, self.running = {}, iteration + 1
@@ -584,6 +649,22 @@ class ProProphet:
                 plans[la.layer_idx] = self._plan(counts[i])
         self.set_plans(plans)
         return True
+
+    def decide_trial(self) -> None:
+        """The trial's arms are timed: MAX-reduce the spans over the world (one all-reduce) and decide."""
+        trial = self.trial
+        assert trial is not None
+        placed = span_ms(trial.spans["placed"], self.cuda)
+        plain = span_ms(trial.spans["plain"], self.cuda)
+        both = placed + plain
+        if dist.is_initialized():
+            both = max_over_group(both, self.ps.group("world"), self.ps.device, "pro-prophet trial all_reduce")
+        self.trial_line = trial.decide(both[: len(placed)], both[len(placed) :])
+
+    def take_trial_line(self) -> Optional[str]:
+        """The trial's verdict line, once (None before the decision and after it was taken)."""
+        line, self.trial_line = self.trial_line, None
+        return line
 
     def placement_of(self, layer_idx: int) -> Placement:
         """The placement layer `layer_idx` uses now (no replicas when none was set)."""

@@ -36,6 +36,13 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
+  With `sample_more(n)` (the runtime's trial: n = 2K iterations alternating the fitted model's plan
+  and the empty plan, from the iteration after the calibration) those n iterations are sampled too
+  and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
+  on them alone (`contention`): the layer times drift after the calibration (the replicas' plan
+  running every other iteration, other work on the machine), and these samples are the run's own
+  layer times closest to those the model then predicts, like Lancet's contention term fitted on
+  the run's own measured steps. Only a uniform factor: every plan stays the one the trial timed.
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
 identical on every rank (a MAX all-reduce, once) and hands them in.
 """
@@ -130,6 +137,19 @@ def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) ->
     return replace(cal, overhead=extra - noise)
 
 
+def contention(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Calibration:
+    """`cal` times k, the factor by which `samples` ran slower (k > 1) or faster than `cal` predicts:
+    least squares on the relative error, k = sum(u) / sum(u^2) with u = T''(cal) / measured; scale,
+    comm and overhead all multiplied (eta kept), so every modelled time is k times `cal`'s and every
+    plan the planner makes is the same (Algorithm 1 only compares modelled times). `cal` unchanged
+    when there is no sample."""
+    u = [sum(t.time(overlap, cal) for t in terms) / m for terms, m in samples if m > 0]
+    if not u or sum(u) <= 0:
+        return cal
+    k = sum(u) / sum(x * x for x in u)
+    return Calibration(cal.scale * k, cal.comm * k, cal.eta, cal.overhead * k)
+
+
 class Calibrator:
     """The planner's model and the calibration iterations (module docstring).
 
@@ -141,9 +161,29 @@ class Calibrator:
         if skip < 0 or iters < 0:
             raise ValueError(f"Calibrator: skip and iters must be >= 0, got {skip}, {iters}")
         self.model, self.skip, self.iters = model, skip, iters
+        self.extra = 0  # iterations after `last` sampled too (`sample_more`), refitted at `refit_at`
         self.terms: list[list[LayerTerms]] = []
         self.measured: list[float] = []
         self.fitted: Calibration | None = None
+        self.fits = 0  # fits made
+
+    def sample_more(self, iterations: int) -> None:
+        """Also sample the `iterations` iterations after the calibration (the runtime's trial, which
+        runs the fitted model's plan and the empty plan) and refit on every sample after the last of
+        them: the plans after it are made, and the run's later layer times predicted, by a fit that saw
+        the plan the run keeps and times closer to the ones it predicts."""
+        if iterations < 0:
+            raise ValueError(f"Calibrator.sample_more: iterations must be >= 0, got {iterations}")
+        self.extra = iterations if self.iters else 0
+
+    @property
+    def refit_at(self) -> int:
+        """The iteration after which the last fit is made (`last` without `sample_more`)."""
+        return self.last + self.extra if self.iters else 0
+
+    def sampling(self, iteration: int) -> bool:
+        """True while iteration `iteration` (1-based) is timed for a fit still to come."""
+        return iteration <= self.refit_at
 
     @property
     def last(self) -> int:
@@ -163,20 +203,33 @@ class Calibrator:
     ) -> None:
         """Iteration `iteration` ran the layers' counts [L][D][E] under `replicas_L` and took `seconds`
         (this rank) in its MoE layers; kept when it is a sampled calibration iteration."""
-        if self.skip < iteration <= self.last:
+        if self.skip < iteration <= self.refit_at:
             self.terms.append([self.model.terms(c, r) for c, r in zip(counts_LDE, replicas_L)])
             self.measured.append(float(seconds))
 
     def fit_due(self, iteration: int) -> bool:
-        """True after the last calibration iteration, once (the runtime then calls `fit`)."""
-        return self.iters > 0 and iteration == self.last and self.fitted is None
+        """True after the last calibration iteration and after `refit_at`, once each (the runtime then
+        calls `fit`)."""
+        if not self.iters:
+            return False
+        first = iteration == self.last and self.fits == 0
+        return first or (self.extra > 0 and iteration == self.refit_at and self.fits == 1)
 
     def fit(self, measured: Sequence[float]) -> Calibration:
         """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
-        maximum over ranks) and plan with the result from now on."""
+        maximum over ranks) and plan with the result from now on: the first time `fit_calibration`,
+        the second (`refit_at`) that fit times the contention factor of the samples since."""
         if len(measured) != len(self.terms):
             raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
+        if self.fits and self.fitted is not None:
+            first = self.last - self.skip  # samples of the first fit; the rest came after it
+            later = [(t, m) for t, m in zip(self.terms[first:], measured[first:]) if m > 0]
+            self.fitted = contention(later, self.model.overlap, self.fitted)
+            self.model = replace(self.model, calibration=self.fitted)
+            self.fits += 1
+            return self.fitted
         samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
         self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
         self.model = replace(self.model, calibration=self.fitted)
+        self.fits += 1
         return self.fitted

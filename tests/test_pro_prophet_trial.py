@@ -1,0 +1,254 @@
+"""Pro-Prophet's runtime trial (pro_prophet.trial, moe.placement.ProProphet): after the calibration the
+placement is kept only if its timed iterations were faster than those with the empty plan.
+
+- the rule and the arms on injected timings (faster -> kept, slower -> dropped, nothing moved -> off,
+  forced outcomes);
+- two gloo ranks: the verdict comes from the step times MAX-reduced over the ranks (injected spans that
+  disagree per rank give one verdict on both); the runtime alternates the planner's plan and the empty
+  plan during the trial and, after it, keeps planning (kept) or runs the empty plan for good (dropped);
+- the trainer: the curve with the trial (dropped or kept) equals the run without placement.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from equivalence import MICRO_BATCH, global_batch, tiny_config
+from megatron_moe.arguments import parse_args
+from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.moe.placement import ProProphet
+from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_moe.pro_prophet.calibration import Calibrator
+from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
+from megatron_moe.pro_prophet.planner import heaviest_to_all
+from megatron_moe.pro_prophet.trial import PlacementTrial, keep_placement
+from megatron_moe.testing import spawn
+from megatron_moe.training import pretrain
+from tiny_run import tiny_args
+
+E = 4
+
+
+# ----------------------------------------------------------------------------- the rule, pure
+
+
+def test_arms_alternate_after_the_start_placement_first():
+    t = PlacementTrial(2, start=6)
+    assert [t.arm(i) for i in range(5, 12)] == [None, None, "placed", "plain", "placed", "plain", None]
+    assert t.end == 10
+
+
+def _decided(placed, plain, moved=True, force=None) -> PlacementTrial:
+    t = PlacementTrial(len(placed), start=1, force_outcome=force)
+    for i, (a, b) in enumerate(zip(placed, plain)):
+        t.record(2 + 2 * i, (0.0, a), moved)
+        t.record(3 + 2 * i, (0.0, b), False)
+    t.decide([1e3 * s for _, s in t.spans["placed"]], [1e3 * s for _, s in t.spans["plain"]])
+    return t
+
+
+def test_verdict_from_injected_timings():
+    kept = _decided([1.0, 1.2, 0.9], [1.1, 1.3, 1.0])
+    assert kept.keep is True and kept.decision["placed_ms"] == 1000.0 and kept.decision["plain_ms"] == 1100.0
+    assert "<: placement kept" in kept.decision["line"]
+    dropped = _decided([1.1, 1.3, 1.0], [1.0, 1.2, 0.9])
+    assert dropped.keep is False and ">=: placement off for the rest of the run" in dropped.decision["line"]
+    tie = _decided([1.0], [1.0])  # not strictly faster: dropped
+    assert tie.keep is False
+    still = _decided([0.5], [1.0], moved=False)  # both arms ran the same graph: nothing to keep
+    assert still.keep is False and "the planner moved no expert" in still.decision["line"]
+    forced = _decided([2.0], [1.0], force="faster")
+    assert forced.keep is True and "forced faster (--pro-prophet-trial-force-outcome)" in forced.decision["line"]
+    assert _decided([0.5], [1.0], force="slower").keep is False
+    assert keep_placement([1, 3, 2], [2, 3, 3]) is True and keep_placement([2], [2]) is False
+
+
+def test_bad_trial_arguments_name_the_flag():
+    with pytest.raises(ValueError, match="--pro-prophet-trial-iters must be >= 1 for a trial, got 0"):
+        PlacementTrial(0, start=1)
+    with pytest.raises(ValueError, match="--pro-prophet-trial-force-outcome must be one of"):
+        PlacementTrial(1, start=1, force_outcome="maybe")
+    with pytest.raises(ValueError, match="--pro-prophet-trial-iters must be >= 0"):
+        parse_args(["--pro-prophet-trial-iters", "-1"])
+    with pytest.raises(ValueError, match="--pro-prophet-trial-force-outcome needs --pro-prophet"):
+        parse_args(["--pro-prophet-trial-force-outcome", "faster"])
+    with pytest.raises(ValueError, match="no --pro-prophet-force-plan"):
+        parse_args(
+            [
+                *("--num-experts", "4", "--pro-prophet", "--pro-prophet-force-plan", "0:1"),
+                *("--pro-prophet-trial-force-outcome", "slower"),
+            ]
+        )
+
+
+# ----------------------------------------------------------------------------- the runtime, two ranks
+
+
+def _model(ps):
+    torch.manual_seed(0)
+    cfg = tiny_config(1, num_experts=E, moe_dropless=True)
+    cfg.model.num_layers = 4  # two MoE layers
+    return GPT2MoE(cfg, ps)
+
+
+def _run_trial(ps, force, iters: int = 7) -> dict:
+    """`iters` iterations (forward + backward) under heaviest-to-all (one expert) with a trial of 2 + 2
+    iterations after iteration 1; the plan each iteration used, and the decision."""
+    model = _model(ps)
+    layers = model.moe_layers()
+    runtime = ProProphet(
+        layers, ps, planner=lambda c: heaviest_to_all(c, 1).replicas, trial_iters=2, trial_force_outcome=force
+    )
+    r, moved, lines = ps.rank("dp"), [], []
+    for it in range(iters):
+        moved.append(sum(len(runtime.placement_of(la.layer_idx).moved) for la in layers))
+        ids, labels = global_batch(ps.size("dp"), seed=it)
+        sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
+        lm, aux = model(ids[sl], labels[sl])
+        (lm + aux).backward()
+        runtime.end_iteration(it + 1)
+        lines.append(runtime.take_trial_line())
+    return {"moved": moved, "lines": lines, "decision": runtime.trial.decision}
+
+
+def _injected(ps, rank: int, placed: list, plain: list) -> dict:
+    """A runtime's trial fed rank-dependent spans [s] through `record`, then decided (one all-reduce)."""
+    runtime = ProProphet(_model(ps).moe_layers(), ps, planner=lambda c: [()] * E, trial_iters=len(placed))
+    trial = runtime.trial
+    for i, (a, b) in enumerate(zip(placed[rank], plain[rank])):
+        trial.record(2 + 2 * i, (0.0, a), True)
+        trial.record(3 + 2 * i, (0.0, b), True)
+    runtime.decide_trial()
+    return trial.decision
+
+
+def _start(ps, not_before: int) -> tuple:
+    """(trial start, trial end, the calibrator's last sampled iteration) of a calibrated runtime with a
+    trial of 1 + 1 iterations that must not start before iteration `not_before`."""
+    calib = Calibrator(PerfModel(PerfConstants(0, 0, 1e-6, 0, 0, 1e-6), 1, 1, 1, overlap=True), skip=1, iters=2)
+    runtime = ProProphet(
+        _model(ps).moe_layers(),
+        ps,
+        planner=lambda c: [()] * E,
+        calibrator=calib,
+        trial_iters=1,
+        trial_not_before=not_before,
+    )
+    return runtime.trial.start, runtime.trial.end, calib.refit_at
+
+
+def _run(rank, world):
+    ps = initialize_model_parallel(1, 2, 1)
+    try:
+        out = {force: _run_trial(ps, force) for force in ("faster", "slower")}
+        out["measured"] = _run_trial(ps, None)
+        # rank 0 alone would keep (median 0.1 < 0.15), rank 1 alone would drop (0.3 >= 0.25); the MAX over
+        # ranks per step is placed [0.3, 0.3] vs plain [0.2, 0.4] -> medians 0.3 vs 0.3: dropped on both
+        out["disagree"] = _injected(ps, rank, [[0.1, 0.1], [0.3, 0.3]], [[0.2, 0.1], [0.1, 0.4]])
+        out["agree"] = _injected(ps, rank, [[0.1, 0.2], [0.2, 0.1]], [[0.3, 0.3], [0.2, 0.2]])
+        out["starts"] = [_start(ps, not_before) for not_before in (0, 5)]
+        return out
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return spawn(_run, 2, timeout=300)
+
+
+def test_the_verdict_is_the_max_over_ranks_and_identical_on_every_rank(per_rank):
+    for r in per_rank:
+        assert r["disagree"]["placed_steps_ms"] == pytest.approx([300.0, 300.0])
+        assert r["disagree"]["plain_steps_ms"] == pytest.approx([200.0, 400.0])
+        assert r["disagree"]["keep"] is False
+        assert r["agree"]["placed_steps_ms"] == pytest.approx([200.0, 200.0])
+        assert r["agree"]["keep"] is True
+    measured = [r["measured"]["decision"] for r in per_rank]
+    assert measured[0] == measured[1]  # the same times (MAX over ranks), the same verdict
+    assert measured[0]["keep"] == keep_placement(measured[0]["placed_steps_ms"], measured[0]["plain_steps_ms"])
+
+
+def test_the_trial_follows_the_calibration_or_a_later_start_and_the_fit_samples_it(per_rank):
+    for r in per_rank:
+        # calibration iterations 1-3; the trial right after it, or after iteration 5 (Lina's trial)
+        assert r["starts"] == [(3, 5, 5), (5, 7, 7)]
+
+
+def test_the_runtime_alternates_then_keeps_or_drops_the_placement(per_rank):
+    for r in per_rank:
+        # iteration 1: no plan yet; 2, 4: placed arm (one expert per layer, two layers); 3, 5: plain arm
+        assert r["faster"]["moved"] == [0, 2, 0, 2, 0, 2, 2]
+        assert r["slower"]["moved"] == [0, 2, 0, 2, 0, 0, 0]
+        for force in ("faster", "slower"):
+            lines = r[force]["lines"]
+            assert lines[:4] == [None] * 4 and lines[5:] == [None, None]
+            assert "pro-prophet trial after iteration 5: median step" in lines[4]
+            assert f"forced {force} (--pro-prophet-trial-force-outcome)" in lines[4]
+    assert per_rank[0]["measured"]["moved"][:5] == [0, 2, 0, 2, 0]
+    assert per_rank[0]["measured"]["moved"] == per_rank[1]["measured"]["moved"]
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+EP2 = ("--moe-dropless", "--expert-model-parallel-size", "2")
+TRIAL = ("--pro-prophet", "--pro-prophet-alpha", "0", "--pro-prophet-trial-iters", "1")
+
+
+def _curves(rank, world, data):
+    def run(*extra):
+        return pretrain(parse_args(tiny_args(data, 10, *EP2, *extra)))
+
+    return {
+        "plain": run(),
+        "dropped": run(*TRIAL, "--pro-prophet-trial-force-outcome", "slower"),
+        "kept": run(*TRIAL, "--pro-prophet-trial-force-outcome", "faster"),
+    }
+
+
+def test_trainer_curve_with_the_trial_equals_the_run_without_placement(sample_data):
+    per_rank = spawn(_curves, 2, sample_data, timeout=600)
+    for rank, runs in enumerate(per_rank):
+        plain = runs["plain"]
+        for name in ("dropped", "kept"):
+            assert len(runs[name]) == 10
+            for i, (a, b) in enumerate(zip(plain, runs[name])):
+                assert abs(a["loss"] - b["loss"]) < 1e-5, f"{name} rank {rank} iteration {i + 1}"
+        # calibration 1-6, trial: 7 placed, 8 plain (the empty plan), decided at the end of 8
+        assert runs["dropped"][7]["pro_prophet_replicas"] == 0
+        assert [h["pro_prophet_replicas"] for h in runs["dropped"][8:]] == [0, 0]
+        assert all(p == {} for h in runs["dropped"][7:] for p in h["pro_prophet_plan"].values())
+        assert runs["kept"][7]["pro_prophet_replicas"] == 0
+    # the same plans on every rank, before and after the decision
+    for name in ("dropped", "kept"):
+        assert [h["pro_prophet_plan"] for h in per_rank[0][name]] == [h["pro_prophet_plan"] for h in per_rank[1][name]]
+
+
+# ----------------------------------------------------------------------------- the benchmark's flags
+
+
+def _bench_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_pro_prophet.py")
+    spec = importlib.util.spec_from_file_location("bench_pro_prophet", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_trial_flags_and_column(capsys):
+    bench = _bench_module()
+    a = bench.parse_args([])
+    assert a.trial_iters == 3 and bench.trial_iters(a, "pro_prophet") == 3
+    assert [bench.trial_iters(a, m) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only")] == [0, 0, 0]
+    for argv, message in (
+        (["--trial-iters", "-1"], "--trial-iters must be >= 0"),
+        (["--trial-iters", "0", "--trial-force-outcome", "faster"], "--trial-force-outcome needs --trial-iters >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    kept = {"keep": True, "placed_ms": 1500.04, "plain_ms": 1800.0}
+    assert bench.trial_text(kept) == "kept (1500.0 / 1800.0)" and bench.trial_text(None) == "-"
+    assert bench.trial_text({**kept, "keep": False}) == "off (1500.0 / 1800.0)"
