@@ -39,7 +39,7 @@ from typing import Optional
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina import LinaScheduler
-from megatron_moe.distributed.lina_trial import WARMUP_ITERS as LINA_TRIAL_WARMUP
+from megatron_moe.distributed.lina_trial import max_trial_length
 from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.arguments import validate_pro_prophet
@@ -182,7 +182,7 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         trial_force_outcome=opts.pro_prophet_trial_force_outcome,
         anchor=model.wte,  # the first MoE layer's Trans starts, and its Agg is waited, at the embedding
         # after Lina's trial (`distributed.lina_trial`), whose arms would alternate in step with these
-        trial_not_before=LINA_TRIAL_WARMUP + 2 * opts.lina_trial_iters if opts.lina and opts.lina_trial_iters else 0,
+        trial_not_before=max_trial_length(opts.lina_trial_iters) if opts.lina and opts.lina_trial_iters else 0,
     )
     k = opts.pro_prophet_trial_iters
     after = "the calibration" + (" and Lina's trial" if opts.lina and opts.lina_trial_iters else "")

@@ -66,6 +66,12 @@ def packing_start(first_iteration: int, trial_steps: int, window: int, pack_star
     return max(pack_start, first_iteration + trial_steps + window)
 
 
+def max_trial_length(iters: int, warmup: int = WARMUP_ITERS, settling: bool = True) -> int:
+    """The most iterations a trial of `iters` per arm can take: its warm-up (longer by up to MAX_SETTLE_ITERS
+    while the MoE layers fix their expert path, when it asks them), both arms, the deciding iteration included."""
+    return warmup + (MAX_SETTLE_ITERS if settling else 0) + 2 * iters
+
+
 def trial_arm(step: int, warmup: int, iters: int) -> Optional[str]:
     """What the `step`-th iteration (0-based) of the run is timed with: "lina" / "plain" (alternating, Lina
     first) during the trial, None during the warm-up and after the trial."""
@@ -112,7 +118,7 @@ class LinaTrial:
     def length(self) -> int:
         """Iterations from the first one this trial sees to the one that decides, inclusive, at most (the
         warm-up may end up to MAX_SETTLE_ITERS earlier when the layers settle sooner or need no settling)."""
-        return self.warmup + (MAX_SETTLE_ITERS if self.settling is not None else 0) + 2 * self.iters
+        return max_trial_length(self.iters, self.warmup, self.settling is not None)
 
     @property
     def running(self) -> bool:
