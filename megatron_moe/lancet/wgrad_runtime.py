@@ -177,6 +177,38 @@ class _DeferredBmm(torch.autograd.Function):
         return dx, db, None
 
 
+class ExpertDW:
+    """One forward use of an expert MLP's two weights whose dW GEMMs the runtime runs (the grouped and
+    the exchanged kept-row paths of `moe.experts`): `submit(fc2, fc1)` queues the closures, each
+    returning the [E_l, ...] gradient in the GEMMs' dtype (cast to the parameter's and scaled here, as
+    the plain backward's cast and `scale_grad` do); `window(name)` opens all-to-all `name`'s window and
+    runs what is runnable, for paths that run their all-to-alls themselves."""
+
+    def __init__(
+        self, runtime: "WgradRuntime", prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float
+    ):
+        self.runtime, self.prefix, self.fc_w, self.proj_w, self.scale = runtime, prefix, fc_w, proj_w, scale
+
+    def _wrap(self, compute: Callable[[], torch.Tensor], p: torch.nn.Parameter) -> Callable[[], torch.Tensor]:
+        scale = self.scale
+
+        def dw() -> torch.Tensor:
+            d = compute().to(p.dtype)
+            return d * scale if scale != 1.0 else d
+
+        return dw
+
+    def submit(self, proj: Callable[[], torch.Tensor], fc: Callable[[], torch.Tensor]) -> None:
+        """Queue fc2's (proj_w) and fc1's (fc_w) dW, in the IR's order (fc2 first)."""
+        rt = self.runtime
+        rt.submit(DeferredDW(self.prefix + "fc2.dW", self.proj_w, self._wrap(proj, self.proj_w)))
+        rt.submit(DeferredDW(self.prefix + "fc1.dW", self.fc_w, self._wrap(fc, self.fc_w)))
+
+    def window(self, a2a: str) -> None:
+        """All-to-all `a2a` was launched: run every dW runnable now, before waiting for it."""
+        self.runtime.run_window(a2a)
+
+
 class WgradRuntime:
     """Queue of deferred dW GEMMs for one model, driven by an all-to-all -> [dW names] assignment.
 
@@ -219,6 +251,13 @@ class WgradRuntime:
             return _DeferredBmm.apply(x, bias_E1O, WeightRef(weight, name, self, scale))
 
         return fn
+
+    def experts(self, prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float) -> ExpertDW:
+        """A forward use of kept-row experts (`moe.experts`) whose dW GEMMs this runtime runs under
+        `prefix` + "fc1.dW" / "fc2.dW" (call only when backward will reach them)."""
+        self._uses[fc_w] += 1
+        self._uses[proj_w] += 1
+        return ExpertDW(self, prefix, fc_w, proj_w, scale)
 
     @staticmethod
     def _defers(x: torch.Tensor, weight: torch.Tensor) -> bool:
