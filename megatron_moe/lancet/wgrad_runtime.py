@@ -372,7 +372,10 @@ class WgradRuntime:
         item.done = True
         self.stats.runs[item.name] += 1
         p = item.param
-        self._acc[p] = d if p not in self._acc else self._acc[p] + d
+        if p not in self._acc:  # a fresh tensor of the dW GEMM: the sum accumulates in place, no new buffers
+            self._acc[p] = d
+        else:
+            self._acc[p].add_(d)
         self._uses[p] -= 1
         if self._uses[p] <= 0:
             self._finalize(p)
