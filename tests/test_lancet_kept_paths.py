@@ -8,7 +8,8 @@ backward opens the dW windows of its two gradient all-to-alls. One spawn of 2 ra
 the 4-block model of test_lancet_runtime (capacity 0.5: tokens drop): per path, dW alone is
 bitwise equal to the plain run on that path (same GEMM calls), every assigned dW ran in a
 window and none at the end, and the experts' dW ran once each; with partitioning too ("both",
-whose parts now compute kept rows only) it is equal up to float rounding.
+whose parts now compute kept rows only) it is equal up to float rounding, and each weight the
+parts use several times gets one dW GEMM over all parts' rows.
 """
 
 from test_lancet_runtime import MICRO, compare, config, one_run, ranges_for, synthetic_costs
@@ -62,3 +63,6 @@ def test_deferred_dw_on_kept_row_paths_matches_the_plain_run():
             expert_runs = {n: c for n, c in s["dw_runs"].items() if ".moe.expert." in n}
             assert expert_runs == {f"L{l}.moe.expert.fc{i}.dW": 1 for l in (1, 3) for i in (1, 2)}, f"{tag}: {s}"
             assert b["stats"]["dw_flushed"] == 0, f"{tag} both: {b['stats']}"
+            # every weight the parts use more than once: one dW GEMM over all parts' rows
+            multi = sum(n > 1 for n in b["stats"]["dw_runs"].values())
+            assert multi > 0 and b["stats"]["dw_merged"] == multi, f"{tag} both: {b['stats']}"

@@ -224,23 +224,10 @@ def _mlp_backward_dx(gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out=None) -> tuple[
     return (da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)), da
 
 
-def _defer_weight_grads(defer, fc_w, proj_w, gys: list, hs: list, das: list, xs: list) -> None:
-    """Hand the experts' dW GEMMs to the queue: d proj_w[e] = gy_e^T h_e and d fc_w[e] = da_e^T x_e,
-    the same calls `_mlp_backward` makes, each into its slice of one [E_l, ...] gradient."""
-
-    def proj() -> torch.Tensor:
-        d = torch.empty_like(proj_w)
-        for e, (gy, h) in enumerate(zip(gys, hs)):
-            torch.mm(gy.t(), h, out=d[e])
-        return d
-
-    def fc() -> torch.Tensor:
-        d = torch.empty_like(fc_w)
-        for e, (da, x) in enumerate(zip(das, xs)):
-            torch.mm(da.t(), x, out=d[e])
-        return d
-
-    defer.submit(proj, fc)
+def _defer_weight_grads(defer, gys: list, hs: list, das: list, xs: list) -> None:
+    """Hand the experts' dW GEMMs to the queue as row operands, one pair per local expert:
+    d proj_w[e] = gy_e^T h_e and d fc_w[e] = da_e^T x_e (the calls `_mlp_backward` makes)."""
+    defer.submit(list(zip(gys, hs)), list(zip(das, xs)))
 
 
 def _grads_like(fc_w, proj_w, like):
@@ -288,7 +275,7 @@ class _GroupedMLP(torch.autograd.Function):
                 for e, r in enumerate(spans)
             ]
             xs, gys, hs = [x_RM[r] for r in spans], [gy_RM[r] for r in spans], [h_RH[r] for r in spans]
-            _defer_weight_grads(ctx.defer, fc_w, proj_w, gys, hs, das, xs)
+            _defer_weight_grads(ctx.defer, gys, hs, das, xs)
             return dx_RM, None, d_fc_b, None, d_bias, None, None
         for e, (lo, hi) in enumerate(ctx.spans):
             g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
@@ -346,7 +333,7 @@ class _ExchangedMLP(torch.autograd.Function):
                 das.append(da)
             back.append(a2a.start_raw(g_LRM.new_zeros(g_LRM.shape[1:]).index_copy_(0, r, dx), group, g_buf[e]))
         if defer is not None:
-            _defer_weight_grads(defer, fc_w, proj_w, gys, saved[2::3], das, saved[0::3])
+            _defer_weight_grads(defer, gys, saved[2::3], das, saved[0::3])
             defer.window(ctx.windows[1])
             d_fc_w = d_proj_w = None
         for w in back:
