@@ -186,6 +186,11 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
                 "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
                 "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
                 "dw_assigned": sum(len(v) for v in plan.assignment.values()),
+                # how each MoE layer's experts ran last (`MoELayer.expert_path`; "" under a partitioned range)
+                "expert_paths": [
+                    "range" if layer.layer_idx in {r.layer for r in plan.ranges} else layer.path_last
+                    for layer in model.moe_layers()
+                ],
                 "chosen": plan.selection.get("chosen"),
                 "selection": plan.selection or None,
             }
@@ -222,6 +227,7 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
             + (f"{r['wire_ms']:>8.1f} " if wire else "")
             + f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x "
             f"{base['iter_ms_min'] / r['iter_ms_min']:>5.2f}x  {', '.join(r['ranges']) or '-'}{chosen}"
+            f"  paths {'/'.join(p or '-' for p in r['expert_paths'])}"
         )
     sel = next((r["selection"] for r in rows if r["selection"]), None)
     if sel:
