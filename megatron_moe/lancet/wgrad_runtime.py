@@ -6,11 +6,20 @@ A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
 the rest of backward) and dW = g^T x (needed only by gradient sync and the
 optimizer). The modules that own the weights take the runtime as their dW queue
 (`set_dw_queue` of ColumnParallelLinear / RowParallelLinear, which then call
-`WgradRuntime.linear(name)`, and of Experts, whose batched GEMMs call
-`.bmm(name)`); those GEMMs compute dX and the bias gradient
-in autograd and hand the dW GEMM to the runtime as a closure under its
-instruction name (e.g. "L1.moe.expert.fc2.dW", the names of
-`wgrad_schedule.build_gpt_moe_backward`).
+`WgradRuntime.linear(name)`, and of Experts, whose padded batched GEMMs call
+`.bmm(name)` and whose kept-row paths (the grouped MLP, and the exchanged MLP
+that pipelines the all-to-alls by local expert) take `.experts(prefix, ...)`);
+those GEMMs compute dX and the bias gradient in autograd and hand the dW GEMM
+to the runtime under its instruction name (e.g. "L1.moe.expert.fc2.dW", the
+names of `wgrad_schedule.build_gpt_moe_backward`), as a closure and, for the
+linears and kept-row experts, as row operands (g, x). The exchanged MLP runs its
+own all-to-alls, so its backward opens their dW windows itself (`ExpertDW.window`).
+
+Partitioned ranges use a weight k times. With row operands the runtime holds
+each use's (g, x) until the weight's last use is reached and runs one GEMM per
+slot over all their rows (`_rows_grad`), instead of k full-size dW GEMMs and
+k - 1 sums; the controller installs the runtime for that under partitioning
+alone too (empty assignment: nothing is placed under an all-to-all).
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
   - assigned to an all-to-all a that has not started in this backward: it
