@@ -124,6 +124,7 @@ MARKS: dict[str, dict[str, object]] = {
         "test_data_wikitext.py": {"test_two_ranks_share_rank_zeros_preprocessing_and_its_error"},
         "test_emulated_cluster.py": EMULATED_CLUSTER - {"test_non_root_is_refused_with_exit_2"},
         "test_lancet_runtime.py": ALL,
+        "test_lancet_kept_paths.py": ALL,
         "test_layout_equivalence.py": ALL,
         "test_lina.py": ALL,
         "test_parallel_state.py": {"test_process_groups_reduce_over_the_layout_groups"},

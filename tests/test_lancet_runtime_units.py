@@ -66,6 +66,28 @@ def test_deferred_linear_is_bitwise_autograd_and_hook_fires_once_when_final():
     assert len(seen2) == 1 and torch.equal(seen2[0], w2)
     assert torch.allclose(w2, ref_w2, atol=1e-6) and torch.equal(x2, ref_x2)
     assert rt.stats.immediate == 2 and rt.stats.runs["lin.dW"] == 2
+    assert rt.stats.merged == 1  # both uses' rows in one GEMM
+
+
+def test_expert_dw_of_several_parts_runs_as_one_gemm_per_weight():
+    """Kept-row experts used by 3 parts (a partitioned range; one expert gets no row in a part): the
+    queue holds each part's row operands and runs one dW GEMM per weight over all of them, with the
+    gradients of plain autograd (which sums 3 full-size per-part gradients)."""
+    grads, stats = [], []
+    for defer in (False, True):
+        ex = Experts(4, 32, 64, local_state(), seed=3, name="ex")
+        rt = WgradRuntime({})
+        if defer:
+            ex.set_dw_queue(rt, "L1.moe.expert.")
+        g = torch.Generator().manual_seed(1)
+        counts = [[2, 1, 0, 4], [1, 1, 2, 1], [3, 3, 1, 2]]
+        xs = [torch.randn(sum(c), 32, generator=g, requires_grad=True) for c in counts]
+        sum((ex(x, grad_scale=0.5, counts=c) ** 2).sum() for x, c in zip(xs, counts)).backward()
+        grads.append([x.grad for x in xs] + [p.grad for p in ex.parameters()])
+        stats.append(rt.stats)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert stats[0].merged == 0 and not stats[0].runs  # no queue: plain autograd
+    assert stats[1].merged == 2 and dict(stats[1].runs) == {"L1.moe.expert.fc1.dW": 3, "L1.moe.expert.fc2.dW": 3}
 
 
 def test_deferred_expert_gemms_equal_the_plain_experts_bitwise():

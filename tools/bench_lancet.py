@@ -16,6 +16,9 @@ the same in every mode and are left out). Per iteration it measures:
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
                    call, or `wait()` on an asynchronous one) minus the part of it in
                    which the dW helper thread was computing,
+  remote_bytes     bytes this rank's all-to-alls sent to other ranks (the link's load; with
+                   --link-mbit R the table adds "wire ms" = the slowest rank's remote bytes at R Mbit/s:
+                   the least time any schedule of these messages keeps the link busy),
 and reports the cost model's predicted iteration time (`planner.predict`). Mode "auto" is
 the trainer's choice: the fastest measured of the top predicted plans and "none"
 (`controller.choose_plan`); its contention fit (`planner.fit_contention`) is applied to every
@@ -58,13 +61,15 @@ MODES = {
 }
 
 
-def a2a_times(log: CommLog, helper: list) -> tuple[float, float]:
+def a2a_times(log: CommLog, helper: list) -> tuple[float, float, float]:
     """From the observer: (ms some all-to-all was in flight, ms the main thread was blocked on one
-    while no helper-thread dW ran); a synchronous all-to-all blocks from launch to finish."""
+    while no helper-thread dW ran, bytes sent to other ranks); a synchronous all-to-all blocks from
+    launch to finish."""
     a2a = [e for e in log.snapshot() if e.op == "all_to_all" and e.finish is not None]
     blocked = union([iv for e in a2a for iv in e.info.get("blocked", [(e.launch, e.finish)])])
     hidden = intersection_length(blocked, union(helper))
-    return 1e3 * total_length(union([(e.launch, e.finish) for e in a2a])), 1e3 * (total_length(blocked) - hidden)
+    in_flight = 1e3 * total_length(union([(e.launch, e.finish) for e in a2a]))
+    return in_flight, 1e3 * (total_length(blocked) - hidden), float(sum(e.remote_sent for e in a2a))
 
 
 def bench_defaults() -> Config:
@@ -89,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--warmup", type=int, default=3)
     a("--iters", type=int, default=10)
     a("--json", default=None, help="write the rows as JSON to this path")
+    a("--link-mbit", type=float, default=None, help="link rate in Mbit/s per direction: adds the wire-time column")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     try:
@@ -96,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     args.ep_given = any(x.split("=")[0] == "--expert-model-parallel-size" for x in argv)
+    if args.link_mbit is not None and args.link_mbit <= 0:
+        p.error(f"--link-mbit must be > 0, got {args.link_mbit}")
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
@@ -125,8 +133,8 @@ def prepare(mode: str, cfg: Config, ps, costs, comm, B: int, T: int):
     return model, plan, setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
 
 
-def step(model, ctl, ids, labels) -> tuple[float, float, float]:
-    """One timed forward + backward: (iteration ms, all-to-all ms, exposed all-to-all ms)."""
+def step(model, ctl, ids, labels) -> tuple[float, float, float, float]:
+    """One timed forward + backward: (iteration ms, all-to-all ms, exposed all-to-all ms, remote bytes)."""
     if ctl.wgrad is not None:
         ctl.wgrad.stats.helper_intervals.clear()
     dist.barrier()
@@ -136,8 +144,8 @@ def step(model, ctl, ids, labels) -> tuple[float, float, float]:
         ctl.backward(lm + aux)
         t1 = time.perf_counter()
     model.zero_grad(set_to_none=True)
-    a2a, exposed = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
-    return 1e3 * (t1 - t0), a2a, exposed
+    a2a, exposed, remote = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+    return 1e3 * (t1 - t0), a2a, exposed, remote
 
 
 def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels) -> list[dict]:
@@ -157,7 +165,7 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
     for m in modes:
         model, plan, ctl = setups[m]
         med = torch.tensor(
-            [statistics.median(s[j] for s in samples[m]) for j in range(3)] + [min(s[0] for s in samples[m])],
+            [statistics.median(s[j] for s in samples[m]) for j in range(4)] + [min(s[0] for s in samples[m])],
             dtype=torch.float64,
             device=ps.device,
         )
@@ -170,13 +178,19 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
             {
                 "mode": m,
                 "iter_ms_median": round(float(med[0]), 3),
-                "iter_ms_min": round(float(med[3]), 3),
+                "iter_ms_min": round(float(med[4]), 3),
+                "remote_bytes": int(med[3]),
                 "a2a_ms": round(float(med[1]), 3),
                 "a2a_exposed_ms": round(float(med[2]), 3),
                 "predicted_ms": round(plan.predicted["iteration_ms"], 3),
                 "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
                 "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
                 "dw_assigned": sum(len(v) for v in plan.assignment.values()),
+                # how each MoE layer's experts ran last (`MoELayer.expert_path`; "" under a partitioned range)
+                "expert_paths": [
+                    "range" if layer.layer_idx in {r.layer for r in plan.ranges} else layer.path_last
+                    for layer in model.moe_layers()
+                ],
                 "chosen": plan.selection.get("chosen"),
                 "selection": plan.selection or None,
             }
@@ -188,12 +202,16 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
 
 
 def print_table(rows: list[dict], head: dict, iters: int) -> None:
-    """The rows as a readable table, with prediction error and speedup over `none`."""
+    """The rows as a readable table, with prediction error and speedup over `none` (of the medians, and of
+    the minima: load from other jobs only adds time, so on a shared machine the minima are the steadier
+    comparison); "wire ms" with --link-mbit."""
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
+    wire = "wire_ms" in rows[0]
     print(f"Lancet ablation ({iters} timed iterations per mode, medians): {head}")
     print(
-        f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} {'predicted ms':>13} "
-        f"{'pred err':>9} {'fitted err':>10} {'speedup':>8}  ranges"
+        f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} "
+        + (f"{'wire ms':>8} " if wire else "")
+        + f"{'predicted ms':>13} {'pred err':>9} {'fitted err':>10} {'speedup':>8} {'(min)':>6}  ranges"
     )
     for r in rows:
         err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
@@ -206,8 +224,10 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
         print(
             f"{r['mode']:<10} {r['iter_ms_median']:>9.1f} {r['iter_ms_min']:>8.1f} {r['a2a_ms']:>9.1f} "
             f"{r['a2a_exposed_ms']:>15.1f} "
-            f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x  "
-            f"{', '.join(r['ranges']) or '-'}{chosen}"
+            + (f"{r['wire_ms']:>8.1f} " if wire else "")
+            + f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x "
+            f"{base['iter_ms_min'] / r['iter_ms_min']:>5.2f}x  {', '.join(r['ranges']) or '-'}{chosen}"
+            f"  paths {'/'.join(p or '-' for p in r['expert_paths'])}"
         )
     sel = next((r["selection"] for r in rows if r["selection"]), None)
     if sel:
@@ -255,6 +275,9 @@ def run(args: argparse.Namespace) -> None:
     comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
+    if args.link_mbit is not None:  # the least time the link carries these bytes (slowest rank's)
+        for r in rows:
+            r["wire_ms"] = round(r["remote_bytes"] * 8 / (args.link_mbit * 1e6) * 1e3, 3)
     head = {
         "world": world,
         "mp": ps.size("mp"),

@@ -107,8 +107,10 @@ class LancetController:
         plan = self.plan
         if plan is None:
             return self
-        if plan.wgrad:
-            self.wgrad = WgradRuntime(plan.assignment)
+        if plan.wgrad or plan.ranges:
+            # partitioning alone: no dW is placed under an all-to-all (empty assignment), but the
+            # runtime still runs each weight's dW as one GEMM over all parts' rows, not k of them
+            self.wgrad = WgradRuntime(plan.assignment if plan.wgrad else {})
             self._install_wgrad(self.wgrad)
         if plan.ranges:
             self._install_partitions(plan)
@@ -232,6 +234,7 @@ class LancetController:
                     "dw_in_window": s.in_window,
                     "dw_immediate": s.immediate,
                     "dw_flushed": s.flushed,
+                    "dw_merged": s.merged,
                     "dw_window_ms": s.window_ms,
                     "a2a_windows": s.a2a_windows,
                 }

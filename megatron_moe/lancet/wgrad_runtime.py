@@ -6,11 +6,20 @@ A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
 the rest of backward) and dW = g^T x (needed only by gradient sync and the
 optimizer). The modules that own the weights take the runtime as their dW queue
 (`set_dw_queue` of ColumnParallelLinear / RowParallelLinear, which then call
-`WgradRuntime.linear(name)`, and of Experts, whose batched GEMMs call
-`.bmm(name)`); those GEMMs compute dX and the bias gradient
-in autograd and hand the dW GEMM to the runtime as a closure under its
-instruction name (e.g. "L1.moe.expert.fc2.dW", the names of
-`wgrad_schedule.build_gpt_moe_backward`).
+`WgradRuntime.linear(name)`, and of Experts, whose padded batched GEMMs call
+`.bmm(name)` and whose kept-row paths (the grouped MLP, and the exchanged MLP
+that pipelines the all-to-alls by local expert) take `.experts(prefix, ...)`);
+those GEMMs compute dX and the bias gradient in autograd and hand the dW GEMM
+to the runtime under its instruction name (e.g. "L1.moe.expert.fc2.dW", the
+names of `wgrad_schedule.build_gpt_moe_backward`), as a closure and, for the
+linears and kept-row experts, as row operands (g, x). The exchanged MLP runs its
+own all-to-alls, so its backward opens their dW windows itself (`ExpertDW.window`).
+
+Partitioned ranges use a weight k times. With row operands the runtime holds
+each use's (g, x) until the weight's last use is reached and runs one GEMM per
+slot over all their rows (`_rows_grad`), instead of k full-size dW GEMMs and
+k - 1 sums; the controller installs the runtime for that under partitioning
+alone too (empty assignment: nothing is placed under an all-to-all).
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
   - assigned to an all-to-all a that has not started in this backward: it
@@ -87,11 +96,20 @@ class WeightRef:
 
 @dataclass
 class DeferredDW:
-    """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution."""
+    """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution.
+
+    rows (optional): the same GEMM as operands, one (g [n, O], x [n, I]) pair per slot of the
+    parameter (one slot for a linear's [O, I], E_l for the experts' [E_l, O, I]): contribution
+    slot s = g_s^T x_s, cast to the parameter's dtype, times `scale`. With rows the runtime holds
+    a parameter's contributions until its last forward use is reached and runs one GEMM per slot
+    over all their rows (`_merged`): a k-way partitioned range then costs one dW GEMM, not k
+    full-size ones plus k - 1 sums."""
 
     name: str
     param: torch.nn.Parameter
     compute: Callable[[], torch.Tensor]
+    rows: Optional[list] = None
+    scale: float = 1.0
     done: bool = False
 
 
@@ -103,9 +121,35 @@ class WgradStats:
     in_window: int = 0  # closures run in an all-to-all window (before its wait)
     immediate: int = 0  # leftover closures run where the plain backward runs them
     flushed: int = 0  # closures run by flush() at the end of backward
+    merged: int = 0  # dW GEMMs run once over the rows of several forward uses (partitioned ranges)
     window_ms: float = 0.0  # dW compute time spent inside all-to-all windows
     a2a_windows: int = 0
     helper_intervals: list = field(default_factory=list)  # (start, end) perf_counter s of helper-thread dW
+
+
+def _rows_grad(p: torch.nn.Parameter, uses: list, scale: float) -> torch.Tensor:
+    """p-shaped gradient from the row operands of one or more forward uses (`DeferredDW.rows`):
+    slot s = cat(g_s)^T cat(x_s) over the uses (a single use: its own operands, no copy), cast to
+    p's dtype, times `scale`. One slot on a 2-D p is the plain `g^T x`; more go into the slices of
+    one p-shaped tensor (the same `mm(..., out=)` calls the experts' plain backward makes)."""
+
+    def operands(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(uses) == 1:
+            return uses[0][s]
+        return torch.cat([u[s][0] for u in uses]), torch.cat([u[s][1] for u in uses])
+
+    slots = len(uses[0])
+    if slots == 1 and p.dim() == 2:
+        g, x = operands(0)
+        d = g.t().mm(x)
+    else:
+        g0 = uses[0][0][0]
+        d = torch.empty(p.shape, dtype=g0.dtype, device=g0.device)
+        for s in range(slots):
+            g, x = operands(s)
+            torch.mm(g.t(), x, out=d[s])
+    d = d.to(p.dtype)
+    return d * scale if scale != 1.0 else d
 
 
 def _autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
@@ -138,7 +182,7 @@ class _DeferredLinear(torch.autograd.Function):
         dx = g2.mm(w).view(x.shape)  # what addmm / mm backward computes
         db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         pdt = ref.param.dtype
-        ref.runtime.submit(DeferredDW(ref.name, ref.param, lambda: g2.t().mm(x2).to(pdt)))
+        ref.runtime.submit(DeferredDW(ref.name, ref.param, lambda: g2.t().mm(x2).to(pdt), [(g2, x2)]))
         return dx, db, None
 
 
@@ -177,6 +221,33 @@ class _DeferredBmm(torch.autograd.Function):
         return dx, db, None
 
 
+class ExpertDW:
+    """One forward use of an expert MLP's two weights whose dW GEMMs the runtime runs (the grouped and
+    the exchanged kept-row paths of `moe.experts`): `submit(fc2, fc1)` queues the closures, each
+    returning the [E_l, ...] gradient in the GEMMs' dtype (cast to the parameter's and scaled here, as
+    the plain backward's cast and `scale_grad` do); `window(name)` opens all-to-all `name`'s window and
+    runs what is runnable, for paths that run their all-to-alls themselves."""
+
+    def __init__(
+        self, runtime: "WgradRuntime", prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float
+    ):
+        self.runtime, self.prefix, self.fc_w, self.proj_w, self.scale = runtime, prefix, fc_w, proj_w, scale
+
+    def _item(self, name: str, p: torch.nn.Parameter, rows: list) -> DeferredDW:
+        return DeferredDW(name, p, lambda: _rows_grad(p, [rows], self.scale), rows, self.scale)
+
+    def submit(self, proj_rows: list, fc_rows: list) -> None:
+        """Queue fc2's (proj_w: (gy_e, h_e) per local expert) and fc1's (fc_w: (da_e, x_e)) dW GEMMs,
+        in the IR's order (fc2 first); d W[e] = g_e^T x_e."""
+        rt = self.runtime
+        rt.submit(self._item(self.prefix + "fc2.dW", self.proj_w, proj_rows))
+        rt.submit(self._item(self.prefix + "fc1.dW", self.fc_w, fc_rows))
+
+    def window(self, a2a: str) -> None:
+        """All-to-all `a2a` was launched: run every dW runnable now, before waiting for it."""
+        self.runtime.run_window(a2a)
+
+
 class WgradRuntime:
     """Queue of deferred dW GEMMs for one model, driven by an all-to-all -> [dW names] assignment.
 
@@ -193,6 +264,9 @@ class WgradRuntime:
         self._started: set[str] = set()  # all-to-alls whose window opened in this backward
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)  # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._held: dict[torch.nn.Parameter, list[list]] = defaultdict(list)  # row operands not yet multiplied
+        self._held_scale: dict[torch.nn.Parameter, float] = {}
+        self._flushing = False
         self._callback_queued = False
         self._lane: Optional[streams.Lane] = None  # where S2-window dW runs (side stream / helper thread)
 
@@ -220,6 +294,13 @@ class WgradRuntime:
 
         return fn
 
+    def experts(self, prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float) -> ExpertDW:
+        """A forward use of kept-row experts (`moe.experts`) whose dW GEMMs this runtime runs under
+        `prefix` + "fc1.dW" / "fc2.dW" (call only when backward will reach them)."""
+        self._uses[fc_w] += 1
+        self._uses[proj_w] += 1
+        return ExpertDW(self, prefix, fc_w, proj_w, scale)
+
     @staticmethod
     def _defers(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Defer only when backward will reach this GEMM through x (the weight is no autograd input)."""
@@ -239,7 +320,10 @@ class WgradRuntime:
             self.stats.immediate += 1
             return
         self._queue[a2a].append(item)
-        if not self._callback_queued:
+        self._flush_at_end()
+
+    def _flush_at_end(self) -> None:
+        if not self._callback_queued and not self._flushing:
             # flush whatever is still queued when this backward ends (before gradient sync)
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self._callback_queued = True
@@ -303,15 +387,18 @@ class WgradRuntime:
 
     def flush(self) -> None:
         """Run every queued dW and accumulate every partial sum: all gradients are final after it."""
-        self._callback_queued = False
-        for a2a in list(self._queue):
-            self._pool += self._queue.pop(a2a)
-        while self._pool:
-            self._run(self._pool.pop(0))
-            self.stats.flushed += 1
-        for p in list(self._acc):  # a forward use whose backward never came: close the sum
-            self._finalize(p)
-        self._uses.clear()
+        self._callback_queued, self._flushing = False, True
+        try:
+            for a2a in list(self._queue):
+                self._pool += self._queue.pop(a2a)
+            while self._pool:
+                self._run(self._pool.pop(0))
+                self.stats.flushed += 1
+            for p in list(self._acc) + [q for q in self._held if q not in self._acc]:
+                self._finalize(p)  # a forward use whose backward never came: close the sum
+            self._uses.clear()
+        finally:
+            self._flushing = False
 
     def pending(self) -> int:
         """Number of dW closures queued and not run."""
@@ -325,21 +412,46 @@ class WgradRuntime:
 
     # ------------------------------------------------------------------ accumulation
     def _run(self, item: DeferredDW) -> None:
-        self._accumulate(item, item.compute())
+        """Run `item` on this thread; with row operands, hold them until the parameter's last use."""
+        if item.rows is None:
+            self._accumulate(item, item.compute())
+            return
+        self._mark(item)
+        p = item.param
+        self._held[p].append(item.rows)
+        self._held_scale[p] = item.scale
+        self._uses[p] -= 1
+        if self._uses[p] <= 0:
+            self._finalize(p)
+        else:
+            self._flush_at_end()  # its other uses' backward may never come: close the sum at the end
 
-    def _accumulate(self, item: DeferredDW, d: torch.Tensor) -> None:
+    def _mark(self, item: DeferredDW) -> None:
         if item.done:
             raise RuntimeError(f"deferred dW {item.name} ran twice")
         item.done = True
         self.stats.runs[item.name] += 1
+
+    def _accumulate(self, item: DeferredDW, d: torch.Tensor) -> None:
+        self._mark(item)
         p = item.param
-        self._acc[p] = d if p not in self._acc else self._acc[p] + d
+        if p not in self._acc:  # a fresh tensor of the dW GEMM: the sum accumulates in place, no new buffers
+            self._acc[p] = d
+        else:
+            self._acc[p].add_(d)
         self._uses[p] -= 1
         if self._uses[p] <= 0:
             self._finalize(p)
 
     def _finalize(self, p: torch.nn.Parameter) -> None:
-        d = self._acc.pop(p)
+        d = self._acc.pop(p, None)
+        held = self._held.pop(p, None)
+        if held:  # one GEMM per slot over every held use's rows
+            self.stats.merged += len(held) > 1
+            merged = _rows_grad(p, held, self._held_scale.pop(p, 1.0))
+            d = merged if d is None else d.add_(merged)
         self._uses.pop(p, None)
+        if d is None:
+            return
         # AccumulateGrad: sets or adds .grad like the plain backward and fires grad-ready hooks once
         torch.autograd.backward(p, d)

@@ -323,8 +323,8 @@ class PaddedDispatcher(TokenDispatcher):
     @property
     def pipelines(self) -> bool:
         """True when the kept-rows baseline runs its all-to-alls and experts as one pipeline by local
-        expert (`exchange`): several EP ranks, one ESP rank, no deferred-dW queue."""
-        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1 and self.dw is None
+        expert (`exchange`): several EP ranks, one ESP rank (a deferred-dW queue runs its windows there)."""
+        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1
 
     def kept_rows(self, routes: list[RouteResult], Cs: int, received_layout: bool = True) -> KeptRows:
         """Rows of this rank's expert input that hold a kept token (`moe.kept`; baseline: of the received
@@ -344,7 +344,8 @@ class PaddedDispatcher(TokenDispatcher):
         with annotate("moe/dispatch"):
             buf = dispatch(x_TM, plan.idx, E * GC).view(self.num_local, self.n_ep * GC, M)
         assert plan.kept is not None
-        out = experts.forward_exchange(buf, plan.kept, self.ps.group("ep"), self.grad_scale)
+        names = (self.a2a_name("combine"), self.a2a_name("dispatch"))  # dW windows of its backward
+        out = experts.forward_exchange(buf, plan.kept, self.ps.group("ep"), self.grad_scale, names)
         with annotate("moe/combine"):
             return combine(out.view(E * GC, M), plan.idx, plan.tokens)
 

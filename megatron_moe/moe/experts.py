@@ -77,6 +77,7 @@ class Experts(nn.Module):
         # (fc, proj) batched linears of a dW queue that defer the weight-gradient GEMMs:
         # fn(x, weight, bias [E_l, 1, O] or None, grad_scale) (`set_dw_queue`)
         self.deferred_bmm = None
+        self.dw_queue, self.dw_prefix = None, ""  # the same queue, for the kept-row paths (`_deferral`)
 
     def relayout(self, local: dict[str, torch.Tensor], num_local: int) -> None:
         """Hold another set of experts (Lina's expert packing, `moe.packing`): `local` maps fc_w,
@@ -100,6 +101,13 @@ class Experts(nn.Module):
         """Hand both weight-gradient GEMMs to `queue` (Lancet's WgradRuntime) as prefix + "fc1.dW" /
         "fc2.dW"; None: plain autograd."""
         self.deferred_bmm = None if queue is None else (queue.bmm(prefix + "fc1.dW"), queue.bmm(prefix + "fc2.dW"))
+        self.dw_queue, self.dw_prefix = queue, prefix
+
+    def _deferral(self, x: torch.Tensor, grad_scale: float):
+        """The dW queue's handle of this forward use (`queue.experts`), or None: plain autograd."""
+        if self.dw_queue is None or not (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        return self.dw_queue.experts(self.dw_prefix, self.fc_w, self.proj_w, grad_scale)
 
     @annotate("moe/experts")
     def forward(
@@ -112,10 +120,10 @@ class Experts(nn.Module):
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
         With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `kept` only the
         kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
-        the padded batched GEMMs."""
+        the weight-gradient GEMMs of every path."""
         if counts is not None:
             return self.forward_ragged(x_ENM, counts, grad_scale)
-        if kept is not None and self.deferred_bmm is None:
+        if kept is not None:
             return self.forward_kept(x_ENM, kept, grad_scale)
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         if self.deferred_bmm is not None and torch.is_grad_enabled() and x_ENM.requires_grad:
@@ -136,11 +144,13 @@ class Experts(nn.Module):
         One GEMM pair per local expert over its own rows (an expert with no rows: empty GEMMs)."""
         if len(counts) != self.num_local or sum(counts) != x_RM.size(0):
             raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
-        if self.deferred_bmm is not None:
-            raise ValueError("--moe-dropless cannot be combined with --lancet-wgrad")
-        fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        defer = self._deferral(x_RM, grad_scale)
+        if defer is None:
+            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        else:  # the queue computes and scales their gradients
+            fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
-        return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b)
+        return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b, defer)
 
     def forward_grouped(
         self,
@@ -150,25 +160,33 @@ class Experts(nn.Module):
         fc_b: torch.Tensor,
         proj_w: torch.Tensor,
         proj_b: torch.Tensor,
+        defer=None,
     ) -> torch.Tensor:
         """x [R, M] grouped by expert (`counts[i]` rows for slice i of fc_w [X, H_l, M], fc_b [X, H_l],
         proj_w [X, M, H_l], proj_b [X, M_l]: this layer's experts or Pro-Prophet replicas) -> partial
-        y [R, M], one `_GroupedMLP`."""
+        y [R, M], one `_GroupedMLP`; `defer` (`_deferral`) takes the weights' dW GEMMs."""
         M, dt = x_RM.size(1), x_RM.dtype
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [X, M], zeros off our columns
-        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts))
+        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts), defer)
 
-    def forward_exchange(self, buf_LRM: torch.Tensor, kept: KeptRows, group, grad_scale: float = 1.0) -> torch.Tensor:
+    def forward_exchange(
+        self, buf_LRM: torch.Tensor, kept: KeptRows, group, grad_scale: float = 1.0, windows: tuple[str, str] = ("", "")
+    ) -> torch.Tensor:
         """The experts between the two all-to-alls of `group`, pipelined by local expert (`_ExchangedMLP`):
         buf [E_l, D*B, M] (slice e, block d: rank d's local expert e) -> the same layout holding the
-        partial outputs of the rows that hold a token (`kept`, rows of the received [E_l, D*B, M])."""
-        if self.deferred_bmm is not None:
-            raise ValueError("the pipelined kept-rows exchange cannot be combined with --lancet-wgrad")
-        fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        partial outputs of the rows that hold a token (`kept`, rows of the received [E_l, D*B, M]).
+        With a dW queue its backward runs the dW windows (combine, dispatch) = `windows` of the two
+        gradient all-to-alls, and this layer's expert dW GEMMs go to the queue."""
+        defer = self._deferral(buf_LRM, grad_scale)
+        if defer is None:
+            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        else:
+            fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
         fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
         M, dt = buf_LRM.size(-1), buf_LRM.dtype
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
-        return _ExchangedMLP.apply(buf_LRM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), kept, group)
+        args = (fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), kept, group, defer, windows)
+        return _ExchangedMLP.apply(buf_LRM, *args)
 
     def forward_kept(self, x_ENM: torch.Tensor, kept: KeptRows, grad_scale: float = 1.0) -> torch.Tensor:
         """Padded x [E_l, N, M] -> partial y [E_l, N, M] computed on the `kept` rows only (zeros elsewhere)."""
@@ -197,6 +215,21 @@ def _mlp_backward(gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, d
     return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
 
 
+def _mlp_backward_dx(gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_mlp_backward` without the weight gradients (a dW queue computes them later from gy, h and
+    da, x): the bias gradients into the given slices; returns (dx [n, M], da [n, H])."""
+    torch.sum(gy, dim=0, out=d_bias)
+    da = torch.ops.aten.gelu_backward(gy.mm(proj_w), a, approximate="tanh")
+    torch.sum(da, dim=0, out=d_fc_b)
+    return (da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)), da
+
+
+def _defer_weight_grads(defer, gys: list, hs: list, das: list, xs: list) -> None:
+    """Hand the experts' dW GEMMs to the queue as row operands, one pair per local expert:
+    d proj_w[e] = gy_e^T h_e and d fc_w[e] = da_e^T x_e (the calls `_mlp_backward` makes)."""
+    defer.submit(list(zip(gys, hs)), list(zip(das, xs)))
+
+
 def _grads_like(fc_w, proj_w, like):
     """Uninitialized (d_fc_w, d_fc_b, d_proj_w, d_bias), every expert's slice written by `_mlp_backward`."""
     return (
@@ -218,14 +251,14 @@ class _GroupedMLP(torch.autograd.Function):
     fill and add, no concatenation."""
 
     @staticmethod
-    def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts):
+    def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts, defer=None):
         R, M, H = x_RM.size(0), x_RM.size(1), fc_w.size(1)
         ends = list(itertools.accumulate(counts))
         spans = [(end - n, end) for n, end in zip(counts, ends)]
         a_RH, h_RH, y_RM = x_RM.new_empty(R, H), x_RM.new_empty(R, H), x_RM.new_empty(R, M)
         for e, (lo, hi) in enumerate(spans):
             _mlp_forward(x_RM[lo:hi], fc_w[e], fc_b[e], proj_w[e], bias[e], a_RH[lo:hi], h_RH[lo:hi], y_RM[lo:hi])
-        ctx.spans = spans
+        ctx.spans, ctx.defer = spans, defer
         ctx.save_for_backward(x_RM, a_RH, h_RH, fc_w, proj_w)
         return y_RM
 
@@ -235,10 +268,19 @@ class _GroupedMLP(torch.autograd.Function):
         gy_RM = gy_RM.contiguous()
         d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, gy_RM)
         dx_RM = torch.empty_like(x_RM)
+        if ctx.defer is not None:  # dX and bias gradients now, the weights' dW GEMMs by the queue
+            spans = [slice(lo, hi) for lo, hi in ctx.spans]
+            das = [
+                _mlp_backward_dx(gy_RM[r], a_RH[r], fc_w[e], proj_w[e], d_fc_b[e], d_bias[e], dx_RM[r])[1]
+                for e, r in enumerate(spans)
+            ]
+            xs, gys, hs = [x_RM[r] for r in spans], [gy_RM[r] for r in spans], [h_RH[r] for r in spans]
+            _defer_weight_grads(ctx.defer, gys, hs, das, xs)
+            return dx_RM, None, d_fc_b, None, d_bias, None, None
         for e, (lo, hi) in enumerate(ctx.spans):
             g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
             _mlp_backward(gy_RM[lo:hi], x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi], fc_w[e], proj_w[e], *g, dx_RM[lo:hi])
-        return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None
+        return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None
 
 
 class _ExchangedMLP(torch.autograd.Function):
@@ -251,12 +293,12 @@ class _ExchangedMLP(torch.autograd.Function):
     is zero). Backward is the same pipeline on the gradients."""
 
     @staticmethod
-    def forward(ctx, buf_LRM, fc_w, fc_b, proj_w, bias, kept, group):
+    def forward(ctx, buf_LRM, fc_w, fc_b, proj_w, bias, kept, group, defer=None, windows=("", "")):
         E_l, N = buf_LRM.size(0), buf_LRM.size(1)
         recv = [a2a.start_raw(buf_LRM[e], group) for e in range(E_l)]
         ends = list(itertools.accumulate(kept.counts))  # waits for the count exchange while the tokens travel
         rows = [kept.rows[end - n : end] - e * N for e, (n, end) in enumerate(zip(kept.counts, ends))]
-        ctx.rows, ctx.group = rows, group
+        ctx.rows, ctx.group, ctx.defer, ctx.windows = rows, group, defer, windows
         H, saved, back, out = fc_w.size(1), [], [], torch.empty_like(buf_LRM)
         for e, r in enumerate(rows):
             x = a2a.wait_raw(recv[e], group).index_select(0, r)
@@ -276,15 +318,27 @@ class _ExchangedMLP(torch.autograd.Function):
         g_LRM = g_LRM.contiguous()
         d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, g_LRM)
         recv = [a2a.start_raw(g_LRM[e], group) for e in range(len(rows))]
-        back, g_buf = [], torch.empty_like(g_LRM)
+        defer = ctx.defer
+        if defer is not None:  # the dW runnable under the gradient's first all-to-all, before waiting
+            defer.window(ctx.windows[0])
+        back, g_buf, gys, das = [], torch.empty_like(g_LRM), [], []
         for e, r in enumerate(rows):
             gy = a2a.wait_raw(recv[e], group).index_select(0, r)
             x, a, h = saved[3 * e : 3 * e + 3]
-            dx = _mlp_backward(gy, x, a, h, fc_w[e], proj_w[e], d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
+            if defer is None:
+                dx = _mlp_backward(gy, x, a, h, fc_w[e], proj_w[e], d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
+            else:  # dX now, the dW GEMMs while the last returns fly
+                dx, da = _mlp_backward_dx(gy, a, fc_w[e], proj_w[e], d_fc_b[e], d_bias[e])
+                gys.append(gy)
+                das.append(da)
             back.append(a2a.start_raw(g_LRM.new_zeros(g_LRM.shape[1:]).index_copy_(0, r, dx), group, g_buf[e]))
+        if defer is not None:
+            _defer_weight_grads(defer, gys, saved[2::3], das, saved[0::3])
+            defer.window(ctx.windows[1])
+            d_fc_w = d_proj_w = None
         for w in back:
             a2a.wait_raw(w, group)
-        return g_buf, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None
+        return g_buf, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None, None, None
 
 
 def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:

@@ -143,9 +143,9 @@ class MoELayer(nn.Module):
         rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
         gives the same bits as kept rows, so between those two the layer measures: after a warm-up
         forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of the times over the world
-        (`moe.kept.decide_path`) fixes the faster for good. Padded under Lancet's deferred dW."""
+        (`moe.kept.decide_path`) fixes the faster for good (Lancet's deferred dW runs in every path)."""
         self.path_trial = False
-        if not self.kept_only or self.experts.deferred_bmm is not None:
+        if not self.kept_only:
             return "padded"
         if self.path_flag != "auto":
             return self.path_flag
