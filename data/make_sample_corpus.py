@@ -17,6 +17,7 @@ line, a leading and trailing space on every line, punctuation split off by space
 Only `random.Random` methods whose streams are stable across Python 3 versions are used, and no
 set or dict is iterated for ordering, so the same seed gives the same bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,45 +26,168 @@ import random
 from pathlib import Path
 
 SEED, SCALE = 1234, 32  # what data/wikitext-sample was generated with
-ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "r", "s",
-          "st", "t", "th", "tr", "v", "w", "ch", "sh", "bl", "cl"]
+ONSETS = [
+    "b",
+    "br",
+    "c",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "tr",
+    "v",
+    "w",
+    "ch",
+    "sh",
+    "bl",
+    "cl",
+]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ea", "ou"]
 CODAS = ["", "", "", "", "", "n", "r", "l", "s", "th", "nd", "rk", "m", "ck", "ll", "ss", "rn"]
-TOWN_SUFFIXES = ["ford", "bury", "ton", "wick", "dale", "mouth", "field", "by", "stead", "ham",
-                 "more", "haven"]
-FIRST_NAMES = ["Alden", "Bera", "Corin", "Dara", "Edric", "Fenna", "Galen", "Hilde", "Ivo",
-               "Jorun", "Kestrel", "Liane", "Maren", "Nils", "Odette", "Perrin", "Quill", "Rosa",
-               "Soren", "Talia", "Ulric", "Vera", "Wendel", "Yselde", "Anselm", "Brida",
-               "Cosmo", "Delphine", "Emeric", "Flora"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
-          "September", "October", "November", "December"]
-INDUSTRIES = ["wool", "shipbuilding", "brewing", "glassmaking", "coal mining", "fishing",
-              "paper milling", "clockmaking", "salt production", "textiles", "pottery", "timber"]
-LANDMARKS = ["cathedral", "castle", "bridge", "market hall", "abbey", "lighthouse", "town hall",
-             "observatory"]
-PROFESSIONS = [("painter", "paintings", "gallery"), ("poet", "poems", "anthology"),
-               ("composer", "symphonies", "concert hall"), ("architect", "buildings", "academy"),
-               ("botanist", "studies", "herbarium"), ("engineer", "bridges", "institute"),
-               ("novelist", "novels", "publishing house"), ("astronomer", "catalogues",
-                                                            "observatory")]
-ANIMALS = [("bird", "wingspan", "nests", "seeds and insects"),
-           ("beetle", "body length", "burrows", "decaying wood"),
-           ("fish", "body length", "spawning grounds", "small crustaceans"),
-           ("frog", "body length", "breeding ponds", "flies and worms"),
-           ("moth", "wingspan", "host plants", "nectar")]
-HABITATS = ["wet meadows", "pine forests", "rocky coasts", "slow rivers", "upland heath",
-            "reed beds", "chalk grassland", "mountain lakes"]
+TOWN_SUFFIXES = ["ford", "bury", "ton", "wick", "dale", "mouth", "field", "by", "stead", "ham", "more", "haven"]
+FIRST_NAMES = [
+    "Alden",
+    "Bera",
+    "Corin",
+    "Dara",
+    "Edric",
+    "Fenna",
+    "Galen",
+    "Hilde",
+    "Ivo",
+    "Jorun",
+    "Kestrel",
+    "Liane",
+    "Maren",
+    "Nils",
+    "Odette",
+    "Perrin",
+    "Quill",
+    "Rosa",
+    "Soren",
+    "Talia",
+    "Ulric",
+    "Vera",
+    "Wendel",
+    "Yselde",
+    "Anselm",
+    "Brida",
+    "Cosmo",
+    "Delphine",
+    "Emeric",
+    "Flora",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+INDUSTRIES = [
+    "wool",
+    "shipbuilding",
+    "brewing",
+    "glassmaking",
+    "coal mining",
+    "fishing",
+    "paper milling",
+    "clockmaking",
+    "salt production",
+    "textiles",
+    "pottery",
+    "timber",
+]
+LANDMARKS = ["cathedral", "castle", "bridge", "market hall", "abbey", "lighthouse", "town hall", "observatory"]
+PROFESSIONS = [
+    ("painter", "paintings", "gallery"),
+    ("poet", "poems", "anthology"),
+    ("composer", "symphonies", "concert hall"),
+    ("architect", "buildings", "academy"),
+    ("botanist", "studies", "herbarium"),
+    ("engineer", "bridges", "institute"),
+    ("novelist", "novels", "publishing house"),
+    ("astronomer", "catalogues", "observatory"),
+]
+ANIMALS = [
+    ("bird", "wingspan", "nests", "seeds and insects"),
+    ("beetle", "body length", "burrows", "decaying wood"),
+    ("fish", "body length", "spawning grounds", "small crustaceans"),
+    ("frog", "body length", "breeding ponds", "flies and worms"),
+    ("moth", "wingspan", "host plants", "nectar"),
+]
+HABITATS = [
+    "wet meadows",
+    "pine forests",
+    "rocky coasts",
+    "slow rivers",
+    "upland heath",
+    "reed beds",
+    "chalk grassland",
+    "mountain lakes",
+]
 STATUSES = ["least concern", "near threatened", "vulnerable", "endangered"]
 COLOURS = ["brown", "grey", "green", "black", "pale yellow", "dark red", "blue", "white"]
-SHIP_KINDS = ["cargo ship", "steam frigate", "passenger liner", "survey vessel", "ferry",
-              "schooner"]
-FATES = ["was broken up for scrap", "sank in a storm", "was sold to a foreign owner",
-         "was preserved as a museum ship", "ran aground and was abandoned"]
+SHIP_KINDS = ["cargo ship", "steam frigate", "passenger liner", "survey vessel", "ferry", "schooner"]
+FATES = [
+    "was broken up for scrap",
+    "sank in a storm",
+    "was sold to a foreign owner",
+    "was preserved as a museum ship",
+    "ran aground and was abandoned",
+]
 GENRES = ["folk", "rock", "jazz", "electronic", "pop", "blues"]
-ADJECTIVES = ["small", "large", "old", "narrow", "broad", "quiet", "busy", "famous", "modest",
-              "remote", "ancient", "new", "wealthy", "rural"]
-NOUNS = ["school", "church", "library", "mill", "harbour", "railway station", "market",
-         "museum", "park", "theatre", "hospital", "inn", "farm", "quarry"]
+ADJECTIVES = [
+    "small",
+    "large",
+    "old",
+    "narrow",
+    "broad",
+    "quiet",
+    "busy",
+    "famous",
+    "modest",
+    "remote",
+    "ancient",
+    "new",
+    "wealthy",
+    "rural",
+]
+NOUNS = [
+    "school",
+    "church",
+    "library",
+    "mill",
+    "harbour",
+    "railway station",
+    "market",
+    "museum",
+    "park",
+    "theatre",
+    "hospital",
+    "inn",
+    "farm",
+    "quarry",
+]
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"]
 STARS = ["two", "three", "four", "five"]
 
@@ -86,28 +210,49 @@ class World:
         self.rng = r = random.Random(seed)
         self.used: list[str] = []
         self.countries = [self.word(2, 2) + r.choice(["ia", "land", "mark"]) for _ in range(4)]
-        self.regions = [{"name": self.word(2, 3), "country": self.countries[i % 4],
-                         "capital": self.word(1, 2) + r.choice(TOWN_SUFFIXES)}
-                        for i in range(10)]
+        self.regions = [
+            {
+                "name": self.word(2, 3),
+                "country": self.countries[i % 4],
+                "capital": self.word(1, 2) + r.choice(TOWN_SUFFIXES),
+            }
+            for i in range(10)
+        ]
         self.seas = [f"{self.word(2, 2)} Sea" for _ in range(4)]
         self.mountains = [f"Mount {self.word(2, 3)}" for _ in range(12)]
-        self.rivers = [{"name": self.word(1, 2), "length": r.randint(40, 900),
-                        "source": r.choice(self.mountains), "mouth": r.choice(self.seas),
-                        "region": r.choice(self.regions), "towns": [],
-                        "tributaries": [(self.word(1, 2), r.randint(5, 120))
-                                        for _ in range(r.randint(2, 4))],
-                        "flood": r.randint(1700, 2000), "bridges": r.randint(3, 60)}
-                       for _ in range(3 * scale)]
+        self.rivers = [
+            {
+                "name": self.word(1, 2),
+                "length": r.randint(40, 900),
+                "source": r.choice(self.mountains),
+                "mouth": r.choice(self.seas),
+                "region": r.choice(self.regions),
+                "towns": [],
+                "tributaries": [(self.word(1, 2), r.randint(5, 120)) for _ in range(r.randint(2, 4))],
+                "flood": r.randint(1700, 2000),
+                "bridges": r.randint(3, 60),
+            }
+            for _ in range(3 * scale)
+        ]
         self.towns = []
         for _ in range(12 * scale):
             river = r.choice(self.rivers)
-            town = {"name": self.word(1, 2) + r.choice(TOWN_SUFFIXES), "people": [],
-                    "region": river["region"], "river": river,
-                    "population": r.randint(800, 250000), "founded": r.randint(900, 1750),
-                    "elevation": r.randint(5, 1400), "industry": r.choice(INDUSTRIES),
-                    "landmark": r.choice(LANDMARKS), "founder": self.person_name(),
-                    "railway": r.randint(1835, 1910), "market": r.choice(WEEKDAYS),
-                    "festival": r.choice(MONTHS), "schools": r.randint(1, 40)}
+            town = {
+                "name": self.word(1, 2) + r.choice(TOWN_SUFFIXES),
+                "people": [],
+                "region": river["region"],
+                "river": river,
+                "population": r.randint(800, 250000),
+                "founded": r.randint(900, 1750),
+                "elevation": r.randint(5, 1400),
+                "industry": r.choice(INDUSTRIES),
+                "landmark": r.choice(LANDMARKS),
+                "founder": self.person_name(),
+                "railway": r.randint(1835, 1910),
+                "market": r.choice(WEEKDAYS),
+                "festival": r.choice(MONTHS),
+                "schools": r.randint(1, 40),
+            }
             river["towns"].append(town)
             self.towns.append(town)
         n_towns = len(self.towns)
@@ -116,44 +261,82 @@ class World:
         self.people = []
         for _ in range(8 * scale):
             born = r.randint(1700, 1950)
-            person = {"name": self.person_name(), "born": born, "died": born + r.randint(35, 95),
-                      "town": r.choice(self.towns), "prof": r.choice(PROFESSIONS),
-                      "works": r.randint(6, 140), "teacher": self.person_name(),
-                      "month": r.choice(MONTHS), "day": r.randint(1, 28),
-                      "spouse": self.person_name(), "children": r.randint(0, 6),
-                      "titles": [(f"{r.choice(ADJECTIVES).capitalize()} {self.word(1, 2)}",
-                                  born + r.randint(20, 34)) for _ in range(r.randint(2, 5))]}
+            person = {
+                "name": self.person_name(),
+                "born": born,
+                "died": born + r.randint(35, 95),
+                "town": r.choice(self.towns),
+                "prof": r.choice(PROFESSIONS),
+                "works": r.randint(6, 140),
+                "teacher": self.person_name(),
+                "month": r.choice(MONTHS),
+                "day": r.randint(1, 28),
+                "spouse": self.person_name(),
+                "children": r.randint(0, 6),
+                "titles": [
+                    (f"{r.choice(ADJECTIVES).capitalize()} {self.word(1, 2)}", born + r.randint(20, 34))
+                    for _ in range(r.randint(2, 5))
+                ],
+            }
             person["town"]["people"].append(person["name"])
             self.people.append(person)
-        self.species = [{"genus": self.word(2, 3), "common": f"{r.choice(COLOURS)} "
-                         f"{self.word(1, 2).lower()}",
-                         "epithet": self.word(2, 2).lower() + r.choice(["us", "a", "is", "um"]),
-                         "kind": r.choice(ANIMALS), "size": r.randint(8, 450) / 10,
-                         "habitat": r.choice(HABITATS), "status": r.choice(STATUSES),
-                         "region": r.choice(self.regions), "year": r.randint(1760, 1990),
-                         "author": self.person_name(), "colour": r.choice(COLOURS),
-                         "eggs": r.randint(2, 40), "life": r.randint(2, 30)}
-                        for _ in range(4 * scale)]
-        self.ships = [{"name": self.word(2, 3), "kind": r.choice(SHIP_KINDS),
-                       "launched": r.randint(1820, 1960), "port": r.choice(self.towns),
-                       "tons": r.randint(300, 40000), "length": r.randint(30, 280),
-                       "crew": r.randint(12, 900), "fate": r.choice(FATES),
-                       "years": r.randint(4, 50), "builder": f"{self.word(1, 2)} and Sons",
-                       "knots": r.randint(80, 260) / 10}
-                      for _ in range(2 * scale)]
-        self.albums = [{"title": f"{r.choice(ADJECTIVES).capitalize()} {self.word(1, 2)}",
-                        "band": f"The {self.word(2, 2)}s", "year": r.randint(1962, 2015),
-                        "genre": r.choice(GENRES), "town": r.choice(self.towns),
-                        "chart": r.randint(1, 60), "weeks": r.randint(2, 40),
-                        "tracks": [self.word(1, 3) for _ in range(r.randint(6, 11))],
-                        "producer": self.person_name(), "stars": r.choice(STARS)}
-                       for _ in range(2 * scale)]
+        self.species = [
+            {
+                "genus": self.word(2, 3),
+                "common": f"{r.choice(COLOURS)} {self.word(1, 2).lower()}",
+                "epithet": self.word(2, 2).lower() + r.choice(["us", "a", "is", "um"]),
+                "kind": r.choice(ANIMALS),
+                "size": r.randint(8, 450) / 10,
+                "habitat": r.choice(HABITATS),
+                "status": r.choice(STATUSES),
+                "region": r.choice(self.regions),
+                "year": r.randint(1760, 1990),
+                "author": self.person_name(),
+                "colour": r.choice(COLOURS),
+                "eggs": r.randint(2, 40),
+                "life": r.randint(2, 30),
+            }
+            for _ in range(4 * scale)
+        ]
+        self.ships = [
+            {
+                "name": self.word(2, 3),
+                "kind": r.choice(SHIP_KINDS),
+                "launched": r.randint(1820, 1960),
+                "port": r.choice(self.towns),
+                "tons": r.randint(300, 40000),
+                "length": r.randint(30, 280),
+                "crew": r.randint(12, 900),
+                "fate": r.choice(FATES),
+                "years": r.randint(4, 50),
+                "builder": f"{self.word(1, 2)} and Sons",
+                "knots": r.randint(80, 260) / 10,
+            }
+            for _ in range(2 * scale)
+        ]
+        self.albums = [
+            {
+                "title": f"{r.choice(ADJECTIVES).capitalize()} {self.word(1, 2)}",
+                "band": f"The {self.word(2, 2)}s",
+                "year": r.randint(1962, 2015),
+                "genre": r.choice(GENRES),
+                "town": r.choice(self.towns),
+                "chart": r.randint(1, 60),
+                "weeks": r.randint(2, 40),
+                "tracks": [self.word(1, 3) for _ in range(r.randint(6, 11))],
+                "producer": self.person_name(),
+                "stars": r.choice(STARS),
+            }
+            for _ in range(2 * scale)
+        ]
 
     def word(self, lo: int, hi: int) -> str:
         """Invent a capitalised name of lo..hi syllables, never the same twice."""
         while True:
-            w = "".join(self.rng.choice(ONSETS) + self.rng.choice(VOWELS) + self.rng.choice(CODAS)
-                        for _ in range(self.rng.randint(lo, hi)))
+            w = "".join(
+                self.rng.choice(ONSETS) + self.rng.choice(VOWELS) + self.rng.choice(CODAS)
+                for _ in range(self.rng.randint(lo, hi))
+            )
             w = w.capitalize()
             if w not in self.used and len(w) > 2:
                 self.used.append(w)
@@ -179,15 +362,17 @@ def filler(rng: random.Random, place: str) -> str:
     adj, noun = rng.choice(ADJECTIVES), rng.choice(NOUNS)
     noun2 = "<unk>" if rng.random() < 0.03 else rng.choice([x for x in NOUNS if x != noun])
     year = rng.randint(1800, 2005)
-    return rng.choice([
-        f"In {year} a {adj} {noun} was opened in {place} .",
-        f"The {noun} in {place} was rebuilt in {year} after a fire .",
-        f"A {adj} {noun} stood beside the {noun2} until {year} .",
-        f"By {year} the {noun} had become the most visited building in {place} .",
-        f"Local records from {year} describe the {noun} as {adj} and well @-@ kept .",
-        f"The {noun2} near {place} was closed in {year} and later turned into a {noun} .",
-        f"The {adj} {noun} of {place} appears on a map drawn in {year} .",
-    ])
+    return rng.choice(
+        [
+            f"In {year} a {adj} {noun} was opened in {place} .",
+            f"The {noun} in {place} was rebuilt in {year} after a fire .",
+            f"A {adj} {noun} stood beside the {noun2} until {year} .",
+            f"By {year} the {noun} had become the most visited building in {place} .",
+            f"Local records from {year} describe the {noun} as {adj} and well @-@ kept .",
+            f"The {noun2} near {place} was closed in {year} and later turned into a {noun} .",
+            f"The {adj} {noun} of {place} appears on a map drawn in {year} .",
+        ]
+    )
 
 
 Sections = list[tuple[str, list[str]]]
@@ -198,158 +383,274 @@ def town_article(w: World, t: dict) -> Sections:
     river, pop = riv["name"], num(t["population"])
     size = "city" if t["population"] > 100000 else "town" if t["population"] > 5000 else "village"
     others = [o["name"] for o in riv["towns"] if o is not t][:3]
-    intro = [f"{n} is a {size} in {reg['name']} , {reg['country']} , on the banks of the River "
-             f"{river} .", f"It had a population of {pop} at the last census .",
-             f"{n} is known for its {t['landmark']} and for its long history of {t['industry']} ."]
-    hist = pick(r, [f"{n} was founded in {t['founded']} by {t['founder']} .",
-                    f"The first settlement at {n} grew around a ford on the River {river} .",
-                    f"In the {t['founded'] // 100 + 1}th century {n} received a market charter .",
-                    f"The {t['landmark']} of {n} was begun soon after {t['founded']} .",
-                    f"{t['founder']} is remembered in {n} as the founder of the {size} .",
-                    f"The River {river} flooded {n} in {riv['flood']} ."], 5)
-    geo = pick(r, [f"{n} lies at an elevation of {num(t['elevation'])} metres ( "
-                   f"{num(round(t['elevation'] * 3.281))} ft ) above sea level .",
-                   f"The River {river} flows through the centre of {n} .",
-                   f"{n} is {r.randint(3, 90)} kilometres from {reg['capital']} , the capital "
-                   f"of {reg['name']} .",
-                   f"The land around {n} is mostly farmland and {r.choice(HABITATS)} ."], 4)
-    econ = pick(r, [f"The economy of {n} has long depended on {t['industry']} .",
-                    f"{t['industry'].capitalize()} employed about {num(t['population'] // 7)} "
-                    f"people in {n} at its peak .",
-                    f"Today tourism to the {t['landmark']} is also important to {n} .",
-                    f"A market is held in {n} every {t['market']} .",
-                    f"The {t['industry']} trade made {n} one of the richest places in "
-                    f"{reg['name']} ."], 4)
-    demo = [f"At the last census {n} had {pop} inhabitants .",
-            f"The population of {n} grew by {dec(r.randint(5, 200) / 10)} per cent in ten years .",
-            f"There are {t['schools']} schools in {n} ."]
-    culture = [f"A festival is held in {n} every {t['festival']} .",
-               f"{n} is twinned with {t['twin']} ."] + [filler(r, n) for _ in range(3)]
+    intro = [
+        f"{n} is a {size} in {reg['name']} , {reg['country']} , on the banks of the River {river} .",
+        f"It had a population of {pop} at the last census .",
+        f"{n} is known for its {t['landmark']} and for its long history of {t['industry']} .",
+    ]
+    hist = pick(
+        r,
+        [
+            f"{n} was founded in {t['founded']} by {t['founder']} .",
+            f"The first settlement at {n} grew around a ford on the River {river} .",
+            f"In the {t['founded'] // 100 + 1}th century {n} received a market charter .",
+            f"The {t['landmark']} of {n} was begun soon after {t['founded']} .",
+            f"{t['founder']} is remembered in {n} as the founder of the {size} .",
+            f"The River {river} flooded {n} in {riv['flood']} .",
+        ],
+        5,
+    )
+    geo = pick(
+        r,
+        [
+            f"{n} lies at an elevation of {num(t['elevation'])} metres ( "
+            f"{num(round(t['elevation'] * 3.281))} ft ) above sea level .",
+            f"The River {river} flows through the centre of {n} .",
+            f"{n} is {r.randint(3, 90)} kilometres from {reg['capital']} , the capital of {reg['name']} .",
+            f"The land around {n} is mostly farmland and {r.choice(HABITATS)} .",
+        ],
+        4,
+    )
+    econ = pick(
+        r,
+        [
+            f"The economy of {n} has long depended on {t['industry']} .",
+            f"{t['industry'].capitalize()} employed about {num(t['population'] // 7)} people in {n} at its peak .",
+            f"Today tourism to the {t['landmark']} is also important to {n} .",
+            f"A market is held in {n} every {t['market']} .",
+            f"The {t['industry']} trade made {n} one of the richest places in {reg['name']} .",
+        ],
+        4,
+    )
+    demo = [
+        f"At the last census {n} had {pop} inhabitants .",
+        f"The population of {n} grew by {dec(r.randint(5, 200) / 10)} per cent in ten years .",
+        f"There are {t['schools']} schools in {n} .",
+    ]
+    culture = [f"A festival is held in {n} every {t['festival']} .", f"{n} is twinned with {t['twin']} ."] + [
+        filler(r, n) for _ in range(3)
+    ]
     transport = [f"The railway reached {n} in {t['railway']} ."]
     transport += [f"A road along the River {river} links {n} with {o} ." for o in others]
-    people = ([f"{p} was born in {n} ." for p in t["people"]]
-              or [f"{n} is the home of the {t['landmark']} ."])
-    return [("", intro), ("History", hist + [filler(r, n)]), ("Geography", geo),
-            ("Economy", econ), ("Demographics", demo), ("Culture", culture),
-            ("Transport", transport), ("Notable people", people)]
+    people = [f"{p} was born in {n} ." for p in t["people"]] or [f"{n} is the home of the {t['landmark']} ."]
+    return [
+        ("", intro),
+        ("History", hist + [filler(r, n)]),
+        ("Geography", geo),
+        ("Economy", econ),
+        ("Demographics", demo),
+        ("Culture", culture),
+        ("Transport", transport),
+        ("Notable people", people),
+    ]
 
 
 def river_article(w: World, v: dict) -> Sections:
     r, n, km = w.rng, v["name"], v["length"]
     towns = [t["name"] for t in v["towns"]]
-    intro = [f"The River {n} is a river in {v['region']['name']} , {v['region']['country']} .",
-             f"It is {num(km)} kilometres ( {num(round(km * 0.6214))} mi ) long ."]
-    course = [f"The {n} rises on the slopes of {v['source']} and flows into the {v['mouth']} .",
-              f"From {v['source']} the {n} runs for {num(km)} kilometres to the {v['mouth']} ."]
+    intro = [
+        f"The River {n} is a river in {v['region']['name']} , {v['region']['country']} .",
+        f"It is {num(km)} kilometres ( {num(round(km * 0.6214))} mi ) long .",
+    ]
+    course = [
+        f"The {n} rises on the slopes of {v['source']} and flows into the {v['mouth']} .",
+        f"From {v['source']} the {n} runs for {num(km)} kilometres to the {v['mouth']} .",
+    ]
     tribs = [f"The {a} joins the {n} after {num(b)} kilometres ." for a, b in v["tributaries"]]
-    settle = ([f"The largest settlements on the {n} are {' , '.join(towns[:-1])} and "
-               f"{towns[-1]} ." if len(towns) > 1 else f"The only town on the {n} is {towns[0]} ."]
-              if towns else [f"No large town stands on the {n} ."])
-    settle += [f"{d['name']} lies on the {n} and is known for {d['industry']} ."
-               for d in v["towns"][:5]]
-    eco = pick(r, [f"The {n} is home to many fish and to the {r.choice(COLOURS)} heron .",
-                   f"Parts of the {n} valley are protected as nature reserves .",
-                   f"The water of the {n} is clean along most of its length ."], 3)
-    hist = [f"The {n} has {v['bridges']} bridges .",
-            f"In {v['flood']} the {n} flooded after heavy rain in the hills .",
-            f"Mills once stood along the {n} near {r.choice(towns) if towns else v['source']} ."]
-    return [("", intro), ("Course", course), ("Tributaries", tribs), ("Settlements", settle),
-            ("Ecology", eco), ("History", hist)]
+    settle = (
+        [
+            f"The largest settlements on the {n} are {' , '.join(towns[:-1])} and {towns[-1]} ."
+            if len(towns) > 1
+            else f"The only town on the {n} is {towns[0]} ."
+        ]
+        if towns
+        else [f"No large town stands on the {n} ."]
+    )
+    settle += [f"{d['name']} lies on the {n} and is known for {d['industry']} ." for d in v["towns"][:5]]
+    eco = pick(
+        r,
+        [
+            f"The {n} is home to many fish and to the {r.choice(COLOURS)} heron .",
+            f"Parts of the {n} valley are protected as nature reserves .",
+            f"The water of the {n} is clean along most of its length .",
+        ],
+        3,
+    )
+    hist = [
+        f"The {n} has {v['bridges']} bridges .",
+        f"In {v['flood']} the {n} flooded after heavy rain in the hills .",
+        f"Mills once stood along the {n} near {r.choice(towns) if towns else v['source']} .",
+    ]
+    return [
+        ("", intro),
+        ("Course", course),
+        ("Tributaries", tribs),
+        ("Settlements", settle),
+        ("Ecology", eco),
+        ("History", hist),
+    ]
 
 
 def person_article(w: World, p: dict) -> Sections:
     r, n, town = w.rng, p["name"], p["town"]
     job, works, place = p["prof"]
     last = n.split()[1]
-    intro = [f"{n} ( {p['day']} {p['month']} {p['born']} – {p['died']} ) was {a_an(job)} from "
-             f"{town['name']} in {town['region']['name']} .",
-             f"{last} is best known for the {works} of the years after {p['titles'][0][1]} ."]
-    early = pick(r, [f"{last} was born on {p['day']} {p['month']} {p['born']} in "
-                     f"{town['name']} , a {r.choice(ADJECTIVES)} place on the River "
-                     f"{town['river']['name']} .",
-                     f"As a child {last} studied with {p['teacher']} .",
-                     f"{last} 's family worked in the {town['industry']} trade of "
-                     f"{town['name']} ."], 3)
-    career = pick(r, [f"In {p['born'] + r.randint(18, 30)} {last} moved to the capital of "
-                      f"{town['region']['country']} .",
-                      f"{last} produced {p['works']} {works} in a career of "
-                      f"{p['died'] - p['born'] - 20} years .",
-                      f"The {place} of {town['region']['name']} holds many of {last} 's "
-                      f"{works} .",
-                      f"Critics called the {works} of {last} {r.choice(ADJECTIVES)} and "
-                      f"well @-@ made ."], 4)
-    listing = [f"\" {title} \" ( {year} ) is one of the best @-@ known {works} by {last} ."
-               for title, year in p["titles"]]
-    personal = [f"{last} married {p['spouse']} in {p['born'] + r.randint(20, 34)} .",
-                f"They had {p['children']} children ." if p["children"] != 1
-                else "They had one child ."]
-    legacy = [f"{last} died in {p['died']} in {town['name']} .",
-              f"A {r.choice(NOUNS)} in {town['name']} is named after {n} ."]
-    return [("", intro), ("Biography", []), ("= Early life", early), ("= Career", career),
-            ("Works", listing), ("Personal life", personal), ("Legacy", legacy)]
+    intro = [
+        f"{n} ( {p['day']} {p['month']} {p['born']} – {p['died']} ) was {a_an(job)} from "
+        f"{town['name']} in {town['region']['name']} .",
+        f"{last} is best known for the {works} of the years after {p['titles'][0][1]} .",
+    ]
+    early = pick(
+        r,
+        [
+            f"{last} was born on {p['day']} {p['month']} {p['born']} in "
+            f"{town['name']} , a {r.choice(ADJECTIVES)} place on the River "
+            f"{town['river']['name']} .",
+            f"As a child {last} studied with {p['teacher']} .",
+            f"{last} 's family worked in the {town['industry']} trade of {town['name']} .",
+        ],
+        3,
+    )
+    career = pick(
+        r,
+        [
+            f"In {p['born'] + r.randint(18, 30)} {last} moved to the capital of {town['region']['country']} .",
+            f"{last} produced {p['works']} {works} in a career of {p['died'] - p['born'] - 20} years .",
+            f"The {place} of {town['region']['name']} holds many of {last} 's {works} .",
+            f"Critics called the {works} of {last} {r.choice(ADJECTIVES)} and well @-@ made .",
+        ],
+        4,
+    )
+    listing = [
+        f'" {title} " ( {year} ) is one of the best @-@ known {works} by {last} .' for title, year in p["titles"]
+    ]
+    personal = [
+        f"{last} married {p['spouse']} in {p['born'] + r.randint(20, 34)} .",
+        f"They had {p['children']} children ." if p["children"] != 1 else "They had one child .",
+    ]
+    legacy = [
+        f"{last} died in {p['died']} in {town['name']} .",
+        f"A {r.choice(NOUNS)} in {town['name']} is named after {n} .",
+    ]
+    return [
+        ("", intro),
+        ("Biography", []),
+        ("= Early life", early),
+        ("= Career", career),
+        ("Works", listing),
+        ("Personal life", personal),
+        ("Legacy", legacy),
+    ]
 
 
 def species_article(w: World, s: dict) -> Sections:
     r, kind = w.rng, s["kind"]
     full, short = f"{s['genus']} {s['epithet']}", f"{s['genus'][0]}. {s['epithet']}"
-    intro = [f"{full} , known as the {s['common']} , is a species of {kind[0]} found in "
-             f"{s['region']['name']} .", f"It was described by {s['author']} in {s['year']} ."]
-    tax = [f"{s['author']} named {full} in {s['year']} from a specimen taken in "
-           f"{s['region']['name']} .", f"The genus {s['genus']} has {r.randint(2, 30)} species ."]
-    desc = pick(r, [f"{short} has a {kind[1]} of {dec(s['size'])} cm ( "
-                    f"{dec(s['size'] / 2.54)} in ) .",
-                    f"The upper side of {short} is {s['colour']} and the lower side is "
-                    f"{r.choice(COLOURS)} .",
-                    f"Young {kind[0]}s of this species are paler than the adults ."], 3)
-    dist = [f"{short} lives in {s['habitat']} across {s['region']['name']} .",
-            f"It is common in {s['habitat']} but rare elsewhere in {s['region']['country']} ."]
-    beh = pick(r, [f"{short} feeds on {kind[3]} .",
-                   f"It makes {kind[2]} in {s['habitat']} in spring .",
-                   f"A female lays up to {s['eggs']} eggs at a time .",
-                   f"{short} can live for {s['life']} years .",
-                   f"{short} is most active at {r.choice(['dawn', 'dusk', 'night', 'noon'])} ."], 5)
-    cons = [f"The {s['common']} is listed as {s['status']} .",
-            f"Loss of {s['habitat']} is the main threat to {short} ."]
-    return [("", intro), ("Taxonomy", tax), ("Description", desc),
-            ("Distribution and habitat", dist), ("Behaviour", beh), ("Conservation", cons)]
+    intro = [
+        f"{full} , known as the {s['common']} , is a species of {kind[0]} found in {s['region']['name']} .",
+        f"It was described by {s['author']} in {s['year']} .",
+    ]
+    tax = [
+        f"{s['author']} named {full} in {s['year']} from a specimen taken in {s['region']['name']} .",
+        f"The genus {s['genus']} has {r.randint(2, 30)} species .",
+    ]
+    desc = pick(
+        r,
+        [
+            f"{short} has a {kind[1]} of {dec(s['size'])} cm ( {dec(s['size'] / 2.54)} in ) .",
+            f"The upper side of {short} is {s['colour']} and the lower side is {r.choice(COLOURS)} .",
+            f"Young {kind[0]}s of this species are paler than the adults .",
+        ],
+        3,
+    )
+    dist = [
+        f"{short} lives in {s['habitat']} across {s['region']['name']} .",
+        f"It is common in {s['habitat']} but rare elsewhere in {s['region']['country']} .",
+    ]
+    beh = pick(
+        r,
+        [
+            f"{short} feeds on {kind[3]} .",
+            f"It makes {kind[2]} in {s['habitat']} in spring .",
+            f"A female lays up to {s['eggs']} eggs at a time .",
+            f"{short} can live for {s['life']} years .",
+            f"{short} is most active at {r.choice(['dawn', 'dusk', 'night', 'noon'])} .",
+        ],
+        5,
+    )
+    cons = [
+        f"The {s['common']} is listed as {s['status']} .",
+        f"Loss of {s['habitat']} is the main threat to {short} .",
+    ]
+    return [
+        ("", intro),
+        ("Taxonomy", tax),
+        ("Description", desc),
+        ("Distribution and habitat", dist),
+        ("Behaviour", beh),
+        ("Conservation", cons),
+    ]
 
 
 def ship_article(w: World, s: dict) -> Sections:
     r, n, port = w.rng, s["name"], s["port"]["name"]
-    intro = [f"SS {n} was a {s['kind']} launched at {port} in {s['launched']} .",
-             f"She served for {s['years']} years before she {s['fate']} ."]
-    design = [f"{n} was {num(s['length'])} metres ( {num(round(s['length'] * 3.281))} ft ) long "
-              f"and measured {num(s['tons'])} gross tons .",
-              f"She carried a crew of {num(s['crew'])} and could make {dec(s['knots'])} knots ."]
-    build = [f"{n} was built by {s['builder']} at {port} .",
-             f"Her keel was laid in {s['launched'] - 1} and she was launched in {s['launched']} ."]
-    service = pick(r, [f"{n} sailed from {port} on her first voyage in {s['launched'] + 1} .",
-                       f"During her {s['years']} years at sea {n} made many voyages to "
-                       f"{r.choice(w.towns)['name']} .",
-                       f"In {s['launched'] + r.randint(1, max(1, s['years']))} {n} was "
-                       f"refitted at {port} ."], 3)
+    intro = [
+        f"SS {n} was a {s['kind']} launched at {port} in {s['launched']} .",
+        f"She served for {s['years']} years before she {s['fate']} .",
+    ]
+    design = [
+        f"{n} was {num(s['length'])} metres ( {num(round(s['length'] * 3.281))} ft ) long "
+        f"and measured {num(s['tons'])} gross tons .",
+        f"She carried a crew of {num(s['crew'])} and could make {dec(s['knots'])} knots .",
+    ]
+    build = [
+        f"{n} was built by {s['builder']} at {port} .",
+        f"Her keel was laid in {s['launched'] - 1} and she was launched in {s['launched']} .",
+    ]
+    service = pick(
+        r,
+        [
+            f"{n} sailed from {port} on her first voyage in {s['launched'] + 1} .",
+            f"During her {s['years']} years at sea {n} made many voyages to {r.choice(w.towns)['name']} .",
+            f"In {s['launched'] + r.randint(1, max(1, s['years']))} {n} was refitted at {port} .",
+        ],
+        3,
+    )
     fate = [f"After {s['years']} years of service {n} {s['fate']} ."]
-    return [("", intro), ("Design", design), ("Construction", build),
-            ("Service history", service), ("Fate", fate)]
+    return [("", intro), ("Design", design), ("Construction", build), ("Service history", service), ("Fate", fate)]
 
 
 def album_article(w: World, a: dict) -> Sections:
     r, t, band = w.rng, a["title"], a["band"]
-    intro = [f"{t} is a {a['genre']} album by {band} , released in {a['year']} .",
-             f"It reached number {a['chart']} on the album chart ."]
-    rec = pick(r, [f"{band} recorded {t} in {a['town']['name']} with the producer "
-                   f"{a['producer']} .",
-                   f"Recording of {t} took {r.randint(2, 30)} weeks in {a['year'] - 1} .",
-                   f"{a['producer']} gave {t} a {r.choice(ADJECTIVES)} , {a['genre']} sound ."], 3)
-    rel = [f"{t} was released in {a['year']} and spent {a['weeks']} weeks on the chart , "
-           f"peaking at number {a['chart']} .",
-           f"\" {a['tracks'][0]} \" was released as the first single from {t} ."]
-    rec2 = [f"Critics gave {t} {a['stars']} out of five stars .",
-            f"One review called {t} the most {r.choice(ADJECTIVES)} {a['genre']} album of "
-            f"{a['year']} ."]
-    tracks = [f"{i + 1} . \" {name} \"" for i, name in enumerate(a["tracks"])]
-    return [("", intro), ("Recording", rec), ("Release", rel), ("Reception", rec2),
-            ("Track listing", [" ".join(tracks)])]
+    intro = [
+        f"{t} is a {a['genre']} album by {band} , released in {a['year']} .",
+        f"It reached number {a['chart']} on the album chart .",
+    ]
+    rec = pick(
+        r,
+        [
+            f"{band} recorded {t} in {a['town']['name']} with the producer {a['producer']} .",
+            f"Recording of {t} took {r.randint(2, 30)} weeks in {a['year'] - 1} .",
+            f"{a['producer']} gave {t} a {r.choice(ADJECTIVES)} , {a['genre']} sound .",
+        ],
+        3,
+    )
+    rel = [
+        f"{t} was released in {a['year']} and spent {a['weeks']} weeks on the chart , peaking at number {a['chart']} .",
+        f'" {a["tracks"][0]} " was released as the first single from {t} .',
+    ]
+    rec2 = [
+        f"Critics gave {t} {a['stars']} out of five stars .",
+        f"One review called {t} the most {r.choice(ADJECTIVES)} {a['genre']} album of {a['year']} .",
+    ]
+    tracks = [f'{i + 1} . " {name} "' for i, name in enumerate(a["tracks"])]
+    return [
+        ("", intro),
+        ("Recording", rec),
+        ("Release", rel),
+        ("Reception", rec2),
+        ("Track listing", [" ".join(tracks)]),
+    ]
 
 
 def render(title: str, sections: Sections, rng: random.Random) -> str:
@@ -364,7 +665,7 @@ def render(title: str, sections: Sections, rng: random.Random) -> str:
         i = 0
         while i < len(sentences):
             k = rng.randint(2, 4)
-            out.append(" " + " ".join(sentences[i:i + k]) + " \n")
+            out.append(" " + " ".join(sentences[i : i + k]) + " \n")
             i += k
     return "".join(out)
 
@@ -372,12 +673,14 @@ def render(title: str, sections: Sections, rng: random.Random) -> str:
 def build(seed: int, scale: int) -> list[str]:
     """All articles, in a seeded order that mixes the kinds."""
     w = World(seed, scale)
-    jobs = ([(t["name"], town_article, t) for t in w.towns]
-            + [(f"River {v['name']}", river_article, v) for v in w.rivers]
-            + [(p["name"], person_article, p) for p in w.people]
-            + [(f"{s['genus']} {s['epithet']}", species_article, s) for s in w.species]
-            + [(f"SS {s['name']}", ship_article, s) for s in w.ships]
-            + [(f"{a['title']} ( album )", album_article, a) for a in w.albums])
+    jobs = (
+        [(t["name"], town_article, t) for t in w.towns]
+        + [(f"River {v['name']}", river_article, v) for v in w.rivers]
+        + [(p["name"], person_article, p) for p in w.people]
+        + [(f"{s['genus']} {s['epithet']}", species_article, s) for s in w.species]
+        + [(f"SS {s['name']}", ship_article, s) for s in w.ships]
+        + [(f"{a['title']} ( album )", album_article, a) for a in w.albums]
+    )
     w.rng.shuffle(jobs)
     return [render(title, fn(w, entity), w.rng) for title, fn, entity in jobs]
 
@@ -402,8 +705,11 @@ def write_splits(out_dir: Path, articles: list[str]) -> dict[str, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "wikitext-sample"),
-                   help="output directory (default: data/wikitext-sample next to this script)")
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "wikitext-sample"),
+        help="output directory (default: data/wikitext-sample next to this script)",
+    )
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--scale", type=int, default=SCALE, help="entities per kind grow with this")
     args = p.parse_args()
