@@ -96,10 +96,14 @@ def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base
     """Kept choices of a routing result as flat buffer rows (`capacity`: row stride per expert,
     default the route's; `slot_base` shifts every slot: several groups side by side)."""
     cap = route.capacity if capacity is None else capacity
-    kept = route.slot >= 0
-    S, k = route.slot.shape
-    token = torch.arange(S, device=route.slot.device)[:, None].expand(S, k)[kept]
-    return DispatchIndex(token, route.expert[kept] * cap + route.slot[kept] + slot_base, route.weight[kept])
+    k = route.slot.size(1)
+    flat = (route.slot.reshape(-1) >= 0).nonzero().squeeze(1)  # kept choices in (token, choice) order, found once
+    row = route.expert.reshape(-1).index_select(0, flat) * cap + route.slot.reshape(-1).index_select(0, flat)
+    return DispatchIndex(
+        flat.div(k, rounding_mode="floor"),
+        row + slot_base if slot_base else row,
+        route.weight.reshape(-1).index_select(0, flat),
+    )
 
 
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
@@ -351,10 +355,14 @@ class PaddedDispatcher(TokenDispatcher):
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
         idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
-        idx = DispatchIndex(
-            torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
-            torch.cat([i.row for i in idxs]),
-            torch.cat([i.weight for i in idxs]),
+        idx = (
+            idxs[0]
+            if G == 1
+            else DispatchIndex(
+                torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
+                torch.cat([i.row for i in idxs]),
+                torch.cat([i.weight for i in idxs]),
+            )
         )
         if path == "padded":
             return PaddedPlan(idx, G, Cs, G * S)
