@@ -125,3 +125,35 @@ def test_two_process_dense_header_path_equals_the_overlap_path_bitwise_and_the_p
             torch.testing.assert_close(kept[2][n], padded[2][n], rtol=0, atol=1e-6, msg=n)
         torch.testing.assert_close(kept[0], padded[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(kept[1], padded[1], rtol=0, atol=1e-6)
+
+
+def test_grouped_mlp_values_and_gradients_equal_autograd_of_each_experts_mlp():
+    """`Experts.forward_ragged` (one `_GroupedMLP`: preallocated outputs, the activation's gradient computed in
+    place in one shared buffer) against autograd through each expert's own linear -> tanh-GELU -> linear."""
+    from megatron_moe.moe.experts import Experts
+    from megatron_moe.parallel_state import local_state
+
+    experts = Experts(3, 8, 24, local_state(), seed=3, name="e", device=torch.device("cpu"))
+    with torch.no_grad():  # nonzero biases, so their gradients and their place in the output are checked too
+        experts.fc_b.normal_(std=0.1, generator=torch.Generator(device="cpu").manual_seed(8))
+        experts.proj_b.normal_(std=0.1, generator=torch.Generator(device="cpu").manual_seed(9))
+    counts = [5, 0, 7]  # an expert without rows too
+    g = torch.Generator(device="cpu").manual_seed(10)
+    x = torch.randn(sum(counts), 8, generator=g, device="cpu").requires_grad_()
+    gy = torch.randn(sum(counts), 8, generator=g, device="cpu")
+    (experts.forward_ragged(x, counts) * gy).sum().backward()
+    got = [x.grad] + [p.grad for p in (experts.fc_w, experts.fc_b, experts.proj_w, experts.proj_b)]
+    params = [p.detach().clone().requires_grad_() for p in (experts.fc_w, experts.fc_b, experts.proj_w, experts.proj_b)]
+    xr = x.detach().clone().requires_grad_()
+    ys, lo = [], 0
+    for e, n in enumerate(counts):
+        fc_w, fc_b, proj_w, proj_b = (p[e] for p in params)
+        h = torch.nn.functional.gelu(torch.addmm(fc_b, xr[lo : lo + n], fc_w.t()), approximate="tanh")
+        ys.append(torch.addmm(proj_b, h, proj_w.t()))
+        lo += n
+    y_ref = torch.cat(ys)
+    torch.testing.assert_close(experts.forward_ragged(x.detach(), counts), y_ref.detach(), rtol=0, atol=1e-6)
+    (y_ref * gy).sum().backward()
+    for a, b in zip(got, [xr.grad] + [p.grad for p in params]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert got[1][1].abs().sum() == 0 and got[3][1].abs().sum() == 0  # the expert without rows: zero gradient
