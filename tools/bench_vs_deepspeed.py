@@ -21,9 +21,11 @@ slowest rank's):
                DeepSpeed is not installed (a benchmark peer, never a dependency of the library)
   floor        forward + backward of the expert GEMMs alone on the rows our layer keeps
                (this rank's local experts and their kept counts; no routing, no communication)
---profile N: afterwards, rank 0 profiles N iterations of each variant with torch.profiler
-and prints the ops by self CPU time. Prints a table on rank 0; --json writes
-{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor}], kept_rows, padded_rows,
+--profile N: afterwards, every rank profiles N iterations of each variant with torch.profiler
+and rank 0 prints each rank's ops by self time (`op_table`). The timed table gives each rank's
+median wall and thread-CPU time too: wall - CPU is the time a rank spends off the CPU (waiting
+inside collectives, or preempted by other jobs). Prints a table on rank 0; --json writes
+{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
 ours_path}.
 """
 
@@ -191,11 +193,12 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
     return {v: steps[v] for v in VARIANTS if v in steps}, info
 
 
-def timed(step) -> float:
+def timed(step) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of one step, started together on every rank."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def main(argv=None) -> None:
@@ -230,17 +233,26 @@ def run(args: argparse.Namespace) -> None:
         steps["ours"]()
     if layer is not None:
         info["ours_path"] = layer.path_last
-    times = {v: [] for v in steps}
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in steps}
     for _ in range(args.iters):
         for v, step in steps.items():
             times[v].append(timed(step))
     rows = []
     for v in steps:
-        ts = torch.tensor(times[v], dtype=torch.float64, device=device)
-        dist.all_reduce(ts, op=dist.ReduceOp.MAX)  # the slowest rank's time
-        ms = torch.sort(ts).values * 1e3
+        wall_cpu = torch.tensor(times[v], dtype=torch.float64, device=device) * 1e3  # [iters, 2] ms
+        per_rank = [torch.empty_like(wall_cpu) for _ in range(dist.get_world_size())]
+        dist.all_gather(per_rank, wall_cpu)
+        ms = torch.sort(torch.stack(per_rank)[:, :, 0].max(dim=0).values).values  # the slowest rank's time
         rows.append(
-            {"variant": v, "ms_median": float(ms.median()), "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)])}
+            {
+                "variant": v,
+                "ms_median": float(ms.median()),
+                "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)]),
+                # each rank's median wall and thread-CPU ms: wall - CPU is time off the CPU (waiting
+                # inside collectives for the other ranks or the bytes, or preempted)
+                "rank_wall_ms": [float(t[:, 0].median()) for t in per_rank],
+                "rank_cpu_ms": [float(t[:, 1].median()) for t in per_rank],
+            }
         )
     ref = {r["variant"]: r["ms_median"] for r in rows}
     for r in rows:
@@ -288,11 +300,30 @@ def print_table(args, rows: list, info: list) -> None:
         ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
         fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
         print(f"{r['variant']:<14}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
+    print("per rank, median ms: wall / thread CPU / off CPU (waiting in collectives or preempted)")
+    for r in rows:
+        cells = [f"{w:.1f} / {c:.1f} / {w - c:.1f}" for w, c in zip(r["rank_wall_ms"], r["rank_cpu_ms"])]
+        print(f"  {r['variant']:<14}" + "   ".join(f"rank {i}: {c}" for i, c in enumerate(cells)))
+
+
+def op_table(events, iters: int, limit: int = 16) -> list[tuple[str, float, float, float]]:
+    """(op, calls per iteration, self ms per iteration, robust self ms per iteration) of the `limit` ops with the
+    largest robust time: calls x the median call's self time, which a preempted call does not inflate (on a shared
+    machine a few calls absorb another job's time slices)."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.self_cpu_time_total / 1e3)
+    rows = []
+    for name, ms in by_name.items():
+        ms.sort()
+        rows.append((name, len(ms) / iters, sum(ms) / iters, ms[len(ms) // 2] * len(ms) / iters))
+    return sorted(rows, key=lambda r: -r[3])[:limit]
 
 
 def profile(args, steps: dict) -> None:
-    """torch.profiler over --profile iterations of each variant; rank 0 prints the top ops (others
-    run the same steps so the collectives match)."""
+    """torch.profiler over --profile iterations of each variant on every rank (the collectives match); rank 0
+    prints each rank's top ops by self time, with calls and the robust time of `op_table`. An op that waits for
+    a collective (`_Finish`, `_StartBackward`, DeepSpeed's `_AllToAll`, ...) shows the wait as self time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -300,9 +331,15 @@ def profile(args, steps: dict) -> None:
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.profile):
                 step()
+        table = op_table(prof.events(), args.profile)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, table)
         if dist.get_rank() == 0:
-            print(f"\n== profile: {v}, {args.profile} iterations, rank 0 ==")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+            print(f"\n== profile: {v}, {args.profile} iterations; per iteration: calls, self ms, robust self ms ==")
+            for rank, tab in enumerate(every):
+                print(f"rank {rank}:")
+                for name, calls, ms, robust in tab:
+                    print(f"  {name[:44]:<44}{calls:>7.1f}{ms:>9.2f}{robust:>9.2f}")
         dist.barrier()
 
 

@@ -96,10 +96,14 @@ def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base
     """Kept choices of a routing result as flat buffer rows (`capacity`: row stride per expert,
     default the route's; `slot_base` shifts every slot: several groups side by side)."""
     cap = route.capacity if capacity is None else capacity
-    kept = route.slot >= 0
-    S, k = route.slot.shape
-    token = torch.arange(S, device=route.slot.device)[:, None].expand(S, k)[kept]
-    return DispatchIndex(token, route.expert[kept] * cap + route.slot[kept] + slot_base, route.weight[kept])
+    k = route.slot.size(1)
+    flat = (route.slot.reshape(-1) >= 0).nonzero().squeeze(1)  # kept choices in (token, choice) order, found once
+    row = route.expert.reshape(-1).index_select(0, flat) * cap + route.slot.reshape(-1).index_select(0, flat)
+    return DispatchIndex(
+        flat.div(k, rounding_mode="floor"),
+        row + slot_base if slot_base else row,
+        route.weight.reshape(-1).index_select(0, flat),
+    )
 
 
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
@@ -109,12 +113,75 @@ def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Ten
     return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy_(0, idx.row, x_SM.index_select(0, idx.token))
 
 
-def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
-    """y [S, M] = weighted sum of each token's kept rows of buf [R, M]."""
+def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int, zero_rest: bool = True) -> torch.Tensor:
+    """y [S, M] = weighted sum of each token's kept rows of buf [R, M]. `zero_rest=False`: the gradient of
+    buf is left unwritten in the rows no kept choice reads (for a buffer whose other rows nothing reads)."""
     if kernels.use_triton(buf_RM):  # CUDA + triton: the fused unpermute (kernels/permute.py)
         return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
-    rows = buf_RM.index_select(0, idx.row) * idx.weight[:, None].to(buf_RM.dtype)
-    return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add_(0, idx.token, rows)
+    return _Combine.apply(buf_RM, idx.row, idx.token, idx.weight, num_tokens, zero_rest)
+
+
+class _Combine(torch.autograd.Function):
+    """`combine` with a hand-written backward: one node instead of autograd's gather, multiply and scatter
+    nodes, the same values (the buffer's gradient in the read rows, the weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, buf_RM, row, token, weight, num_tokens, zero_rest):
+        picked = buf_RM.index_select(0, row)
+        rows = picked * weight[:, None].to(buf_RM.dtype)
+        ctx.save_for_backward(picked, row, token, weight)
+        ctx.buf_shape, ctx.zero_rest = buf_RM.shape, zero_rest
+        return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add_(0, token, rows)
+
+    @staticmethod
+    def backward(ctx, g_SM):
+        picked, row, token, weight = ctx.saved_tensors
+        g_KM = g_SM.index_select(0, token)
+        d_buf = d_weight = None
+        if ctx.needs_input_grad[0]:
+            d_rows = g_KM * weight[:, None].to(g_KM.dtype)
+            if ctx.zero_rest:  # the rows no choice reads get zeros (what autograd's index_select backward gives)
+                d_buf = g_KM.new_zeros(ctx.buf_shape).index_add_(0, row, d_rows)
+            else:  # rows are distinct: a copy writes the same values; the other rows stay unwritten
+                d_buf = g_KM.new_empty(ctx.buf_shape).index_copy_(0, row, d_rows)
+        if ctx.needs_input_grad[3]:
+            d_weight = (g_KM * picked).sum(1, keepdim=True).to(weight.dtype).squeeze(1)
+        return d_buf, None, None, d_weight, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """src.index_select(0, rows) for distinct rows; backward copies the gradient into those rows of a buffer of
+    src's shape and leaves the others unwritten: for a received all-to-all buffer whose other rows the
+    sender never reads back (`PaddedDispatcher` with dense kept slots)."""
+
+    @staticmethod
+    def forward(ctx, src_RM, rows):
+        ctx.save_for_backward(rows)
+        ctx.src_shape = src_RM.shape
+        return src_RM.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, g_KM):
+        (rows,) = ctx.saved_tensors
+        return g_KM.new_empty(ctx.src_shape).index_copy_(0, rows, g_KM.contiguous()), None
+
+
+class _PackRows(torch.autograd.Function):
+    """send [R, M] = x[src] in one gather (each row's token; rows that hold no kept token copy some token and
+    are never read); backward sums the gradient of the kept rows only (`row[i]` holds `token[i]`), as
+    autograd's scatter-into-zeros dispatch gives."""
+
+    @staticmethod
+    def forward(ctx, x_TM, src, token, row):
+        ctx.save_for_backward(token, row)
+        ctx.num_tokens = x_TM.size(0)
+        return x_TM.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, g_RM):
+        token, row = ctx.saved_tensors
+        g_KM = g_RM.index_select(0, row)
+        return g_KM.new_zeros(ctx.num_tokens, g_KM.size(1)).index_add_(0, token, g_KM), None, None, None
 
 
 def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
@@ -235,6 +302,10 @@ class PaddedPlan:
     exchange: bool = False
     sent: Optional[torch.Tensor] = None
     header: int = 0  # rows of counts after each destination's block of the buffer (set by `dispatch`)
+    # header mode: the kept slots of every (group, expert) block are its leading rows (the router's prefix), so
+    # the rows a receiver computes are exactly the rows the sender filled: the rest of the buffers that travel
+    # (and of their gradients) is never read and is left unwritten instead of zero-filled
+    dense: bool = False
 
     @property
     def expert_rows(self) -> Optional[list[int]]:
@@ -284,10 +355,14 @@ class PaddedDispatcher(TokenDispatcher):
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
         idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
-        idx = DispatchIndex(
-            torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
-            torch.cat([i.row for i in idxs]),
-            torch.cat([i.weight for i in idxs]),
+        idx = (
+            idxs[0]
+            if G == 1
+            else DispatchIndex(
+                torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
+                torch.cat([i.row for i in idxs]),
+                torch.cat([i.weight for i in idxs]),
+            )
         )
         if path == "padded":
             return PaddedPlan(idx, G, Cs, G * S)
@@ -311,7 +386,9 @@ class PaddedDispatcher(TokenDispatcher):
                 exchange=True,
             )
         if self.header_mode:  # the counts travel in the dispatch all-to-all: `dispatch` resolves the rows
-            return PaddedPlan(idx, G, Cs, G * S, sent=sent_rows(routes))
+            sent = sent_rows(routes)
+            dense = int(sent.sum()) == idx.row.numel()  # every block's kept slots are its leading rows
+            return PaddedPlan(idx, G, Cs, G * S, sent=sent, dense=dense)
         return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs))
 
     @property
@@ -386,14 +463,23 @@ class PaddedDispatcher(TokenDispatcher):
         h = header_rows(G * E_l, M)
         row = plan.idx.row + (plan.idx.row // body) * h  # destination blocks of body + h rows
         plan.idx, plan.header = DispatchIndex(plan.idx.token, row, plan.idx.weight), h
-        buf = x_TM.new_zeros(n_ep, body + h, M)
         counts = plan.sent.view(G, n_ep, E_l).transpose(0, 1).reshape(n_ep, G * E_l)  # [N_EP, G*E_l]
-        write_header(buf, counts, body, itype)
-        send = buf.view(-1, M).index_copy_(0, row, x_TM.index_select(0, plan.idx.token)).view(n_ep, body + h, M)
+        if plan.dense:  # one gather: every row its token (unread rows: token 0), then the counts over the header
+            src = torch.zeros(n_ep * (body + h), dtype=torch.int64, device=row.device).index_put_(
+                (row,), plan.idx.token
+            )
+            send = _PackRows.apply(x_TM, src, plan.idx.token, row).view(n_ep, body + h, M)
+            write_header(send.detach(), counts, body, itype)  # in place; the gather's backward never reads it
+        else:
+            buf = x_TM.new_zeros(n_ep, body + h, M)
+            write_header(buf, counts, body, itype)
+            send = buf.view(-1, M).index_copy_(0, row, x_TM.index_select(0, plan.idx.token)).view(n_ep, body + h, M)
         op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
         recv = a2a.finish(a2a.start(send, op), op)
         rows_DGL = read_header(recv, body, G * E_l, itype).view(n_ep, G, E_l)
         plan.kept = received_kept_rows(rows_DGL, Cs, body + h, x_TM.device)
+        if plan.dense:  # the sender reads back only the gradient of the rows it filled: these
+            return _GatherRows.apply(recv.reshape(-1, M), plan.kept.rows)
         return recv.reshape(-1, M).index_select(0, plan.kept.rows)
 
     def kept_rows_of(self, sent_GE: torch.Tensor, Cs: int) -> KeptRows:
@@ -408,9 +494,10 @@ class PaddedDispatcher(TokenDispatcher):
         if plan.header:  # back in the dispatch's layout (the header rows travel empty)
             assert plan.kept is not None
             rows = self.n_ep * (self.num_local * plan.groups * plan.slots + plan.header)
-            back = y_LNM.new_zeros(rows, y_LNM.size(-1)).index_copy_(0, plan.kept.rows, y_LNM)
+            fresh = y_LNM.new_empty if plan.dense else y_LNM.new_zeros  # dense: the sender reads only these rows
+            back = fresh(rows, y_LNM.size(-1)).index_copy_(0, plan.kept.rows, y_LNM)
             ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
-            return combine(ret, plan.idx, plan.tokens)
+            return combine(ret, plan.idx, plan.tokens, zero_rest=not plan.dense)
         E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
         if plan.kept is not None:  # scatter the kept rows into the padded layout of the next step

@@ -204,12 +204,15 @@ def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
     torch.addmm(bias, h_out, proj_w.t(), out=y_out)
 
 
-def _mlp_backward(gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None) -> torch.Tensor:
+def _mlp_backward(
+    gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None, da_out=None
+) -> torch.Tensor:
     """One expert's weight and bias gradients (written into the given slices) from gy [n, M]; returns dx [n, M]
-    (written into `dx_out` when given: no copy)."""
+    (written into `dx_out` when given: no copy). `da_out` [n, H]: room for the activation's gradient (else new)."""
     torch.mm(gy.t(), h, out=d_proj_w)
     torch.sum(gy, dim=0, out=d_bias)
-    da = torch.ops.aten.gelu_backward(gy.mm(proj_w), a, approximate="tanh")
+    dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
+    da = torch.ops.aten.gelu_backward.grad_input(dh, a, approximate="tanh", grad_input=dh)  # in place, elementwise
     torch.mm(da.t(), x, out=d_fc_w)
     torch.sum(da, dim=0, out=d_fc_b)
     return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
@@ -277,9 +280,11 @@ class _GroupedMLP(torch.autograd.Function):
             xs, gys, hs = [x_RM[r] for r in spans], [gy_RM[r] for r in spans], [h_RH[r] for r in spans]
             _defer_weight_grads(ctx.defer, gys, hs, das, xs)
             return dx_RM, None, d_fc_b, None, d_bias, None, None
+        da_RH = torch.empty_like(a_RH)  # one buffer for every expert's activation gradient
         for e, (lo, hi) in enumerate(ctx.spans):
             g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
-            _mlp_backward(gy_RM[lo:hi], x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi], fc_w[e], proj_w[e], *g, dx_RM[lo:hi])
+            x, a, h = x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi]
+            _mlp_backward(gy_RM[lo:hi], x, a, h, fc_w[e], proj_w[e], *g, dx_RM[lo:hi], da_RH[lo:hi])
         return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None
 
 

@@ -14,7 +14,10 @@ is on the wire), and `padded_kept_rows` turns them into the kept rows of this ra
 buffer, grouped by local expert. The dispatcher gathers exactly those rows for the experts
 (`PaddedDispatcher.dispatch`) and scatters their outputs back into the padded return buffer: rows
 that hold no token never reach a GEMM; their outputs are zero and never read (the combine reads
-kept rows only), and their gradients are zero either way.
+kept rows only), and their gradients are zero either way. With the counts in the dispatch all-to-all
+and every block's kept slots leading it (`PaddedPlan.dense`: the router fills slots as a prefix), the
+rows a receiver computes are exactly the rows its sender filled, so those rows of the travelling
+buffers and of their gradients are left unwritten instead of zero-filled: nothing reads them.
 
 Which path (PATHS: the padded compute, kept rows, or kept rows with the all-to-alls pipelined by
 local expert) a layer takes is decided the same on every rank (`MoELayer.expert_path`): padded or
