@@ -220,3 +220,16 @@ def test_layer_clock_pairs_forward_and_backward_of_each_layer():
     clock.remove()
     a(torch.ones(3, requires_grad=True))
     assert ticks.t == 8.0 and clock.take() == 0.0
+
+
+def test_the_hiding_windows_run_at_the_fitted_compute_scale():
+    """Eq. (8)'s windows are compute: at scale 2 a 3 s window (modelled) lasts 6 s and hides a 5 s Trans that
+    the window at its modelled length would leave 2 s exposed; eq. (6) hides nothing, whatever the scale."""
+    t = terms(10.0, 5.0, 7.0, 3.0, 6.0)
+    assert t.time(True, Calibration(2.0, 1.0, 1.0)) == 2.0 * 10.0 + 0.0 + 0.0  # 5 < 2 x 3, 7 < 2 x 6
+    assert t.time(True, Calibration(2.0, 1.0, 0.5)) == 20.0 + (5.0 - 3.0) + (7.0 - 6.0)  # eta halves the windows
+    assert t.time(True, Calibration(1.0, 3.0, 1.0)) == 10.0 + (15.0 - 3.0) + (21.0 - 6.0)  # comm: dearer transfers
+    assert t.time(False, Calibration(2.0, 1.5, 1.0)) == 20.0 + 1.5 * 12.0
+    # the contention factor multiplies every term, the exposed ones included: the plan's ranking is kept
+    k = contention([([t], 2.0 * 23.0)], True, Calibration(1.0, 1.0, 1.0))
+    assert t.time(True, k) == pytest.approx(46.0, rel=1e-12)

@@ -6,9 +6,14 @@ with gloo a transfer in flight takes cycles from the compute it overlaps, a poin
 transfer is not the all-gather its constant was profiled with, and the ops of a layer run slower
 together than alone. So the planner plans with (`perf_model.Calibration`):
 
-  T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X
-  X   = T_Trans + T_Agg                                                        (eq. (6))
-  X   = max(0, T_Trans - eta (T_FEC + fnec)) + max(0, T_Agg - eta (T_BEC + bnec))  (eq. (8))
+  T'' = scale * (4 T_A2A + 3 T_FEC) + X
+  X   = comm (T_Trans + T_Agg)                                                            (eq. (6))
+  X   = max(0, comm T_Trans - eta scale (T_FEC + fnec)) + max(0, comm T_Agg - eta scale (T_BEC + bnec))
+                                                                                          (eq. (8))
+(the windows of eq. (8) are compute: when the layer's compute runs `scale` times slower than
+profiled, so do the windows a transfer hides behind; with windows taken at their profiled length a
+run whose compute is 2x slower than profiled priced every large Trans as exposed and preferred a
+lighter plan that measured slower)
 
 `fit_calibration` fits it to samples (one per iteration: the `LayerTerms` of every MoE layer under
 the placement used, and the measured seconds of those layers, forward + backward), least squares
@@ -17,8 +22,10 @@ on the relative error:
     clamped at 0); eta plays no part and keeps its prior;
   eq. (8) (scheduler): scale > 0 and the overlap efficiency eta in [0, 1], comm = 1 (the profiled
     transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
-    plan): scale in closed form for each eta of a grid of `ETA_STEPS + 1` values, the eta with the
-    least residual, among equally good ones the one nearest the prior (1.0, the paper's).
+    plan): for each eta of a grid of `ETA_STEPS + 1` values, scale by fixed-point iteration (the
+    closed form with the windows at the previous iterate's scale, `SCALE_ROUNDS` rounds from the
+    windows at their modelled length), the eta with the least residual, among equally good ones the
+    one nearest the prior (1.0, the paper's).
 Without any transfer in the samples only scale is fitted, and comm = scale (the transfers are taken
 to slow down like everything else the run measured: a plan is then judged as by the uncalibrated
 model, not one whose compute alone got dearer) with eta at its prior. Then the fixed
@@ -57,6 +64,7 @@ from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfMod
 ETA_STEPS = 100  # eta on the grid 0, 0.01, ..., 1
 SKIP = 2  # calibration iterations not sampled (one-time costs)
 ITERS = 4  # sampled calibration iterations
+SCALE_ROUNDS = 50  # fixed-point rounds of eq. (8)'s scale (its windows scale with it)
 TIE = 1e-9  # residuals within this (relative, plus 1e-15 absolute) of the least count as equal
 
 Sample = tuple[Sequence[LayerTerms], float]  # (terms of every MoE layer, measured seconds)
@@ -90,8 +98,24 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
             raise ValueError(f"fit_calibration needs positive measured and modelled times, got {m!r}")
     base = [sum(t.base for t in terms) for terms, _ in samples]
 
-    def rows(eta: float) -> list[tuple[float, float, float]]:
-        return [(b, sum(t.exposed(overlap, eta) for t in terms), m) for b, (terms, m) in zip(base, samples)]
+    def rows(eta: float, window_scale: float = 1.0) -> list[tuple[float, float, float]]:
+        return [
+            (b, sum(t.exposed(overlap, eta, 1.0, window_scale) for t in terms), m)
+            for b, (terms, m) in zip(base, samples)
+        ]
+
+    def scale_for(eta: float) -> tuple[float, float]:
+        """(scale, residual) of eq. (8) at `eta`, comm = 1: the windows at the scale being fitted."""
+        fit = _scale_given(rows(eta))
+        for _ in range(SCALE_ROUNDS):
+            if fit[0] <= 0:
+                break
+            nxt = _scale_given(rows(eta, fit[0]))
+            if abs(nxt[0] - fit[0]) <= 1e-12 * fit[0]:
+                fit = nxt
+                break
+            fit = nxt
+        return fit
 
     if not any(x > 0 for _, x, _ in rows(0.0)):  # nothing moved: only the scale can be seen
         scale = _scale_given(rows(0.0))[0]
@@ -101,7 +125,7 @@ def fit_calibration(samples: Sequence[Sample], overlap: bool, prior_eta: float =
         if scale > 0:
             return with_overhead(samples, overlap, Calibration(scale, comm, prior_eta))
         raise ValueError("fit_calibration: no positive scale fits the samples")
-    fits = [(_scale_given(rows(i / ETA_STEPS)), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
+    fits = [(scale_for(i / ETA_STEPS), i / ETA_STEPS) for i in range(ETA_STEPS + 1)]
     fits = [f for f in fits if f[0][0] > 0]
     if not fits:
         raise ValueError("fit_calibration: no positive scale fits the samples")

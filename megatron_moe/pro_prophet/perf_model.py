@@ -27,8 +27,9 @@ alpha = 0 gives the paper's form exactly):
                 Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
 
 Departure from the paper (`Calibration`, fitted by `pro_prophet.calibration`): the planner's
-model is T'' = scale * (4 T_A2A + 3 T_FEC) + comm * X with X = T_Trans + T_Agg (eq. (6)) or
-X = max(0, T_Trans - eta (T_FEC + fnec_s)) + max(0, T_Agg - eta (T_BEC + bnec_s)) (eq. (8)):
+model is T'' = scale * (4 T_A2A + 3 T_FEC) + X with X = comm (T_Trans + T_Agg) (eq. (6)) or
+X = max(0, comm T_Trans - eta scale (T_FEC + fnec_s)) + max(0, comm T_Agg - eta scale (T_BEC + bnec_s))
+(eq. (8): the hiding windows are compute, which runs `scale` times its modelled time like the rest):
 `scale` is how much slower the layer runs than its parts profiled one at a time, `comm` what an
 exposed second of Trans / Agg really costs, `eta` in [0, 1] the share of the compute window that
 really hides a transfer (CPU ranks: gloo's transfers take cycles from the compute they overlap).
@@ -125,16 +126,20 @@ class LayerTerms:
     bwd_window: float
     placed: bool = False
 
-    def exposed(self, overlap: bool, eta: float) -> float:
-        """Trans + Agg time not hidden: all of it (eq. (6)), or what exceeds eta x the windows (eq. (8))."""
+    def exposed(self, overlap: bool, eta: float, comm: float = 1.0, window_scale: float = 1.0) -> float:
+        """Trans + Agg time not hidden, the transfers taking `comm` x their modelled time: all of it
+        (eq. (6)), or what exceeds eta x the windows, whose compute takes `window_scale` x its modelled
+        time (eq. (8))."""
         if not overlap:
-            return self.trans + self.agg
-        return max(0.0, self.trans - eta * self.fwd_window) + max(0.0, self.agg - eta * self.bwd_window)
+            return comm * (self.trans + self.agg)
+        w = eta * window_scale
+        return max(0.0, comm * self.trans - w * self.fwd_window) + max(0.0, comm * self.agg - w * self.bwd_window)
 
     def time(self, overlap: bool, cal: Calibration) -> float:
-        """T'' of the layer (eq. (6) or (8), calibrated; the fixed overhead when placed)."""
+        """T'' of the layer (eq. (6) or (8), calibrated; the fixed overhead when placed). The windows of
+        eq. (8) are compute, so they take `cal.scale` x their modelled time like the layer's compute."""
         fixed = cal.overhead if self.placed else 0.0
-        return cal.scale * self.base + cal.comm * self.exposed(overlap, cal.eta) + fixed
+        return cal.scale * self.base + self.exposed(overlap, cal.eta, cal.comm, cal.scale) + fixed
 
 
 @dataclass(frozen=True)
