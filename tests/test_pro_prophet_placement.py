@@ -6,7 +6,6 @@ One spawn per world size runs every case of that size (EP2; EP4, EP2 x DP2, EP2 
 without placement in the same process, scheduled and blocking, top-1 and top-2.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from megatron_moe.pro_prophet.planner import heaviest_to_all
 from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
+from tool_modules import load_tool
 
 STEPS = 2  # forward + backward, an SGD step, forward + backward again
 # world -> [(mp, ep, esp, num_experts, forced plan {expert: EP ranks})]
@@ -267,16 +267,8 @@ def test_bench_tool_refuses_bad_input_with_exit_2():
     assert out.returncode == 2 and "--warmup (6) must exceed --calibrate-skip + --calibrate-iters (6)" in out.stderr
 
 
-def _bench_module():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_pro_prophet.py")
-    spec = importlib.util.spec_from_file_location("bench_pro_prophet", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_model_presets_and_overrides():
-    bench = _bench_module()
+    bench = load_tool("bench_pro_prophet")
     a = bench.parse_args([])
     assert (a.model, a.hidden_size, a.ffn_hidden_size, a.tokens) == ("paper", 256, 2048, 4096)
     a = bench.parse_args(["--model", "small"])

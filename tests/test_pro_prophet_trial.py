@@ -9,9 +9,6 @@ placement is kept only if its timed iterations were faster than those with the e
 - the trainer: the curve with the trial (dropped or kept) equals the run without placement.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
@@ -27,6 +24,7 @@ from megatron_moe.pro_prophet.trial import PlacementTrial, keep_placement
 from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
+from tool_modules import load_tool
 
 E = 4
 
@@ -229,16 +227,8 @@ def test_trainer_curve_with_the_trial_equals_the_run_without_placement(sample_da
 # ----------------------------------------------------------------------------- the benchmark's flags
 
 
-def _bench_module():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_pro_prophet.py")
-    spec = importlib.util.spec_from_file_location("bench_pro_prophet", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_trial_flags_and_column(capsys):
-    bench = _bench_module()
+    bench = load_tool("bench_pro_prophet")
     a = bench.parse_args([])
     assert a.trial_iters == 3 and bench.trial_iters(a, "pro_prophet") == 3
     assert [bench.trial_iters(a, m) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only")] == [0, 0, 0]
