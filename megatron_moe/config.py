@@ -481,8 +481,9 @@ class OptimizationsConfig:
     )
     pro_prophet_trial_iters: int = opt(
         3,
-        "Pro-Prophet: after the calibration, time this many iterations with the planner's placement and as "
-        "many without (alternating) and keep placing only if its median step is faster (0: always place)",
+        "Pro-Prophet: after the calibration, time this many iterations with the planner's placement, as many "
+        "with one more expert of its greedy order moved and as many without (alternating), and keep the arm "
+        "with the fastest median step (0: always place)",
     )
     pro_prophet_trial_force_outcome: Optional[str] = opt(
         None,

@@ -176,6 +176,8 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         ps,
         schedule=not opts.pro_prophet_no_schedule,
         planner=lambda counts: plan_placement(counts, calib.model, alpha, n).replicas,
+        # the trial's third arm: one more move of the same greedy order (kept if measured fastest)
+        wider=lambda counts: plan_placement(counts, calib.model, alpha, n, extra=1).replicas,
         interval=opts.pro_prophet_interval,
         calibrator=calib,
         trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
@@ -189,6 +191,6 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
-        + (f"; trial of {k} + {k} iterations after {after}" if k else "")
+        + (f"; trial of {k} + {k} + {k} iterations (placed, wider, plain) after {after}" if k else "")
     )
     return runtime

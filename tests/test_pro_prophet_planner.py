@@ -154,6 +154,43 @@ def test_greedy_is_never_worse_than_no_placement():
         assert sum(got.load_after) == sum(got.load_before) == counts.sum()
 
 
+def test_extra_keeps_the_next_moves_of_the_same_greedy_order():
+    """P=100, alpha 0: the greedy order is 0, 1, 2, 3 (rank 0's heavy experts, then the tie 2 / 3 on rank 1
+    by index); by hand T'(none) = 700, T'(0) = 4*30 + 3*100 + 2*100 = 620, T'(0, 1) = 4*4 + 3*78 + 4*100
+    = 650: the model keeps the 1-expert prefix, extra=1 the 2-expert one, a large extra the whole order."""
+    counts = np.array([[40, 30, 2, 2], [40, 30, 2, 2]])
+    model = unit_model(100)
+    best = plan(counts, model, alpha=0.0)
+    assert plan(counts, model, alpha=0.0, extra=0) == best
+    assert (best.order, best.replicas, best.predicted_s, best.baseline_s) == ((0,), ((1,), (), (), ()), 620, 700)
+    wider = plan(counts, model, alpha=0.0, extra=1)
+    assert (wider.order, wider.replicas, wider.predicted_s) == ((0, 1), ((1,), (1,), (), ()), 650)
+    assert wider.load_after == (70, 78) and wider.baseline_s == 700
+    whole = plan(counts, model, alpha=0.0, extra=9)
+    assert whole.order == (0, 1, 2, 3) and whole.replicas == ((1,), (1,), (0,), (0,))
+    # stopped by balance (7) after expert 0: nothing further to keep
+    assert plan(counts, model, alpha=2.0, extra=1).order == (0,)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(ValueError, match="plan: extra must be an integer >= 0"):
+            plan(counts, model, alpha=0.0, extra=bad)
+
+
+def test_extra_zero_is_algorithm_1_and_extra_one_extends_its_prefix():
+    rng = np.random.default_rng(1)
+    grew = 0
+    for _ in range(30):
+        d = int(rng.choice([2, 4]))
+        counts = rng.multinomial(300, rng.dirichlet(np.ones(2 * d)), size=d)
+        model = unit_model(int(rng.integers(1, 300)))
+        p0 = plan(counts, model, alpha=0.1)
+        assert plan(counts, model, alpha=0.1, extra=0) == p0
+        p1 = plan(counts, model, alpha=0.1, extra=1)
+        assert p1.order[: len(p0.order)] == p0.order and len(p1.order) - len(p0.order) in (0, 1)
+        assert all(p1.replicas[x] == p0.replicas[x] for x in p0.order)
+        grew += len(p1.order) > len(p0.order)
+    assert grew > 0  # the cases do exercise the extra move
+
+
 # -- balance condition (7) ----------------------------------------------------------------------
 def test_balance_condition_is_strict():
     assert not is_balanced([10, 5], alpha=1.0, total_tokens=10, num_experts=2)  # 5 < 5 is false

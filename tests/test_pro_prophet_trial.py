@@ -2,10 +2,12 @@
 placement is kept only if its timed iterations were faster than those with the empty plan.
 
 - the rule and the arms on injected timings (faster -> kept, slower -> dropped, nothing moved -> off,
-  forced outcomes);
+  forced outcomes), and with the third arm "wider" (one more greedy move): the fastest arm kept, the
+  wider arm no candidate when its plans were the planner's;
 - two gloo ranks: the verdict comes from the step times MAX-reduced over the ranks (injected spans that
   disagree per rank give one verdict on both); the runtime alternates the planner's plan and the empty
   plan during the trial and, after it, keeps planning (kept) or runs the empty plan for good (dropped);
+  with a wider planner it runs placed / wider / plain and after a "wider" verdict plans with it;
 - the trainer: the curve with the trial (dropped or kept) equals the run without placement.
 """
 
@@ -20,7 +22,7 @@ from megatron_moe.parallel_state import destroy_model_parallel, initialize_model
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import heaviest_to_all
-from megatron_moe.pro_prophet.trial import PlacementTrial, keep_placement
+from megatron_moe.pro_prophet.trial import PlacementTrial, fastest_arm, keep_placement
 from megatron_moe.testing import spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
@@ -61,6 +63,58 @@ def test_verdict_from_injected_timings():
     assert forced.keep is True and "forced faster (--pro-prophet-trial-force-outcome)" in forced.decision["line"]
     assert _decided([0.5], [1.0], force="slower").keep is False
     assert keep_placement([1, 3, 2], [2, 3, 3]) is True and keep_placement([2], [2]) is False
+
+
+def test_three_arms_cycle_placed_wider_plain():
+    t = PlacementTrial(2, start=3, wider=True)
+    arms = [t.arm(i) for i in range(3, 11)]
+    assert arms == [None, "placed", "wider", "plain", "placed", "wider", "plain", None]
+    assert t.end == 9
+
+
+def _decided3(placed, wider, plain, moved=True, wider_moved=True, force=None) -> PlacementTrial:
+    """A 3-arm trial fed spans [s] in arm order, decided from them [ms]."""
+    t = PlacementTrial(len(placed), start=1, force_outcome=force, wider=True)
+    t.wider_moved = wider_moved
+    for i, (a, w, b) in enumerate(zip(placed, wider, plain)):
+        t.record(2 + 3 * i, (0.0, a), moved)
+        t.record(3 + 3 * i, (0.0, w), True)
+        t.record(4 + 3 * i, (0.0, b), False)
+    ms = {arm: [1e3 * s for _, s in t.spans[arm]] for arm in t.arms}
+    t.decide(ms["placed"], ms["plain"], ms["wider"])
+    return t
+
+
+def test_three_arm_verdict_from_injected_timings():
+    wider = _decided3([1.1, 1.2, 1.0], [0.9, 1.0, 1.1], [1.3, 1.3, 1.3])
+    assert (wider.keep, wider.kept) == (True, "wider")
+    d = wider.decision
+    assert (d["placed_ms"], d["wider_ms"], d["plain_ms"]) == (1100.0, 1000.0, 1300.0)
+    assert d["wider_steps_ms"] == [900.0, 1000.0, 1100.0] and d["trial_ms_total"] == pytest.approx(10_200.0)
+    assert d["kept"] == "wider" and "<: the wider placement kept" in d["line"]
+    assert "1100.0 ms with the planner's placement, 1000.0 ms with one more expert moved, 1300.0 ms" in d["line"]
+    placed = _decided3([0.9], [1.0], [1.3])
+    assert (placed.keep, placed.kept) == (True, "placed") and "<: placement kept" in placed.decision["line"]
+    off = _decided3([1.1], [1.0], [0.9])  # plain fastest
+    assert (off.keep, off.kept) == (False, "off") and ">=: placement off" in off.decision["line"]
+    assert _decided3([1.0], [1.0], [1.0]).kept == "off"  # ties keep the simpler arm
+    assert _decided3([0.9], [0.9], [1.0]).kept == "placed"
+    # the wider arm's plans were the planner's: not a candidate, the 2-arm rule decides
+    same = _decided3([1.1], [0.5], [1.0], wider_moved=False)
+    assert (same.keep, same.kept) == (False, "off") and "its plans the planner's" in same.decision["line"]
+    assert _decided3([0.9], [0.5], [1.0], wider_moved=False).kept == "placed"
+    # the placed arm moved nothing but the wider one did: wider against plain
+    assert _decided3([0.5], [0.9], [1.0], moved=False).kept == "wider"
+    none = _decided3([0.5], [0.5], [1.0], moved=False, wider_moved=False)
+    assert none.kept == "off" and "the planner moved no expert" in none.decision["line"]
+    # forced: "faster" keeps the faster placing arm by times, "slower" turns placement off
+    assert _decided3([1.2], [1.1], [1.0], force="faster").kept == "wider"
+    assert _decided3([1.0], [1.1], [0.5], force="faster").kept == "placed"
+    assert _decided3([1.0], [0.5], [2.0], force="faster", wider_moved=False).kept == "placed"
+    assert _decided3([1.0], [0.5], [2.0], force="slower").kept == "off"
+    assert fastest_arm({"plain": 2.0, "wider": 1.0}) == "wider" and fastest_arm({"plain": 1.0}) == "plain"
+    with pytest.raises(ValueError, match="wider_ms must be given exactly when the trial has a wider arm"):
+        PlacementTrial(1, start=1, wider=True).decide([1.0], [1.0])
 
 
 def test_bad_trial_arguments_name_the_flag():
@@ -111,6 +165,31 @@ def _run_trial(ps, force, iters: int = 7) -> dict:
     return {"moved": moved, "lines": lines, "decision": runtime.trial.decision}
 
 
+def _run_wider(ps, force, same: bool, iters: int = 6) -> dict:
+    """`iters` iterations with a trial of 1 + 1 + 1 iterations after iteration 1: the planner moves nothing
+    (or, `same`, heaviest-to-all like the wider planner), the wider planner heaviest-to-all (one expert)."""
+    model = _model(ps)
+    layers = model.moe_layers()
+    one = lambda c: heaviest_to_all(c, 1).replicas  # noqa: E731
+    runtime = ProProphet(
+        layers,
+        ps,
+        planner=one if same else (lambda c: [()] * E),
+        wider=one,
+        trial_iters=1,
+        trial_force_outcome=force,
+    )
+    r, moved = ps.rank("dp"), []
+    for it in range(iters):
+        moved.append(sum(len(runtime.placement_of(la.layer_idx).moved) for la in layers))
+        ids, labels = global_batch(ps.size("dp"), seed=it)
+        sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
+        lm, aux = model(ids[sl], labels[sl])
+        (lm + aux).backward()
+        runtime.end_iteration(it + 1)
+    return {"moved": moved, "decision": runtime.trial.decision, "in_flight": runtime.planned_in_flight}
+
+
 def _injected(ps, rank: int, placed: list, plain: list) -> dict:
     """A runtime's trial fed rank-dependent spans [s] through `record`, then decided (one all-reduce)."""
     runtime = ProProphet(_model(ps).moe_layers(), ps, planner=lambda c: [()] * E, trial_iters=len(placed))
@@ -118,6 +197,20 @@ def _injected(ps, rank: int, placed: list, plain: list) -> dict:
     for i, (a, b) in enumerate(zip(placed[rank], plain[rank])):
         trial.record(2 + 2 * i, (0.0, a), True)
         trial.record(3 + 2 * i, (0.0, b), True)
+    runtime.decide_trial()
+    return trial.decision
+
+
+def _injected3(ps, rank: int, spans: dict) -> dict:
+    """A runtime's 3-arm trial fed rank-dependent spans [s] per arm, then decided (one all-reduce)."""
+    runtime = ProProphet(
+        _model(ps).moe_layers(), ps, planner=lambda c: [()] * E, wider=lambda c: [()] * E, trial_iters=2
+    )
+    trial = runtime.trial
+    trial.wider_moved = True
+    for i in range(2):
+        for j, arm in enumerate(("placed", "wider", "plain")):
+            trial.record(2 + 3 * i + j, (0.0, spans[arm][rank][i]), True)
     runtime.decide_trial()
     return trial.decision
 
@@ -147,6 +240,11 @@ def _run(rank, world):
         out["disagree"] = _injected(ps, rank, [[0.1, 0.1], [0.3, 0.3]], [[0.2, 0.1], [0.1, 0.4]])
         out["agree"] = _injected(ps, rank, [[0.1, 0.2], [0.2, 0.1]], [[0.3, 0.3], [0.2, 0.2]])
         out["starts"] = [_start(ps, not_before) for not_before in (0, 5)]
+        out["wider"] = {force: _run_wider(ps, force, same=False) for force in ("faster", "slower")}
+        out["wider_same"] = _run_wider(ps, "faster", same=True)
+        # MAX per step: placed [0.3, 0.3], wider [0.2, 0.25], plain [0.4, 0.4]; rank 0 alone would keep placed
+        three = {"placed": [[0.1, 0.1], [0.3, 0.3]], "wider": [[0.2, 0.2], [0.1, 0.25]], "plain": [[0.4, 0.4]] * 2}
+        out["three"] = _injected3(ps, rank, three)
         return out
     finally:
         destroy_model_parallel()
@@ -189,6 +287,31 @@ def test_the_runtime_alternates_then_keeps_or_drops_the_placement(per_rank):
     assert per_rank[0]["measured"]["moved"] == per_rank[1]["measured"]["moved"]
 
 
+def test_the_three_arm_verdict_is_the_max_over_ranks_and_identical_on_every_rank(per_rank):
+    for r in per_rank:
+        assert r["three"]["placed_steps_ms"] == pytest.approx([300.0, 300.0])
+        assert r["three"]["wider_steps_ms"] == pytest.approx([200.0, 250.0])
+        assert r["three"]["kept"] == "wider" and r["three"]["keep"] is True
+    assert per_rank[0]["three"] == per_rank[1]["three"]
+
+
+def test_the_runtime_plans_with_the_wider_planner_after_a_wider_verdict(per_rank):
+    for r in per_rank:
+        # iteration 1: no plan; 2: placed (the planner moves nothing), 3: wider (one expert per layer, two
+        # layers), 4: plain; decided at the end of 4: the wider planner's plans from then on (in flight too)
+        kept = r["wider"]["faster"]
+        assert kept["moved"] == [0, 0, 2, 0, 2, 2]
+        assert kept["decision"]["kept"] == "wider" and kept["decision"]["wider_moved"] is True
+        assert kept["in_flight"] > 0
+        off = r["wider"]["slower"]
+        assert off["moved"] == [0, 0, 2, 0, 0, 0] and off["decision"]["kept"] == "off"
+        # the wider planner's plans were the planner's: no candidate, forced "faster" keeps "placed"
+        same = r["wider_same"]
+        assert same["moved"] == [0, 2, 2, 0, 2, 2]
+        assert same["decision"]["kept"] == "placed" and same["decision"]["wider_moved"] is False
+    assert per_rank[0]["wider"] == per_rank[1]["wider"]
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 EP2 = ("--moe-dropless", "--expert-model-parallel-size", "2")
@@ -214,11 +337,11 @@ def test_trainer_curve_with_the_trial_equals_the_run_without_placement(sample_da
             assert len(runs[name]) == 10
             for i, (a, b) in enumerate(zip(plain, runs[name])):
                 assert abs(a["loss"] - b["loss"]) < 1e-5, f"{name} rank {rank} iteration {i + 1}"
-        # calibration 1-6, trial: 7 placed, 8 plain (the empty plan), decided at the end of 8
-        assert runs["dropped"][7]["pro_prophet_replicas"] == 0
-        assert [h["pro_prophet_replicas"] for h in runs["dropped"][8:]] == [0, 0]
-        assert all(p == {} for h in runs["dropped"][7:] for p in h["pro_prophet_plan"].values())
-        assert runs["kept"][7]["pro_prophet_replicas"] == 0
+        # calibration 1-6, trial: 7 placed, 8 wider, 9 plain (the empty plan), decided at the end of 9
+        assert runs["dropped"][8]["pro_prophet_replicas"] == 0
+        assert [h["pro_prophet_replicas"] for h in runs["dropped"][9:]] == [0]
+        assert all(p == {} for h in runs["dropped"][8:] for p in h["pro_prophet_plan"].values())
+        assert runs["kept"][8]["pro_prophet_replicas"] == 0
     # the same plans on every rank, before and after the decision
     for name in ("dropped", "kept"):
         assert [h["pro_prophet_plan"] for h in per_rank[0][name]] == [h["pro_prophet_plan"] for h in per_rank[1][name]]
@@ -239,6 +362,7 @@ def test_bench_trial_flags_and_column(capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.parse_args(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
-    kept = {"keep": True, "placed_ms": 1500.04, "plain_ms": 1800.0}
-    assert bench.trial_text(kept) == "kept (1500.0 / 1800.0)" and bench.trial_text(None) == "-"
-    assert bench.trial_text({**kept, "keep": False}) == "off (1500.0 / 1800.0)"
+    kept = {"keep": True, "kept": "placed", "placed_ms": 1500.04, "wider_ms": 1400.0, "plain_ms": 1800.0}
+    assert bench.trial_text(kept) == "placed (1500.0 / 1400.0 / 1800.0)" and bench.trial_text(None) == "-"
+    assert bench.trial_text({**kept, "kept": "wider"}) == "wider (1500.0 / 1400.0 / 1800.0)"
+    assert bench.trial_text({**kept, "keep": False, "kept": "off", "wider_ms": None}) == "off (1500.0 / - / 1800.0)"

@@ -49,11 +49,13 @@ Modes (the same weights and batches in each):
   pro_prophet_plan_only  Algorithm 1 (`pro_prophet.planner.plan`, eq. (6)), Trans/Agg blocking
   pro_prophet            Algorithm 1 with eq. (8) and the block-wise scheduler (Algorithm 2), and the
                          trainer's runtime trial (`pro_prophet.trial`, --trial-iters K): after the
-                         calibration, K iterations with the plan and K with the empty plan, alternating,
-                         step times MAX over ranks; the placement stays only if its median was faster,
-                         else the mode runs the empty plan (the plain graph) from then on. The trial's
-                         2K iterations are added to this mode's warm-up (outside the medians); the row
-                         reports the verdict and the trial's own medians.
+                         calibration, K iterations with the plan, K with the plan plus the next move of
+                         Algorithm 1's greedy order ("wider", `plan(extra=1)`) and K with the empty plan,
+                         alternating, step times MAX over ranks; the arm with the lowest median is kept
+                         (the empty plan, the plain graph, unless a placing arm was strictly faster; the
+                         wider arm only if it moved more experts than the plan). The trial's 3K
+                         iterations are added to this mode's warm-up (outside the medians); the row
+                         reports the kept arm and the trial's own medians.
 The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
 the first MoE layer's Trans starts when the forward starts and its Agg is waited when the backward
 reaches that norm (the dense block in between hides both), as the trainer does with the embedding.
@@ -88,8 +90,10 @@ model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_co
 calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown,
 plan_ms: the median per iteration of the milliseconds the planner ran (every layer's plan; under the
 last dispatch all-to-all or at the iteration's end; rank 0's), trial: mode pro_prophet's trial
-decision or null: keep, placed_ms / plain_ms (the arms' medians, MAX over ranks), placed_steps_ms,
-plain_steps_ms, trial_ms_total, moved, line).
+decision or null: keep, kept ("placed" / "wider" / "off": the arm kept), placed_ms / wider_ms /
+plain_ms (the arms' medians, MAX over ranks), placed_steps_ms, wider_steps_ms, plain_steps_ms,
+trial_ms_total, moved, wider_moved (the wider arm moved more experts than the planner would have),
+line).
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=Config().opts.pro_prophet_trial_iters,
         help="mode pro_prophet: the trainer's trial (--pro-prophet-trial-iters): after the calibration this many "
-        "iterations with the plan and as many without, alternating; placement kept only if faster (0: no trial)",
+        "iterations with the plan, as many with one more expert moved and as many without, alternating; the "
+        "fastest arm is kept (0: no trial)",
     )
     p.add_argument(
         "--trial-force-outcome",
@@ -291,6 +296,10 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -
         ps,
         schedule=mode == "pro_prophet",
         planner=timed(lambda c: plan(c, calib.model, a.alpha, a.n).replicas, spent),
+        # the trial's "wider" arm: one more move of Algorithm 1's greedy order (`pro_prophet.trial`)
+        wider=timed(lambda c: plan(c, calib.model, a.alpha, a.n, extra=1).replicas, spent)
+        if trial_iters(a, mode)
+        else None,
         calibrator=calib,
         trial_iters=trial_iters(a, mode),
         trial_force_outcome=a.trial_force_outcome,
@@ -321,7 +330,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
     rows["breakdown"] = None
     log = CommLog().start()
-    warmup = a.warmup + 2 * trial_iters(a, mode)  # the trial's steps: unmeasured, after the calibration
+    arms = len(runtime.trial.arms) if runtime is not None and runtime.trial is not None else 0
+    warmup = a.warmup + arms * trial_iters(a, mode)  # the trial's steps: unmeasured, after the calibration
     n_run = warmup + a.iters
     for it in range(n_run + int(a.breakdown)):
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
@@ -427,7 +437,7 @@ def measure_perf(cfg: Config, ps, a) -> dict:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
-        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s} {'plan ms':>7s} {'trial (placed / plain ms)':s}"
+        f"{'std after':>9s} {'trans MB':>8s} {'agg MB':>7s} {'top share':>9s} {'err %':>6s} {'scale':>5s} {'comm':>5s} {'eta':>4s} {'ovh ms':>6s} {'plan ms':>7s} {'trial (placed / wider / plain ms)':s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -441,10 +451,12 @@ def table(rows: list[dict]) -> str:
 
 
 def trial_text(trial: Optional[dict]) -> str:
-    """The table's trial column: the verdict and the arms' medians, or "-" (no trial)."""
+    """The table's trial column: the kept arm ("placed" / "wider" / "off") and the arms' medians
+    (placed / wider / plain ms; wider "-" without that arm), or "-" (no trial)."""
     if trial is None:
         return "-"
-    return f"{'kept' if trial['keep'] else 'off'} ({trial['placed_ms']:.1f} / {trial['plain_ms']:.1f})"
+    wider = "-" if trial.get("wider_ms") is None else f"{trial['wider_ms']:.1f}"
+    return f"{trial['kept']} ({trial['placed_ms']:.1f} / {wider} / {trial['plain_ms']:.1f})"
 
 
 def main(argv=None) -> None:

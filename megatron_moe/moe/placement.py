@@ -41,6 +41,9 @@ Either way both finish within the iteration, before the optimizer step.
 Trial (`ProProphet(trial_iters=K)`, `pro_prophet.trial`): after the calibration, K iterations with
 the planner's placement and K with the empty plan, alternating; the placement stays only if its
 median step (MAX over ranks) was faster, else the run goes on with the empty plan (the plain graph).
+With a `wider` planner (Algorithm 1 keeping one more greedy move, `planner.plan(extra=1)`), a third
+arm of K iterations runs it (placed / wider / plain); the fastest arm is kept, and after a "wider"
+verdict every later plan is the wider planner's (the model's ranking corrected by measurement).
 """
 
 from __future__ import annotations
@@ -471,7 +474,10 @@ class ProProphet:
     empty plan. `trial_force_outcome` decides it whatever the times. While the trial runs, plans
     are made at the end of the iteration, not under the all-to-all (each arm then pays its own).
     `trial_not_before`: the trial's first iteration comes after this one (the trainer: after Lina's
-    own trial, whose arms would otherwise alternate in step with these)."""
+    own trial, whose arms would otherwise alternate in step with these).
+    `wider` (optional, with a trial): the planner keeping one more move of Algorithm 1's greedy order
+    (`planner.plan(extra=1)`); the trial then has a third arm running it, and if that arm wins, every
+    later plan is `wider`'s (`pro_prophet.trial`). Deterministic like `planner`."""
 
     def __init__(
         self,
@@ -486,9 +492,11 @@ class ProProphet:
         trial_force_outcome: Optional[str] = None,
         anchor: Optional[torch.nn.Module] = None,
         trial_not_before: int = 0,
+        wider: Optional[Planner] = None,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
+        self.wider = wider
         self.calibrator, self.plan_in_flight = calibrator, plan_in_flight
         self.pending: dict[int, ReplicaExchange] = {}
         self.plans: dict[int, Placement] = {}
@@ -508,12 +516,13 @@ class ProProphet:
         self.trial: Optional[PlacementTrial] = None
         if planner is not None and trial_iters > 0:
             start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
-            self.trial = PlacementTrial(trial_iters, start, trial_force_outcome)
+            self.trial = PlacementTrial(trial_iters, start, trial_force_outcome, wider=wider is not None)
             if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
                 calibrator.sample_more(self.trial.end - calibrator.last)
         self.cuda = ps.device.type == "cuda"
         self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
         self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
+        self.wider_log: list[tuple[list, Placement]] = []  # the wider arm's (counts, plan) per layer plan
         # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
         self.boxes: dict[int, AggBox] = {}
         if schedule:
@@ -574,7 +583,10 @@ class ProProphet:
             return
         if self.calibrator is not None and self.calibrator.fit_due(self.ended + 1):
             return  # the model changes at the end of this iteration
-        self.early[layer_idx] = (self.forwards[layer_idx], self._plan(self.counts[layer_idx]))
+        self.early[layer_idx] = (
+            self.forwards[layer_idx],
+            self._plan(self.counts[layer_idx], self._wide(self.ended + 2)),
+        )
 
     def collected_counts(self) -> torch.Tensor:
         """This iteration's counts [L, N_EP, E] (layers in order), identical on every rank of the group."""
@@ -592,15 +604,32 @@ class ProProphet:
         if cal is not None and cal.placement_off(local + 1):
             return "off"
         if trial is not None and trial.arm(local + 1) is not None:
-            return "plan" if trial.arm(local + 1) == "placed" else "off"
+            return "off" if trial.arm(local + 1) == "plain" else "plan"
         if cal is not None and cal.calibrating(local):
             return "plan"
         return "keep" if iteration % self.interval else "plan"
 
-    def _plan(self, counts_DE: torch.Tensor) -> Placement:
-        assert self.planner is not None
+    def _wide(self, local: int) -> bool:
+        """Whether the plan for the `local`-th iteration under this runtime is the wider planner's: its
+        trial arm, or every plan after a "wider" verdict."""
+        trial = self.trial
+        if self.wider is None or trial is None:
+            return False
+        return trial.kept == "wider" if trial.decided else trial.arm(local) == "wider"
+
+    def _plan(self, counts_DE: torch.Tensor, wide: bool = False) -> Placement:
+        planner = self.wider if wide else self.planner
+        assert planner is not None
         E, n_ep = self.layers[0].num_experts, self.ps.size("ep")
-        return Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in self.planner(counts_DE.tolist())))
+        return Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in planner(counts_DE.tolist())))
+
+    def _wider_moved_more(self) -> bool:
+        """Whether a wider-arm plan of the trial moved more experts than the planner would have on the same
+        counts (with the same model: called before the trial's refit), i.e. the wider arm was a distinct arm."""
+        return any(
+            len(p.moved) > len(self._plan(torch.tensor(c, dtype=torch.int64, device="cpu")).moved)
+            for c, p in self.wider_log
+        )
 
     def end_iteration(self, iteration: int, counts_LDE: Optional[torch.Tensor] = None) -> bool:
         """After iteration `iteration` (1-based): calibrate when due, then plan the next iteration every
@@ -614,6 +643,10 @@ class ProProphet:
             moved = any(p.moved for p in self.plans.values())
             self.trial.record(self.ended, (self.last_stamp, now), moved)
         self.last_stamp = now
+        trial = self.trial
+        if trial is not None and self.wider is not None and not trial.decided and self.ended == trial.end:
+            trial.wider_moved = self._wider_moved_more()  # before any refit: the model the arm planned with
+            self.wider_log = []
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
@@ -640,13 +673,17 @@ class ProProphet:
         if action == "keep":
             return False
         plans = {}
+        wide = self._wide(self.ended + 1)
+        arm_wider = wide and trial is not None and not trial.decided
         for i, la in enumerate(self.layers):
             seen, p = early.get(la.layer_idx, (-1, None))
             if p is not None and seen == fresh[la.layer_idx] and counts_LDE is None:
                 plans[la.layer_idx] = p
                 self.planned_in_flight += 1
             else:
-                plans[la.layer_idx] = self._plan(counts[i])
+                plans[la.layer_idx] = self._plan(counts[i], wide)
+            if arm_wider:  # the trial asks later whether the planner would have moved fewer
+                self.wider_log.append((counts[i].tolist(), plans[la.layer_idx]))
         self.set_plans(plans)
         return True
 
@@ -656,10 +693,12 @@ class ProProphet:
         assert trial is not None
         placed = span_ms(trial.spans["placed"], self.cuda)
         plain = span_ms(trial.spans["plain"], self.cuda)
-        both = placed + plain
+        wider = span_ms(trial.spans["wider"], self.cuda) if "wider" in trial.spans else []
+        every = placed + plain + wider
         if dist.is_initialized():
-            both = max_over_group(both, self.ps.group("world"), self.ps.device, "pro-prophet trial all_reduce")
-        self.trial_line = trial.decide(both[: len(placed)], both[len(placed) :])
+            every = max_over_group(every, self.ps.group("world"), self.ps.device, "pro-prophet trial all_reduce")
+        a, b = len(placed), len(placed) + len(plain)
+        self.trial_line = trial.decide(every[:a], every[a:b], every[b:] if "wider" in trial.spans else None)
 
     def take_trial_line(self) -> Optional[str]:
         """The trial's verdict line, once (None before the decision and after it was taken)."""

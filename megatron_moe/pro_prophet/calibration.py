@@ -43,8 +43,9 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
-  With `sample_more(n)` (the runtime's trial: n = 2K iterations alternating the fitted model's plan
-  and the empty plan, from the iteration after the calibration) those n iterations are sampled too
+  With `sample_more(n)` (the runtime's trial: n = 2K or 3K iterations alternating the fitted
+  model's plan, with a wider arm that plan plus one more greedy move, and the empty plan, from the
+  iteration after the calibration) those n iterations are sampled too
   and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
   on them alone (`contention`): the layer times drift after the calibration (the replicas' plan
   running every other iteration, other work on the machine), and these samples are the run's own
@@ -193,7 +194,7 @@ class Calibrator:
 
     def sample_more(self, iterations: int) -> None:
         """Also sample the `iterations` iterations after the calibration (the runtime's trial, which
-        runs the fitted model's plan and the empty plan) and refit on every sample after the last of
+        runs the fitted model's plan(s) and the empty plan) and refit on every sample after the last of
         them: the plans after it are made, and the run's later layer times predicted, by a fit that saw
         the plan the run keeps and times closer to the ones it predicts."""
         if iterations < 0:

@@ -18,6 +18,8 @@ Algorithm 1 (`plan`), as in the paper with ties made explicit:
            only add Trans/Agg volume); append x to L
       T <- T'(placement of L); if T < T_best: T_best, cnt <- T, |L|
   return the placement of L[:cnt]
+`extra` (the runtime trial's "wider" arm, `pro_prophet.trial`) keeps L[:min(cnt + extra, |L|)]
+instead: the model's best prefix and the next `extra` moves of the same greedy order (0: Algorithm 1).
 T' is the model's calibrated time: a layer with replicas also pays the measured fixed overhead
 (`perf_model.Calibration.overhead`), so a plan whose modelled gain is below it is never kept and
 the empty plan (no Trans / Agg, no replica path at all) wins.
@@ -123,16 +125,19 @@ def _make_plan(
     )
 
 
-def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0) -> PlacementPlan:
+def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0, extra: int = 0) -> PlacementPlan:
     """Algorithm 1 (see the module docstring): the best prefix of the greedy moves under `model`.
 
     counts_DE: int [D, E] (array, list or tensor); alpha: the balance threshold of eq. (7)
-    (--pro-prophet-alpha); n: ranks each moved expert is not sent to (--pro-prophet-n, 0..D-2).
-    The returned plan's predicted time is never above the no-placement time.
+    (--pro-prophet-alpha); n: ranks each moved expert is not sent to (--pro-prophet-n, 0..D-2);
+    extra: further moves of the greedy order kept after the best prefix (the trial's "wider" arm).
+    With extra = 0 the returned plan's predicted time is never above the no-placement time.
     """
     counts = check_counts(counts_DE)
     d, e = counts.shape
     _check_knobs(alpha, n, d)
+    if isinstance(extra, bool) or int(extra) != extra or extra < 0:
+        raise ValueError(f"plan: extra must be an integer >= 0, got {extra!r}")
     per = e // d
     total = int(counts.sum())
     replicas: list[tuple[int, ...]] = [() for _ in range(e)]
@@ -161,6 +166,7 @@ def plan(counts_DE, model: PerfModel, alpha: float, n: int = 0) -> PlacementPlan
         t = model.layer_time(counts, replicas)
         if t < best_t:
             best_t, cnt = t, len(order)
+    cnt = min(cnt + int(extra), len(order))
     kept = set(order[:cnt])
     final = [replicas[x] if x in kept else () for x in range(e)]
     return _make_plan(counts, final, order[:cnt], excluded[:cnt], model)

@@ -16,6 +16,16 @@ iteration of the trial, both arms ran the same graph and there is nothing to kee
 is "off" (the empty plan for the rest of the run). `force_outcome` ("faster" / "slower",
 --pro-prophet-trial-force-outcome) decides whatever the times (tests, fixed benchmarks).
 
+With a "wider" arm (`PlacementTrial(wider=True)`: the runtime has a second planner, Algorithm 1
+keeping one more move of its greedy order, `planner.plan(extra=1)`), the arms alternate placed /
+wider / plain, K iterations each, and the verdict keeps the arm with the lowest median step: plain
+-> the empty plan for the rest of the run; placed -> the planner; wider -> the wider planner for
+every later plan. A later arm must be strictly faster than an earlier one (plain, placed, wider) to
+win a tie. The wider arm is a candidate only if, on the counts it planned from, it moved more experts
+than the planner would have (`wider_moved`, set by the runtime); else its plans were the placed
+arm's and the rule is placed vs plain as without it. Forced "faster" keeps the faster of the placed
+and wider candidates; forced "slower" turns placement off.
+
 Pure bookkeeping: the runtime (`moe.placement.ProProphet`) stamps, reduces and switches.
 """
 
@@ -29,6 +39,7 @@ from megatron_moe.profiling import trial_verdict
 OUTCOMES = ("faster", "slower")  # --pro-prophet-trial-force-outcome
 FORCE_FLAG = "--pro-prophet-trial-force-outcome"
 ARMS = ("placed", "plain")
+WIDER_ARMS = ("placed", "wider", "plain")
 
 
 def keep_placement(placed_ms: list[float], plain_ms: list[float]) -> bool:
@@ -38,12 +49,22 @@ def keep_placement(placed_ms: list[float], plain_ms: list[float]) -> bool:
     return statistics.median(placed_ms) < statistics.median(plain_ms)
 
 
+def fastest_arm(medians: dict[str, float]) -> str:
+    """The candidate arm with the lowest median step; in the order plain, placed, wider, a later arm
+    must be strictly faster to win (a tie keeps the earlier, simpler one). `medians`: the candidates."""
+    best = "plain"
+    for arm in ("placed", "wider"):
+        if arm in medians and medians[arm] < medians[best]:
+            best = arm
+    return best
+
+
 class PlacementTrial:
     """The trial of one run. Iterations are counted from 1 under the runtime; iterations
-    `start + 1 .. start + 2 iters` are the trial's, alternating "placed" and "plain" (placed first),
-    and the decision is taken at the end of iteration `start + 2 iters` (`end`)."""
+    `start + 1 .. start + len(arms) * iters` are the trial's, cycling through `arms` ("placed",
+    ["wider",] "plain"), and the decision is taken at the end of the last one (`end`)."""
 
-    def __init__(self, iters: int, start: int, force_outcome: Optional[str] = None):
+    def __init__(self, iters: int, start: int, force_outcome: Optional[str] = None, wider: bool = False):
         if iters < 1:
             raise ValueError(f"--pro-prophet-trial-iters must be >= 1 for a trial, got {iters}")
         if start < 1:
@@ -51,26 +72,29 @@ class PlacementTrial:
         if force_outcome is not None and force_outcome not in OUTCOMES:
             raise ValueError(f"{FORCE_FLAG} must be one of {OUTCOMES}, got {force_outcome!r}")
         self.iters, self.start, self.force_outcome = iters, start, force_outcome
-        self.spans: dict[str, list] = {arm: [] for arm in ARMS}  # (start, end) stamps per arm
+        self.arms = WIDER_ARMS if wider else ARMS
+        self.spans: dict[str, list] = {arm: [] for arm in self.arms}  # (start, end) stamps per arm
         self.moved = False  # a placed iteration of the trial had replicas
+        self.wider_moved = False  # the wider arm moved more experts than the planner would have (runtime)
         self.keep: Optional[bool] = None  # the verdict (None: not decided)
+        self.kept: Optional[str] = None  # "placed" / "wider" / "off" (None: not decided)
         self.decision: Optional[dict] = None
 
     @property
     def end(self) -> int:
         """The iteration whose end decides."""
-        return self.start + 2 * self.iters
+        return self.start + len(self.arms) * self.iters
 
     @property
     def decided(self) -> bool:
         return self.keep is not None
 
     def arm(self, iteration: int) -> Optional[str]:
-        """ "placed" / "plain" for a trial iteration (1-based), None before and after the trial."""
+        """ "placed" / "wider" / "plain" for a trial iteration (1-based), None before and after the trial."""
         k = iteration - self.start - 1
-        if self.decided or not 0 <= k < 2 * self.iters:
+        if self.decided or not 0 <= k < len(self.arms) * self.iters:
             return None
-        return ARMS[k % 2]
+        return self.arms[k % len(self.arms)]
 
     def record(self, iteration: int, span, moved: bool) -> None:
         """Iteration `iteration` ran from span[0] to span[1] (stamps) with `moved` experts replicated or not."""
@@ -80,28 +104,61 @@ class PlacementTrial:
         self.spans[arm].append(span)
         self.moved = self.moved or (arm == "placed" and moved)
 
-    def decide(self, placed_ms: list[float], plain_ms: list[float]) -> str:
-        """The verdict from the arms' step times [ms] (identical on every rank: MAX over the world); the log line."""
-        a, b = statistics.median(placed_ms), statistics.median(plain_ms)
+    def decide(self, placed_ms: list[float], plain_ms: list[float], wider_ms: Optional[list[float]] = None) -> str:
+        """The verdict from the arms' step times [ms] (identical on every rank: MAX over the world); the log line.
+        `wider_ms`: the wider arm's (a trial with that arm only)."""
+        if (wider_ms is not None) != ("wider" in self.arms):
+            raise ValueError("PlacementTrial.decide: wider_ms must be given exactly when the trial has a wider arm")
+        medians = {"placed": statistics.median(placed_ms), "plain": statistics.median(plain_ms)}
+        if wider_ms is not None:
+            medians["wider"] = statistics.median(wider_ms)
+        candidates = {"plain": medians["plain"]}
         if self.moved:
-            measured, why = trial_verdict(keep_placement(placed_ms, plain_ms), self.force_outcome, FORCE_FLAG)
+            candidates["placed"] = medians["placed"]
+        if self.wider_moved:
+            candidates["wider"] = medians["wider"]
+        fastest = fastest_arm(candidates)
+        if len(candidates) > 1:
+            measured, why = trial_verdict(fastest != "plain", self.force_outcome, FORCE_FLAG)
         else:
             measured, why = trial_verdict(False, self.force_outcome, FORCE_FLAG)
             why = why if self.force_outcome is not None else "the planner moved no expert"
-        self.keep = measured
-        verdict = "placement kept" if measured else "placement off for the rest of the run (the empty plan)"
-        line = (
-            f"pro-prophet trial after iteration {self.end}: median step {a:.1f} ms with the planner's placement vs "
-            f"{b:.1f} ms without over {self.iters} iterations each (max over ranks), {why}: {verdict}"
-        )
+        if measured:  # kept: the faster placing candidate (forced "faster" with none: the planner's)
+            placing = {a: t for a, t in candidates.items() if a != "plain"}
+            kept = fastest_arm({"plain": float("inf"), **placing}) if placing else "placed"
+        else:
+            kept = "off"
+        self.keep, self.kept = measured, kept
+        verdict = {
+            "placed": "placement kept",
+            "wider": "the wider placement kept (one more expert moved than the model's best)",
+            "off": "placement off for the rest of the run (the empty plan)",
+        }[kept]
+        if wider_ms is None:
+            times = (
+                f"median step {medians['placed']:.1f} ms with the planner's placement vs "
+                f"{medians['plain']:.1f} ms without over {self.iters} iterations each (max over ranks)"
+            )
+        else:
+            note = "" if self.wider_moved else ", its plans the planner's"
+            times = (
+                f"median step {medians['placed']:.1f} ms with the planner's placement, {medians['wider']:.1f} ms with "
+                f"one more expert moved{note}, {medians['plain']:.1f} ms without over {self.iters} iterations each "
+                f"(max over ranks)"
+            )
+        line = f"pro-prophet trial after iteration {self.end}: {times}, {why}: {verdict}"
         self.decision = {
             "keep": measured,
-            "placed_ms": a,
-            "plain_ms": b,
+            "kept": kept,
+            "placed_ms": medians["placed"],
+            "wider_ms": medians.get("wider"),
+            "plain_ms": medians["plain"],
             "placed_steps_ms": list(placed_ms),
+            "wider_steps_ms": None if wider_ms is None else list(wider_ms),
             "plain_steps_ms": list(plain_ms),
-            "trial_ms_total": sum(placed_ms) + sum(plain_ms),
+            "trial_ms_total": sum(placed_ms) + sum(plain_ms) + (sum(wider_ms) if wider_ms is not None else 0.0),
             "moved": self.moved,
+            "wider_moved": self.wider_moved,
             "line": line,
         }
         return line
