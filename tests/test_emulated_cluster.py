@@ -242,8 +242,9 @@ def test_sigint_kills_the_nodes_and_removes_the_namespaces() -> None:
         [str(SCRIPT), "--nodes", "2", "--no-torchrun", "--", "sleep", "60"],
         cwd=ROOT,
         env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        # not pipes: the nodes' output prefixers inherit them, and reading to EOF would wait on them too
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     node_pids: list[int] = []
     deadline = time.monotonic() + 15
@@ -254,8 +255,7 @@ def test_sigint_kills_the_nodes_and_removes_the_namespaces() -> None:
         time.sleep(0.1)
     assert node_pids, "node 1 never started"
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=30)
-    assert proc.returncode == 130
+    assert proc.wait(timeout=60) == 130
     assert [p for p in node_pids if os.path.exists(f"/proc/{p}")] == []
     assert _our_namespaces(proc.pid) == []
 
