@@ -103,8 +103,9 @@ def test_three_arm_verdict_from_injected_timings():
     same = _decided3([1.1], [0.5], [1.0], wider_moved=False)
     assert (same.keep, same.kept) == (False, "off") and "its plans the planner's" in same.decision["line"]
     assert _decided3([0.9], [0.5], [1.0], wider_moved=False).kept == "placed"
-    # the placed arm moved nothing but the wider one did: wider against plain
-    assert _decided3([0.5], [0.9], [1.0], moved=False).kept == "wider"
+    # the placed arm moved nothing (the model wants no move): the wider arm is not tried either
+    alone = _decided3([0.5], [0.9], [1.0], moved=False)
+    assert alone.kept == "off" and "the planner moved no expert" in alone.decision["line"]
     none = _decided3([0.5], [0.5], [1.0], moved=False, wider_moved=False)
     assert none.kept == "off" and "the planner moved no expert" in none.decision["line"]
     # forced: "faster" keeps the faster placing arm by times, "slower" turns placement off
@@ -166,16 +167,17 @@ def _run_trial(ps, force, iters: int = 7) -> dict:
 
 
 def _run_wider(ps, force, same: bool, iters: int = 6) -> dict:
-    """`iters` iterations with a trial of 1 + 1 + 1 iterations after iteration 1: the planner moves nothing
-    (or, `same`, heaviest-to-all like the wider planner), the wider planner heaviest-to-all (one expert)."""
+    """`iters` iterations with a trial of 1 + 1 + 1 iterations after iteration 1: the planner moves the heaviest
+    expert, the wider planner the two heaviest (or, `same`, the heaviest like the planner)."""
     model = _model(ps)
     layers = model.moe_layers()
     one = lambda c: heaviest_to_all(c, 1).replicas  # noqa: E731
+    two = lambda c: heaviest_to_all(c, 2).replicas  # noqa: E731
     runtime = ProProphet(
         layers,
         ps,
-        planner=one if same else (lambda c: [()] * E),
-        wider=one,
+        planner=one,
+        wider=one if same else two,
         trial_iters=1,
         trial_force_outcome=force,
     )
@@ -297,14 +299,17 @@ def test_the_three_arm_verdict_is_the_max_over_ranks_and_identical_on_every_rank
 
 def test_the_runtime_plans_with_the_wider_planner_after_a_wider_verdict(per_rank):
     for r in per_rank:
-        # iteration 1: no plan; 2: placed (the planner moves nothing), 3: wider (one expert per layer, two
-        # layers), 4: plain; decided at the end of 4: the wider planner's plans from then on (in flight too)
+        # iteration 1: no plan; 2: placed (one expert per layer, two layers), 3: wider (two per layer),
+        # 4: plain; decided at the end of 4: the wider planner's plans from then on (in flight too)
+        # forced "faster" keeps the faster placing arm by its measured times: the later plans follow it
         kept = r["wider"]["faster"]
-        assert kept["moved"] == [0, 0, 2, 0, 2, 2]
-        assert kept["decision"]["kept"] == "wider" and kept["decision"]["wider_moved"] is True
+        after = {"wider": [4, 4], "placed": [2, 2]}[kept["decision"]["kept"]]
+        assert kept["moved"] == [0, 2, 4, 0, *after] and kept["decision"]["wider_moved"] is True
+        faster = "wider" if kept["decision"]["wider_ms"] < kept["decision"]["placed_ms"] else "placed"
+        assert kept["decision"]["kept"] == faster
         assert kept["in_flight"] > 0
         off = r["wider"]["slower"]
-        assert off["moved"] == [0, 0, 2, 0, 0, 0] and off["decision"]["kept"] == "off"
+        assert off["moved"] == [0, 2, 4, 0, 0, 0] and off["decision"]["kept"] == "off"
         # the wider planner's plans were the planner's: no candidate, forced "faster" keeps "placed"
         same = r["wider_same"]
         assert same["moved"] == [0, 2, 2, 0, 2, 2]
