@@ -242,9 +242,12 @@ def test_sigint_kills_the_nodes_and_removes_the_namespaces() -> None:
         [str(SCRIPT), "--nodes", "2", "--no-torchrun", "--", "sleep", "60"],
         cwd=ROOT,
         env=_env(),
-        # not pipes: the nodes' output prefixers inherit them, and reading to EOF would wait on them too
+        # the output is not checked here
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # a shell cannot trap a signal ignored when it started: under a launcher that ignores SIGINT
+        # (a background job of a non-interactive shell, nohup ... &) the script must still get it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     node_pids: list[int] = []
     deadline = time.monotonic() + 15
