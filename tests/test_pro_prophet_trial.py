@@ -146,6 +146,21 @@ def _model(ps):
     return GPT2MoE(cfg, ps)
 
 
+def _drive(runtime: ProProphet, model, ps, iters: int) -> tuple[list, list]:
+    """`iters` forward + backward iterations under `runtime`: the experts moved in each (over the layers)
+    and the trial line each iteration's end gave (None mostly)."""
+    r, moved, lines = ps.rank("dp"), [], []
+    for it in range(iters):
+        moved.append(sum(len(runtime.placement_of(la.layer_idx).moved) for la in model.moe_layers()))
+        ids, labels = global_batch(ps.size("dp"), seed=it)
+        sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
+        lm, aux = model(ids[sl], labels[sl])
+        (lm + aux).backward()
+        runtime.end_iteration(it + 1)
+        lines.append(runtime.take_trial_line())
+    return moved, lines
+
+
 def _run_trial(ps, force, iters: int = 7) -> dict:
     """`iters` iterations (forward + backward) under heaviest-to-all (one expert) with a trial of 2 + 2
     iterations after iteration 1; the plan each iteration used, and the decision."""
@@ -154,15 +169,7 @@ def _run_trial(ps, force, iters: int = 7) -> dict:
     runtime = ProProphet(
         layers, ps, planner=lambda c: heaviest_to_all(c, 1).replicas, trial_iters=2, trial_force_outcome=force
     )
-    r, moved, lines = ps.rank("dp"), [], []
-    for it in range(iters):
-        moved.append(sum(len(runtime.placement_of(la.layer_idx).moved) for la in layers))
-        ids, labels = global_batch(ps.size("dp"), seed=it)
-        sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
-        lm, aux = model(ids[sl], labels[sl])
-        (lm + aux).backward()
-        runtime.end_iteration(it + 1)
-        lines.append(runtime.take_trial_line())
+    moved, lines = _drive(runtime, model, ps, iters)
     return {"moved": moved, "lines": lines, "decision": runtime.trial.decision}
 
 
@@ -181,14 +188,7 @@ def _run_wider(ps, force, same: bool, iters: int = 6) -> dict:
         trial_iters=1,
         trial_force_outcome=force,
     )
-    r, moved = ps.rank("dp"), []
-    for it in range(iters):
-        moved.append(sum(len(runtime.placement_of(la.layer_idx).moved) for la in layers))
-        ids, labels = global_batch(ps.size("dp"), seed=it)
-        sl = slice(r * MICRO_BATCH, (r + 1) * MICRO_BATCH)
-        lm, aux = model(ids[sl], labels[sl])
-        (lm + aux).backward()
-        runtime.end_iteration(it + 1)
+    moved, _ = _drive(runtime, model, ps, iters)
     return {"moved": moved, "decision": runtime.trial.decision, "in_flight": runtime.planned_in_flight}
 
 
