@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import time
 from typing import Optional, Sequence
 
@@ -152,6 +153,14 @@ def span_ms(spans: list, cuda: bool) -> list[float]:
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in spans]
     return [1e3 * (b - a) for a, b in spans]
+
+
+def median_below(candidate_ms: list[float], reference_ms: list[float], needs: str) -> bool:
+    """The runtime trials' rule: the candidate's median step time is strictly below the reference's
+    (a tie keeps the reference). `needs`: the ValueError's text when either list is empty."""
+    if not candidate_ms or not reference_ms:
+        raise ValueError(needs)
+    return statistics.median(candidate_ms) < statistics.median(reference_ms)
 
 
 def trial_verdict(measured_faster: bool, force_outcome: Optional[str], flag: str) -> tuple[bool, str]:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 
 from megatron_moe.distributed.collectives import max_over_group
-from megatron_moe.profiling import span_ms, stamp, trial_verdict
+from megatron_moe.profiling import median_below, span_ms, stamp, trial_verdict
 
 if TYPE_CHECKING:
     from megatron_moe.distributed.grad_sync import GradSync
@@ -51,9 +51,7 @@ OUTCOMES = ("faster", "slower")  # --lina-trial-force-outcome
 
 def keep_lina(lina_ms: list[float], plain_ms: list[float]) -> bool:
     """The trial's rule: keep Lina only when its median step time is strictly below the plain one's."""
-    if not lina_ms or not plain_ms:
-        raise ValueError("keep_lina needs step times with and without Lina")
-    return statistics.median(lina_ms) < statistics.median(plain_ms)
+    return median_below(lina_ms, plain_ms, "keep_lina needs step times with and without Lina")
 
 
 def packing_start(first_iteration: int, trial_steps: int, window: int, pack_start: int) -> int:

@@ -50,7 +50,7 @@ import torch
 from megatron_moe.distributed.collectives import all_gather_raw, max_over_group
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.profiling import span_ms, stamp, trial_verdict
+from megatron_moe.profiling import median_below, span_ms, stamp, trial_verdict
 from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard_tensor, unshard_tensor
 from megatron_moe.moe.placement import PARAMS
 
@@ -88,9 +88,7 @@ def should_pack(ffn_ms: float, a2a_ms: float) -> bool:
 def keep_packed(before_ms: list[float], after_ms: list[float]) -> bool:
     """The trial's rule: keep a pack only when the median step time of the iterations after it is
     below the median of those before it (equal or slower: move back)."""
-    if not before_ms or not after_ms:
-        raise ValueError("keep_packed needs step times before and after the pack")
-    return statistics.median(after_ms) < statistics.median(before_ms)
+    return median_below(after_ms, before_ms, "keep_packed needs step times before and after the pack")
 
 
 def ep_only(spec: ShardSpec) -> ShardSpec:

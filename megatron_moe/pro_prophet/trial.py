@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from megatron_moe.profiling import trial_verdict
+from megatron_moe.profiling import median_below, trial_verdict
 
 OUTCOMES = ("faster", "slower")  # --pro-prophet-trial-force-outcome
 FORCE_FLAG = "--pro-prophet-trial-force-outcome"
@@ -46,9 +46,7 @@ WIDER_ARMS = ("placed", "wider", "plain")
 
 def keep_placement(placed_ms: list[float], plain_ms: list[float]) -> bool:
     """The trial's rule: keep the placement only when its median step is strictly below the plain one's."""
-    if not placed_ms or not plain_ms:
-        raise ValueError("keep_placement needs step times with and without placement")
-    return statistics.median(placed_ms) < statistics.median(plain_ms)
+    return median_below(placed_ms, plain_ms, "keep_placement needs step times with and without placement")
 
 
 def fastest_arm(medians: dict[str, float]) -> str:
