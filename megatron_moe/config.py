@@ -204,6 +204,13 @@ class ParallelConfig:
         None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)", choices=["gloo", "nccl"]
     )
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")
+    cpu_allocator: str = opt(
+        "keep",
+        "host memory of a --device cpu run: keep (glibc keeps freed memory in the process, as CUDA's caching "
+        "allocator does: no page faults on every large tensor; megatron_moe/host_memory.py) or system "
+        "(glibc's defaults)",
+        choices=["keep", "system"],
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -485,6 +492,11 @@ class OptimizationsConfig:
         "with one more expert of its greedy order moved and as many without (alternating), and keep the arm "
         "with the fastest median step (0: always place)",
     )
+    pro_prophet_trial_settle: int = opt(
+        1,
+        "Pro-Prophet trial: iterations each turn of an arm runs before its timed one (the first iteration after "
+        "switching between placements measures slow)",
+    )
     pro_prophet_trial_force_outcome: Optional[str] = opt(
         None,
         "Pro-Prophet trial: decide as if the placement were faster / slower whatever the medians (tests)",
@@ -511,6 +523,7 @@ class OptimizationsConfig:
                 "pro_prophet_n": NON_NEGATIVE,
                 "pro_prophet_interval": AT_LEAST_ONE,
                 "pro_prophet_trial_iters": NON_NEGATIVE,
+                "pro_prophet_trial_settle": NON_NEGATIVE,
             },
         )
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:

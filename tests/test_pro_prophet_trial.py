@@ -40,6 +40,29 @@ def test_arms_alternate_after_the_start_placement_first():
     assert t.end == 10
 
 
+def test_settling_turns_time_only_the_last_iteration_of_each_turn():
+    t = PlacementTrial(2, start=3, wider=True, settle=1)
+    assert t.length == 12 and t.end == 15
+    arms = [t.arm(i) for i in range(3, 17)]
+    turn = ["placed", "placed", "wider", "wider", "plain", "plain"]
+    assert arms == [None, *turn, *turn, None]
+    assert [i for i in range(1, 17) if t.timed(i)] == [5, 7, 9, 11, 13, 15]
+    for i in range(4, 16):  # a settling iteration's span is not recorded: it would carry the switch
+        t.record(i, (0.0, 10.0 if t.timed(i) else 99.0), True)
+    assert {arm: [b for _, b in spans] for arm, spans in t.spans.items()} == {
+        "placed": [10.0, 10.0],
+        "wider": [10.0, 10.0],
+        "plain": [10.0, 10.0],
+    }
+    plain = PlacementTrial(1, start=1, settle=2)  # two arms, turns of three
+    assert [plain.arm(i) for i in range(2, 9)] == ["placed"] * 3 + ["plain"] * 3 + [None]
+    assert [i for i in range(1, 9) if plain.timed(i)] == [4, 7]
+    with pytest.raises(ValueError, match="--pro-prophet-trial-settle must be >= 0, got -1"):
+        PlacementTrial(1, start=1, settle=-1)
+    with pytest.raises(ValueError, match="--pro-prophet-trial-settle must be >= 0"):
+        parse_args(["--pro-prophet-trial-settle", "-1"])
+
+
 def _decided(placed, plain, moved=True, force=None) -> PlacementTrial:
     t = PlacementTrial(len(placed), start=1, force_outcome=force)
     for i, (a, b) in enumerate(zip(placed, plain)):
@@ -161,13 +184,18 @@ def _drive(runtime: ProProphet, model, ps, iters: int) -> tuple[list, list]:
     return moved, lines
 
 
-def _run_trial(ps, force, iters: int = 7) -> dict:
+def _run_trial(ps, force, iters: int = 7, settle: int = 0) -> dict:
     """`iters` iterations (forward + backward) under heaviest-to-all (one expert) with a trial of 2 + 2
-    iterations after iteration 1; the plan each iteration used, and the decision."""
+    timed iterations (turns of `settle` + 1) after iteration 1; the plan each iteration used, and the decision."""
     model = _model(ps)
     layers = model.moe_layers()
     runtime = ProProphet(
-        layers, ps, planner=lambda c: heaviest_to_all(c, 1).replicas, trial_iters=2, trial_force_outcome=force
+        layers,
+        ps,
+        planner=lambda c: heaviest_to_all(c, 1).replicas,
+        trial_iters=2,
+        trial_force_outcome=force,
+        trial_settle=settle,
     )
     moved, lines = _drive(runtime, model, ps, iters)
     return {"moved": moved, "lines": lines, "decision": runtime.trial.decision}
@@ -237,6 +265,7 @@ def _run(rank, world):
     try:
         out = {force: _run_trial(ps, force) for force in ("faster", "slower")}
         out["measured"] = _run_trial(ps, None)
+        out["settled"] = _run_trial(ps, "faster", iters=11, settle=1)
         # rank 0 alone would keep (median 0.1 < 0.15), rank 1 alone would drop (0.3 >= 0.25); the MAX over
         # ranks per step is placed [0.3, 0.3] vs plain [0.2, 0.4] -> medians 0.3 vs 0.3: dropped on both
         out["disagree"] = _injected(ps, rank, [[0.1, 0.1], [0.3, 0.3]], [[0.2, 0.1], [0.1, 0.4]])
@@ -289,6 +318,15 @@ def test_the_runtime_alternates_then_keeps_or_drops_the_placement(per_rank):
     assert per_rank[0]["measured"]["moved"] == per_rank[1]["measured"]["moved"]
 
 
+def test_the_runtime_runs_each_arm_for_its_settling_turn(per_rank):
+    for r in per_rank:
+        # iteration 1: no plan yet; turns of two: placed 2-3, plain 4-5, placed 6-7, plain 8-9; decided at 9
+        assert r["settled"]["moved"] == [0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2]
+        assert "pro-prophet trial after iteration 9: median step" in r["settled"]["lines"][8]
+        d = r["settled"]["decision"]
+        assert len(d["placed_steps_ms"]) == len(d["plain_steps_ms"]) == 2  # the timed iterations only
+
+
 def test_the_three_arm_verdict_is_the_max_over_ranks_and_identical_on_every_rank(per_rank):
     for r in per_rank:
         assert r["three"]["placed_steps_ms"] == pytest.approx([300.0, 300.0])
@@ -320,7 +358,15 @@ def test_the_runtime_plans_with_the_wider_planner_after_a_wider_verdict(per_rank
 # ----------------------------------------------------------------------------- the trainer
 
 EP2 = ("--moe-dropless", "--expert-model-parallel-size", "2")
-TRIAL = ("--pro-prophet", "--pro-prophet-alpha", "0", "--pro-prophet-trial-iters", "1")
+TRIAL = (
+    "--pro-prophet",
+    "--pro-prophet-alpha",
+    "0",
+    "--pro-prophet-trial-iters",
+    "1",
+    "--pro-prophet-trial-settle",
+    "0",
+)
 
 
 def _curves(rank, world, data):

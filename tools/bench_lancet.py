@@ -50,6 +50,7 @@ from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
 from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
+from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 MODES = {
@@ -255,6 +256,7 @@ def run(args: argparse.Namespace) -> None:
     device, backend = device_and_backend(args.cfg.parallel.device, args.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    keep_freed_memory(device, args.cfg.parallel.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()

@@ -93,6 +93,7 @@ from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.packing import TRIAL_ITERS, ExpertPacking
+from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
@@ -553,6 +554,7 @@ def run(a: argparse.Namespace) -> None:
     device, backend = device_and_backend(a.cfg.parallel.device, a.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    keep_freed_memory(device, a.cfg.parallel.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     try:

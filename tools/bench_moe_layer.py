@@ -40,6 +40,7 @@ from megatron_moe.distributed.observer import CommLog
 from megatron_moe.moe.dispatcher import PaddedDispatcher
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedule_trial import auto_schedule
+from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> None:
     device, backend = device_and_backend(par.device, par.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    keep_freed_memory(device, par.cpu_allocator)
     init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ps = initialize_model_parallel(

@@ -51,11 +51,12 @@ Modes (the same weights and batches in each):
                          trainer's runtime trial (`pro_prophet.trial`, --trial-iters K): after the
                          calibration, K iterations with the plan, K with the plan plus the next move of
                          Algorithm 1's greedy order ("wider", `plan(extra=1)`) and K with the empty plan,
-                         alternating, step times MAX over ranks; the arm with the lowest median is kept
-                         (the empty plan, the plain graph, unless a placing arm was strictly faster; the
-                         wider arm only if it moved more experts than the plan). The trial's 3K
-                         iterations are added to this mode's warm-up (outside the medians); the row
-                         reports the kept arm and the trial's own medians.
+                         alternating in turns of --trial-settle + 1 iterations whose last is timed,
+                         step times MAX over ranks; the arm with the lowest median is kept (the empty
+                         plan, the plain graph, unless a placing arm was strictly faster; the wider arm
+                         only if it moved more experts than the plan). The trial's iterations are added
+                         to this mode's warm-up (outside the medians); the row reports the kept arm and
+                         the trial's own medians.
 The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
 the first MoE layer's Trans starts when the forward starts and its Agg is waited when the backward
 reaches that norm (the dense block in between hides both), as the trainer does with the embedding.
@@ -119,6 +120,8 @@ from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, routed_counts
+from megatron_moe.host_memory import CHOICES as HOST_MEMORY
+from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_constants
@@ -165,12 +168,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "fastest arm is kept (0: no trial)",
     )
     p.add_argument(
+        "--trial-settle",
+        type=int,
+        default=Config().opts.pro_prophet_trial_settle,
+        help="mode pro_prophet: iterations each turn of a trial arm runs before its timed one "
+        "(--pro-prophet-trial-settle)",
+    )
+    p.add_argument(
         "--trial-force-outcome",
         choices=list(TRIAL_OUTCOMES),
         default=None,
         help="mode pro_prophet: the trial decides this whatever the medians (--pro-prophet-trial-force-outcome)",
     )
     p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument(
+        "--cpu-allocator",
+        choices=list(HOST_MEMORY),
+        default=Config().parallel.cpu_allocator,
+        help="host memory on CPU (the trainer's --cpu-allocator; megatron_moe/host_memory.py)",
+    )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     p.add_argument(
         "--breakdown", action="store_true", help="profile one extra iteration per mode: the step's parts per rank"
@@ -303,6 +319,7 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -
         calibrator=calib,
         trial_iters=trial_iters(a, mode),
         trial_force_outcome=a.trial_force_outcome,
+        trial_settle=a.trial_settle,
         anchor=model.norms[0],  # scheduled: the first MoE layer's Trans starts, and its Agg waits, here
     )
 
@@ -330,8 +347,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
     rows["breakdown"] = None
     log = CommLog().start()
-    arms = len(runtime.trial.arms) if runtime is not None and runtime.trial is not None else 0
-    warmup = a.warmup + arms * trial_iters(a, mode)  # the trial's steps: unmeasured, after the calibration
+    trial = runtime.trial if runtime is not None else None
+    warmup = a.warmup + (trial.length if trial is not None else 0)  # the trial's steps: unmeasured
     n_run = warmup + a.iters
     for it in range(n_run + int(a.breakdown)):
         x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
@@ -382,7 +399,6 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
     cal = runtime.calibrator if runtime is not None else None
     rows["calibration"] = cal.fitted if cal is not None else None
-    trial = runtime.trial if runtime is not None else None
     rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
     return rows
 
@@ -477,6 +493,7 @@ def run(a: argparse.Namespace) -> None:
     device, backend = device_and_backend("auto", None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    memory = keep_freed_memory(device, a.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
@@ -493,7 +510,7 @@ def run(a: argparse.Namespace) -> None:
             f"{a.tokens} tokens/rank, M {a.hidden_size}, H {a.ffn_hidden_size}; constants: a2a "
             f"{c.a2a_alpha * 1e3:.3f} ms + {c.a2a_beta * 1e9:.3f} ns/elem, trans {c.bcast_alpha * 1e3:.3f} ms + "
             f"{c.bcast_beta * 1e9:.3f} ns/elem, expert {c.expert_alpha * 1e3:.3f} ms + "
-            f"{c.expert_beta * 1e6:.3f} us/token",
+            f"{c.expert_beta * 1e6:.3f} us/token; {memory}",
             flush=True,
         )
     results = []

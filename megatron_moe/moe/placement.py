@@ -44,6 +44,7 @@ median step (MAX over ranks) was faster, else the run goes on with the empty pla
 With a `wider` planner (Algorithm 1 keeping one more greedy move, `planner.plan(extra=1)`), a third
 arm of K iterations runs it (placed / wider / plain); the fastest arm is kept, and after a "wider"
 verdict every later plan is the wider planner's (the model's ranking corrected by measurement).
+With `trial_settle` S each turn of an arm runs S iterations before its timed one.
 """
 
 from __future__ import annotations
@@ -477,7 +478,9 @@ class ProProphet:
     own trial, whose arms would otherwise alternate in step with these).
     `wider` (optional, with a trial): the planner keeping one more move of Algorithm 1's greedy order
     (`planner.plan(extra=1)`); the trial then has a third arm running it, and if that arm wins, every
-    later plan is `wider`'s (`pro_prophet.trial`). Deterministic like `planner`."""
+    later plan is `wider`'s (`pro_prophet.trial`). Deterministic like `planner`.
+    `trial_settle` S: every turn of an arm is S unmeasured iterations and one timed (the first
+    iteration after a switch measured slow: `pro_prophet.trial`)."""
 
     def __init__(
         self,
@@ -493,6 +496,7 @@ class ProProphet:
         anchor: Optional[torch.nn.Module] = None,
         trial_not_before: int = 0,
         wider: Optional[Planner] = None,
+        trial_settle: int = 0,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -516,7 +520,9 @@ class ProProphet:
         self.trial: Optional[PlacementTrial] = None
         if planner is not None and trial_iters > 0:
             start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
-            self.trial = PlacementTrial(trial_iters, start, trial_force_outcome, wider=wider is not None)
+            self.trial = PlacementTrial(
+                trial_iters, start, trial_force_outcome, wider=wider is not None, settle=trial_settle
+            )
             if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
                 calibrator.sample_more(self.trial.end - calibrator.last)
         self.cuda = ps.device.type == "cuda"
