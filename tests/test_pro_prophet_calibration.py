@@ -168,6 +168,28 @@ def test_the_trial_iterations_are_sampled_and_refitted_once_after_them():
     assert cal.fitted.scale == pytest.approx(8.0) and cal.fitted.comm == pytest.approx(2 * first)
 
 
+def test_the_refit_uses_the_kept_arms_samples_when_flagged():
+    counts = [np.array([[1, 0], [1, 0]])]
+    base = unit_model().terms(counts[0], None).base
+
+    def refit(kept):
+        cal = Calibrator(unit_model(), skip=1, iters=2)
+        cal.sample_more(4)
+        times = [4.0, 4.0, 4.0, 8.0, 12.0, 8.0, 12.0]  # iterations 4-7: two arms, 2x and 3x slower
+        for i, t in enumerate(times, start=1):
+            cal.record(i, counts, [None], t * base)
+            if cal.fit_due(i):
+                cal.fit(cal.measured, kept if i == 7 else None)
+        return cal.fitted.scale
+
+    assert refit([False, True, False, True]) == pytest.approx(12.0)  # the 3x arm alone
+    assert refit([True, False, True, False]) == pytest.approx(8.0)
+    assert refit([False] * 4) == refit(None)  # nothing flagged: every later sample, as without flags
+    assert 8.0 < refit(None) < 12.0
+    with pytest.raises(ValueError, match="3 kept flags for 4 later samples"):
+        refit([True] * 3)
+
+
 def test_the_contention_factor_scales_every_modelled_time_and_keeps_the_plan():
     counts = np.array([[10, 0], [10, 0]])
     cal = Calibration(1.0, 1.0, 0.0, overhead=0.5)

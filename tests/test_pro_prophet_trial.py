@@ -57,6 +57,15 @@ def test_settling_turns_time_only_the_last_iteration_of_each_turn():
     plain = PlacementTrial(1, start=1, settle=2)  # two arms, turns of three
     assert [plain.arm(i) for i in range(2, 9)] == ["placed"] * 3 + ["plain"] * 3 + [None]
     assert [i for i in range(1, 9) if plain.timed(i)] == [4, 7]
+    t.wider_moved = True
+    t.decide([10.0, 10.0], [12.0, 12.0], [9.0, 9.0])  # the wider arm kept: its timed iterations
+    assert t.kept == "wider" and t.arm(7) is None and t.arm_at(7) == "wider"
+    assert [i for i, k in zip(range(4, 16), t.kept_iterations(range(4, 16))) if k] == [7, 13]
+    off = PlacementTrial(1, start=1, settle=1)
+    with pytest.raises(ValueError, match="not decided"):
+        off.kept_iterations([2])
+    off.decide([2.0], [1.0])  # placement off: the empty plan's timed iterations
+    assert off.kept_iterations(range(1, 7)) == [False, False, False, False, True, False]
     with pytest.raises(ValueError, match="--pro-prophet-trial-settle must be >= 0, got -1"):
         PlacementTrial(1, start=1, settle=-1)
     with pytest.raises(ValueError, match="--pro-prophet-trial-settle must be >= 0"):

@@ -656,16 +656,20 @@ class ProProphet:
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
+        if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:
+            self.decide_trial()  # before the refit: it fits on the kept arm's iterations
+        if cal is not None and self.clock is not None:
             if cal.fit_due(self.ended):
                 times = torch.tensor(cal.measured, dtype=torch.float64, device=self.ps.device)
                 if dist.is_initialized():
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
-                cal.fit(times.cpu().tolist())
+                kept = None
+                if trial is not None and trial.decided and cal.fits:  # the refit after the trial
+                    kept = trial.kept_iterations(range(cal.last + 1, cal.refit_at + 1))
+                cal.fit(times.cpu().tolist(), kept)
             if not cal.sampling(self.ended + 1):
                 self.clock.remove()
                 self.clock = None
-        if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:
-            self.decide_trial()
         action = self._action(iteration, self.ended)
         early, fresh = self.early, dict(self.forwards)
         self.early, self.running = {}, iteration + 1

@@ -51,6 +51,11 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   running every other iteration, other work on the machine), and these samples are the run's own
   layer times closest to those the model then predicts, like Lancet's contention term fitted on
   the run's own measured steps. Only a uniform factor: every plan stays the one the trial timed.
+  The runtime decides its trial first and passes `kept`: the factor then comes from the timed
+  iterations of the arm the run keeps (placed, wider or the empty plan) alone, the configuration
+  whose layer times the model predicts from then on (one factor over all arms left the kept
+  2-expert plan under-predicted by 13-19 %: the placed iterations run slower against the model than
+  the plain ones, Trans / Agg taking cycles from the compute they overlap on a 2-core machine).
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
 identical on every rank (a MAX all-reduce, once) and hands them in.
 """
@@ -58,7 +63,7 @@ identical on every rank (a MAX all-reduce, once) and hands them in.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_moe.pro_prophet.perf_model import Calibration, LayerTerms, PerfModel
 
@@ -240,15 +245,23 @@ class Calibrator:
         first = iteration == self.last and self.fits == 0
         return first or (self.extra > 0 and iteration == self.refit_at and self.fits == 1)
 
-    def fit(self, measured: Sequence[float]) -> Calibration:
+    def fit(self, measured: Sequence[float], kept: Optional[Sequence[bool]] = None) -> Calibration:
         """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
         maximum over ranks) and plan with the result from now on: the first time `fit_calibration`,
-        the second (`refit_at`) that fit times the contention factor of the samples since."""
+        the second (`refit_at`) that fit times the contention factor of the samples since; `kept` (one
+        flag per sample since, the runtime's trial: its kept arm's timed iterations) restricts that
+        factor to the samples of the configuration the run goes on with, when any is flagged."""
         if len(measured) != len(self.terms):
             raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
         if self.fits and self.fitted is not None:
             first = self.last - self.skip  # samples of the first fit; the rest came after it
-            later = [(t, m) for t, m in zip(self.terms[first:], measured[first:]) if m > 0]
+            pairs = list(zip(self.terms[first:], measured[first:]))
+            if kept is not None:
+                if len(kept) != len(pairs):
+                    raise ValueError(f"Calibrator.fit: {len(kept)} kept flags for {len(pairs)} later samples")
+                if any(kept):
+                    pairs = [p for p, k in zip(pairs, kept) if k]
+            later = [(t, m) for t, m in pairs if m > 0]
             self.fitted = contention(later, self.model.overlap, self.fitted)
             self.model = replace(self.model, calibration=self.fitted)
             self.fits += 1

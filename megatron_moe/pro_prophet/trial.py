@@ -109,14 +109,26 @@ class PlacementTrial:
 
     def arm(self, iteration: int) -> Optional[str]:
         """ "placed" / "wider" / "plain" for a trial iteration (1-based), None before and after the trial."""
+        return None if self.decided else self.arm_at(iteration)
+
+    def arm_at(self, iteration: int) -> Optional[str]:
+        """The arm iteration `iteration` ran or runs in the trial's schedule (also once decided), None outside it."""
         k = iteration - self.start - 1
-        if self.decided or not 0 <= k < self.length:
+        if not 0 <= k < self.length:
             return None
         return self.arms[(k // (self.settle + 1)) % len(self.arms)]
 
     def timed(self, iteration: int) -> bool:
         """Whether trial iteration `iteration` is its arm's timed one (the last of its turn), not a settling one."""
-        return self.arm(iteration) is not None and (iteration - self.start - 1) % (self.settle + 1) == self.settle
+        return self.arm_at(iteration) is not None and (iteration - self.start - 1) % (self.settle + 1) == self.settle
+
+    def kept_iterations(self, iterations) -> list[bool]:
+        """For each of `iterations`: whether it was a timed iteration of the arm the verdict kept (the empty
+        plan's arm "plain" when placement went off). Decided trials only."""
+        if self.kept is None:
+            raise ValueError("PlacementTrial.kept_iterations: the trial is not decided")
+        arm = "plain" if self.kept == "off" else self.kept
+        return [self.arm_at(i) == arm and self.timed(i) for i in iterations]
 
     def record(self, iteration: int, span, moved: bool) -> None:
         """Iteration `iteration` ran from span[0] to span[1] (stamps) with `moved` experts replicated or not
