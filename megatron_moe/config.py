@@ -487,7 +487,7 @@ class OptimizationsConfig:
         "replicated on EP ranks R (tests, fixed benchmarks)",
     )
     pro_prophet_trial_iters: int = opt(
-        3,
+        5,
         "Pro-Prophet: after the calibration, time this many iterations with the planner's placement, as many "
         "with one more expert of its greedy order moved and as many without (alternating), and keep the arm "
         "with the fastest median step (0: always place)",
