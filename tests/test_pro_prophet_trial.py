@@ -16,6 +16,7 @@ import torch
 
 from equivalence import MICRO_BATCH, global_batch, tiny_config
 from megatron_moe.arguments import parse_args
+from megatron_moe.config import Config
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.placement import ProProphet
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -413,7 +414,9 @@ def test_trainer_curve_with_the_trial_equals_the_run_without_placement(sample_da
 def test_bench_trial_flags_and_column(capsys):
     bench = load_tool("bench_pro_prophet")
     a = bench.parse_args([])
-    assert a.trial_iters == 3 and bench.trial_iters(a, "pro_prophet") == 3
+    k = Config().opts.pro_prophet_trial_iters  # the trainer's default
+    assert a.trial_iters == k == 5 and bench.trial_iters(a, "pro_prophet") == k
+    assert a.trial_settle == Config().opts.pro_prophet_trial_settle == 1
     assert [bench.trial_iters(a, m) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only")] == [0, 0, 0]
     for argv, message in (
         (["--trial-iters", "-1"], "--trial-iters must be >= 0"),
