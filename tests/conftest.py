@@ -62,6 +62,7 @@ MARKS: dict[str, dict[str, object]] = {
             "test_the_verdict_is_the_max_over_ranks_and_identical_on_every_rank",
             "test_the_trial_follows_the_calibration_or_a_later_start_and_the_fit_samples_it",
             "test_the_runtime_alternates_then_keeps_or_drops_the_placement",
+            "test_the_runtime_runs_each_arm_for_its_settling_turn",
             "test_the_three_arm_verdict_is_the_max_over_ranks_and_identical_on_every_rank",
             "test_the_runtime_plans_with_the_wider_planner_after_a_wider_verdict",
             "test_trainer_curve_with_the_trial_equals_the_run_without_placement",

@@ -420,6 +420,7 @@ def test_bench_trial_flags_and_column(capsys):
     assert [bench.trial_iters(a, m) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only")] == [0, 0, 0]
     for argv, message in (
         (["--trial-iters", "-1"], "--trial-iters must be >= 0"),
+        (["--trial-settle", "-1"], "--trial-settle must be >= 0"),
         (["--trial-iters", "0", "--trial-force-outcome", "faster"], "--trial-force-outcome needs --trial-iters >= 1"),
     ):
         with pytest.raises(SystemExit) as exit_info:

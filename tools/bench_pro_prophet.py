@@ -214,6 +214,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if a.trial_iters < 0:
         p.error("--trial-iters must be >= 0 (0: mode pro_prophet runs without the trial)")
+    if a.trial_settle < 0:
+        p.error("--trial-settle must be >= 0")
     if a.trial_force_outcome is not None and a.trial_iters < 1:
         p.error("--trial-force-outcome needs --trial-iters >= 1")
     if any(s < 0 for s in a.skew):
