@@ -656,7 +656,7 @@ class ProProphet:
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
-        if self.trial is not None and not self.trial.decided and self.ended == self.trial.end:
+        if trial is not None and not trial.decided and self.ended == trial.end:
             self.decide_trial()  # before the refit: it fits on the kept arm's iterations
         if cal is not None and self.clock is not None:
             if cal.fit_due(self.ended):

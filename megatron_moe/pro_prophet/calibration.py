@@ -54,7 +54,7 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   The runtime decides its trial first and passes `kept`: the factor then comes from the timed
   iterations of the arm the run keeps (placed, wider or the empty plan) alone, the configuration
   whose layer times the model predicts from then on (one factor over all arms left the kept
-  2-expert plan under-predicted by 13-19 %: the placed iterations run slower against the model than
+  2-expert plan under-predicted by 13-23 %: the placed iterations run slower against the model than
   the plain ones, Trans / Agg taking cycles from the compute they overlap on a 2-core machine).
 Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
 identical on every rank (a MAX all-reduce, once) and hands them in.
