@@ -187,7 +187,8 @@ class ReplicaExchange:
         self.device = experts.fc_w.device
         # CUDA: Trans / Agg are issued on their own side streams (CPU: None, every call a no-op)
         self.side = {op: streams.side_stream(self.device, f"pro-prophet-{op}") for op in ("trans", "agg")}
-        self.trans: list = [None, None]  # per part: (work, {name: [R, ...] buffer}, sends)
+        # per part: (work, {name: [R, ...] buffer}, sends) while in flight, () once `replicas()` took it
+        self.trans: list = [None, None]
         self.agg: Optional[tuple] = None  # (work, [(name, local index, buffer)], sends)
 
     def _tag(self, e: int, name: str, kind: int) -> int:
@@ -235,12 +236,20 @@ class ReplicaExchange:
 
     def replicas(self) -> tuple[torch.Tensor, ...]:
         """Wait for Trans (launching what is not started): fc_w [R, H_l, M], fc_b [R, H_l],
-        proj_w [R, M, H_l], proj_b [R, M_l] of the held replicas, in expert order."""
+        proj_w [R, M, H_l], proj_b [R, M_l] of the held replicas, in expert order. Once per exchange.
+
+        The exchange lets go of the buffers it returns: they become outputs of `_UseReplicas`, whose
+        ctx holds this exchange, and a buffer kept here would close a cycle through the autograd node
+        that Python's collector cannot see (each iteration's replicas were never freed: +16 MB a step
+        on a replica rank of the paper-sized benchmark)."""
         out: dict = {}
         for part in range(len(PARTS)):
             self.launch_trans(part)
+            if not self.trans[part]:
+                raise RuntimeError(f"layer {self.layer_idx}: the replicas of this exchange were taken already")
             work, bufs, _ = self.trans[part]
             self._wait("trans", work)
+            self.trans[part] = ()
             out.update(bufs)
         return tuple(out[name] for name in PARAMS)
 
