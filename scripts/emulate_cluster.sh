@@ -40,6 +40,8 @@ options:
                             tc netem, which many kernels lack: then it is
                             ignored with a warning (default 0)
   --burst B                 tbf bucket size (default 64kb)
+  --mtu N                   MTU of the inter-node links, 576..65535 (default
+                            9000, jumbo frames; see docs/CLUSTER.md)
   --master-port P           rendezvous port on node 0 (default 29500)
   --timeout S               stop all nodes after S seconds, exit 124 (default: none)
   --grace S                 once a node fails, give the others S seconds to
@@ -67,6 +69,7 @@ PROCS=1
 RATE=1gbit
 DELAY=0
 BURST=64kb
+MTU=9000
 PORT=29500
 TIMEOUT=0
 GRACE=10
@@ -87,6 +90,7 @@ while [[ $# -gt 0 ]]; do
         --inter-node-rate) need_value "$@"; RATE=$2; shift 2 ;;
         --inter-node-delay) need_value "$@"; DELAY=$2; shift 2 ;;
         --burst) need_value "$@"; BURST=$2; shift 2 ;;
+        --mtu) need_value "$@"; MTU=$2; shift 2 ;;
         --master-port) need_value "$@"; PORT=$2; shift 2 ;;
         --timeout) need_value "$@"; TIMEOUT=$2; shift 2 ;;
         --grace) need_value "$@"; GRACE=$2; shift 2 ;;
@@ -102,9 +106,10 @@ in_range() { is_uint "$1" && ((10#$1 >= $2 && 10#$1 <= $3)); }
 in_range "$NODES" 1 250 || die "--nodes must be an integer in 1..250, got '$NODES'"
 in_range "$PROCS" 1 4096 || die "--procs-per-node must be a positive integer, got '$PROCS'"
 in_range "$PORT" 1 65535 || die "--master-port must be in 1..65535, got '$PORT'"
+in_range "$MTU" 576 65535 || die "--mtu must be an integer in 576..65535, got '$MTU'"
 is_uint "$TIMEOUT" || die "--timeout must be a whole number of seconds, got '$TIMEOUT'"
 is_uint "$GRACE" || die "--grace must be a whole number of seconds, got '$GRACE'"
-NODES=$((10#$NODES)) PROCS=$((10#$PROCS)) PORT=$((10#$PORT)) TIMEOUT=$((10#$TIMEOUT)) GRACE=$((10#$GRACE))
+NODES=$((10#$NODES)) PROCS=$((10#$PROCS)) PORT=$((10#$PORT)) MTU=$((10#$MTU)) TIMEOUT=$((10#$TIMEOUT)) GRACE=$((10#$GRACE))
 shopt -s nocasematch
 [[ $RATE == none || $RATE =~ ^[0-9]+(\.[0-9]+)?([kmgt]i?)?(bit|bps)$ ]] \
     || die "--inter-node-rate must look like 1gbit, 200mbit, 12.5mbps or none, got '$RATE'"
@@ -210,6 +215,8 @@ for ((i = 0; i < NODES; i++)); do
     # Create the pair inside the hub and push the peer into the node, so no
     # interface name is ever visible in (or can collide in) the root namespace.
     ip -n "$HUB" link add "hub$i" type veth peer name "veth$i" netns "$ns"
+    ip -n "$HUB" link set "hub$i" mtu "$MTU" || die "cannot set --mtu $MTU on the node links"
+    ip -n "$ns" link set "veth$i" mtu "$MTU" || die "cannot set --mtu $MTU on the node links"
     ip -n "$HUB" link set "hub$i" master br0 up
     ip -n "$ns" addr add "$(node_ip "$i")/24" dev "veth$i"
     ip -n "$ns" link set "veth$i" up
@@ -224,7 +231,7 @@ if ((DELAY_APPLIED < 0)); then
 fi
 
 MASTER_ADDR=$(node_ip 0)
-log "$NODES nodes x $PROCS procs, rate ${RATE} per direction, namespaces $NS_PREFIX-{hub,n0..n$((NODES - 1))}, master $MASTER_ADDR:$PORT"
+log "$NODES nodes x $PROCS procs, rate ${RATE} per direction, MTU $MTU, namespaces $NS_PREFIX-{hub,n0..n$((NODES - 1))}, master $MASTER_ADDR:$PORT"
 
 # ---------------------------------------------------------------- launch
 launcher_for() {  # launcher_for NODE_RANK -> fills LAUNCH with the per-node command

@@ -95,6 +95,7 @@ def _goodput_bps(nbytes: int, seconds: list[float]) -> float:
         (["--inter-node-rate", "fast", "--", "true"], "--inter-node-rate must look like"),
         (["--inter-node-delay", "soon", "--", "true"], "--inter-node-delay must look like"),
         (["--master-port", "70000", "--", "true"], "--master-port must be in 1..65535"),
+        (["--mtu", "100", "--", "true"], "--mtu must be an integer in 576..65535"),
         (["--nodes", "2"], "no command given"),
         (["--nodes"], "--nodes needs a value"),
         (["--bogus", "--", "true"], "unknown option '--bogus'"),
