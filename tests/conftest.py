@@ -43,6 +43,7 @@ MARKS: dict[str, dict[str, object]] = {
     "multiprocess": {
         "test_bf16.py": {"test_bf16_golden_curve_matches_bf16_one_process"},
         "test_clean_exit.py": ALL,
+        "test_steady_memory.py": ALL,
         "test_clipping.py": {
             "test_global_norm_counts_every_element_once_and_clipping_scales_to_the_clip",
             "test_clipped_golden_curve_matches_one_process",
