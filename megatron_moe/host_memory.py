@@ -16,9 +16,11 @@ never to trim the heap back to the system below 2 GiB free (M_TRIM_THRESHOLD), a
 for every thread (M_ARENA_MAX 1; a thread's own arena would `mmap` large blocks anyway). Freed
 memory stays in the process and the next iteration reuses it without faults (the benchmark above:
 about 10 faults and 0.23 s of system time per step). The process's resident memory then stays at
-its peak, which is what a CUDA run's reserved memory does too. Not everything is reused: where a run
-alternates configurations (Pro-Prophet's trial), the first iterations of the heavier one after
-lighter ones still took 1 500-44 000 faults each (measured; every other iteration about 10).
+its peak, which is what a CUDA run's reserved memory does too. What still faults is growth: the
+first iteration that needs more than any before it (measured: the first plain iteration of
+Pro-Prophet's trial after its lighter placed ones, 13 500 faults once; every other iteration about
+10). The 1 500-44 000 faults per plain iteration once measured there were a leak of the replicas'
+buffers, fixed in `moe/placement.py`.
 
 `--cpu-allocator keep` (default) applies it on `--device cpu`; `system` leaves glibc's defaults.
 Without glibc (musl, macOS, Windows) nothing changes and the log says so. CUDA runs are never
