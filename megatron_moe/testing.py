@@ -11,6 +11,7 @@ killed and reported as a TimeoutError.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -124,3 +125,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             f"spawn: {world_size - len(results)} of {world_size} ranks did not finish within {timeout:.0f} s"
         )
     return [results[r] for r in range(world_size)]
+
+
+def live_cpu_tensors() -> tuple[int, int]:
+    """(storages, bytes) of the CPU tensors Python can reach, after a full collection: flat from one
+    training iteration to the next once a run is warm (tests of leaks)."""
+    gc.collect()
+    seen = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            st = o.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return len(seen), sum(seen.values())

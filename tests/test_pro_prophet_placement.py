@@ -22,7 +22,7 @@ from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, parse_plan, routed_counts
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_moe.pro_prophet.planner import heaviest_to_all
-from megatron_moe.testing import spawn
+from megatron_moe.testing import live_cpu_tensors, spawn
 from megatron_moe.training import pretrain
 from tiny_run import tiny_args
 from tool_modules import load_tool
@@ -192,19 +192,6 @@ EP2 = ("--moe-dropless", "--expert-model-parallel-size", "2")
 FORCED = ("--pro-prophet", "--pro-prophet-force-plan", "0:1;3:0")
 
 
-def _live_cpu_tensors() -> tuple[int, int]:
-    """(storages, bytes) of the CPU tensors Python can reach, after a full collection."""
-    import gc
-
-    gc.collect()
-    seen = {}
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
-            st = o.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return len(seen), sum(seen.values())
-
-
 def _live_after_steps(rank, world):
     """Live CPU tensors after each of 5 forced-plan iterations (every rank holds a replica), scheduled
     and blocking: each iteration's Trans buffers must die with its graph."""
@@ -223,8 +210,10 @@ def _live_after_steps(rank, world):
                 (lm + aux).backward()
                 model.zero_grad(set_to_none=True)
                 del lm, aux
-                live.append(_live_cpu_tensors())
+                live.append(live_cpu_tensors())
             out[schedule] = live
+        e = layers[0].experts
+        out["replica_bytes"] = sum(t[0].numel() * t.element_size() for t in (e.fc_w, e.fc_b, e.proj_w, e.proj_b))
     finally:
         destroy_model_parallel()
     return out
@@ -233,11 +222,15 @@ def _live_after_steps(rank, world):
 def test_replica_buffers_are_freed_every_iteration():
     """Each iteration's Trans buffers (outputs of the replica autograd node) are freed with its graph:
     the replica ranks' live tensors stay flat. They once leaked through a cycle exchange -> buffers ->
-    node -> exchange (+16 MB a step on the paper-sized benchmark's replica rank)."""
+    node -> exchange (+16 MB a step on the paper-sized benchmark's replica rank). A leak adds at least
+    one replica (one expert of one layer) a step; what may come and go is a transient smaller than that
+    (a 4 KB tensor in flight was seen at some iterations)."""
     per_rank = spawn(_live_after_steps, 2, timeout=300)
     for rank, out in enumerate(per_rank):
+        one = out.pop("replica_bytes")
         for schedule, live in out.items():
-            assert live[1:] == [live[1]] * (len(live) - 1), (rank, schedule, live)
+            warm = [b for _, b in live[1:]]
+            assert max(warm) - min(warm) < one, (rank, schedule, live, one)
 
 
 def _curves(rank, world, data, ckpt):
