@@ -659,13 +659,13 @@ class ProProphet:
             self.trial.record(self.ended, (self.last_stamp, now), moved)
         self.last_stamp = now
         trial = self.trial
-        if trial is not None and self.wider is not None and not trial.decided and self.ended == trial.end:
-            trial.wider_moved = self._wider_moved_more()  # before any refit: the model the arm planned with
-            self.wider_log = []
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
         if trial is not None and not trial.decided and self.ended == trial.end:
+            if self.wider is not None:  # before any refit: the model the arm planned with
+                trial.wider_moved = self._wider_moved_more()
+                self.wider_log = []
             self.decide_trial()  # before the refit: it fits on the kept arm's iterations
         if cal is not None and self.clock is not None:
             if cal.fit_due(self.ended):
