@@ -18,7 +18,11 @@ slowest rank's):
   ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
   deepspeed    deepspeed.moe.layer.MoE with the same E, k, capacity factor, min capacity and
                EP size (its expert: Linear -> tanh-GELU -> Linear, our experts' function); skipped with a message when
-               DeepSpeed is not installed (a benchmark peer, never a dependency of the library)
+               DeepSpeed is not installed (a benchmark peer, never a dependency of the library);
+               its GELU is PyTorch's (`nn.GELU`), what a DeepSpeed user's expert gets
+  deepspeed-cgelu  the same DeepSpeed layer with our activation (`layers.fused.gelu_tanh`: on CPU
+               float32 the C kernel of `kernels/cpu_gelu.py`), to show how much of the gap to
+               DeepSpeed is that kernel and how much the layer
   floor        forward + backward of the expert GEMMs alone on the rows our layer keeps
                (this rank's local experts and their kept counts; no routing, no communication)
 --profile N: afterwards, every rank profiles N iterations of each variant with torch.profiler
@@ -44,11 +48,12 @@ import torch.nn as nn
 from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import initialize_model_parallel, shutdown
 
-VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "floor")
+VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "deepspeed-cgelu", "floor")
 
 
 def bench_defaults() -> Config:
@@ -95,7 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def deepspeed_layer(cfg: Config, ep: int):
+class GeluTanh(nn.Module):
+    """Our experts' activation as a module (DeepSpeed's expert is a module)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh(x)
+
+
+def deepspeed_layer(cfg: Config, ep: int, activation: nn.Module):
     """DeepSpeed-MoE's layer of the same shape, or None (with the reason printed) when not installed."""
     try:
         import deepspeed
@@ -108,7 +120,7 @@ def deepspeed_layer(cfg: Config, ep: int):
     m, moe = cfg.model, cfg.moe
     expert = nn.Sequential(
         nn.Linear(m.hidden_size, m.ffn_hidden_size),
-        nn.GELU(approximate="tanh"),
+        activation,
         nn.Linear(m.ffn_hidden_size, m.hidden_size),
     )
     layer = MoE(
@@ -179,17 +191,20 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
             floor = Floor(layer, args.cfg, x, ps, device)
             steps["floor"] = floor.step
             info.update(kept_rows=floor.counts, padded_rows=floor.padded)
-    if "deepspeed" in args.variant_list:
-        ds = deepspeed_layer(args.cfg, ps.size("ep"))
-        if ds is not None:
-            xs = x.detach().reshape(-1, x.size(-1)).requires_grad_()
+    for name, activation in (("deepspeed", nn.GELU(approximate="tanh")), ("deepspeed-cgelu", GeluTanh())):
+        if name not in args.variant_list:
+            continue
+        ds = deepspeed_layer(args.cfg, ps.size("ep"), activation)
+        if ds is None:
+            break
+        xs = x.detach().reshape(-1, x.size(-1)).requires_grad_()
 
-            def deepspeed_step():
-                y, aux, _ = ds(xs)
-                ((y * gy.reshape(y.shape)).sum() + aux).backward()
-                ds.zero_grad(set_to_none=True)
+        def deepspeed_step(ds=ds):
+            y, aux, _ = ds(xs)
+            ((y * gy.reshape(y.shape)).sum() + aux).backward()
+            ds.zero_grad(set_to_none=True)
 
-            steps["deepspeed"] = deepspeed_step
+        steps[name] = deepspeed_step
     return {v: steps[v] for v in VARIANTS if v in steps}, info
 
 
@@ -295,15 +310,15 @@ def print_table(args, rows: list, info: list) -> None:
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")
-    print(f"{'variant':<14}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
+    print(f"{'variant':<17}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
     for r in rows:
         ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
         fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
-        print(f"{r['variant']:<14}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
+        print(f"{r['variant']:<17}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
     print("per rank, median ms: wall / thread CPU / off CPU (waiting in collectives or preempted)")
     for r in rows:
         cells = [f"{w:.1f} / {c:.1f} / {w - c:.1f}" for w, c in zip(r["rank_wall_ms"], r["rank_cpu_ms"])]
-        print(f"  {r['variant']:<14}" + "   ".join(f"rank {i}: {c}" for i, c in enumerate(cells)))
+        print(f"  {r['variant']:<17}" + "   ".join(f"rank {i}: {c}" for i, c in enumerate(cells)))
 
 
 def op_table(events, iters: int, limit: int = 16) -> list[tuple[str, float, float, float]]:

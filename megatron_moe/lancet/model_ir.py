@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
+from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.partitioned_moe import RangeAxes, needs_whole_batch_gate
@@ -154,7 +155,7 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     }
     if not block.is_moe:
         h = torch.randn(batch, T, block.mlp.fc.weight.size(0), device=dev)
-        ops["mlp.fc1"] = lambda: F.gelu(F.linear(x, block.mlp.fc.weight, block.mlp.fc.bias), approximate="tanh")
+        ops["mlp.fc1"] = lambda: gelu_tanh(F.linear(x, block.mlp.fc.weight, block.mlp.fc.bias))
         ops["mlp.fc2"] = lambda: x + F.linear(h, block.mlp.proj.weight) + block.mlp.proj.bias
         return ops
     layer = block.moe

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import scale_grad
-from megatron_moe.layers.fused import gelu_tanh
+from megatron_moe.layers.fused import gelu_tanh, gelu_tanh_backward, gelu_tanh_out
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
 from megatron_moe.moe import a2a
@@ -200,7 +200,7 @@ class Experts(nn.Module):
 def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
     """One expert on its rows x [n, M], into a_out / h_out [n, H] (pre- and post-activation), y_out [n, M]."""
     torch.addmm(fc_b, x, fc_w.t(), out=a_out)
-    torch.ops.aten.gelu.out(a_out, approximate="tanh", out=h_out)
+    gelu_tanh_out(a_out, h_out)
     torch.addmm(bias, h_out, proj_w.t(), out=y_out)
 
 
@@ -212,7 +212,7 @@ def _mlp_backward(
     torch.mm(gy.t(), h, out=d_proj_w)
     torch.sum(gy, dim=0, out=d_bias)
     dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
-    da = torch.ops.aten.gelu_backward.grad_input(dh, a, approximate="tanh", grad_input=dh)  # in place, elementwise
+    da = gelu_tanh_backward(dh, a, out=dh)  # in place, elementwise
     torch.mm(da.t(), x, out=d_fc_w)
     torch.sum(da, dim=0, out=d_fc_b)
     return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
@@ -222,7 +222,8 @@ def _mlp_backward_dx(gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out=None) -> tuple[
     """`_mlp_backward` without the weight gradients (a dW queue computes them later from gy, h and
     da, x): the bias gradients into the given slices; returns (dx [n, M], da [n, H])."""
     torch.sum(gy, dim=0, out=d_bias)
-    da = torch.ops.aten.gelu_backward(gy.mm(proj_w), a, approximate="tanh")
+    dh = gy.mm(proj_w)
+    da = gelu_tanh_backward(dh, a, out=dh)
     torch.sum(da, dim=0, out=d_fc_b)
     return (da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)), da
 

@@ -1,0 +1,168 @@
+"""GPT-2's tanh-GELU on CPU float32 tensors: the vectorized C loops of `gelu_tanh.c`.
+
+Built once per machine with the system C compiler (``$CC``, else ``cc`` or ``gcc``) into the
+kernel cache (``$MEGATRON_MOE_KERNEL_CACHE``, else ``~/.cache/megatron_moe/kernels``; the
+file name hashes the source, the flags, the compiler and the CPU, so a cache shared between
+machines never hands one a library built for another), and loaded with ctypes. The library is
+checked against aten on load. Whenever it cannot be used (no compiler, a failed build or
+check, ``MEGATRON_MOE_NO_CPU_KERNELS=1``, a tensor that is not a contiguous CPU float32 one,
+or more than `MAX_THREADS` intra-op threads, where aten's parallel kernel wins) the callers
+in `layers/fused.py` run aten's kernel; `status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("gelu_tanh.c")
+FLAGS = ("-O3", "-fPIC", "-shared")
+NATIVE = "-march=native"
+# the loops run on one thread: with more intra-op threads than this, aten's parallel kernel is the faster
+MAX_THREADS = 2
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_status = ""  # "" until the first use tries to load the library
+
+
+def disabled() -> bool:
+    return os.environ.get("MEGATRON_MOE_NO_CPU_KERNELS", "0") == "1"
+
+
+def status() -> str:
+    """Which implementation runs on CPU float32 tensors, and why (loads the library if not tried yet)."""
+    library()
+    return _status
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """True when the C loops run for these tensors (every one a contiguous CPU float32 tensor)."""
+    if disabled() or torch.get_num_threads() > MAX_THREADS:
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return False
+    return library() is not None
+
+
+def forward(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = gelu_tanh(x); `applies(x, out)` must hold and the shapes match."""
+    _check(x, out)
+    _lib.gelu_tanh_fwd(x.data_ptr(), out.data_ptr(), x.numel())  # type: ignore[union-attr]
+    return out
+
+
+def backward(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = grad * gelu_tanh'(x); `out` may be `grad` (in place)."""
+    _check(grad, x, out)
+    _lib.gelu_tanh_bwd(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel())  # type: ignore[union-attr]
+    return out
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    shape = tensors[0].shape
+    if _lib is None or not all(t.shape == shape for t in tensors):
+        raise ValueError("cpu_gelu: the library is not loaded, or the tensors' shapes differ")
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded library, or None (the reason in `status()`); built and checked on the first call."""
+    global _lib, _status
+    with _lock:
+        if not _status:
+            try:
+                _lib = _load(_build())
+                _status = f"C kernel {Path(_lib._name).name} (CPU float32, at most {MAX_THREADS} threads)"
+            except Exception as e:  # noqa: BLE001  any failure: aten's kernel runs
+                _lib, _status = None, f"aten (the C kernel is unavailable: {type(e).__name__}: {e})"
+    return _lib
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("no C compiler ($CC, cc or gcc) on PATH")
+
+
+def _cpu_id() -> str:
+    """What the -march=native code depends on: the machine and the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("MEGATRON_MOE_KERNEL_CACHE")
+    d = Path(env) if env else Path.home() / ".cache" / "megatron_moe" / "kernels"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    d = Path(tempfile.gettempdir()) / f"megatron_moe_kernels_{os.getuid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _build() -> Path:
+    """The library's path, compiled unless the cache has it. Written under a temporary name and
+    renamed when complete, so concurrent ranks never load a half-written file."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    for flags in ((*FLAGS, NATIVE), FLAGS):  # -march=native first; some compilers or CPUs refuse it
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
+        path = _cache_dir() / f"gelu_tanh-{key.hexdigest()[:16]}.so"
+        if path.exists():
+            return path
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, path)
+                return path
+            error = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {error[0]}")
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.gelu_tanh_fwd.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.gelu_tanh_fwd.restype = None
+    lib.gelu_tanh_bwd.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.gelu_tanh_bwd.restype = None
+    # against aten on values across the whole range; an odd length runs the vector loops' remainder too
+    x = torch.linspace(-12.0, 12.0, 4099, dtype=torch.float32, device="cpu")
+    g = torch.linspace(-2.0, 3.0, 4099, dtype=torch.float32, device="cpu")
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    lib.gelu_tanh_fwd(x.data_ptr(), y.data_ptr(), x.numel())
+    lib.gelu_tanh_bwd(g.data_ptr(), x.data_ptr(), dx.data_ptr(), x.numel())
+    want_y = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    want_dx = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
+    for got, want, what in ((y, want_y, "forward"), (dx, want_dx, "backward")):
+        err = float((got.double() - want).abs().max())
+        if not err <= 1e-5:  # aten's own float32 error here: 4e-7 forward, 3e-6 backward
+            raise RuntimeError(f"{path.name} failed its check ({what} off by {err:.3g})")
+    return lib
