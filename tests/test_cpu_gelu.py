@@ -165,10 +165,15 @@ def test_a_failing_compiler_leaves_no_file_and_aten_runs(tmp_path):
     assert list(cache.iterdir()) == []  # the partial output under its temporary name was removed
 
 
-def test_kernel_report_names_the_cpu_gelu():
+def test_kernel_report_names_the_cpu_gelu(monkeypatch):
     report = kernel_report()
     assert report["gelu_cpu"] == cpu_gelu.status()
     assert report["gelu_cpu"].startswith(("C kernel gelu_tanh-", "aten ("))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpu_gelu.MAX_THREADS + 1)
+    if cpu_gelu.library() is not None:
+        assert kernel_report()["gelu_cpu"].startswith(f"aten ({cpu_gelu.MAX_THREADS + 1} intra-op threads")
+    monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
+    assert kernel_report()["gelu_cpu"] == "aten (MEGATRON_MOE_NO_CPU_KERNELS=1)"
 
 
 @needs_kernel

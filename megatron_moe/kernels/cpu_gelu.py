@@ -41,8 +41,14 @@ def disabled() -> bool:
 
 
 def status() -> str:
-    """Which implementation runs on CPU float32 tensors, and why (loads the library if not tried yet)."""
-    library()
+    """Which implementation runs on contiguous CPU float32 tensors now, and why (loads the library if
+    not tried yet)."""
+    if disabled():
+        return "aten (MEGATRON_MOE_NO_CPU_KERNELS=1)"
+    lib = library()
+    threads = torch.get_num_threads()
+    if lib is not None and threads > MAX_THREADS:
+        return f"aten ({threads} intra-op threads, more than {MAX_THREADS}; the C kernel is loaded)"
     return _status
 
 
