@@ -91,6 +91,27 @@ def test_two_ranks_report_a_bad_flag_once(tmp_path):
     ]
 
 
+def test_a_rank_failing_after_the_reporter_exited_stays_silent(tmp_path):
+    """The race behind a doubled error line: rank 0 reports and exits before rank 1 asks."""
+    attempt = tmp_path / "attempt_0"
+    code = "from megatron_moe.cli.pretrain import first_to_report; print(first_to_report())"
+    answers = []
+    for rank in (0, 1):  # one after the other: the first process is gone when the second asks
+        (attempt / str(rank)).mkdir(parents=True)
+        env = dict(
+            os.environ,
+            PYTHONPATH=ROOT,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            MASTER_PORT="29999",
+            TORCHELASTIC_ERROR_FILE=str(attempt / str(rank) / "error.json"),
+        )
+        out = run_command([sys.executable, "-c", code], env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        answers.append(out.stdout.strip())
+    assert answers == ["True", "False"]
+
+
 def test_the_trainer_names_a_garbage_latest_and_exits_2(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

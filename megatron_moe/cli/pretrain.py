@@ -27,14 +27,29 @@ _claim = None  # keeps the socket that marks this process as the one that report
 
 
 def first_to_report() -> bool:
-    """True in exactly one failing process of a launch (the first to ask).
+    """True in exactly one failing process of a launch on each node (the first to ask).
 
-    The processes of one torchrun launch share the parent (the agent) and MASTER_PORT; the first
-    binds an abstract Unix socket named after them, which the kernel frees when it exits. Without
-    a launcher, or where abstract sockets do not exist, every process reports.
+    Under torchrun the local workers share the agent's directory of this attempt (the parent of
+    their TORCHELASTIC_ERROR_FILE folders): the first creates a marker there (O_EXCL). Otherwise the
+    processes of one launch share the parent and MASTER_PORT: the first binds an abstract Unix
+    socket named after them, which the kernel frees when it exits, so a process that asks after
+    the reporter has exited reports again. Without a launcher, or where neither works, every
+    process reports.
     """
     global _claim
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not sys.platform.startswith("linux"):
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return True
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "megatron_moe-error-reported")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass  # the folder is gone or read-only: the socket below
+    if not sys.platform.startswith("linux"):
         return True
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
