@@ -35,13 +35,17 @@ class MatmulShapes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, tuple, tuple]] = []
+        self.outputs: list[tuple[str, tuple]] = []  # (op name, output shape) of every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMULS:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
             self.calls.append((name, tuple(a.shape), tuple(b.shape)))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.outputs.append((name, tuple(out.shape)))
+        return out
 
 
 def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
@@ -80,6 +84,7 @@ def _run(cfg, mp: int, ep: int, esp: int, kept_only: bool, record: bool):
             "dx": x.grad.clone(),
             "grads": grads,
             "calls": mode.calls,
+            "outputs": mode.outputs,
             "counts": torch.stack([r.counts for r in layer.router.last_routes]).sum(0),  # this rank's tokens
             "ep": ps.rank("ep"),
             "mp": ps.rank("mp"),
@@ -198,6 +203,11 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
                 srcs = got["sources"] if ep * esp > 1 else [got["sources"][rank]]
                 want = [sum(s["counts"][lo + e] for s in srcs) for e in range(E_l)]
             assert fc_rows == want, f"{tag} rank {rank}: expert GEMM rows {fc_rows} != kept {want}"
+            if (sched, esp) == ("baseline", 1) and ep > 1:  # the send buffer with header rows is the only one
+                # `dispatch`'s zero-filled [E*C, M] buffer (the kept rows may have its shape: fills only)
+                fills = ("new_zeros", "zeros", "index_copy_", "index_copy")
+                padded = [op for op, shape in got["outputs"] if shape == (E * C, M) and op in fills]
+                assert not padded, f"{tag}: the forward also built the unused padded buffer {padded}"
             torch.testing.assert_close(got["y"], ref["y"], rtol=0, atol=1e-6, msg=tag)
             torch.testing.assert_close(got["dx"], ref["dx"], rtol=0, atol=1e-6, msg=tag)
             for n in ref["grads"]:

@@ -430,6 +430,8 @@ class PaddedDispatcher(TokenDispatcher):
         """Expert input: padded [E_l, N, M], or the kept rows [K, M] (grouped by local expert)."""
         if plan.direct:
             return x_TM.index_select(0, plan.idx.token)
+        if self.mode != "s2" and plan.sent is not None:  # builds its own send buffer
+            return self._dispatch_with_header(x_TM, plan)
         E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
         buf = dispatch(x_TM, plan.idx, E * GC)
         if self.mode == "s2":
@@ -438,8 +440,6 @@ class PaddedDispatcher(TokenDispatcher):
             x_in = a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
             return x_in if plan.kept is None else x_in.reshape(-1, M).index_select(0, plan.kept.rows)
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
-        if plan.sent is not None:
-            return self._dispatch_with_header(x_TM, plan)
         gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)  # [N_ESP, E, GC, M]
         send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)  # by destination EP rank
         op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
