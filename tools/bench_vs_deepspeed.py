@@ -7,8 +7,8 @@ Run under torchrun (gloo, CPU):
 
 Defaults: E=4, top-2, 512 tokens per rank (--micro-batch-size 2 x --seq-length 256), M=256,
 H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Variants, timed
-round robin so a slow spell of a shared machine hits them alike (an iteration's time is the
-slowest rank's):
+round robin so a slow spell of a shared machine hits them alike, each round starting one variant
+later than the last so that none always runs first (an iteration's time is the slowest rank's):
   ours         our MoE layer as a run gets it (--moe-kept-only, --moe-expert-path auto, the
                defaults): padded or kept rows from the share of slots that must stay empty, and
                kept rows with or without the overlap as measured in its first forwards
@@ -249,8 +249,9 @@ def run(args: argparse.Namespace) -> None:
     if layer is not None:
         info["ours_path"] = layer.path_last
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in steps}
-    for _ in range(args.iters):
-        for v, step in steps.items():
+    order = list(steps.items())
+    for it in range(args.iters):  # each iteration starts one variant later: every variant in every position
+        for v, step in order[it % len(order) :] + order[: it % len(order)]:
             times[v].append(timed(step))
     rows = []
     for v in steps:
