@@ -55,6 +55,17 @@ def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
     return [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls if a[-1] == M and b[-2:] == (M, H_l)]
 
 
+def graph_nodes(fn) -> set:
+    """The type names of every autograd node reachable from `fn`."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo += [n for n, _ in f.next_functions]
+    return {type(f).__name__ for f in seen}
+
+
 def config(schedule: str = "baseline"):
     """The tiny model's MoE layer (M=32) with H=128, top-2, capacity factor 1."""
     cfg = tiny_config(k=2, schedule=schedule, cf=1.0, moe_expert_path="kept")  # auto would pick padded at cf 1
@@ -77,6 +88,7 @@ def _run(cfg, mp: int, ep: int, esp: int, kept_only: bool, record: bool):
         mode = MatmulShapes()
         with mode if record else contextlib.nullcontext():
             y, aux = layer(x)
+        nodes = graph_nodes(y.grad_fn)
         (y.pow(2).sum() + aux).backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
         return {
@@ -85,6 +97,7 @@ def _run(cfg, mp: int, ep: int, esp: int, kept_only: bool, record: bool):
             "grads": grads,
             "calls": mode.calls,
             "outputs": mode.outputs,
+            "nodes": nodes,
             "counts": torch.stack([r.counts for r in layer.router.last_routes]).sum(0),  # this rank's tokens
             "ep": ps.rank("ep"),
             "mp": ps.rank("mp"),
@@ -208,6 +221,8 @@ def test_two_process_expert_gemms_see_exactly_the_kept_rows_of_every_source():
                 fills = ("new_zeros", "zeros", "index_copy_", "index_copy")
                 padded = [op for op, shape in got["outputs"] if shape == (E * C, M) and op in fills]
                 assert not padded, f"{tag}: the forward also built the unused padded buffer {padded}"
+                # the counts written into the send buffer leave its backward a plain view (no as_strided copy)
+                assert "AsStridedBackward0" not in got["nodes"] and "_PackRowsBackward" in got["nodes"], tag
             torch.testing.assert_close(got["y"], ref["y"], rtol=0, atol=1e-6, msg=tag)
             torch.testing.assert_close(got["dx"], ref["dx"], rtol=0, atol=1e-6, msg=tag)
             for n in ref["grads"]:

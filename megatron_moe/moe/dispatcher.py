@@ -468,8 +468,12 @@ class PaddedDispatcher(TokenDispatcher):
             src = torch.zeros(n_ep * (body + h), dtype=torch.int64, device=row.device).index_put_(
                 (row,), plan.idx.token
             )
-            send = _PackRows.apply(x_TM, src, plan.idx.token, row).view(n_ep, body + h, M)
-            write_header(send.detach(), counts, body, itype)  # in place; the gather's backward never reads it
+            packed = _PackRows.apply(x_TM, src, plan.idx.token, row)
+            # in place, through a detached alias, before any view of `packed` exists: a view taken before
+            # would get an as_strided backward (a zero-filled copy of the buffer); the gather's backward
+            # never reads the header rows
+            write_header(packed.detach().view(n_ep, body + h, M), counts, body, itype)
+            send = packed.view(n_ep, body + h, M)
         else:
             buf = x_TM.new_zeros(n_ep, body + h, M)
             write_header(buf, counts, body, itype)
