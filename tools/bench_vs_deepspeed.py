@@ -29,7 +29,8 @@ later than the last so that none always runs first (an iteration's time is the s
 and rank 0 prints each rank's ops by self time (`op_table`). The timed table gives each rank's
 median wall and thread-CPU time too: wall - CPU is the time a rank spends off the CPU (waiting
 inside collectives, or preempted by other jobs). Prints a table on rank 0; --json writes
-{config, rows: [{variant, ms_median, ms_p90, ratio_vs_deepspeed, ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
+{config, rows: [{variant, ms_median, ms_p90, round_ms, ratio_vs_deepspeed, paired_ratio_vs_deepspeed (median over
+rounds of the round's ratio), ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
 ours_path}.
 """
 
@@ -258,10 +259,12 @@ def run(args: argparse.Namespace) -> None:
         wall_cpu = torch.tensor(times[v], dtype=torch.float64, device=device) * 1e3  # [iters, 2] ms
         per_rank = [torch.empty_like(wall_cpu) for _ in range(dist.get_world_size())]
         dist.all_gather(per_rank, wall_cpu)
-        ms = torch.sort(torch.stack(per_rank)[:, :, 0].max(dim=0).values).values  # the slowest rank's time
+        slowest = torch.stack(per_rank)[:, :, 0].max(dim=0).values  # the slowest rank's time, by round
+        ms = torch.sort(slowest).values
         rows.append(
             {
                 "variant": v,
+                "round_ms": slowest.tolist(),
                 "ms_median": float(ms.median()),
                 "ms_p90": float(ms[max(0, -(-9 * len(ms) // 10) - 1)]),
                 # each rank's median wall and thread-CPU ms: wall - CPU is time off the CPU (waiting
@@ -271,9 +274,15 @@ def run(args: argparse.Namespace) -> None:
             }
         )
     ref = {r["variant"]: r["ms_median"] for r in rows}
+    rounds = {r["variant"]: torch.tensor(r["round_ms"], dtype=torch.float64) for r in rows}
     for r in rows:
         r["ratio_vs_deepspeed"] = r["ms_median"] / ref["deepspeed"] if "deepspeed" in ref else None
         r["ratio_vs_floor"] = r["ms_median"] / ref["floor"] if "floor" in ref else None
+        # paired: the median over rounds of this round's time over DeepSpeed's time in the same round
+        # (a slow spell of a shared machine slows both sides of a pair)
+        r["paired_ratio_vs_deepspeed"] = (
+            float((rounds[r["variant"]] / rounds["deepspeed"]).median()) if "deepspeed" in rounds else None
+        )
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, info)
     if dist.get_rank() == 0:
@@ -311,11 +320,12 @@ def print_table(args, rows: list, info: list) -> None:
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")
-    print(f"{'variant':<17}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'vs floor':>10}")
+    print(f"{'variant':<17}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'paired':>9}{'vs floor':>10}")
     for r in rows:
         ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
+        pr = "" if r["paired_ratio_vs_deepspeed"] is None else f"{r['paired_ratio_vs_deepspeed']:.3f}x"
         fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
-        print(f"{r['variant']:<17}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{fl:>10}")
+        print(f"{r['variant']:<17}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{pr:>9}{fl:>10}")
     print("per rank, median ms: wall / thread CPU / off CPU (waiting in collectives or preempted)")
     for r in rows:
         cells = [f"{w:.1f} / {c:.1f} / {w - c:.1f}" for w, c in zip(r["rank_wall_ms"], r["rank_cpu_ms"])]
