@@ -3,8 +3,8 @@ the cases that fall back to aten, the build (cache, temporary names, no compiler
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron_moe.kernels import cpu_gelu
 from megatron_moe.layers.fused import gelu_tanh, gelu_tanh_backward, gelu_tanh_out, kernel_report
+from megatron_moe.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +123,7 @@ def test_aten_runs_where_the_kernel_does_not_apply(case, monkeypatch):
 def _status_in_fresh_process(env: dict) -> str:
     code = "from megatron_moe.kernels import cpu_gelu; print(cpu_gelu.status())"
     full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    done = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    done = run_command([sys.executable, "-c", code], env=full, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -195,3 +196,42 @@ def test_the_experts_on_the_kernel_equal_the_experts_on_aten(monkeypatch):
         results.append([y.detach(), x.grad] + [p.grad for p in experts.parameters()])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bench_gelu_times_both_kernels_on_the_same_results(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_gelu
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "gelu.json"
+    try:
+        assert (
+            bench_gelu.main(
+                [
+                    "--rows",
+                    "7",
+                    "40",
+                    "--hidden-size",
+                    "8",
+                    "--ffn-hidden-size",
+                    "24",
+                    "--iters",
+                    "2",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.read_text())
+    assert [(r["rows"], r["what"]) for r in rows] == [
+        (R, w) for R in (7, 40) for w in ("forward", "backward", "expert MLPs fwd+bwd")
+    ]
+    for r in rows:  # both implementations ran, on results that agree
+        assert r["aten_ms"] > 0 and r["c_ms"] > 0 and r["speedup"] == r["aten_ms"] / r["c_ms"]
+        assert r["max_abs_diff"] <= 1e-5, r
+    assert [p.name for p in tmp_path.iterdir()] == ["gelu.json"]  # no temporary file left

@@ -84,6 +84,8 @@ def _check(*tensors: torch.Tensor) -> None:
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, or None (the reason in `status()`); built and checked on the first call."""
     global _lib, _status
+    if _status:  # decided: no lock on the hot path
+        return _lib
     with _lock:
         if not _status:
             try:
