@@ -1,14 +1,15 @@
 """The dispatchers' hand-written index backwards equal what autograd gives for the plain index ops.
 
-`_Combine` (every padded dispatcher's combine), `_PackRows` and `_GatherRows` (the baseline's kept rows
-with the counts in the dispatch all-to-all, `PaddedPlan.dense`) replace chains of autograd nodes; their
-values and gradients must be those of the expressions they replace, bit for bit (`torch.equal`), and the
-rows they leave unwritten must be exactly the rows nothing reads.
+`_Combine` (every padded dispatcher's combine) and `_PackRows` (the baseline's kept rows with the counts
+in the dispatch all-to-all, `PaddedPlan.dense`) replace chains of autograd nodes; their values and
+gradients must be those of the expressions they replace, bit for bit (`torch.equal`), and the rows they
+leave unwritten must be exactly the rows nothing reads. The experts on row ranges of a received buffer
+(`Experts.forward_segments`, the header path's experts) equal the experts on the gathered rows.
 """
 
 import torch
 
-from megatron_moe.moe.dispatcher import DispatchIndex, _Combine, _GatherRows, _PackRows, combine
+from megatron_moe.moe.dispatcher import DispatchIndex, _Combine, _PackRows, combine
 
 T, M, R = 6, 5, 16  # tokens, model dim, buffer rows
 
@@ -69,17 +70,37 @@ def test_pack_rows_gathers_every_row_in_one_op_and_sums_only_the_kept_rows_gradi
     assert torch.equal(xa.grad, xb.grad)  # the unkept rows' gradient (nonzero here) is ignored
 
 
-def test_gather_rows_backward_writes_the_gathered_rows_only():
-    rows = torch.tensor([3, 0, 7, 8], device="cpu")
-    src = torch.randn(10, M, generator=torch.Generator(device="cpu").manual_seed(6), device="cpu")
-    a, b = src.clone().requires_grad_(), src.clone().requires_grad_()
-    ga = _GatherRows.apply(a, rows)
-    gb = b.index_select(0, rows)
-    assert torch.equal(ga, gb)
-    g = torch.randn(4, M, generator=torch.Generator(device="cpu").manual_seed(7), device="cpu")
-    (ga * g).sum().backward()
-    (gb * g).sum().backward()
-    assert torch.equal(a.grad[rows], b.grad[rows]) and torch.equal(a.grad[rows], g)
+def test_experts_on_row_ranges_of_a_buffer_equal_the_experts_on_the_gathered_rows():
+    """`Experts.forward_segments`: the ranges' outputs and gradients equal `forward_ragged` on the same rows
+    gathered (the per-expert weight gradients summed over the ranges), whatever the rows outside the ranges
+    hold (nan here): nothing reads them, and the buffer's gradient there is never used either."""
+    from megatron_moe.moe.experts import Experts
+    from megatron_moe.parallel_state import local_state
+
+    experts = Experts(3, 8, 24, local_state(), seed=3, name="e", device=torch.device("cpu"))
+    with torch.no_grad():
+        experts.fc_b.normal_(std=0.1, generator=torch.Generator(device="cpu").manual_seed(8))
+        experts.proj_b.normal_(std=0.1, generator=torch.Generator(device="cpu").manual_seed(9))
+    segments = [[(0, 3), (10, 14)], [], [(5, 7), (16, 17), (20, 24)]]  # expert 1: no rows
+    rows = torch.tensor([r for segs in segments for lo, hi in segs for r in range(lo, hi)], device="cpu")
+    g = torch.Generator(device="cpu").manual_seed(10)
+    buf = torch.full((26, 8), float("nan"), device="cpu")
+    buf[rows] = torch.randn(rows.numel(), 8, generator=g, device="cpu")
+    gy = torch.full((26, 8), float("nan"), device="cpu")
+    gy[rows] = torch.randn(rows.numel(), 8, generator=g, device="cpu")
+    xb = buf.clone().requires_grad_()
+    y = experts(xb, segments=segments)
+    (y[rows] * gy[rows]).sum().backward()
+    got = [xb.grad[rows]] + [p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad(set_to_none=True)
+    xr = buf[rows].clone().requires_grad_()
+    counts = [sum(hi - lo for lo, hi in segs) for segs in segments]
+    y_ref = experts.forward_ragged(xr, counts)
+    (y_ref * gy[rows]).sum().backward()
+    torch.testing.assert_close(y[rows], y_ref, rtol=0, atol=1e-6)
+    for a, b in zip(got, [xr.grad] + [p.grad for p in experts.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[1][1].abs().sum() == 0 and got[4][1].abs().sum() == 0  # the expert without rows: zero gradient
 
 
 def _layer_paths(rank, world):

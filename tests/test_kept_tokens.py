@@ -30,18 +30,19 @@ MATMULS = {"addmm", "mm", "bmm", "baddbmm"}
 
 
 class MatmulShapes(TorchDispatchMode):
-    """Records (op name, shape of its activation operand, shape of its weight operand) of every matmul."""
+    """Records (op name, shape of its activation operand, shape of its weight operand, the weight's data
+    pointer) of every matmul."""
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple[str, tuple, tuple]] = []
+        self.calls: list[tuple[str, tuple, tuple, int]] = []
         self.outputs: list[tuple[str, tuple]] = []  # (op name, output shape) of every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMULS:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-            self.calls.append((name, tuple(a.shape), tuple(b.shape)))
+            self.calls.append((name, tuple(a.shape), tuple(b.shape), b.data_ptr()))
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self.outputs.append((name, tuple(out.shape)))
@@ -49,10 +50,23 @@ class MatmulShapes(TorchDispatchMode):
 
 
 def expert_fc_rows(calls: list, M: int, H_l: int) -> list:
-    """Rows of every expert fc GEMM of a forward: activation [n, M] (padded: bmm [E_l, N, M]) times
-    weight [M, H_l] (the configs keep H_l != M, so the proj GEMMs [n, H_l] x [H_l, M] never match)."""
+    """Rows of every expert's fc GEMMs of a forward: activation [n, M] (padded: bmm [E_l, N, M]) times
+    weight [M, H_l] (the configs keep H_l != M, so the proj GEMMs [n, H_l] x [H_l, M] never match); an
+    expert that multiplies several row ranges of a buffer (consecutive GEMMs on the same weight) counts
+    their rows together."""
     assert H_l != M
-    return [a[-2] if name in ("bmm", "baddbmm") else a[0] for name, a, b in calls if a[-1] == M and b[-2:] == (M, H_l)]
+    rows: list = []
+    last = None
+    for name, a, b, weight in calls:
+        if a[-1] != M or b[-2:] != (M, H_l):
+            continue
+        n = a[-2] if name in ("bmm", "baddbmm") else a[0]
+        if weight == last and name not in ("bmm", "baddbmm"):
+            rows[-1] += n
+        else:
+            rows.append(n)
+        last = weight
+    return rows
 
 
 def graph_nodes(fn) -> set:

@@ -49,6 +49,7 @@ import torch.nn as nn
 from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
+from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace) -> None:
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     device = torch.device("cpu")
+    keep_freed_memory(device, par.cpu_allocator)  # as the trainer does (--cpu-allocator); both layers alike
     dist.init_process_group("gloo")
     ps = initialize_model_parallel(1, par.expert_model_parallel_size, 1, "gloo", device=device)
     m, t = cfg.model, cfg.train

@@ -68,6 +68,16 @@ def forward(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def forward_bias(a: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """a += bias (broadcast over a's rows, in place), out = gelu_tanh(a), in one pass; `applies(a, bias, out)`
+    must hold, a and out [rows, cols], bias [cols]."""
+    _check(a, out)
+    if a.dim() != 2 or bias.shape != (a.size(1),):
+        raise ValueError(f"cpu_gelu: bias {tuple(bias.shape)} does not fit the rows of {tuple(a.shape)}")
+    _lib.gelu_tanh_bias_fwd(a.data_ptr(), bias.data_ptr(), out.data_ptr(), a.size(0), a.size(1))  # type: ignore[union-attr]
+    return out
+
+
 def backward(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = grad * gelu_tanh'(x); `out` may be `grad` (in place)."""
     _check(grad, x, out)
@@ -161,15 +171,26 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gelu_tanh_fwd.restype = None
     lib.gelu_tanh_bwd.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gelu_tanh_bwd.restype = None
+    lib.gelu_tanh_bias_fwd.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.gelu_tanh_bias_fwd.restype = None
     # against aten on values across the whole range; an odd length runs the vector loops' remainder too
     x = torch.linspace(-12.0, 12.0, 4099, dtype=torch.float32, device="cpu")
     g = torch.linspace(-2.0, 3.0, 4099, dtype=torch.float32, device="cpu")
     y, dx = torch.empty_like(x), torch.empty_like(x)
     lib.gelu_tanh_fwd(x.data_ptr(), y.data_ptr(), x.numel())
     lib.gelu_tanh_bwd(g.data_ptr(), x.data_ptr(), dx.data_ptr(), x.numel())
+    a, b, yb = x[:4096].reshape(64, 64).clone(), g[:64].clone(), torch.empty(64, 64, device="cpu")
+    lib.gelu_tanh_bias_fwd(a.data_ptr(), b.data_ptr(), yb.data_ptr(), 64, 64)
     want_y = torch.nn.functional.gelu(x.double(), approximate="tanh")
     want_dx = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
-    for got, want, what in ((y, want_y, "forward"), (dx, want_dx, "backward")):
+    want_a = x[:4096].reshape(64, 64).double() + g[:64].double()
+    want_yb = torch.nn.functional.gelu(want_a, approximate="tanh")
+    for got, want, what in (
+        (y, want_y, "forward"),
+        (dx, want_dx, "backward"),
+        (a, want_a, "bias"),
+        (yb, want_yb, "bias forward"),
+    ):
         err = float((got.double() - want).abs().max())
         if not err <= 1e-5:  # aten's own float32 error here: 4e-7 forward, 3e-6 backward
             raise RuntimeError(f"{path.name} failed its check ({what} off by {err:.3g})")

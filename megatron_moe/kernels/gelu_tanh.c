@@ -46,6 +46,22 @@ void gelu_tanh_fwd(const float *x, float *y, int64_t n) {
     }
 }
 
+/* A linear layer's bias and the activation in one pass over its output a [rows, cols] (the GEMM
+   wrote x W^T there): a += b (row-broadcast bias [cols], kept as the pre-activation for backward)
+   and y = gelu(a). Saves the pass that copies the bias into a before a GEMM with beta = 1. */
+void gelu_tanh_bias_fwd(float *a, const float *b, float *y, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *ar = a + r * cols, *yr = y + r * cols;
+        for (int64_t j = 0; j < cols; j++) {
+            float xi = ar[j] + b[j];
+            float z = 2.0f * K0 * (xi + K1 * xi * xi * xi);
+            float s = 1.0f / (1.0f + exp_f(-clamp_z(z)));
+            ar[j] = xi;
+            yr[j] = xi * (z < -ZMAX ? 0.0f : s);
+        }
+    }
+}
+
 /* dx = g * (s + x s (1 - s) dz/dx); dx may be g (in place). */
 void gelu_tanh_bwd(const float *g, const float *x, float *dx, int64_t n) {
     for (int64_t i = 0; i < n; i++) {

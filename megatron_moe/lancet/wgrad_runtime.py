@@ -131,23 +131,33 @@ def _rows_grad(p: torch.nn.Parameter, uses: list, scale: float) -> torch.Tensor:
     """p-shaped gradient from the row operands of one or more forward uses (`DeferredDW.rows`):
     slot s = cat(g_s)^T cat(x_s) over the uses (a single use: its own operands, no copy), cast to
     p's dtype, times `scale`. One slot on a 2-D p is the plain `g^T x`; more go into the slices of
-    one p-shaped tensor (the same `mm(..., out=)` calls the experts' plain backward makes)."""
+    one p-shaped tensor (the same `mm(..., out=)` calls the experts' plain backward makes). A single
+    use's slot may be a list of (g, x) pairs (an expert's row ranges of a buffer, `moe.experts`): the
+    first pair's GEMM writes the slot, the others add to it, as the plain backward does."""
 
-    def operands(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pairs(s: int) -> list:
         if len(uses) == 1:
-            return uses[0][s]
-        return torch.cat([u[s][0] for u in uses]), torch.cat([u[s][1] for u in uses])
+            one = uses[0][s]
+            return one if isinstance(one, list) else [one]
+        every = [pr for u in uses for pr in (u[s] if isinstance(u[s], list) else [u[s]])]
+        return [(torch.cat([g for g, _ in every]), torch.cat([x for _, x in every]))]
 
     slots = len(uses[0])
-    if slots == 1 and p.dim() == 2:
-        g, x = operands(0)
+    if slots == 1 and p.dim() == 2:  # one slot: the plain g^T x
+        (g, x), *rest = pairs(0)
         d = g.t().mm(x)
+        for g, x in rest:
+            d.addmm_(g.t(), x)
     else:
-        g0 = uses[0][0][0]
+        first = uses[0][0]
+        g0 = (first[0] if isinstance(first, list) else first)[0]
         d = torch.empty(p.shape, dtype=g0.dtype, device=g0.device)
         for s in range(slots):
-            g, x = operands(s)
-            torch.mm(g.t(), x, out=d[s])
+            for i, (g, x) in enumerate(pairs(s)):
+                if i:
+                    d[s].addmm_(g.t(), x)
+                else:
+                    torch.mm(g.t(), x, out=d[s])
     d = d.to(p.dtype)
     return d * scale if scale != 1.0 else d
 

@@ -38,8 +38,11 @@ Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" o
 carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
 per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
 the wire; with several EP ranks and one ESP rank the counts ride the baseline's dispatch
-all-to-all as header rows instead, and `dispatch` sets `plan.kept`); the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows` per
-local expert; with one rank holding every expert straight from the tokens, no buffer at all)
+all-to-all as header rows instead, and `dispatch` sets `plan.kept`). With the header, the experts
+compute the kept rows where they lie in the received buffer (`plan.expert_segments`, row ranges per
+local expert) and write their outputs into the same rows of the buffer that returns: no gather, no
+scatter. Otherwise the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows`
+per local expert; with one rank holding every expert straight from the tokens, no buffer at all)
 and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
 the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
 `Experts.forward_exchange`). S1's zero-padded input carries `plan.kept` for `Experts.forward_kept`.
@@ -147,23 +150,6 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             d_weight = (g_KM * picked).sum(1, keepdim=True).to(weight.dtype).squeeze(1)
         return d_buf, None, None, d_weight, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """src.index_select(0, rows) for distinct rows; backward copies the gradient into those rows of a buffer of
-    src's shape and leaves the others unwritten: for a received all-to-all buffer whose other rows the
-    sender never reads back (`PaddedDispatcher` with dense kept slots)."""
-
-    @staticmethod
-    def forward(ctx, src_RM, rows):
-        ctx.save_for_backward(rows)
-        ctx.src_shape = src_RM.shape
-        return src_RM.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, g_KM):
-        (rows,) = ctx.saved_tensors
-        return g_KM.new_empty(ctx.src_shape).index_copy_(0, rows, g_KM.contiguous()), None
 
 
 class _PackRows(torch.autograd.Function):
@@ -309,8 +295,16 @@ class PaddedPlan:
 
     @property
     def expert_rows(self) -> Optional[list[int]]:
-        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input)."""
-        return None if self.kept is None else self.kept.counts
+        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input, or
+        `expert_segments`)."""
+        return None if self.kept is None or self.header else self.kept.counts
+
+    @property
+    def expert_segments(self) -> Optional[list[list[tuple[int, int]]]]:
+        """With the counts in the dispatch all-to-all (`header`): per local expert, the row ranges of the
+        received buffer (the expert input) that hold its kept tokens; the experts compute them where they lie
+        and their outputs return in the same rows (`Experts.forward_segments`). None otherwise."""
+        return self.kept.segments if self.header and self.kept is not None else None
 
 
 class PaddedDispatcher(TokenDispatcher):
@@ -482,9 +476,7 @@ class PaddedDispatcher(TokenDispatcher):
         recv = a2a.finish(a2a.start(send, op), op)
         rows_DGL = read_header(recv, body, G * E_l, itype).view(n_ep, G, E_l)
         plan.kept = received_kept_rows(rows_DGL, Cs, body + h, x_TM.device)
-        if plan.dense:  # the sender reads back only the gradient of the rows it filled: these
-            return _GatherRows.apply(recv.reshape(-1, M), plan.kept.rows)
-        return recv.reshape(-1, M).index_select(0, plan.kept.rows)
+        return recv.reshape(-1, M)  # the experts compute the kept rows where they lie (`plan.expert_segments`)
 
     def kept_rows_of(self, sent_GE: torch.Tensor, Cs: int) -> KeptRows:
         """`kept_rows` from this rank's `sent_rows` [G, E], exchanged now (baseline layout)."""
@@ -495,12 +487,10 @@ class PaddedDispatcher(TokenDispatcher):
         """y [T, M] from the experts' output (padded [E_l, N, M], or on the kept rows [K, M])."""
         if plan.direct:
             return combine_rows(y_LNM, plan.idx, plan.tokens)
-        if plan.header:  # back in the dispatch's layout (the header rows travel empty)
-            assert plan.kept is not None
-            rows = self.n_ep * (self.num_local * plan.groups * plan.slots + plan.header)
-            fresh = y_LNM.new_empty if plan.dense else y_LNM.new_zeros  # dense: the sender reads only these rows
-            back = fresh(rows, y_LNM.size(-1)).index_copy_(0, plan.kept.rows, y_LNM)
-            ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
+        if plan.header:  # the experts' output lies in the dispatch's layout: the kept rows, the rest unwritten
+            # (the sender reads only its kept rows). Dense: the experts' ranges are exactly those rows, so the
+            # gradient of the others is never read; else the ranges hold holes, whose gradient must be zero
+            ret = a2a.run(y_LNM, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
             return combine(ret, plan.idx, plan.tokens, zero_rest=not plan.dense)
         E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp

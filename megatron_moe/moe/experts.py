@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import scale_grad
-from megatron_moe.layers.fused import gelu_tanh, gelu_tanh_backward, gelu_tanh_out
+from megatron_moe.layers.fused import gelu_tanh, gelu_tanh_backward, linear_gelu_tanh_out
 from megatron_moe.layers.sharding import InitSpec, ShardSpec
 from megatron_moe.layers.tensor_parallel import make_param
 from megatron_moe.moe import a2a
@@ -116,11 +116,15 @@ class Experts(nn.Module):
         grad_scale: float = 1.0,
         counts: Optional[list[int]] = None,
         kept: Optional[KeptRows] = None,
+        segments: Optional[Segments] = None,
     ) -> torch.Tensor:
         """`grad_scale` scales the weight gradients (1/N_MP when MP ranks duplicate the work).
-        With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `kept` only the
-        kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
+        With `counts` the input is ragged: x [R, M] -> partial y [R, M]; with `segments` the experts
+        compute their row ranges of a buffer x [R, M] where they lie (`forward_segments`); with `kept`
+        only the kept rows of x [E_l, N, M] are computed (module docstring). A dW queue (Lancet) takes
         the weight-gradient GEMMs of every path."""
+        if segments is not None:
+            return self.forward_segments(x_ENM, segments, grad_scale)
         if counts is not None:
             return self.forward_ragged(x_ENM, counts, grad_scale)
         if kept is not None:
@@ -165,9 +169,28 @@ class Experts(nn.Module):
         """x [R, M] grouped by expert (`counts[i]` rows for slice i of fc_w [X, H_l, M], fc_b [X, H_l],
         proj_w [X, M, H_l], proj_b [X, M_l]: this layer's experts or Pro-Prophet replicas) -> partial
         y [R, M], one `_GroupedMLP`; `defer` (`_deferral`) takes the weights' dW GEMMs."""
+        return self._grouped(x_RM, counts_segments(counts), fc_w, fc_b, proj_w, proj_b, defer)
+
+    def _grouped(self, x_RM, segments: Segments, fc_w, fc_b, proj_w, proj_b, defer) -> torch.Tensor:
         M, dt = x_RM.size(1), x_RM.dtype
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [X, M], zeros off our columns
-        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), list(counts), defer)
+        return _GroupedMLP.apply(x_RM, fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), segments, defer)
+
+    def forward_segments(self, buf_RM: torch.Tensor, segments: Segments, grad_scale: float = 1.0) -> torch.Tensor:
+        """The experts on row ranges of a buffer where the rows lie (a received all-to-all buffer,
+        `moe.kept.KeptRows.segments`): buf [R, M] -> partial y [R, M] on those rows; the other rows of y (and
+        of buf's gradient) are left unwritten. No gather of the kept rows, no scatter of their outputs."""
+        if len(segments) != self.num_local or any(hi > buf_RM.size(0) for segs in segments for _, hi in segs):
+            raise ValueError(
+                f"expert row ranges do not fit the buffer of {buf_RM.size(0)} rows for {self.num_local} experts"
+            )
+        defer = self._deferral(buf_RM, grad_scale)
+        if defer is None:
+            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
+        else:  # the queue computes and scales their gradients
+            fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
+        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        return self._grouped(buf_RM, _nonempty(segments), fc_w, fc_b, proj_w, proj_b, defer)
 
     def forward_exchange(
         self, buf_LRM: torch.Tensor, kept: KeptRows, group, grad_scale: float = 1.0, windows: tuple[str, str] = ("", "")
@@ -197,41 +220,66 @@ class Experts(nn.Module):
         return y_KM.new_zeros(E_l * N, M).index_copy(0, kept.rows, y_KM).view(E_l, N, M)
 
 
+Segments = list[list[tuple[int, int]]]  # per expert, the row ranges [lo, hi) of the input it computes
+
+
+def counts_segments(counts: list[int]) -> Segments:
+    """A ragged input's segments: expert e's `counts[e]` rows follow expert e-1's (each expert one range,
+    possibly empty, so an expert without rows still gets its zero gradients written)."""
+    ends = list(itertools.accumulate(counts))
+    return [[(end - n, end)] for n, end in zip(counts, ends)]
+
+
+def _nonempty(segments: Segments) -> Segments:
+    """Every expert at least one range (an empty one when it has no rows): its gradients get written."""
+    return [segs if segs else [(0, 0)] for segs in segments]
+
+
 def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
     """One expert on its rows x [n, M], into a_out / h_out [n, H] (pre- and post-activation), y_out [n, M]."""
-    torch.addmm(fc_b, x, fc_w.t(), out=a_out)
-    gelu_tanh_out(a_out, h_out)
+    linear_gelu_tanh_out(x, fc_w, fc_b, a_out, h_out)
     torch.addmm(bias, h_out, proj_w.t(), out=y_out)
 
 
 def _mlp_backward(
-    gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None, da_out=None
+    gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None, da_out=None, accumulate=False
 ) -> torch.Tensor:
-    """One expert's weight and bias gradients (written into the given slices) from gy [n, M]; returns dx [n, M]
-    (written into `dx_out` when given: no copy). `da_out` [n, H]: room for the activation's gradient (else new)."""
-    torch.mm(gy.t(), h, out=d_proj_w)
-    torch.sum(gy, dim=0, out=d_bias)
+    """One expert's weight and bias gradients (written into the given slices, or added to them with
+    `accumulate`: the expert's later row ranges) from gy [n, M]; returns dx [n, M] (written into `dx_out`
+    when given: no copy). `da_out` [n, H]: room for the activation's gradient (else new)."""
+    if accumulate:
+        d_proj_w.addmm_(gy.t(), h)
+        d_bias.add_(gy.sum(dim=0))
+    else:
+        torch.mm(gy.t(), h, out=d_proj_w)
+        torch.sum(gy, dim=0, out=d_bias)
     dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
     da = gelu_tanh_backward(dh, a, out=dh)  # in place, elementwise
-    torch.mm(da.t(), x, out=d_fc_w)
-    torch.sum(da, dim=0, out=d_fc_b)
+    if accumulate:
+        d_fc_w.addmm_(da.t(), x)
+        d_fc_b.add_(da.sum(dim=0))
+    else:
+        torch.mm(da.t(), x, out=d_fc_w)
+        torch.sum(da, dim=0, out=d_fc_b)
     return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
 
 
-def _mlp_backward_dx(gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_backward_dx(
+    gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out=None, da_out=None, accumulate=False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`_mlp_backward` without the weight gradients (a dW queue computes them later from gy, h and
-    da, x): the bias gradients into the given slices; returns (dx [n, M], da [n, H])."""
-    torch.sum(gy, dim=0, out=d_bias)
-    dh = gy.mm(proj_w)
+    da, x): the bias gradients into (or, `accumulate`, added to) the given slices; returns (dx [n, M], da [n, H])."""
+    if accumulate:
+        d_bias.add_(gy.sum(dim=0))
+    else:
+        torch.sum(gy, dim=0, out=d_bias)
+    dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
     da = gelu_tanh_backward(dh, a, out=dh)
-    torch.sum(da, dim=0, out=d_fc_b)
+    if accumulate:
+        d_fc_b.add_(da.sum(dim=0))
+    else:
+        torch.sum(da, dim=0, out=d_fc_b)
     return (da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)), da
-
-
-def _defer_weight_grads(defer, gys: list, hs: list, das: list, xs: list) -> None:
-    """Hand the experts' dW GEMMs to the queue as row operands, one pair per local expert:
-    d proj_w[e] = gy_e^T h_e and d fc_w[e] = da_e^T x_e (the calls `_mlp_backward` makes)."""
-    defer.submit(list(zip(gys, hs)), list(zip(das, xs)))
 
 
 def _grads_like(fc_w, proj_w, like):
@@ -244,48 +292,84 @@ def _grads_like(fc_w, proj_w, like):
     )
 
 
+def _segments_forward(x, segs, c, fc_w, fc_b, proj_w, bias, a, h, y) -> int:
+    """One expert (its weight slices given) on its row ranges `segs` of x, each into the same rows of y and
+    into the next rows of the compact a / h from row c on; returns the next free row of a / h."""
+    for lo, hi in segs:
+        n = hi - lo
+        _mlp_forward(x[lo:hi], fc_w, fc_b, proj_w, bias, a[c : c + n], h[c : c + n], y[lo:hi])
+        c += n
+    return c
+
+
+def _segments_backward(gy, x, segs, c, a, h, fc_w, proj_w, grads, dx, da, defer_rows=None) -> int:
+    """Backward of `_segments_forward`: dx into the rows of `segs`, the activation's gradient into the compact
+    `da`, the expert's gradients `grads` (d_fc_w, d_fc_b, d_proj_w, d_bias slices) summed over its ranges in
+    order. `defer_rows` (a dW queue's, as [proj pairs, fc pairs]): the weights' dW GEMMs are left to the
+    queue, which gets each range's row operands. Returns the next free row of a / h / da."""
+    d_fc_w, d_fc_b, d_proj_w, d_bias = grads
+    for i, (lo, hi) in enumerate(segs):
+        n = hi - lo
+        r = slice(c, c + n)
+        if defer_rows is None:
+            _mlp_backward(gy[lo:hi], x[lo:hi], a[r], h[r], fc_w, proj_w, *grads, dx[lo:hi], da[r], i > 0)
+        else:
+            _mlp_backward_dx(gy[lo:hi], a[r], fc_w, proj_w, d_fc_b, d_bias, dx[lo:hi], da[r], i > 0)
+            defer_rows[0].append((gy[lo:hi], h[r]))
+            defer_rows[1].append((da[r], x[lo:hi]))
+        c += n
+    return c
+
+
+def _defer_weight_grads(defer, rows: list) -> None:
+    """Hand the experts' dW GEMMs to the queue as row operands, per local expert its [proj pairs, fc pairs]
+    (d proj_w[e] = sum over its ranges of gy^T h, d fc_w[e] of da^T x: the calls `_mlp_backward` makes);
+    an expert with one range gives its pair, several a list of pairs (`lancet.wgrad_runtime._rows_grad`)."""
+    one = lambda pairs: pairs[0] if len(pairs) == 1 else pairs  # noqa: E731
+    defer.submit([one(p) for p, _ in rows], [one(f) for _, f in rows])
+
+
 class _GroupedMLP(torch.autograd.Function):
-    """The experts' MLPs on a ragged input: x [R, M] (rows grouped by expert, `counts` [E_l]) ->
-    y [R, M] = gelu(x W1_e^T + b1_e) W2_e^T + b2_e per row range, with fc_w [E_l, H, M], fc_b [E_l, H],
-    proj_w [E_l, M, H], bias [E_l, M].
+    """The experts' MLPs on row ranges of an input: x [R, M], `segments[e]` the ranges [lo, hi) of
+    expert e -> y [R, M] = gelu(x W1_e^T + b1_e) W2_e^T + b2_e on those rows, with fc_w [E_l, H, M],
+    fc_b [E_l, H], proj_w [E_l, M, H], bias [E_l, M]. A ragged input (`counts_segments`) is one range
+    per expert covering every row; a received all-to-all buffer (`Experts.forward_segments`) has its
+    kept rows where they landed, and the rows outside every range are left unwritten in y and in the
+    input's gradient (nothing reads them).
 
     One expert at a time, forward and backward, every step of an expert (GEMM, activation, GEMM)
     on its rows while they are in cache, each writing into its rows of one preallocated output
-    (forward) or its slice of one [E_l, ...] gradient (backward): no per-expert gradient buffers to
-    fill and add, no concatenation."""
+    (forward) or its slice of one [E_l, ...] gradient (backward, summed over the expert's ranges):
+    no per-expert gradient buffers to fill and add, no gather or scatter of the rows."""
 
     @staticmethod
-    def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, counts, defer=None):
-        R, M, H = x_RM.size(0), x_RM.size(1), fc_w.size(1)
-        ends = list(itertools.accumulate(counts))
-        spans = [(end - n, end) for n, end in zip(counts, ends)]
-        a_RH, h_RH, y_RM = x_RM.new_empty(R, H), x_RM.new_empty(R, H), x_RM.new_empty(R, M)
-        for e, (lo, hi) in enumerate(spans):
-            _mlp_forward(x_RM[lo:hi], fc_w[e], fc_b[e], proj_w[e], bias[e], a_RH[lo:hi], h_RH[lo:hi], y_RM[lo:hi])
-        ctx.spans, ctx.defer = spans, defer
-        ctx.save_for_backward(x_RM, a_RH, h_RH, fc_w, proj_w)
+    def forward(ctx, x_RM, fc_w, fc_b, proj_w, bias, segments, defer=None):
+        M, H = x_RM.size(1), fc_w.size(1)
+        K = sum(hi - lo for segs in segments for lo, hi in segs)
+        a_KH, h_KH, y_RM = x_RM.new_empty(K, H), x_RM.new_empty(K, H), x_RM.new_empty(x_RM.size(0), M)
+        c = 0
+        for e, segs in enumerate(segments):
+            c = _segments_forward(x_RM, segs, c, fc_w[e], fc_b[e], proj_w[e], bias[e], a_KH, h_KH, y_RM)
+        ctx.segments, ctx.defer = segments, defer
+        ctx.save_for_backward(x_RM, a_KH, h_KH, fc_w, proj_w)
         return y_RM
 
     @staticmethod
     def backward(ctx, gy_RM):
-        x_RM, a_RH, h_RH, fc_w, proj_w = ctx.saved_tensors
+        x_RM, a_KH, h_KH, fc_w, proj_w = ctx.saved_tensors
         gy_RM = gy_RM.contiguous()
         d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, gy_RM)
-        dx_RM = torch.empty_like(x_RM)
-        if ctx.defer is not None:  # dX and bias gradients now, the weights' dW GEMMs by the queue
-            spans = [slice(lo, hi) for lo, hi in ctx.spans]
-            das = [
-                _mlp_backward_dx(gy_RM[r], a_RH[r], fc_w[e], proj_w[e], d_fc_b[e], d_bias[e], dx_RM[r])[1]
-                for e, r in enumerate(spans)
-            ]
-            xs, gys, hs = [x_RM[r] for r in spans], [gy_RM[r] for r in spans], [h_RH[r] for r in spans]
-            _defer_weight_grads(ctx.defer, gys, hs, das, xs)
-            return dx_RM, None, d_fc_b, None, d_bias, None, None
-        da_RH = torch.empty_like(a_RH)  # one buffer for every expert's activation gradient
-        for e, (lo, hi) in enumerate(ctx.spans):
+        dx_RM, da_KH = torch.empty_like(x_RM), torch.empty_like(a_KH)
+        rows: list = []  # the dW queue's row operands per expert
+        c = 0
+        for e, segs in enumerate(ctx.segments):
             g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
-            x, a, h = x_RM[lo:hi], a_RH[lo:hi], h_RH[lo:hi]
-            _mlp_backward(gy_RM[lo:hi], x, a, h, fc_w[e], proj_w[e], *g, dx_RM[lo:hi], da_RH[lo:hi])
+            mine = None if ctx.defer is None else ([], [])
+            c = _segments_backward(gy_RM, x_RM, segs, c, a_KH, h_KH, fc_w[e], proj_w[e], g, dx_RM, da_KH, mine)
+            rows.append(mine)
+        if ctx.defer is not None:  # dX and bias gradients now, the weights' dW GEMMs by the queue
+            _defer_weight_grads(ctx.defer, rows)
+            return dx_RM, None, d_fc_b, None, d_bias, None, None
         return dx_RM, d_fc_w, d_fc_b, d_proj_w, d_bias, None, None
 
 
@@ -294,23 +378,28 @@ class _ExchangedMLP(torch.autograd.Function):
     input travels while expert e-1 computes, and its output goes back while expert e+1 computes.
 
     buf [E_l, D*B, M]: row block d of slice e goes to rank d of `group` and holds the rows of its
-    local expert e; the same slice of the result holds what rank d computed on them. rows[e]: the rows
-    of the received [D*B, M] that hold a kept token (only they are computed; the rest of the result
-    is zero). Backward is the same pipeline on the gradients."""
+    local expert e; the same slice of the result holds what rank d computed on them. segs[e]: the row
+    ranges of the received [D*B, M] that hold a kept token, computed where they lie (the rest of the
+    result is left unwritten: the senders read only their kept rows). Backward is the same pipeline on
+    the gradients. Each expert makes the GEMM calls of `_GroupedMLP` on the same ranges, so both paths
+    give the same bits."""
 
     @staticmethod
     def forward(ctx, buf_LRM, fc_w, fc_b, proj_w, bias, kept, group, defer=None, windows=("", "")):
         E_l, N = buf_LRM.size(0), buf_LRM.size(1)
         recv = [a2a.start_raw(buf_LRM[e], group) for e in range(E_l)]
-        ends = list(itertools.accumulate(kept.counts))  # waits for the count exchange while the tokens travel
-        rows = [kept.rows[end - n : end] - e * N for e, (n, end) in enumerate(zip(kept.counts, ends))]
-        ctx.rows, ctx.group, ctx.defer, ctx.windows = rows, group, defer, windows
+        segments = kept.segments  # waits for the count exchange while the tokens travel
+        if segments is None:
+            raise ValueError("the exchanged experts need the kept rows as segments (`moe.kept.padded_kept_rows`)")
+        segs = _nonempty([[(lo - e * N, hi - e * N) for lo, hi in s] for e, s in enumerate(segments)])
+        ctx.segs, ctx.group, ctx.defer, ctx.windows = segs, group, defer, windows
         H, saved, back, out = fc_w.size(1), [], [], torch.empty_like(buf_LRM)
-        for e, r in enumerate(rows):
-            x = a2a.wait_raw(recv[e], group).index_select(0, r)
-            a, h, y = x.new_empty(x.size(0), H), x.new_empty(x.size(0), H), torch.empty_like(x)
-            _mlp_forward(x, fc_w[e], fc_b[e], proj_w[e], bias[e], a, h, y)
-            back.append(a2a.start_raw(buf_LRM.new_zeros(buf_LRM.shape[1:]).index_copy_(0, r, y), group, out[e]))
+        for e, s in enumerate(segs):
+            x = a2a.wait_raw(recv[e], group)
+            K = sum(hi - lo for lo, hi in s)
+            a, h, y = x.new_empty(K, H), x.new_empty(K, H), torch.empty_like(x)
+            _segments_forward(x, s, 0, fc_w[e], fc_b[e], proj_w[e], bias[e], a, h, y)
+            back.append(a2a.start_raw(y, group, out[e]))
             saved += [x, a, h]
         ctx.save_for_backward(fc_w, proj_w, *saved)
         for w in back:
@@ -320,26 +409,24 @@ class _ExchangedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_LRM):
         fc_w, proj_w, *saved = ctx.saved_tensors
-        rows, group = ctx.rows, ctx.group
+        segs, group = ctx.segs, ctx.group
         g_LRM = g_LRM.contiguous()
         d_fc_w, d_fc_b, d_proj_w, d_bias = _grads_like(fc_w, proj_w, g_LRM)
-        recv = [a2a.start_raw(g_LRM[e], group) for e in range(len(rows))]
+        recv = [a2a.start_raw(g_LRM[e], group) for e in range(len(segs))]
         defer = ctx.defer
         if defer is not None:  # the dW runnable under the gradient's first all-to-all, before waiting
             defer.window(ctx.windows[0])
-        back, g_buf, gys, das = [], torch.empty_like(g_LRM), [], []
-        for e, r in enumerate(rows):
-            gy = a2a.wait_raw(recv[e], group).index_select(0, r)
+        back, g_buf, rows = [], torch.empty_like(g_LRM), []
+        for e, s in enumerate(segs):
+            gy = a2a.wait_raw(recv[e], group)
             x, a, h = saved[3 * e : 3 * e + 3]
-            if defer is None:
-                dx = _mlp_backward(gy, x, a, h, fc_w[e], proj_w[e], d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
-            else:  # dX now, the dW GEMMs while the last returns fly
-                dx, da = _mlp_backward_dx(gy, a, fc_w[e], proj_w[e], d_fc_b[e], d_bias[e])
-                gys.append(gy)
-                das.append(da)
-            back.append(a2a.start_raw(g_LRM.new_zeros(g_LRM.shape[1:]).index_copy_(0, r, dx), group, g_buf[e]))
-        if defer is not None:
-            _defer_weight_grads(defer, gys, saved[2::3], das, saved[0::3])
+            g = (d_fc_w[e], d_fc_b[e], d_proj_w[e], d_bias[e])
+            dx, mine = torch.empty_like(gy), None if defer is None else ([], [])
+            _segments_backward(gy, x, s, 0, a, h, fc_w[e], proj_w[e], g, dx, torch.empty_like(a), mine)
+            rows.append(mine)
+            back.append(a2a.start_raw(dx, group, g_buf[e]))
+        if defer is not None:  # the dW GEMMs while the last returns fly
+            _defer_weight_grads(defer, rows)
             defer.window(ctx.windows[1])
             d_fc_w = d_proj_w = None
         for w in back:

@@ -45,26 +45,38 @@ from megatron_moe.moe.router import RouteResult
 
 class KeptRows:
     """rows [K] flat indices into the expert input viewed as [E_l * N, M], ascending, so grouped
-    by local expert; counts [E_l] rows of each local expert (sum K). Either given, or computed on
-    first use by `resolve()` (which waits for the count exchange)."""
+    by local expert; counts [E_l] rows of each local expert (sum K); segments (when the rows come
+    as runs of consecutive rows, as every padded layout's kept slots do): per local expert, its
+    row ranges [lo, hi) in the same flat coordinates, in the rows' order. The experts then multiply
+    those row ranges where they lie (`Experts.forward_segments`) instead of gathering them. Either
+    given, or computed on first use by `resolve()` (which waits for the count exchange and returns a
+    KeptRows). Rows given as segments only are built from them on first use of `rows`."""
 
     def __init__(
         self,
         rows: Optional[torch.Tensor] = None,
         counts: Optional[list[int]] = None,
-        resolve: Optional[Callable[[], tuple[torch.Tensor, list[int]]]] = None,
+        resolve: Optional[Callable[[], "KeptRows"]] = None,
+        segments: Optional[list[list[tuple[int, int]]]] = None,
+        device: Optional[torch.device] = None,
     ):
         self._rows, self._counts, self._resolve = rows, counts, resolve
+        self._segments, self._device = segments, device
 
     def _ready(self) -> None:
         if self._resolve is not None:
-            self._rows, self._counts = self._resolve()
+            got = self._resolve()
+            self._rows, self._counts, self._segments, self._device = got._rows, got._counts, got._segments, got._device
             self._resolve = None
 
     @property
     def rows(self) -> torch.Tensor:
         self._ready()
-        assert self._rows is not None, "KeptRows needs rows or a resolve function"
+        if self._rows is None and self._segments is not None:
+            dev = self._device if self._device is not None else torch.device("cpu")
+            ranges = [torch.arange(lo, hi, dtype=torch.int64, device=dev) for segs in self._segments for lo, hi in segs]
+            self._rows = torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device=dev)
+        assert self._rows is not None, "KeptRows needs rows, segments or a resolve function"
         return self._rows
 
     @property
@@ -72,6 +84,22 @@ class KeptRows:
         self._ready()
         assert self._counts is not None, "KeptRows needs counts or a resolve function"
         return self._counts
+
+    @property
+    def segments(self) -> Optional[list[list[tuple[int, int]]]]:
+        """Per local expert, its kept rows as ranges [lo, hi) (None: only `rows` are known)."""
+        self._ready()
+        return self._segments
+
+
+def block_segments(starts: list[int], lengths: list[int], num_local: int) -> list[list[tuple[int, int]]]:
+    """Kept rows as runs: block b (local expert b // (len / num_local)) holds rows [starts[b], starts[b] +
+    lengths[b]); empty blocks are left out."""
+    per = len(starts) // num_local
+    return [
+        [(s, s + n) for s, n in zip(starts[e * per : (e + 1) * per], lengths[e * per : (e + 1) * per]) if n]
+        for e in range(num_local)
+    ]
 
 
 def sent_rows(routes: list[RouteResult], lo: int = 0, width: int | None = None) -> torch.Tensor:
@@ -119,11 +147,7 @@ def padded_kept_rows_later(
 ) -> KeptRows:
     """`padded_kept_rows` once the count exchange `wait` returns (on first use of the rows)."""
 
-    def resolve():
-        kept = padded_kept_rows(wait(), ep_rank, num_local, block, device, n_esp)
-        return kept.rows, kept.counts
-
-    return KeptRows(resolve=resolve)
+    return KeptRows(resolve=lambda: padded_kept_rows(wait(), ep_rank, num_local, block, device, n_esp))
 
 
 def padded_kept_rows(
@@ -151,11 +175,8 @@ def padded_kept_rows(
         d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
         g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
         starts = ((((d // n_esp) * L + e) * n_esp + d % n_esp) * G + g).reshape(-1) * block
-    total = int(n_LB.sum())
-    within = torch.arange(total, dtype=torch.int64, device=host) - torch.repeat_interleave(n_LB.cumsum(0) - n_LB, n_LB)
-    rows = torch.repeat_interleave(starts, n_LB) + within
     counts = n_LB.view(L, D * G).sum(dim=1).tolist()
-    return KeptRows(rows.to(device), counts)
+    return KeptRows(counts=counts, segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
 
 
 # Integer views of an expert input's element size: the header rows that carry the counts in the dispatch
@@ -204,10 +225,8 @@ def received_kept_rows(rows_DGL: torch.Tensor, block: int, stride: int, device: 
     d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
     g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
     starts = (d * stride + (e * G + g) * block).reshape(-1)
-    total = int(n_LB.sum())
-    within = torch.arange(total, dtype=torch.int64, device=host) - torch.repeat_interleave(n_LB.cumsum(0) - n_LB, n_LB)
-    rows = torch.repeat_interleave(starts, n_LB) + within
-    return KeptRows(rows.to(device), n_LB.view(L, D * G).sum(dim=1).tolist())
+    counts = n_LB.view(L, D * G).sum(dim=1).tolist()
+    return KeptRows(counts=counts, segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
 
 
 def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:

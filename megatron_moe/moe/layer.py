@@ -250,7 +250,9 @@ class MoELayer(nn.Module):
         if placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
-            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept)  # "moe/experts" range
+            y_partial = self.experts(  # the "moe/experts" range
+                x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept, segments=getattr(plan, "expert_segments", None)
+            )
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if path:
