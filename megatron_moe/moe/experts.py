@@ -148,13 +148,18 @@ class Experts(nn.Module):
         One GEMM pair per local expert over its own rows (an expert with no rows: empty GEMMs)."""
         if len(counts) != self.num_local or sum(counts) != x_RM.size(0):
             raise ValueError(f"ragged expert input of {x_RM.size(0)} rows does not match counts {counts}")
-        defer = self._deferral(x_RM, grad_scale)
+        fc_w, fc_b, proj_w, proj_b, defer = self._weights(x_RM, grad_scale)
+        return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b, defer)
+
+    def _weights(self, x: torch.Tensor, grad_scale: float):
+        """(fc_w, fc_b, proj_w, proj_b, defer) for a forward on x: gradients scaled by `grad_scale`; with a dW
+        queue (`_deferral`) the weights are detached (the queue computes and scales their gradients)."""
+        defer = self._deferral(x, grad_scale)
         if defer is None:
             fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
-        else:  # the queue computes and scales their gradients
+        else:
             fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
-        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
-        return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b, defer)
+        return fc_w, scale_grad(self.fc_b, grad_scale), proj_w, scale_grad(self.proj_b, grad_scale), defer
 
     def forward_grouped(
         self,
@@ -184,12 +189,7 @@ class Experts(nn.Module):
             raise ValueError(
                 f"expert row ranges do not fit the buffer of {buf_RM.size(0)} rows for {self.num_local} experts"
             )
-        defer = self._deferral(buf_RM, grad_scale)
-        if defer is None:
-            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
-        else:  # the queue computes and scales their gradients
-            fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
-        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        fc_w, fc_b, proj_w, proj_b, defer = self._weights(buf_RM, grad_scale)
         return self._grouped(buf_RM, _nonempty(segments), fc_w, fc_b, proj_w, proj_b, defer)
 
     def forward_exchange(
@@ -200,12 +200,7 @@ class Experts(nn.Module):
         partial outputs of the rows that hold a token (`kept`, rows of the received [E_l, D*B, M]).
         With a dW queue its backward runs the dW windows (combine, dispatch) = `windows` of the two
         gradient all-to-alls, and this layer's expert dW GEMMs go to the queue."""
-        defer = self._deferral(buf_LRM, grad_scale)
-        if defer is None:
-            fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
-        else:
-            fc_w, proj_w = self.fc_w.detach(), self.proj_w.detach()
-        fc_b, proj_b = scale_grad(self.fc_b, grad_scale), scale_grad(self.proj_b, grad_scale)
+        fc_w, fc_b, proj_w, proj_b, defer = self._weights(buf_LRM, grad_scale)
         M, dt = buf_LRM.size(-1), buf_LRM.dtype
         bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - proj_b.size(1)))  # [E_l, M], zeros off our columns
         args = (fc_w.to(dt), fc_b.to(dt), proj_w.to(dt), bias.to(dt), kept, group, defer, windows)
@@ -241,27 +236,32 @@ def _mlp_forward(x, fc_w, fc_b, proj_w, bias, a_out, h_out, y_out) -> None:
     torch.addmm(bias, h_out, proj_w.t(), out=y_out)
 
 
+def _grad_mm(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out = g^T x, or out += g^T x (`accumulate`: an expert's later row ranges)."""
+    if accumulate:
+        out.addmm_(g.t(), x)
+    else:
+        torch.mm(g.t(), x, out=out)
+
+
+def _grad_sum(g: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out = sum of g's rows, or out += it (`accumulate`)."""
+    if accumulate:
+        out.add_(g.sum(dim=0))
+    else:
+        torch.sum(g, dim=0, out=out)
+
+
 def _mlp_backward(
     gy, x, a, h, fc_w, proj_w, d_fc_w, d_fc_b, d_proj_w, d_bias, dx_out=None, da_out=None, accumulate=False
 ) -> torch.Tensor:
     """One expert's weight and bias gradients (written into the given slices, or added to them with
     `accumulate`: the expert's later row ranges) from gy [n, M]; returns dx [n, M] (written into `dx_out`
     when given: no copy). `da_out` [n, H]: room for the activation's gradient (else new)."""
-    if accumulate:
-        d_proj_w.addmm_(gy.t(), h)
-        d_bias.add_(gy.sum(dim=0))
-    else:
-        torch.mm(gy.t(), h, out=d_proj_w)
-        torch.sum(gy, dim=0, out=d_bias)
-    dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
-    da = gelu_tanh_backward(dh, a, out=dh)  # in place, elementwise
-    if accumulate:
-        d_fc_w.addmm_(da.t(), x)
-        d_fc_b.add_(da.sum(dim=0))
-    else:
-        torch.mm(da.t(), x, out=d_fc_w)
-        torch.sum(da, dim=0, out=d_fc_b)
-    return da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)
+    _grad_mm(gy, h, d_proj_w, accumulate)
+    dx, da = _mlp_backward_dx(gy, a, fc_w, proj_w, d_fc_b, d_bias, dx_out, da_out, accumulate)
+    _grad_mm(da, x, d_fc_w, accumulate)
+    return dx
 
 
 def _mlp_backward_dx(
@@ -269,16 +269,10 @@ def _mlp_backward_dx(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_mlp_backward` without the weight gradients (a dW queue computes them later from gy, h and
     da, x): the bias gradients into (or, `accumulate`, added to) the given slices; returns (dx [n, M], da [n, H])."""
-    if accumulate:
-        d_bias.add_(gy.sum(dim=0))
-    else:
-        torch.sum(gy, dim=0, out=d_bias)
+    _grad_sum(gy, d_bias, accumulate)
     dh = gy.mm(proj_w) if da_out is None else torch.mm(gy, proj_w, out=da_out)
-    da = gelu_tanh_backward(dh, a, out=dh)
-    if accumulate:
-        d_fc_b.add_(da.sum(dim=0))
-    else:
-        torch.sum(da, dim=0, out=d_fc_b)
+    da = gelu_tanh_backward(dh, a, out=dh)  # in place, elementwise
+    _grad_sum(da, d_fc_b, accumulate)
     return (da.mm(fc_w) if dx_out is None else torch.mm(da, fc_w, out=dx_out)), da
 
 

@@ -250,9 +250,8 @@ class MoELayer(nn.Module):
         if placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
-            y_partial = self.experts(  # the "moe/experts" range
-                x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept, segments=getattr(plan, "expert_segments", None)
-            )
+            segments = plan.expert_segments if isinstance(plan, PaddedPlan) else None  # header: rows where they lie
+            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept, segments=segments)
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
             if path:
