@@ -9,7 +9,10 @@ leave unwritten must be exactly the rows nothing reads. The experts on row range
 
 import torch
 
-from megatron_moe.moe.dispatcher import DispatchIndex, _Combine, _PackRows, combine
+import pytest
+
+from megatron_moe.kernels import cpu_gelu
+from megatron_moe.moe.dispatcher import DispatchIndex, _Combine, _PackRows, combine, combine_rows
 
 T, M, R = 6, 5, 16  # tokens, model dim, buffer rows
 
@@ -22,7 +25,15 @@ def _index(seed: int) -> DispatchIndex:
     return DispatchIndex(token, row, torch.rand(token.numel(), generator=g, device="cpu"))
 
 
-def test_combine_values_and_gradients_equal_autograd_of_the_index_ops():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_combine_values_and_gradients_equal_autograd_of_the_index_ops(kernel, monkeypatch):
+    """Both implementations of `_Combine`: aten's index ops (bitwise), and on CPU float32 the C loops of
+    `cpu_gelu.combine_forward` / `combine_backward` (values and the buffer's gradient bitwise; the weights'
+    gradient sums its products in another order)."""
+    if not kernel:
+        monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
+    elif "no C compiler" in cpu_gelu.status():
+        pytest.skip(cpu_gelu.status())
     idx = _index(0)
     g = torch.Generator(device="cpu").manual_seed(1)
     buf = torch.randn(R, M, generator=g, device="cpu")
@@ -37,9 +48,34 @@ def test_combine_values_and_gradients_equal_autograd_of_the_index_ops():
             y = b.new_zeros(T, M).index_add_(0, idx.token, rows)
         (y * gy).sum().backward()
         out.append((y.detach(), b.grad, w.grad))
-    for got, want in zip(out[1], out[0]):
-        assert torch.equal(got, want)
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+    if kernel:
+        torch.testing.assert_close(out[1][2], out[0][2], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(out[1][2], out[0][2])
     assert torch.count_nonzero(out[1][1].abs().sum(1)) == idx.row.numel()  # unread rows: zero gradient
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_combine_rows_equals_autograd_of_the_weighted_index_add(kernel, monkeypatch):
+    """`combine_rows` (one rank holding every expert: choice i's output is row i) through `_Combine`."""
+    if not kernel:
+        monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
+    elif "no C compiler" in cpu_gelu.status():
+        pytest.skip(cpu_gelu.status())
+    idx = _index(8)
+    g = torch.Generator(device="cpu").manual_seed(9)
+    y_KM = torch.randn(idx.token.numel(), M, generator=g, device="cpu")
+    gy = torch.randn(T, M, generator=g, device="cpu")
+    a, wa = y_KM.clone().requires_grad_(), idx.weight.clone().requires_grad_()
+    b, wb = y_KM.clone().requires_grad_(), idx.weight.clone().requires_grad_()
+    ya = combine_rows(a, DispatchIndex(idx.token, idx.row, wa), T)
+    yb = b.new_zeros(T, M).index_add_(0, idx.token, b * wb[:, None])
+    assert torch.equal(ya, yb)
+    (ya * gy).sum().backward()
+    (yb * gy).sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_combine_without_zero_rest_writes_the_read_rows_alike():

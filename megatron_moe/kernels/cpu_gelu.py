@@ -1,4 +1,5 @@
-"""GPT-2's tanh-GELU on CPU float32 tensors: the vectorized C loops of `gelu_tanh.c`.
+"""GPT-2's tanh-GELU on CPU float32 tensors: the vectorized C loops of `gelu_tanh.c` (which also
+holds the MoE combine's weighted gather, `combine_forward` / `combine_backward`).
 
 Built once per machine with the system C compiler (``$CC``, else ``cc`` or ``gcc``) into the
 kernel cache (``$MEGATRON_MOE_KERNEL_CACHE``, else ``~/.cache/megatron_moe/kernels``; the
@@ -76,6 +77,58 @@ def forward_bias(a: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torc
         raise ValueError(f"cpu_gelu: bias {tuple(bias.shape)} does not fit the rows of {tuple(a.shape)}")
     _lib.gelu_tanh_bias_fwd(a.data_ptr(), bias.data_ptr(), out.data_ptr(), a.size(0), a.size(1))  # type: ignore[union-attr]
     return out
+
+
+def combine_applies(buf: torch.Tensor, weight: torch.Tensor, *index: Optional[torch.Tensor]) -> bool:
+    """True when `combine_forward` / `combine_backward` run for these tensors: float32 rows of a 2-D buffer and
+    weights, int64 indices (None: the identity), all contiguous on CPU, and the library loaded."""
+    idx = [t for t in index if t is not None]
+    if buf.dim() != 2 or not all(t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() for t in idx):
+        return False
+    return applies(buf, weight)
+
+
+def combine_forward(
+    buf: torch.Tensor, row: Optional[torch.Tensor], token: torch.Tensor, weight: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """y [num_tokens, M]: row token[i] of y sums weight[i] * buf[row[i]] over the kept choices i (row None:
+    buf row i); `combine_applies` must hold."""
+    K, M = token.numel(), buf.size(1)
+    if weight.numel() != K or (row is not None and row.numel() != K) or (row is None and buf.size(0) != K):
+        raise ValueError("cpu_gelu: the combine's rows, tokens and weights differ in length")
+    y = buf.new_empty(num_tokens, M)
+    rp = None if row is None else row.data_ptr()
+    _lib.moe_combine_fwd(buf.data_ptr(), rp, token.data_ptr(), weight.data_ptr(), y.data_ptr(), K, num_tokens, M)  # type: ignore[union-attr]
+    return y
+
+
+def combine_backward(
+    g: torch.Tensor,
+    buf: torch.Tensor,
+    row: Optional[torch.Tensor],
+    token: torch.Tensor,
+    weight: torch.Tensor,
+    d_buf: torch.Tensor,
+) -> torch.Tensor:
+    """The combine's gradient from g [T, M]: writes weight[i] * g[token[i]] into row row[i] of d_buf (buf's
+    shape; its other rows untouched) and returns the weights' gradient [K]."""
+    if d_buf.shape != buf.shape or g.size(1) != buf.size(1) or not d_buf.is_contiguous():
+        raise ValueError("cpu_gelu: the combine's gradient buffers do not match")
+    K = token.numel()
+    dw = weight.new_empty(K)
+    rp = None if row is None else row.data_ptr()
+    _lib.moe_combine_bwd(  # type: ignore[union-attr]
+        g.data_ptr(),
+        buf.data_ptr(),
+        rp,
+        token.data_ptr(),
+        weight.data_ptr(),
+        d_buf.data_ptr(),
+        dw.data_ptr(),
+        K,
+        buf.size(1),
+    )
+    return dw
 
 
 def backward(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -173,6 +226,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gelu_tanh_bwd.restype = None
     lib.gelu_tanh_bias_fwd.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     lib.gelu_tanh_bias_fwd.restype = None
+    lib.moe_combine_fwd.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lib.moe_combine_fwd.restype = None
+    lib.moe_combine_bwd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2
+    lib.moe_combine_bwd.restype = None
     # against aten on values across the whole range; an odd length runs the vector loops' remainder too
     x = torch.linspace(-12.0, 12.0, 4099, dtype=torch.float32, device="cpu")
     g = torch.linspace(-2.0, 3.0, 4099, dtype=torch.float32, device="cpu")
@@ -185,6 +242,7 @@ def _load(path: Path) -> ctypes.CDLL:
     want_dx = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
     want_a = x[:4096].reshape(64, 64).double() + g[:64].double()
     want_yb = torch.nn.functional.gelu(want_a, approximate="tanh")
+    _check_combine(lib, path)
     for got, want, what in (
         (y, want_y, "forward"),
         (dx, want_dx, "backward"),
@@ -195,3 +253,33 @@ def _load(path: Path) -> ctypes.CDLL:
         if not err <= 1e-5:  # aten's own float32 error here: 4e-7 forward, 3e-6 backward
             raise RuntimeError(f"{path.name} failed its check ({what} off by {err:.3g})")
     return lib
+
+
+def _check_combine(lib: ctypes.CDLL, path: Path) -> None:
+    """The combine's kernels against aten's index ops on a small case (some tokens with two choices)."""
+    cpu = torch.device("cpu")
+    gen = torch.Generator(device=cpu).manual_seed(0)
+    buf, g = torch.randn(12, 20, generator=gen, device=cpu), torch.randn(5, 20, generator=gen, device=cpu)
+    row = torch.tensor([3, 0, 7, 8, 11, 2, 5], dtype=torch.int64, device=cpu)
+    token = torch.tensor([0, 0, 1, 2, 2, 3, 4], dtype=torch.int64, device=cpu)
+    w = torch.rand(7, generator=gen, device=cpu)
+    y, dbuf, dw = torch.empty(5, 20, device=cpu), torch.zeros(12, 20, device=cpu), torch.empty(7, device=cpu)
+    lib.moe_combine_fwd(buf.data_ptr(), row.data_ptr(), token.data_ptr(), w.data_ptr(), y.data_ptr(), 7, 5, 20)
+    lib.moe_combine_bwd(
+        g.data_ptr(),
+        buf.data_ptr(),
+        row.data_ptr(),
+        token.data_ptr(),
+        w.data_ptr(),
+        dbuf.data_ptr(),
+        dw.data_ptr(),
+        7,
+        20,
+    )
+    want_y = torch.zeros(5, 20, device=cpu).index_add_(0, token, buf[row] * w[:, None])
+    want_dbuf = torch.zeros(12, 20, device=cpu).index_copy_(0, row, g[token] * w[:, None])
+    want_dw = (g[token].double() * buf[row].double()).sum(1)
+    if not (
+        torch.equal(y, want_y) and torch.equal(dbuf, want_dbuf) and float((dw.double() - want_dw).abs().max()) <= 1e-4
+    ):
+        raise RuntimeError(f"{path.name} failed its check (the combine)")

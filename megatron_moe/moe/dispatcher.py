@@ -63,6 +63,7 @@ import torch
 
 from megatron_moe import kernels
 from megatron_moe.distributed import observer
+from megatron_moe.kernels import cpu_gelu
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
@@ -126,24 +127,40 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int, zero_rest
 
 class _Combine(torch.autograd.Function):
     """`combine` with a hand-written backward: one node instead of autograd's gather, multiply and scatter
-    nodes, the same values (the buffer's gradient in the read rows, the weights' gradient)."""
+    nodes, the same values (the buffer's gradient in the read rows, the weights' gradient). `row` None: choice
+    i reads buffer row i (`combine_rows`). On contiguous CPU float32 tensors both directions are one C loop
+    each (`kernels.cpu_gelu.combine_forward` / `combine_backward`: the same forward bits, the weights'
+    gradient summed in another order); aten's index ops otherwise."""
 
     @staticmethod
     def forward(ctx, buf_RM, row, token, weight, num_tokens, zero_rest):
-        picked = buf_RM.index_select(0, row)
+        ctx.buf_shape, ctx.zero_rest = buf_RM.shape, zero_rest
+        ctx.fused = cpu_gelu.combine_applies(buf_RM, weight, row, token)
+        if ctx.fused:  # the buffer itself is kept for the weights' gradient: no gathered copy
+            ctx.save_for_backward(buf_RM, row, token, weight)
+            return cpu_gelu.combine_forward(buf_RM, row, token, weight, num_tokens)
+        picked = buf_RM if row is None else buf_RM.index_select(0, row)
         rows = picked * weight[:, None].to(buf_RM.dtype)
         ctx.save_for_backward(picked, row, token, weight)
-        ctx.buf_shape, ctx.zero_rest = buf_RM.shape, zero_rest
         return buf_RM.new_zeros(num_tokens, buf_RM.size(1)).index_add_(0, token, rows)
 
     @staticmethod
     def backward(ctx, g_SM):
-        picked, row, token, weight = ctx.saved_tensors
+        saved, row, token, weight = ctx.saved_tensors
+        g_SM = g_SM.contiguous()
+        if ctx.fused and cpu_gelu.combine_applies(g_SM, weight):
+            fresh = g_SM.new_zeros if ctx.zero_rest and row is not None else g_SM.new_empty
+            d_buf = fresh(ctx.buf_shape)
+            d_weight = cpu_gelu.combine_backward(g_SM, saved, row, token, weight, d_buf)
+            return d_buf, None, None, d_weight if ctx.needs_input_grad[3] else None, None, None
+        picked = saved if not ctx.fused or row is None else saved.index_select(0, row)
         g_KM = g_SM.index_select(0, token)
         d_buf = d_weight = None
         if ctx.needs_input_grad[0]:
             d_rows = g_KM * weight[:, None].to(g_KM.dtype)
-            if ctx.zero_rest:  # the rows no choice reads get zeros (what autograd's index_select backward gives)
+            if row is None:  # choice i is buffer row i
+                d_buf = d_rows
+            elif ctx.zero_rest:  # the rows no choice reads get zeros (what autograd's index_select backward gives)
                 d_buf = g_KM.new_zeros(ctx.buf_shape).index_add_(0, row, d_rows)
             else:  # rows are distinct: a copy writes the same values; the other rows stay unwritten
                 d_buf = g_KM.new_empty(ctx.buf_shape).index_copy_(0, row, d_rows)
@@ -172,8 +189,7 @@ class _PackRows(torch.autograd.Function):
 
 def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's rows of y [K, M], row i belonging to kept choice i of `idx`."""
-    weighted = y_KM * idx.weight[:, None].to(y_KM.dtype)
-    return y_KM.new_zeros(num_tokens, y_KM.size(1)).index_add_(0, idx.token, weighted)
+    return _Combine.apply(y_KM, None, idx.token, idx.weight, num_tokens, True)
 
 
 class _Notify(torch.autograd.Function):
