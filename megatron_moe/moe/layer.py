@@ -93,7 +93,7 @@ class MoELayer(nn.Module):
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
         self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
         self.path_choice: Optional[str] = None  # kept or overlap, measured (auto)
-        self.path_calls, self.path_times = 0, {}  # that trial's forwards and seconds per path
+        self.path_calls, self.path_times = 0, {}  # that trial's forwards and each path's fastest, in seconds
         self.path_last = ""  # the path of the last forward with a padded dispatcher
         self.path_trial = False  # True when the last forward was part of the kept / overlap trial
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
@@ -142,7 +142,7 @@ class MoELayer(nn.Module):
         nearly every slot holds a token and packing costs more than the padding saves), else kept
         rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
         gives the same bits as kept rows, so between those two the layer measures: after a warm-up
-        forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of the times over the world
+        forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of each path's fastest forward over the world
         (`moe.kept.decide_path`) fixes the faster for good (Lancet's deferred dW runs in every path)."""
         self.path_trial = False
         if not self.kept_only:
@@ -168,10 +168,11 @@ class MoELayer(nn.Module):
         return self.path_trial and self.path_choice is None
 
     def _timed(self, path: str, seconds: float) -> None:
-        """Count a forward of the kept / overlap trial of `expert_path` and add its time."""
+        """Count a forward of the kept / overlap trial of `expert_path` and keep each path's fastest: one forward
+        slowed by a preemption on a shared machine then cannot decide the trial (a sum of two could)."""
         if self.path_trial and self.path_choice is None:
             if self.path_calls > 0:
-                self.path_times[path] = self.path_times.get(path, 0.0) + seconds
+                self.path_times[path] = min(self.path_times.get(path, float("inf")), seconds)
             self.path_calls += 1
 
     @property
