@@ -277,6 +277,18 @@ def test_every_rank_takes_the_path_of_the_slowest_rank_times():
     assert spawn(_decide_ranks, 2) == ["kept", "kept"]
 
 
+def test_a_later_path_needs_to_beat_the_earlier_by_the_margin():
+    from megatron_moe.moe.kept import decide_path
+
+    one = local_state().group("world")  # a world of one rank: no all-reduce
+    cpu = torch.device("cpu")
+    assert decide_path({"kept": 1.00, "overlap": 0.97}, one, cpu) == "overlap"
+    assert decide_path({"kept": 1.00, "overlap": 0.97}, one, cpu, margin=0.05) == "kept"  # within the noise
+    assert decide_path({"kept": 1.00, "overlap": 0.90}, one, cpu, margin=0.05) == "overlap"
+    assert decide_path({"padded": 1.0, "kept": 0.99, "overlap": 0.5}, one, cpu, margin=0.05) == "overlap"
+    assert decide_path({"kept": 1.0, "overlap": 1.0}, one, cpu) == "kept"  # ties: the earlier path
+
+
 def test_auto_computes_padded_when_nearly_every_slot_holds_a_token_else_kept_rows():
     from megatron_moe.moe.layer import KEPT_MIN_EMPTY
 

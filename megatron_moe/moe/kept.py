@@ -239,13 +239,18 @@ def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:
 PATHS = ("padded", "kept", "overlap")
 
 
-def decide_path(times_s: dict[str, float], world, device: torch.device) -> str:
+def decide_path(times_s: dict[str, float], world, device: torch.device, margin: float = 0.0) -> str:
     """The fastest of the measured paths (`times_s`: this rank's seconds of each, in PATHS order), from
     one MAX all-reduce over `world`: every rank compares the slowest rank's times and takes the same
     path whatever it measured itself (ranks on different paths would order their collectives
-    differently). Ties go to the earlier path. Every rank of `world` must call it at the same point
-    with the same paths."""
+    differently). A later path replaces an earlier one only when it is faster by more than `margin`
+    (a fraction of the earlier one's time; ties go to the earlier path). Every rank of `world` must
+    call it at the same point with the same paths."""
     names = [p for p in PATHS if p in times_s]
     t = torch.tensor([times_s[p] for p in names], dtype=torch.float64, device=device)
     all_reduce_raw(t, world, op="max")
-    return names[int(torch.argmin(t))]
+    best = 0
+    for i in range(1, len(names)):
+        if float(t[i]) < float(t[best]) * (1.0 - margin):
+            best = i
+    return names[best]

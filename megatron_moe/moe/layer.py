@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("baseline", "s1", "s2")
 KEPT_TRIALS = 2  # timed forwards of kept rows and of the overlap before one is fixed (`MoELayer.expert_path`)
+# the overlap replaces kept rows only when its fastest trial forward beats theirs by more than this: the two give
+# the same bits, kept rows are the simpler pipeline, and two forwards each on a shared 2-core machine differed by
+# up to 5 % between runs of the same path (docs/BENCHMARKS.md, session 10); on a slow link the overlap wins by more
+OVERLAP_MARGIN = 0.05
 # kept rows when at least this share of the capacity slots must stay empty (`expert_path`): 0, since kept rows
 # measured faster than the padded compute even at capacity factor 1.0 with 99% of the slots filled (quiet rerun
 # of tools/bench_vs_deepspeed.py, docs/BENCHMARKS.md); a positive value sends nearly full layers to the padded GEMMs
@@ -143,7 +147,7 @@ class MoELayer(nn.Module):
         rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
         gives the same bits as kept rows, so between those two the layer measures: after a warm-up
         forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of each path's fastest forward over the world
-        (`moe.kept.decide_path`) fixes the faster for good (Lancet's deferred dW runs in every path)."""
+        (`moe.kept.decide_path`) fixes the faster for good (the overlap only when faster by more than OVERLAP_MARGIN) (Lancet's deferred dW runs in every path)."""
         self.path_trial = False
         if not self.kept_only:
             return "padded"
@@ -156,7 +160,7 @@ class MoELayer(nn.Module):
             return "kept"
         if self.path_choice is None and self.path_calls > 2 * KEPT_TRIALS:
             times = {p: self.path_times.get(p, 0.0) for p in ("kept", "overlap")}
-            self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device)
+            self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device, OVERLAP_MARGIN)
         if self.path_choice is not None:
             return self.path_choice
         self.path_trial = True
