@@ -25,15 +25,20 @@ def _index(seed: int) -> DispatchIndex:
     return DispatchIndex(token, row, torch.rand(token.numel(), generator=g, device="cpu"))
 
 
+def _combine_on(kernel: bool, monkeypatch) -> None:
+    """Run the combine on the C kernel (skip without a compiler) or on aten's index ops."""
+    if not kernel:
+        monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
+    elif "no C compiler" in cpu_gelu.status():
+        pytest.skip(cpu_gelu.status())
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_combine_values_and_gradients_equal_autograd_of_the_index_ops(kernel, monkeypatch):
     """Both implementations of `_Combine`: aten's index ops (bitwise), and on CPU float32 the C loops of
     `cpu_gelu.combine_forward` / `combine_backward` (values and the buffer's gradient bitwise; the weights'
     gradient sums its products in another order)."""
-    if not kernel:
-        monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
-    elif "no C compiler" in cpu_gelu.status():
-        pytest.skip(cpu_gelu.status())
+    _combine_on(kernel, monkeypatch)
     idx = _index(0)
     g = torch.Generator(device="cpu").manual_seed(1)
     buf = torch.randn(R, M, generator=g, device="cpu")
@@ -59,10 +64,7 @@ def test_combine_values_and_gradients_equal_autograd_of_the_index_ops(kernel, mo
 @pytest.mark.parametrize("kernel", [True, False])
 def test_combine_rows_equals_autograd_of_the_weighted_index_add(kernel, monkeypatch):
     """`combine_rows` (one rank holding every expert: choice i's output is row i) through `_Combine`."""
-    if not kernel:
-        monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "1")
-    elif "no C compiler" in cpu_gelu.status():
-        pytest.skip(cpu_gelu.status())
+    _combine_on(kernel, monkeypatch)
     idx = _index(8)
     g = torch.Generator(device="cpu").manual_seed(9)
     y_KM = torch.randn(idx.token.numel(), M, generator=g, device="cpu")
