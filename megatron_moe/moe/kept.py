@@ -45,7 +45,8 @@ from megatron_moe.moe.router import RouteResult
 
 class KeptRows:
     """rows [K] flat indices into the expert input viewed as [E_l * N, M], ascending, so grouped
-    by local expert; counts [E_l] rows of each local expert (sum K); segments (when the rows come
+    by local expert; counts [E_l] rows of each local expert (sum K; derived from the segments when
+    those are given); segments (when the rows come
     as runs of consecutive rows, as every padded layout's kept slots do): per local expert, its
     row ranges [lo, hi) in the same flat coordinates, in the rows' order. The experts then multiply
     those row ranges where they lie (`Experts.forward_segments`) instead of gathering them. Either
@@ -82,7 +83,9 @@ class KeptRows:
     @property
     def counts(self) -> list[int]:
         self._ready()
-        assert self._counts is not None, "KeptRows needs counts or a resolve function"
+        if self._counts is None and self._segments is not None:
+            self._counts = [sum(hi - lo for lo, hi in segs) for segs in self._segments]
+        assert self._counts is not None, "KeptRows needs counts, segments or a resolve function"
         return self._counts
 
     @property
@@ -175,8 +178,7 @@ def padded_kept_rows(
         d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
         g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
         starts = ((((d // n_esp) * L + e) * n_esp + d % n_esp) * G + g).reshape(-1) * block
-    counts = n_LB.view(L, D * G).sum(dim=1).tolist()
-    return KeptRows(counts=counts, segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
+    return KeptRows(segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
 
 
 # Integer views of an expert input's element size: the header rows that carry the counts in the dispatch
@@ -225,8 +227,7 @@ def received_kept_rows(rows_DGL: torch.Tensor, block: int, stride: int, device: 
     d = torch.arange(D, dtype=torch.int64, device=host).view(1, D, 1)
     g = torch.arange(G, dtype=torch.int64, device=host).view(1, 1, G)
     starts = (d * stride + (e * G + g) * block).reshape(-1)
-    counts = n_LB.view(L, D * G).sum(dim=1).tolist()
-    return KeptRows(counts=counts, segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
+    return KeptRows(segments=block_segments(starts.tolist(), n_LB.tolist(), L), device=device)
 
 
 def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:
