@@ -49,6 +49,7 @@ MARKS: dict[str, dict[str, object]] = {
             "test_clipped_golden_curve_matches_one_process",
         },
         "test_comm_bytes.py": ALL,
+        "test_plan_parts.py": ALL,
         "test_device_hygiene.py": {
             "test_trainer_under_meta_default_device_matches_the_plain_run",
             "test_bench_tool_under_meta_default_device",

@@ -143,9 +143,9 @@ def a2a_bytes(ps, ref: dict, out: dict, plan: LancetPlan) -> dict:
         "got": got,
         "want": want,
         "n_token_msgs": len(recs),
-        "n_count_msgs": len(counts),
-        "count_bytes": {c.sent for c in counts},
-        "count_bytes_want": ps.size("ep") * n_esp * E_l * 8,
+        "count_bytes": [c.sent for c in counts],
+        "count_bytes_per_part": ps.size("ep") * n_esp * E_l * 8,
+        "parts": [min(r.k, MICRO) for r in sorted(plan.ranges, key=lambda r: r.layer)],
     }
 
 
@@ -247,8 +247,12 @@ def _check(per_rank: list) -> None:
                 continue
             b = case["bytes"]
             assert b["got"] == b["want"], f"{tag}: irregular all-to-all bytes {b['got']} != real tokens {b['want']}"
-            assert b["n_count_msgs"] == 2 + 3 and b["n_token_msgs"] == 2 * (2 + 3), tag
-            assert b["count_bytes"] == {b["count_bytes_want"]}, tag
+            # a dispatch and a return per part (k = 2 and 3); the counts of a range's parts travel together
+            # (`UnevenDispatcher.plan_parts`), except that a per-part gate sends part 0's alone first
+            assert b["n_token_msgs"] == 2 * (2 + 3), tag
+            unit = b["count_bytes_per_part"]
+            want = [m * unit for n in b["parts"] for m in ([1, n - 1] if per_part and n > 1 else [n])]
+            assert b["count_bytes"] == want, f"{tag}: count messages {b['count_bytes']} != {want}"
 
 
 def test_lancet_modes_match_plain_run():

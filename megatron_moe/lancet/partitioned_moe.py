@@ -16,7 +16,9 @@ the batch:
                           everything between two MoE layers (Lancet's iota = the whole span)
 `PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a
 dispatcher and `Experts`: stage by stage, parts in index order within a stage
-(pre-ops and routing, then each part's dispatch is launched; experts of each part
+(pre-ops and routing, then the parts' dispatches are launched back to back after one
+exchange of all their counts: a count exchange per part would queue behind the previous
+part's tokens on the link; a per-part gate launches part 0 first, alone; experts of each part
 as its tokens arrive, each return launched; then part by part its combine and post-ops:
 residual, dense blocks, next attention, while later parts' returns are in flight), so
 part i's messages are in flight while other parts compute (the order Lancet's simulator
@@ -260,13 +262,17 @@ class PartitionedRange:
         for op in (attn_ops if spec.start == "attn" else []) + ([p + "ln2"] if spec.start != "gate" else []):
             self._check(op, dname)
         split, started = False, []
-        if per_part:  # stage A part by part: pre-ops, gate, launch
+        if per_part:  # stage A part by part: pre-ops and gate; part 0 launched at once, then the rest together
             cp = _CapacityPassing(layer.router, B * T)
+            parts = []
             for i in range(k):
                 with annotate("lancet/part"):
                     res[i] = block.attn_residual(res[i]) if spec.start == "attn" else res[i]
                     hi = block.ln2(res[i]).reshape(-1, M)  # part i's rows of S (B split, d == 0)
-                started.append(self._start(hi, cp.part(hi)))
+                parts.append((hi, cp.part(hi)))
+                if i == 0:  # parts 1.. compute their pre-ops and gate while part 0's tokens travel
+                    started = self._start_all(parts)
+            started += self._start_all(parts[1:])
             layer.router.record([p_[1] for p_ in started])
             aux = cp.aux()
         else:  # the layer's router stage on the whole group
@@ -282,7 +288,7 @@ class PartitionedRange:
             (route,), aux, flat = layer.route(h, split)
             sizes = [t.size(0) for t in torch.tensor_split(flat, k)] if split else [xi.numel() // M for xi in res]
             bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()  # host-side row bounds
-            started = [self._start(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])]
+            started = self._start_all([(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])])
         for op in ("moe.gate", "moe.dispatch"):  # tokens: each part a run of rows of [S, M]
             self._check(p + op, "S")
         for op in ("moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine"):
@@ -314,17 +320,28 @@ class PartitionedRange:
             self.timings.append(1e3 * (time.perf_counter() - t0))
         return layer.dispatcher.track_output(torch.cat(outs, dim=d)), aux
 
-    def _start(self, tok_sM: torch.Tensor, route: RouteResult):
-        """Plan a part and launch its dispatch (S2's padded dispatcher runs the whole part now)."""
+    def _start_all(self, parts: list[tuple[torch.Tensor, RouteResult]]) -> list:
+        """Plan the given parts (tokens [s, M], route) and launch their dispatches, in part order: one
+        count exchange for all of them (`UnevenDispatcher.plan_parts`; a count exchange per part would
+        wait behind the previous part's tokens on the link), then their token all-to-alls back to back,
+        so the link carries part i+1's tokens while part i's experts compute. S2's padded dispatcher
+        runs each whole part now (synchronous)."""
         d = self.dispatcher
+        if not parts:
+            return []
         with annotate("moe/dispatch"):
             if isinstance(d, UnevenDispatcher):
-                uneven = d.plan([route])
-                d.dispatch_start(tok_sM, uneven)
-                return uneven, route, None
-            padded = d.plan([route])
-            x_in = d.dispatch(tok_sM, padded)
-        return padded, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), padded)
+                plans = d.plan_parts([[route] for _, route in parts])
+                for (tok_sM, _), plan in zip(parts, plans):
+                    d.dispatch_start(tok_sM, plan)
+                return [(plan, route, None) for plan, (_, route) in zip(plans, parts)]
+        started = []
+        for tok_sM, route in parts:
+            with annotate("moe/dispatch"):
+                padded = d.plan([route])
+                x_in = d.dispatch(tok_sM, padded)
+            started.append((padded, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), padded)))
+        return started
 
     def _finish(self, started: list, M: int, device: torch.device, side_end: list):
         """Experts of each part as its tokens arrive (launching the returns), then each part's

@@ -610,6 +610,21 @@ class UnevenPlan:
     kept: Optional[KeptRows] = None
 
 
+@dataclass
+class _LocalPlan:
+    """What `UnevenDispatcher._sort` computes before the counts travel: the kept choices' token rows and
+    weights in send order, the dump, the counts [D, X] to send (+ [D, E] routed, with the counts sink),
+    the rows sent to each rank, X columns per rank, and the routed tokens."""
+
+    token: torch.Tensor
+    weight: torch.Tensor
+    dump: torch.Tensor
+    send_counts: torch.Tensor
+    send_splits: list[int]
+    X: int
+    tokens: int
+
+
 class UnevenDispatcher(TokenDispatcher):
     """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
     `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
@@ -632,6 +647,23 @@ class UnevenDispatcher(TokenDispatcher):
 
     def plan(self, routes: list[RouteResult]) -> UnevenPlan:
         """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
+        local = self._sort(routes)
+        return self._complete(local, a2a.exchange_counts(local.send_counts, self.counts_group))
+
+    def plan_parts(self, parts: list[list[RouteResult]]) -> list[UnevenPlan]:
+        """`plan` of each part (Lancet's partitions of one range) with one count exchange for all of them
+        (collective): a count exchange per part would queue behind the previous part's tokens on the
+        link, so a part could not be planned until the part before it had arrived. With the counts
+        sink (Pro-Prophet) every part is planned on its own, as the sink expects one message per plan."""
+        if self.counts_sink is not None and self.ragged:
+            return [self.plan(r) for r in parts]
+        local = [self._sort(r) for r in parts]
+        recv = a2a.exchange_counts(torch.cat([lp.send_counts for lp in local], dim=1), self.counts_group)
+        widths = [lp.send_counts.size(1) for lp in local]
+        return [self._complete(lp, rc) for lp, rc in zip(local, recv.split(widths, dim=1))]
+
+    def _sort(self, routes: list[RouteResult]) -> "_LocalPlan":
+        """The part of `plan` that needs no other rank: kept choices sorted by destination column."""
         G, (s, k) = len(routes), routes[0].slot.shape
         cap, E, E_l, n_esp = routes[0].capacity, self.num_experts, self.num_local, self.n_esp
         kept = [r.slot >= 0 for r in routes]
@@ -665,13 +697,26 @@ class UnevenDispatcher(TokenDispatcher):
             ]
         )
         send_counts = per_ep_E.repeat_interleave(n_esp, dim=0)  # [D, X]
-        sink = self.counts_sink if self.ragged else None
-        if sink is not None:  # this rank's routed counts [E] to every rank, in the same message
+        if (
+            self.counts_sink is not None and self.ragged
+        ):  # this rank's routed counts [E] to every rank, in the same message
             routed_E = torch.bincount(torch.cat([r.expert[m] for r, m in zip(routes, kept)]), minlength=E)
             send_counts = torch.cat([send_counts, routed_E.expand(send_counts.size(0), E)], dim=1)
-        recv_counts = a2a.exchange_counts(send_counts, self.counts_group)  # [D, X] (+ [D, E] routed)
-        if sink is not None:
-            sink.add_counts(self.layer_idx, recv_counts[:, X:])
+        return _LocalPlan(
+            token[order],
+            weight,
+            dump,
+            send_counts,
+            [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
+            X,
+            G * s,
+        )
+
+    def _complete(self, lp: "_LocalPlan", recv_counts: torch.Tensor) -> UnevenPlan:
+        """The rest of `plan` once the counts [D, X] (+ [D, E] routed, with the sink) have arrived."""
+        X = lp.X
+        if self.counts_sink is not None and self.ragged:
+            self.counts_sink.add_counts(self.layer_idx, recv_counts[:, X:])
             recv_counts = recv_counts[:, :X]
         per_expert = recv_counts.sum(dim=0)  # [X] rows received
         N = max(1, int(per_expert.max()))
@@ -691,19 +736,19 @@ class UnevenDispatcher(TokenDispatcher):
         )
         out = a2a.A2AHandle(
             self.group,
-            [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
+            lp.send_splits,
             recv_counts.sum(dim=1).tolist(),
             self.a2a_name("dispatch"),
             self.dw,
         )
-        dev = column.device
+        dev = lp.token.device
         return UnevenPlan(
-            token[order],
-            weight,
-            dump.to(dev),
+            lp.token,
+            lp.weight,
+            lp.dump.to(dev),
             row.to(dev),
             N,
-            G * s,
+            lp.tokens,
             out,
             out.reverse(self.a2a_name("combine")),
             expert_rows=(per_expert.tolist() if self.placement is None else self.placement.expert_rows(per_expert))
