@@ -16,9 +16,10 @@ linears and kept-row experts, as row operands (g, x). The exchanged MLP runs its
 own all-to-alls, so its backward opens their dW windows itself (`ExpertDW.window`).
 
 Partitioned ranges use a weight k times. With row operands the runtime holds
-each use's (g, x) until the weight's last use is reached and runs one GEMM per
-slot over all their rows (`_rows_grad`), instead of k full-size dW GEMMs and
-k - 1 sums; the controller installs the runtime for that under partitioning
+each use's (g, x) until the weight's last use is reached and then runs each use's
+GEMM into one gradient tensor, the first writing it and the others adding to it
+(`_rows_grad`, `addmm_`): no k full-size dW tensors, no k - 1 sums and no copy of
+the rows; the controller installs the runtime for that under partitioning
 alone too (empty assignment: nothing is placed under an all-to-all).
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
@@ -37,7 +38,8 @@ The weight is not an autograd input of these functions (a `WeightRef` carries
 it), so autograd never touches its `.grad` and never fires its grad-ready
 hook early. The runtime sums a parameter's contributions (one per forward use:
 k with a k-way partitioned range) and, after the last one, accumulates them
-with `torch.autograd.backward(param, dW)`: the ordinary AccumulateGrad path,
+through a one-node graph whose backward hands dW over (`_Handover`): the ordinary
+AccumulateGrad path, which takes dW as `.grad` without a copy when `.grad` is unset,
 so `.grad` is set or added to exactly as in the plain run and the parameter's
 post-accumulate-grad hooks (GradSync's readiness, Lina's hand-over) fire
 exactly once, when the gradient is final. Each dW GEMM is the same call the
@@ -101,9 +103,9 @@ class DeferredDW:
     rows (optional): the same GEMM as operands, one (g [n, O], x [n, I]) pair per slot of the
     parameter (one slot for a linear's [O, I], E_l for the experts' [E_l, O, I]): contribution
     slot s = g_s^T x_s, cast to the parameter's dtype, times `scale`. With rows the runtime holds
-    a parameter's contributions until its last forward use is reached and runs one GEMM per slot
-    over all their rows (`_merged`): a k-way partitioned range then costs one dW GEMM, not k
-    full-size ones plus k - 1 sums."""
+    a parameter's contributions until its last forward use is reached and accumulates every use's
+    GEMM into one tensor (`_rows_grad`): a k-way partitioned range then costs k accumulating GEMMs
+    into one buffer, not k full-size buffers plus k - 1 sums."""
 
     name: str
     param: torch.nn.Parameter
@@ -129,18 +131,17 @@ class WgradStats:
 
 def _rows_grad(p: torch.nn.Parameter, uses: list, scale: float) -> torch.Tensor:
     """p-shaped gradient from the row operands of one or more forward uses (`DeferredDW.rows`):
-    slot s = cat(g_s)^T cat(x_s) over the uses (a single use: its own operands, no copy), cast to
-    p's dtype, times `scale`. One slot on a 2-D p is the plain `g^T x`; more go into the slices of
-    one p-shaped tensor (the same `mm(..., out=)` calls the experts' plain backward makes). A single
-    use's slot may be a list of (g, x) pairs (an expert's row ranges of a buffer, `moe.experts`): the
-    first pair's GEMM writes the slot, the others add to it, as the plain backward does."""
+    slot s = sum over the uses' (g, x) pairs of g^T x, cast to p's dtype, times `scale`: the first
+    pair's GEMM writes the slot and the others add to it (`addmm_`; no copy of the rows). One slot
+    on a 2-D p is the plain `g^T x`; more go into the slices of one p-shaped tensor (the same
+    `mm(..., out=)` calls the experts' plain backward makes). A use's slot may itself be a list of
+    pairs (an expert's row ranges of a buffer, `moe.experts`), as in the plain backward."""
 
     def pairs(s: int) -> list:
         if len(uses) == 1:
             one = uses[0][s]
             return one if isinstance(one, list) else [one]
-        every = [pr for u in uses for pr in (u[s] if isinstance(u[s], list) else [u[s]])]
-        return [(torch.cat([g for g, _ in every]), torch.cat([x for _, x in every]))]
+        return [pr for u in uses for pr in (u[s] if isinstance(u[s], list) else [u[s]])]
 
     slots = len(uses[0])
     if slots == 1 and p.dim() == 2:  # one slot: the plain g^T x
@@ -256,6 +257,19 @@ class ExpertDW:
     def window(self, a2a: str) -> None:
         """All-to-all `a2a` was launched: run every dW runnable now, before waiting for it."""
         self.runtime.run_window(a2a)
+
+
+class _Handover(torch.autograd.Function):
+    """A scalar that depends on `p`; its backward hands p the gradient held in `box` (and drops it there)."""
+
+    @staticmethod
+    def forward(ctx, p, box):
+        ctx.box = box
+        return p.new_empty(())
+
+    @staticmethod
+    def backward(ctx, _g):
+        return ctx.box.pop(), None
 
 
 class WgradRuntime:
@@ -456,12 +470,19 @@ class WgradRuntime:
     def _finalize(self, p: torch.nn.Parameter) -> None:
         d = self._acc.pop(p, None)
         held = self._held.pop(p, None)
-        if held:  # one GEMM per slot over every held use's rows
+        if held:  # the GEMMs of every held use's rows, accumulated into one p-shaped tensor
             self.stats.merged += len(held) > 1
             merged = _rows_grad(p, held, self._held_scale.pop(p, 1.0))
             d = merged if d is None else d.add_(merged)
+            del merged
         self._uses.pop(p, None)
         if d is None:
             return
-        # AccumulateGrad: sets or adds .grad like the plain backward and fires grad-ready hooks once
-        torch.autograd.backward(p, d)
+        # AccumulateGrad: sets or adds .grad like the plain backward and fires grad-ready hooks once. Through
+        # `_Handover`, whose backward returns the only reference to d: AccumulateGrad then takes d as .grad
+        # (no copy); `torch.autograd.backward(p, d)` would clone it, since this frame still holds d
+        box = [d]
+        del d, held
+        with torch.enable_grad():  # inside a backward grad mode is off: the node would not be recorded
+            handover = _Handover.apply(p, box)
+        torch.autograd.backward(handover, torch.ones((), device=p.device))
