@@ -88,7 +88,7 @@ def test_gate_matmul_runs_in_fp32_under_bf16_autocast():
 def test_cross_entropy_runs_in_fp32_under_bf16_autocast():
     cfg, model, ids, labels, lm, ops = _bf16_step()
     V = cfg.padded_vocab_size
-    exps = [o for o in ops if o[0] == "exp" and o[2] and o[2][0][-1] == V]
+    exps = [o for o in ops if o[0] in ("exp", "exp_") and o[2] and o[2][0][-1] == V]  # exp_: in place
     assert exps, "no softmax over the vocabulary seen"
     assert all(o[1] == [torch.float32] for o in exps), [o[1] for o in exps]
     assert lm.dtype == torch.float32
@@ -142,3 +142,23 @@ def test_bf16_golden_curve_matches_bf16_one_process(sample_data, one_process, la
         for i, (l, l_ref) in enumerate(zip(curve, ref)):
             tol = FIRST_TOL if i == 0 else TOL
             assert abs(l - l_ref) < tol, f"iteration {i + 1}: bf16 loss {l} vs one-process {l_ref} (tol {tol:g})"
+
+
+def test_cross_entropy_matches_torch_in_value_and_gradient():
+    """One process: the vocab-parallel cross entropy (its one-pass backward rewrites each target's entry)
+    against torch's cross entropy, with a padded vocabulary tail and a per-token upstream gradient."""
+    from megatron_moe.layers.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    V, valid = 40, 37
+    logits = (torch.randn(3, 11, V, generator=g) * 4).requires_grad_()
+    target = torch.randint(0, valid, (3, 11), generator=g)
+    up = torch.randn(3, 11, generator=g)
+    loss = vocab_parallel_cross_entropy(logits, target, None, 0, valid)
+    (loss * up).sum().backward()
+    ref_logits = logits.detach()[..., :valid].clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, valid), target.reshape(-1), reduction="none")
+    (ref.view(3, 11) * up).sum().backward()
+    assert torch.allclose(loss, ref.view(3, 11), atol=1e-5)
+    assert torch.allclose(logits.grad[..., :valid], ref_logits.grad, atol=1e-6)
+    assert torch.count_nonzero(logits.grad[..., valid:]) == 0  # padded columns take no part

@@ -180,25 +180,30 @@ class _VocabParallelCE(torch.autograd.Function):
         all_max = lmax.clone()
         all_reduce_raw(all_max, group, op="max")
         shifted = logits - all_max[..., None]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        all_reduce_raw(sum_exp, group)
         outside = (target < start) | (target >= end)
         local_t = (target - start).masked_fill(outside, 0)
         pred = shifted.gather(-1, local_t[..., None]).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp_()  # in place: `shifted` is not read again ([..., V/MP] passes are the cost here)
+        sum_exp = exp.sum(dim=-1)
+        all_reduce_raw(sum_exp, group)
         all_reduce_raw(pred, group)
         loss = sum_exp.log() - pred
-        softmax = exp / sum_exp[..., None]
+        softmax = exp.div_(sum_exp[..., None])
         ctx.save_for_backward(softmax, local_t, outside)
         return loss
 
     @staticmethod
     def backward(ctx, g):
+        """(softmax - onehot(target)) * g in one pass over the logits and one over the targets: every
+        entry is softmax * g, then each target's entry is rewritten as (softmax - 1) * g (0 instead of 1
+        for a target outside this rank's columns), the same arithmetic as subtracting a one-hot first."""
         softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        onehot = torch.zeros_like(grad).scatter_(-1, local_t[..., None], 1.0)
-        grad -= onehot * (~outside)[..., None].float()
-        return grad * g[..., None], None, None, None, None
+        g = g[..., None]
+        grad = softmax * g
+        idx = local_t[..., None]
+        hit = (~outside)[..., None].to(softmax.dtype)
+        grad.scatter_(-1, idx, (softmax.gather(-1, idx) - hit) * g)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
