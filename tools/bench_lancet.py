@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
     ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g, device="cpu").to(device)
     probe = GPT2MoE(cfg, ps)
     costs = profile_costs(probe, ps, B, T)
-    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()), moe.comm_profile)
+    comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])
     if args.link_mbit is not None:  # the least time the link carries these bytes (slowest rank's)

@@ -6,9 +6,9 @@ all-to-all group.
 
 `profile_costs` measures this rank's compute ops with an OpProfiler (once per
 op and shape, on random inputs of the model's shapes; local GEMMs only, no
-collectives, so ranks never wait on each other) and `profile_a2a_model` takes
-the all-to-all of the token group from the collective profiler Parm uses
-(`moe.comm_profile`: profiled on the real groups, alpha-beta fit, cache file).
+collectives, so ranks never wait on each other) and `profile_a2a_model` times
+the all-to-all of the token group on the real group at the sizes Lancet sends
+(the collective profiler's `time_collective`; measured points, not a fitted line).
 
 `build_model_ops` turns them into the forward op list the partition DP
 searches: embed; per block ln1, attn.qkv, attn.core, attn.proj, ln2, then
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_moe.distributed.collectives import group_size
@@ -40,7 +41,7 @@ from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.partitioned_moe import RangeAxes, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
 from megatron_moe.model.gpt2 import GPT2MoE, ffn_hidden_size
-from megatron_moe.moe.comm_profile import comm_model_for
+from megatron_moe.moe.comm_profile import time_collective
 from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
 from megatron_moe.moe.router import capacity
 from megatron_moe.parallel_state import ParallelState
@@ -237,14 +238,34 @@ def profile_costs(
     return Costs(fwd, dw, head_ms, embed_ms, overhead)
 
 
-def profile_a2a_model(ps: ParallelState, max_bytes: int, path: Optional[str] = None) -> CommCostModel:
-    """Time of an all-to-all on the token group by size, from the one collective profiler Parm uses
-    (alpha-beta fit on the real groups, cached in --comm-profile `path`; collective over the world)."""
+A2A_SIZES = 5  # the token all-to-all is timed at its whole message and halves of it down to 1/16
+
+
+def profile_a2a_model(ps: ParallelState, max_bytes: int) -> CommCostModel:
+    """Time of an all-to-all on the token group by size (collective over the world): measured on the
+    real group with the collective profiler's `time_collective` (the lower of two medians of 3, each
+    after a warm-up; the slowest rank's) at the whole message `max_bytes`, its halves down to 1/16
+    (the sizes a partitioned range's parts send) and 1 KB, piecewise linear between them
+    (`CommCostModel`). The lower of two: on the emulated link a 1 MB all-to-all took either about 40
+    or about 76 ms from one call to the next, and the parts' messages ran at the faster rate.
+
+    Measured points, not Parm's alpha-beta line (`moe.comm_profile`): on a shaped link the first
+    tens of KB pass at the token bucket's burst, and a line weighted to fit the small sizes put a
+    1 MB all-to-all at 8 ms where it took 39 (emulated 2 nodes, 100 Mbit/s); Algorithm 1 then sized
+    every dW window at a fifth of its length."""
     kind = token_group_kind(ps)
-    if group_size(ps.group(kind)) == 1:
+    group = ps.group(kind)
+    if group_size(group) == 1:
         return CommCostModel([(1.0, 0.0), (2.0, 0.0)])
-    ab = comm_model_for(ps, max(512, int(max_bytes) // 4), path).costs[f"all_to_all@{kind}"]
-    return CommCostModel([(nb, 1e3 * ab.time(nb / 4)) for nb in (1024.0, float(max(2048, int(max_bytes))))])
+    top = max(2048, int(max_bytes))
+    sizes = sorted({1024} | {max(1024, top >> j) for j in range(A2A_SIZES)})  # bytes
+    ms = torch.tensor(
+        [1e3 * min(time_collective("all_to_all", group, nb // 4, device=ps.device) for _ in range(2)) for nb in sizes],
+        dtype=torch.float64,
+        device=ps.device,
+    )
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # every rank plans with the same model
+    return CommCostModel(zip(sizes, ms.cpu().tolist()))
 
 
 # ---------------------------------------------------------------------- forward op list and CP-SAT IR

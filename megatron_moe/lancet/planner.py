@@ -250,7 +250,7 @@ def make_plan(
         raise ValueError(f"--lancet-max-range must be >= 1, got {opts.lancet_max_range}")
     sh = model_shapes(model, ps, B, T)
     costs = costs or profile_costs(model, ps, B, T, profiler)
-    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()), model.cfg.moe.comm_profile)
+    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
     mo = build_model_ops(model, costs, sh)
     rho = min(opts.lancet_max_partitions, B)
     if partition:
@@ -319,7 +319,7 @@ def candidate_plans(
     --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan)."""
     sh = model_shapes(model, ps, B, T)
     costs = costs or profile_costs(model, ps, B, T, profiler)
-    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()), model.cfg.moe.comm_profile)
+    comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
     out = {}
     for name, (w, p) in MODES.items():
         if (w and not opts.lancet_wgrad) or (p and not opts.lancet_partition):
