@@ -24,8 +24,10 @@ residual, dense blocks, next attention, while later parts' returns are in flight
 part i's messages are in flight while other parts compute (the order Lancet's simulator
 assumes). Backward overlaps the same way through the dispatcher's handles.
 
-On CUDA (streams.py; no-ops on the CPU): a part's dispatch is launched right after its own
-pre-ops, before the next part's are enqueued (nothing on the caller's stream delays it); the
+On CUDA (streams.py; no-ops on the CPU): the dispatches are launched right after the gates
+they need (with a per-part gate, part 0's after its own pre-ops, the others' after every part's
+gate: one count exchange, so one host sync, for them all, where a sync per part would wait for
+each part's enqueued pre-ops in turn), before any expert work is enqueued; the
 experts and the return launches run on the side stream "lancet-parts" (`_finish`), so a
 return waits for its part's experts only and part i's post-ops on the caller's stream overlap
 the later parts' experts and returns.
