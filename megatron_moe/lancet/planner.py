@@ -59,6 +59,7 @@ from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange, plan_o
 from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
 from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, schedule_wgrad
+from megatron_moe.moe.dispatcher import PaddedDispatcher
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -154,22 +155,83 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0][1:])
 
 
-def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float) -> dict:
+def plain_pipelines(model) -> dict[int, tuple[int, bool]]:
+    """MoE layer -> (chunks, forced) for the layers whose unpartitioned forward may pipeline its
+    all-to-alls and experts by local expert (`MoELayer.expert_path` "overlap": a padded baseline
+    dispatcher that `pipelines`, kept rows, no Lina chunks): chunks = local experts; forced when
+    --moe-expert-path overlap fixes that path, else the layer's trial takes the faster of it and kept
+    rows, so the plan prices the faster of the two."""
+    out = {}
+    for layer in model.moe_layers():
+        d = layer.dispatcher
+        if not (isinstance(d, PaddedDispatcher) and d.pipelines and layer.kept_only and layer.pipeline_chunks == 1):
+            continue
+        if layer.path_flag in ("auto", "overlap") and d.num_local > 1:
+            out[layer.layer_idx] = (d.num_local, layer.path_flag == "overlap")
+    return out
+
+
+def _pieces(ops: list, pipelined: dict) -> list:
+    """`ops` of an unpartitioned range cut into (ops, layer or None): each pipelining layer's
+    a2a_dispatch, experts, a2a_combine on their own, everything else in the sequential runs between."""
+    out: list = []
+    run: list = []
+    i = 0
+    while i < len(ops):
+        name = ops[i].name
+        l = _layer_of(name) if name.endswith(".moe.a2a_dispatch") else None
+        if l in pipelined and [o.name for o in ops[i : i + 3]] == [
+            f"L{l}.moe.{x}" for x in ("a2a_dispatch", "experts", "a2a_combine")
+        ]:
+            out += [(run, None), (ops[i : i + 3], l)] if run else [(ops[i : i + 3], l)]
+            run, i = [], i + 3
+            continue
+        run.append(ops[i])
+        i += 1
+    return out + [(run, None)] if run else out
+
+
+def _backward_ops(ops: list) -> list:
+    """The backward of `ops`: reversed, compute doubled (dX + dW)."""
+    return [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes) for o in reversed(ops)]
+
+
+def _simulate_ranges(
+    mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float, pipelined: Optional[dict] = None
+) -> dict:
     """Forward and backward simulation of every DP range; the backward is the range reversed with
-    compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm."""
+    compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm.
+    In an unpartitioned range, a layer of `pipelined` (`plain_pipelines`) runs its all-to-alls and
+    experts in `chunks` parts, as its overlap path does (the faster of that and sequential unless
+    forced); its backward exposed comm then goes to `layer_exposed` like a partitioned layer's."""
     forward_ms = backward_ms = exposed_ms = 0.0
     layer_exposed: dict[int, float] = {}
+    pipelined = pipelined or {}
     for r in dp.ranges:
         ops = mo.sim[r.start : r.end]
-        f = simulate(ops, r.k, comm, overhead_ms)
-        back = [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes) for o in reversed(ops)]
-        b = simulate(back, r.k, comm, overhead_ms)
-        forward_ms += f.makespan_ms
-        backward_ms += b.makespan_ms
-        exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
-        if r.k > 1:
-            for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
-                layer_exposed[layer] = b.exposed_comm_ms
+        if r.k > 1 or not pipelined:
+            f = simulate(ops, r.k, comm, overhead_ms)
+            b = simulate(_backward_ops(ops), r.k, comm, overhead_ms)
+            forward_ms += f.makespan_ms
+            backward_ms += b.makespan_ms
+            exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
+            if r.k > 1:
+                for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
+                    layer_exposed[layer] = b.exposed_comm_ms
+            continue
+        for piece, layer in _pieces(list(ops), pipelined):
+            f = simulate(piece, 1, comm, overhead_ms)
+            b = simulate(_backward_ops(piece), 1, comm, overhead_ms)
+            if layer is not None:
+                chunks, forced = pipelined[layer]
+                fp = simulate(piece, chunks, comm, overhead_ms)
+                bp = simulate(_backward_ops(piece), chunks, comm, overhead_ms)
+                if forced or fp.makespan_ms + bp.makespan_ms < f.makespan_ms + b.makespan_ms:
+                    f, b = fp, bp
+                    layer_exposed[layer] = b.exposed_comm_ms
+            forward_ms += f.makespan_ms
+            backward_ms += b.makespan_ms
+            exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
     return {
         "forward_ms": forward_ms,
         "backward_ms": backward_ms,
@@ -271,7 +333,7 @@ def make_plan(
             for l, b in enumerate(model.blocks)
             if b.is_moe and B > 1
         ]
-    sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms)
+    sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms, plain_pipelines(model))
     graph = residual_graph(backward_graph(model, costs, comm.predict(sh.a2a_bytes())), sims["layer_exposed"])
     if wgrad:
         sched = schedule_wgrad(graph)
