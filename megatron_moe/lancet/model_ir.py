@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_moe.distributed.collectives import group_size
+from megatron_moe.distributed.collectives import group_size, max_over_group
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
@@ -259,13 +258,11 @@ def profile_a2a_model(ps: ParallelState, max_bytes: int) -> CommCostModel:
         return CommCostModel([(1.0, 0.0), (2.0, 0.0)])
     top = max(2048, int(max_bytes))
     sizes = sorted({1024} | {max(1024, top >> j) for j in range(A2A_SIZES)})  # bytes
-    ms = torch.tensor(
-        [1e3 * min(time_collective("all_to_all", group, nb // 4, device=ps.device) for _ in range(2)) for nb in sizes],
-        dtype=torch.float64,
-        device=ps.device,
-    )
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # every rank plans with the same model
-    return CommCostModel(zip(sizes, ms.cpu().tolist()))
+    mine = [
+        1e3 * min(time_collective("all_to_all", group, nb // 4, device=ps.device) for _ in range(2)) for nb in sizes
+    ]
+    ms = max_over_group(mine, ps.group("world"), ps.device, "Lancet's all-to-all profile")  # one model on every rank
+    return CommCostModel(zip(sizes, ms))
 
 
 # ---------------------------------------------------------------------- forward op list and CP-SAT IR

@@ -208,20 +208,10 @@ def _simulate_ranges(
     layer_exposed: dict[int, float] = {}
     pipelined = pipelined or {}
     for r in dp.ranges:
-        ops = mo.sim[r.start : r.end]
-        if r.k > 1 or not pipelined:
-            f = simulate(ops, r.k, comm, overhead_ms)
-            b = simulate(_backward_ops(ops), r.k, comm, overhead_ms)
-            forward_ms += f.makespan_ms
-            backward_ms += b.makespan_ms
-            exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
-            if r.k > 1:
-                for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
-                    layer_exposed[layer] = b.exposed_comm_ms
-            continue
-        for piece, layer in _pieces(list(ops), pipelined):
-            f = simulate(piece, 1, comm, overhead_ms)
-            b = simulate(_backward_ops(piece), 1, comm, overhead_ms)
+        ops = list(mo.sim[r.start : r.end])
+        for piece, layer in [(ops, None)] if r.k > 1 else _pieces(ops, pipelined):
+            f = simulate(piece, r.k, comm, overhead_ms)
+            b = simulate(_backward_ops(piece), r.k, comm, overhead_ms)
             if layer is not None:
                 chunks, forced = pipelined[layer]
                 fp = simulate(piece, chunks, comm, overhead_ms)
@@ -232,6 +222,9 @@ def _simulate_ranges(
             forward_ms += f.makespan_ms
             backward_ms += b.makespan_ms
             exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
+        if r.k > 1:
+            for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
+                layer_exposed[layer] = b.exposed_comm_ms
     return {
         "forward_ms": forward_ms,
         "backward_ms": backward_ms,

@@ -645,6 +645,11 @@ class UnevenDispatcher(TokenDispatcher):
         self.counts_group = self.group if counts_group is None else counts_group
         self.ragged = ragged
 
+    @property
+    def sinks_counts(self) -> bool:
+        """True when the routed counts go to Pro-Prophet's counts sink with the count exchange (dropless)."""
+        return self.counts_sink is not None and self.ragged
+
     def plan(self, routes: list[RouteResult]) -> UnevenPlan:
         """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
         local = self._sort(routes)
@@ -655,7 +660,7 @@ class UnevenDispatcher(TokenDispatcher):
         (collective): a count exchange per part would queue behind the previous part's tokens on the
         link, so a part could not be planned until the part before it had arrived. With the counts
         sink (Pro-Prophet) every part is planned on its own, as the sink expects one message per plan."""
-        if self.counts_sink is not None and self.ragged:
+        if self.sinks_counts:
             return [self.plan(r) for r in parts]
         local = [self._sort(r) for r in parts]
         recv = a2a.exchange_counts(torch.cat([lp.send_counts for lp in local], dim=1), self.counts_group)
@@ -697,9 +702,7 @@ class UnevenDispatcher(TokenDispatcher):
             ]
         )
         send_counts = per_ep_E.repeat_interleave(n_esp, dim=0)  # [D, X]
-        if (
-            self.counts_sink is not None and self.ragged
-        ):  # this rank's routed counts [E] to every rank, in the same message
+        if self.sinks_counts:  # this rank's routed counts [E] to every rank, in the same message
             routed_E = torch.bincount(torch.cat([r.expert[m] for r, m in zip(routes, kept)]), minlength=E)
             send_counts = torch.cat([send_counts, routed_E.expand(send_counts.size(0), E)], dim=1)
         return _LocalPlan(
@@ -715,7 +718,7 @@ class UnevenDispatcher(TokenDispatcher):
     def _complete(self, lp: "_LocalPlan", recv_counts: torch.Tensor) -> UnevenPlan:
         """The rest of `plan` once the counts [D, X] (+ [D, E] routed, with the sink) have arrived."""
         X = lp.X
-        if self.counts_sink is not None and self.ragged:
+        if self.sinks_counts:
             self.counts_sink.add_counts(self.layer_idx, recv_counts[:, X:])
             recv_counts = recv_counts[:, :X]
         per_expert = recv_counts.sum(dim=0)  # [X] rows received
@@ -782,7 +785,7 @@ class UnevenDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
         self.dispatch_start(x_TM, plan)
-        if self.counts_sink is not None and self.ragged:  # Pro-Prophet plans under the all-to-all
+        if self.sinks_counts:  # Pro-Prophet plans under the all-to-all
             self.counts_sink.dispatch_in_flight(self.layer_idx)
         return self.dispatch_finish(plan, x_TM.size(1))
 
