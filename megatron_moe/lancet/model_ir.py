@@ -237,16 +237,18 @@ def profile_costs(
     return Costs(fwd, dw, head_ms, embed_ms, overhead)
 
 
-A2A_SIZES = 5  # the token all-to-all is timed at its whole message and halves of it down to 1/16
+A2A_MIN_BYTES = 1024  # the token all-to-all is timed from 1 KB, doubling, up to the whole message
 
 
 def profile_a2a_model(ps: ParallelState, max_bytes: int) -> CommCostModel:
-    """Time of an all-to-all on the token group by size (collective over the world): measured on the
-    real group with the collective profiler's `time_collective` (the lower of two medians of 3, each
-    after a warm-up; the slowest rank's) at the whole message `max_bytes`, its halves down to 1/16
-    (the sizes a partitioned range's parts send) and 1 KB, piecewise linear between them
-    (`CommCostModel`). The lower of two: on the emulated link a 1 MB all-to-all took either about 40
-    or about 76 ms from one call to the next, and the parts' messages ran at the faster rate.
+    """Time of an all-to-all on the token group by size (collective over the world), as Lancet's
+    communication cost model is built (lancet.txt, "Caching Op Profiler"): profiled at 1 KB, 2 KB,
+    4 KB, ... up to the whole message `max_bytes` and linearly interpolated between the points
+    (`CommCostModel`); a part of an n-way range is priced at max_bytes / n. Each point: the collective
+    profiler's `time_collective` on the real group, the lower of two medians of 3 (each after a
+    warm-up), the slowest rank's. The lower of two: on the emulated link a 1 MB all-to-all took
+    either about 40 or about 76 ms from one call to the next, and the parts' messages ran at the
+    faster rate.
 
     Measured points, not Parm's alpha-beta line (`moe.comm_profile`): on a shaped link the first
     tens of KB pass at the token bucket's burst, and a line weighted to fit the small sizes put a
@@ -257,7 +259,10 @@ def profile_a2a_model(ps: ParallelState, max_bytes: int) -> CommCostModel:
     if group_size(group) == 1:
         return CommCostModel([(1.0, 0.0), (2.0, 0.0)])
     top = max(2048, int(max_bytes))
-    sizes = sorted({1024} | {max(1024, top >> j) for j in range(A2A_SIZES)})  # bytes
+    sizes = [A2A_MIN_BYTES]  # bytes: 1 KB, 2 KB, ... up to half the whole message, and the whole message
+    while sizes[-1] * 2 <= top // 2:
+        sizes.append(sizes[-1] * 2)
+    sizes.append(top)
     mine = [
         1e3 * min(time_collective("all_to_all", group, nb // 4, device=ps.device) for _ in range(2)) for nb in sizes
     ]
