@@ -162,3 +162,23 @@ def test_cross_entropy_matches_torch_in_value_and_gradient():
     assert torch.allclose(loss, ref.view(3, 11), atol=1e-5)
     assert torch.allclose(logits.grad[..., :valid], ref_logits.grad, atol=1e-6)
     assert torch.count_nonzero(logits.grad[..., valid:]) == 0  # padded columns take no part
+
+
+def test_bench_cross_entropy_times_ours_and_torch_on_the_same_values(tmp_path, monkeypatch):
+    """tools/bench_cross_entropy.py: one row per shape, both timed, losses and gradients agreeing."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    import bench_cross_entropy
+
+    out = tmp_path / "ce.json"
+    argv = ["--shape", "2", "3", "17", "--shape", "1", "5", "40", "--iters", "2", "--cpu-allocator", "system"]
+    argv += ["--json", str(out)]  # system: the test process keeps glibc's defaults
+    assert bench_cross_entropy.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["shape"] for r in rows] == [[2, 3, 17], [1, 5, 40]]
+    for r in rows:
+        assert r["ours_ms"] > 0 and r["torch_ms"] > 0
+        assert r["max_abs_diff_loss"] < 1e-5 and r["max_abs_diff_grad"] < 1e-6, r
