@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+
+from bench_gelu import timed  # tools/ is on the path of a tool run as a script
 
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.host_memory import keep_freed_memory
@@ -55,20 +55,20 @@ def bench_shape(B: int, T: int, V: int, iters: int) -> dict:
         loss.sum().backward()
         return loss.detach(), x.grad
 
-    fns = {"ours": ours, "torch": theirs}
     results = {}
-    for k, f in fns.items():  # warm-up, and the values compared below
+    for k, f in (("ours", ours), ("torch", theirs)):  # the values compared below
         x.grad = None
         loss, grad = f()
         results[k] = (loss, grad.clone())
-    ms: dict = {k: [] for k in fns}
-    for _ in range(iters):
-        for k, f in fns.items():
+
+    def fresh(f):
+        def run():
             x.grad = None
-            t0 = time.perf_counter()
             f()
-            ms[k].append(1e3 * (time.perf_counter() - t0))
-    med = {k: statistics.median(v) for k, v in ms.items()}
+
+        return run
+
+    med = timed({"ours": fresh(ours), "torch": fresh(theirs)}, iters)  # alternating, as bench_gelu times
     return {
         "shape": [B, T, V],
         "ours_ms": med["ours"],
