@@ -66,10 +66,11 @@ def synthetic_costs() -> tuple[Costs, CommCostModel]:
 
 def ranges_for(k: int, policy: str) -> list[RangeSpec]:
     """The widest ranges the gate allows: from the attention when the gate can run per part; block 1's
-    range spans everything up to block 3's gate (dense block 2 with its FFN, block 3's attention)."""
+    range spans everything up to block 3's gate (dense block 2 with its FFN, block 3's attention);
+    with a per-part gate, block 3's runs on through the loss head."""
     if k == 2 or policy == "batch_prioritized":
         return [RangeSpec(1, "gate", "dense_next_attn", 2), RangeSpec(3, "gate", "block", 3)]
-    return [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "block", 3)]
+    return [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]
 
 
 def one_run(cfg: Config, ps, plan) -> dict:
@@ -97,7 +98,7 @@ def one_run(cfg: Config, ps, plan) -> dict:
     drops = {l: b.moe.last_stats["dropped"] for l, b in enumerate(model.blocks) if b.is_moe}
     return {
         "loss": loss.item(),
-        "hidden": hidden[0],
+        "hidden": torch.cat(hidden),  # a range through the loss head runs ln_f part by part
         "slots": slots,
         "experts": experts,
         "drops": drops,

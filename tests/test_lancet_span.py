@@ -30,12 +30,13 @@ def _run(cfg, plan, report=None):
     drops = {l: b.moe.last_stats["dropped"] for l, b in enumerate(model.blocks) if b.is_moe}
     return {
         "loss": (lm + aux).item(),
-        "hidden": hidden[0],
+        "hidden": torch.cat(hidden),  # a range through the loss head runs ln_f part by part
         "drops": drops,
         "slots": slots,
         "report": rep,
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
         "runners": dict(model.runners),
+        "loss_runner": model.loss_runner,
     }
 
 
@@ -53,6 +54,8 @@ def _assert_equal(ref, out):
         (1, "position", [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "block", 3)]),
         (1, "position", [RangeSpec(1, "ln2", "dense", 3), RangeSpec(3, "attn", "block", 2)]),
         (2, "position", [RangeSpec(1, "gate", "dense_next_attn", 3), RangeSpec(3, "gate", "block", 2)]),
+        (1, "position", [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]),
+        (2, "position", [RangeSpec(1, "gate", "dense", 3), RangeSpec(3, "gate", "head", 2)]),
     ],
 )
 def test_range_with_the_dense_ffn_equals_the_plain_run(k, policy, ranges):
@@ -62,6 +65,35 @@ def test_range_with_the_dense_ffn_equals_the_plain_run(k, policy, ranges):
     _assert_equal(ref, out)
     dense_ranged = ranges[0].end.startswith("dense")
     assert dense_ranged and 2 in out["runners"] and not isinstance(out["runners"][2], PartitionedRange)
+
+
+def test_range_through_dense_blocks_and_the_loss_head_equals_the_plain_run():
+    cfg = config(1, "position")
+    cfg.model.num_layers = 5  # MoE blocks 1 and 3, dense block 4 after the last one
+    ref = _run(cfg, None)
+    out = _run(cfg, LancetPlan.manual([RangeSpec(1, "attn", "block", 2), RangeSpec(3, "attn", "head", 3)]))
+    _assert_equal(ref, out)
+    assert out["loss_runner"] is not None and out["loss_runner"][0] == 3
+    assert 4 in out["runners"] and not isinstance(out["runners"][4], PartitionedRange)  # the range ran block 4
+
+
+def test_loss_head_range_without_labels_and_removed():
+    cfg = config(1, "position")
+    cfg.model.num_layers = 5
+    model = GPT2MoE(cfg, local_state())
+    ids = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids)
+        ctl = setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(3, "ln2", "head", 3)]))
+        got = model(ids)  # no labels: the range ends like "dense" and the head runs whole
+        assert model.loss_runner is not None
+        ctl.remove()
+        assert model.loss_runner is None and not model.runners
+        again = model(ids)
+    assert (ref - got).abs().max().item() < 1e-5
+    assert torch.equal(ref, again)
+    with pytest.raises(ValueError, match="ends at the loss head, but an MoE block follows block 1"):
+        setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "ln2", "head", 2)]))
 
 
 def test_six_blocks_two_dense_between_moe_blocks():
@@ -82,7 +114,8 @@ def test_model_ir_offers_the_whole_span_between_moe_layers():
     assert runtime_range(mo, lo, n.index("L3.attn.proj") + 1) == (1, "attn", "dense_next_attn")
     assert runtime_range(mo, lo, n.index("L2.mlp.fc1") + 1) is None  # ends inside the dense FFN
     assert runtime_range(mo, n.index("L3.ln2"), n.index("L3.moe.combine") + 1) == (3, "ln2", "block")
-    assert runtime_range(mo, n.index("L3.ln1"), len(n)) is None  # no dense block after block 3
+    assert runtime_range(mo, n.index("L3.ln1"), len(n)) == (3, "attn", "head")  # on through the loss head
+    assert runtime_range(mo, lo, len(n)) is None  # the head's range is the last MoE block's
     assert feasibility(mo)(lo, n.index("L3.attn.proj") + 1)
     bp = GPT2MoE(config(1, "batch_prioritized"), local_state())
     mo_bp = build_model_ops(bp, zero_costs(bp), None)

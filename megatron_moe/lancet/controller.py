@@ -28,7 +28,9 @@ What `setup` installs (through the modules' own hooks; nothing is replaced):
                       block whose attention the previous range ran runs its FFN half only.
                       Needs routing_groups == 1 and dropout 0.
                       A range may run whole dense blocks after its MoE block (a runner that
-                      passes their input on is set on them) and the next block's attention.
+                      passes their input on is set on them) and the next block's attention,
+                      or, for the last MoE block, everything to the loss (the model's loss
+                      runner, `GPT2MoE.set_loss_runner`).
                       Every op splits along the dims CP-SAT solved for the range
                       (`model_ir.range_axes`); the report lists solved and used dims per op.
 The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
@@ -100,6 +102,7 @@ class LancetController:
         self._handles: list = []
         self._runners: list[int] = []  # blocks given a runner
         self._queued: list = []  # modules given the dW queue
+        self._loss_runner: Optional[int] = None  # the range ending at the loss head: the model's loss runner
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> "LancetController":
@@ -168,8 +171,12 @@ class LancetController:
                     [(j, blocks[j]) for j in tail],
                     (attn_next, blocks[attn_next]) if attn_next is not None else None,
                     axes[l],
+                    head=self.model.head_losses if r.end == "head" else None,
                 )
                 self.model.set_block_runner(l, runner)
+                if r.end == "head":  # with labels the range runs through the loss
+                    self.model.set_loss_runner(l, runner.losses)
+                    self._loss_runner = l
             elif owner.get(l) == "whole":
                 self.model.set_block_runner(l, _ranged_elsewhere)
             elif l in skip:
@@ -202,6 +209,9 @@ class LancetController:
         self._handles.clear()
         for l in self._runners:
             self.model.set_block_runner(l, None)
+        if self._loss_runner is not None:
+            self.model.set_loss_runner(self._loss_runner, None)
+            self._loss_runner = None
         for mod in self._queued:
             if isinstance(mod, TokenDispatcher):
                 mod.set_dw_queue(None)

@@ -13,10 +13,11 @@ the all-to-all of the token group on the real group at the sizes Lancet sends
 `build_model_ops` turns them into the forward op list the partition DP
 searches: embed; per block ln1, attn.qkv, attn.core, attn.proj, ln2, then
 mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch (comm, bytes),
-moe.experts, moe.a2a_combine (comm), moe.combine; head. Each op maps to the
-AxisOps (`axes.py`) of its tensors, so CP-SAT can check any op range, and the
-places where the runtime can start a range (block l's ln1 / ln2 / gate) or
-end it (after block l's combine, or block l+1's attention) are recorded.
+moe.experts, moe.a2a_combine (comm), moe.combine; head (the loss head: ln_f, LM head,
+cross entropy). Each op maps to the AxisOps (`axes.py`) of its tensors, so CP-SAT can
+check any op range, and the places where the runtime can start a range (block l's
+ln1 / ln2 / gate) or end it (after block l's combine, block l+1's attention, the dense
+blocks up to the next MoE block, or, for the last MoE block, the loss head) are recorded.
 `feasibility` = the runtime can run the range and CP-SAT finds batch axes
 (a batch-prioritized or top-2 gate then only allows ranges starting at it).
 
@@ -225,9 +226,17 @@ def profile_costs(
                     t1 = prof.time(f"{kind}.{name}", (1, T, sh.M), one[name], warmup=1, iters=iters)
                     intercepts.append(max(0.0, (B * t1 - fwd[kind][name]) / (B - 1)))
         dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters) for k, fn in _dw_ops(model, sh).items()}
-        h = torch.randn(B * T, sh.M, device=model.wte.weight.device)
-        head_ms = prof.time("head", (B, T, sh.M), lambda: F.linear(h, model.wte.weight), warmup=1, iters=iters)
-        ids = torch.randint(0, model.vocab_size, (B, T), device=model.wte.weight.device)
+        dev = model.wte.weight.device
+        h = torch.randn(B, T, sh.M, device=dev)
+        lab = torch.randint(0, min(sh.vocab_local, model.vocab_size), (B, T), device=dev)
+        if ps.size("mp") == 1:  # the loss head itself: ln_f, LM head, cross entropy
+            head = lambda: model.head_losses(h, lab)  # noqa: E731
+        else:  # its cross entropy all-reduces over MP: a local stand-in of the same shapes
+            head = lambda: F.cross_entropy(  # noqa: E731
+                F.linear(model.ln_f(h), model.wte.weight).view(B * T, -1), lab.view(-1), reduction="none"
+            )
+        head_ms = prof.time("head", (B, T, sh.M), head, warmup=1, iters=iters)
+        ids = torch.randint(0, model.vocab_size, (B, T), device=dev)
         embed_ms = (
             prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None], warmup=1, iters=iters)
             if ps.size("mp") == 1
@@ -410,6 +419,8 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
     sim.append(SimOp("head", "compute", costs.head_ms))
     spans.append((len(axis_ops), len(axis_ops) + 1))
     axis_ops.append(AxisOp("head", "linear", (f"x{L}",), ("logits",), {"contract": "M", "out_dim": "V"}))
+    if prev is not None:  # the last MoE block's range may run on through the loss head
+        ends.setdefault(prev, {})[len(sim)] = "head"
     return ModelOps(sim, AxisRange(tensors, axis_ops), spans, starts, ends)
 
 

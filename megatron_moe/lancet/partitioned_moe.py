@@ -14,6 +14,12 @@ the batch:
         "dense"           also every dense block up to the next MoE block (dense FFNs included)
         "dense_next_attn" also those dense blocks and the next MoE block's attention half:
                           everything between two MoE layers (Lancet's iota = the whole span)
+        "head"            the last MoE block: also every dense block after it and the loss head
+                          (ln_f, the LM head, the cross entropy; `GPT2MoE.head_losses`), part by
+                          part, so part i's head runs while later parts' returns fly, and part i's
+                          head backward while part i+1's gradient travels. Installed as the
+                          model's loss runner (`GPT2MoE.set_loss_runner`); called without labels
+                          it ends like "dense".
 `PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a
 dispatcher and `Experts`: stage by stage, parts in index order within a stage
 (pre-ops and routing, then the parts' dispatches are launched back to back after one
@@ -57,7 +63,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, MutableSequence, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, MutableSequence, Optional, Sequence
 
 import torch
 
@@ -71,7 +77,7 @@ if TYPE_CHECKING:
     from megatron_moe.model.gpt2 import Block
 
 STARTS = ("attn", "ln2", "gate")
-ENDS = ("block", "next_attn", "dense", "dense_next_attn")
+ENDS = ("block", "next_attn", "dense", "dense_next_attn", "head")
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,10 @@ def covered_blocks(spec: RangeSpec, is_moe: list[bool]) -> tuple[list[int], Opti
         raise ValueError(f"Lancet range {spec} does not start in an MoE block")
     if spec.end == "block":
         return [], None
+    if spec.end == "head":
+        if any(is_moe[l + 1 :]):
+            raise ValueError(f"Lancet range {spec} ends at the loss head, but an MoE block follows block {l}")
+        return list(range(l + 1, L)), None
     if spec.end == "next_attn":
         if l + 1 >= L:
             raise ValueError(f"Lancet range {spec} ends in block {l + 1}, which does not exist")
@@ -142,6 +152,17 @@ class RangeAxes:
         if op not in self.ops:
             raise ValueError(f"op {op!r} is not in the partitioned range ({sorted(self.ops)})")
         return self.ops[op][2]
+
+
+def _sizes(n: int, k: int) -> list[int]:
+    """Sizes of k parts of n, as `torch.tensor_split` makes them."""
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def _split(x: torch.Tensor, k: int, d: int) -> tuple[torch.Tensor, ...]:
+    """x in k parts along dim d (`_sizes`). One split: its backward concatenates the parts' gradients
+    once, where k slices would each scatter into a zero tensor of x's size and sum the k of them."""
+    return x.split(_sizes(x.size(d), k), dim=d)
 
 
 def needs_whole_batch_gate(layer) -> bool:
@@ -194,10 +215,11 @@ class PartitionedRange:
     """MoE block `block` from spec.start, then `tail` (whole dense blocks) and `attn_next`'s
     attention half, as spec.k parts split along the dims of the CP-SAT solution `axes`.
 
-    Call it with x [B, T, M] -> (out [B, T, M], aux). `skip_attn`: the block's attention
-    already ran (the previous range ended with it). `dispatcher`: the parts' dispatcher (an
-    UnevenDispatcher with handles; the layer's own for S2). `tail` / `attn_next`: (block index,
-    Block) pairs. Appends the wall time in ms to `timings`. After a call, `used_axes` maps every
+    Call it with x [B, T, M] -> (out [B, T, M], aux); a range ending at the loss head (`head`:
+    the model's `head_losses`) also as `losses(x, labels [B, T])` -> (per-token losses [B, T], aux).
+    `skip_attn`: the block's attention already ran (the previous range ended with it).
+    `dispatcher`: the parts' dispatcher (an UnevenDispatcher with handles; the layer's own for S2).
+    `tail` / `attn_next`: (block index, Block) pairs. Appends the wall time in ms to `timings`. After a call, `used_axes` maps every
     op of the range (model IR names, "L1.attn.qkv", ...) to the dim the runtime split its first
     input along ("B", "S", "C", ...), for the report.
     """
@@ -213,11 +235,15 @@ class PartitionedRange:
         attn_next: Optional[tuple[int, "Block"]] = None,
         axes: Optional[RangeAxes] = None,
         stream_api: Any = streams,
+        head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     ):
         self.block, self.spec, self.skip_attn = block, spec, skip_attn
         self.sx = stream_api  # the stream calls (the `streams` module; a test passes a recorder)
         self.dispatcher, self.timings = dispatcher, timings
         self.tail, self.attn_next, self.axes = list(tail), attn_next, axes
+        self.head = head
+        if (head is not None) != (spec.end == "head"):
+            raise ValueError(f"Lancet range {spec}: a loss head is given exactly when the range ends at 'head'")
         self.used_axes: dict[str, str] = {}
 
     def _stream_dim(self) -> tuple[int, str]:
@@ -236,6 +262,15 @@ class PartitionedRange:
         self.used_axes[op] = runtime
 
     def __call__(self, x: torch.Tensor):
+        return self._run(x, None)
+
+    def losses(self, x: torch.Tensor, labels: torch.Tensor):
+        """The range through the loss head: per-token losses [B, T] (parts' rows) and the aux loss."""
+        if self.head is None:
+            raise ValueError(f"Lancet range {self.spec} does not end at the loss head")
+        return self._run(x, labels)
+
+    def _run(self, x: torch.Tensor, labels: Optional[torch.Tensor]):
         t0 = time.perf_counter()
         block, spec, layer = self.block, self.spec, self.block.moe
         if layer.routing_groups != 1:
@@ -253,7 +288,7 @@ class PartitionedRange:
         x = layer.dispatcher.track_input(x)  # Lina: the layer's backward ends here
         if spec.start != "attn":  # ops before the start run on the whole batch
             x = x if self.skip_attn else block.attn_residual(x)
-        res = list(torch.tensor_split(x, k, dim=d))
+        res = list(_split(x, k, d))
         per_part = layer.schedule == "baseline" and spec.start != "gate"
         if per_part and needs_whole_batch_gate(layer):
             raise ValueError(
@@ -288,9 +323,10 @@ class PartitionedRange:
                     f"--tensor-model-parallel-size {layer.ps.size('mp')} for --moe-schedule s1"
                 )
             (route,), aux, flat = layer.route(h, split)
-            sizes = [t.size(0) for t in torch.tensor_split(flat, k)] if split else [xi.numel() // M for xi in res]
+            sizes = _sizes(flat.size(0), k) if split else [xi.numel() // M for xi in res]
             bounds = torch.tensor([0] + sizes, device="cpu").cumsum(0).tolist()  # host-side row bounds
-            started = self._start_all([(flat[a:b], _rows(route, a, b)) for a, b in zip(bounds, bounds[1:])])
+            rows = flat.split(sizes)  # one split: one concatenation of the parts' gradients in backward
+            started = self._start_all([(t, _rows(route, a, b)) for t, a, b in zip(rows, bounds, bounds[1:])])
         for op in ("moe.gate", "moe.dispatch"):  # tokens: each part a run of rows of [S, M]
             self._check(p + op, "S")
         for op in ("moe.a2a_dispatch", "moe.experts", "moe.a2a_combine", "moe.combine"):
@@ -304,17 +340,19 @@ class PartitionedRange:
         side_end: list = []  # the side stream's point after the last part's experts (see _finish)
         ys = self._finish(started, M, x.device, side_end)
         if split:  # S1: this rank's slice -> every token
-            ys = iter(
-                torch.tensor_split(
-                    gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"), dim=1)[0].view(B, T, M), k, dim=d
-                )
-            )
+            whole = gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"), dim=1)[0]
+            ys = iter(_split(whole.view(B, T, M), k, d))
+        if labels is not None:
+            self._check("head", dname)
+        lab = _split(labels, k, d) if labels is not None else [None] * k
         outs = []
-        for xi, yi in zip(res, ys):  # part i's post-ops run while part i+1's return flies
+        for xi, yi, li in zip(res, ys, lab):  # part i's post-ops run while part i+1's return flies
             with annotate("lancet/part"):
                 out = xi + block.drop(yi.view(xi.shape))
                 for _, b in self.tail:  # dense blocks, FFN included: (x, None)
                     out = b(out)[0]
+                if li is not None and self.head is not None:  # the loss head on part i's rows
+                    out = self.head(out, li)
                 outs.append(self.attn_next[1].attn_residual(out) if self.attn_next is not None else out)
         for end in side_end:  # the caller's stream is after all of the side stream's work, once
             self.sx.wait_event(self.sx.current_stream(x.device), end)

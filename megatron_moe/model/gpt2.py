@@ -150,7 +150,9 @@ class GPT2MoE(nn.Module):
     `routing_groups`: how many data-parallel shards a batch holds (the
     one-process reference of a DP run passes DP). `set_block_runner(l, fn)` lets
     an optimization run block l another way (Lancet's pipelined ranges, built
-    from the blocks' own halves); `fn(x) -> (x, aux or None)`.
+    from the blocks' own halves); `fn(x) -> (x, aux or None)`. `set_loss_runner(l, fn)`:
+    with labels, blocks l.. and the loss head (`head_losses`) run as `fn(x, labels) ->
+    (per-token losses [B, T], aux or None)` (a Lancet range that ends at the loss).
     """
 
     def __init__(
@@ -187,6 +189,7 @@ class GPT2MoE(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups, device) for i in range(m.num_layers))
         self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
         self.runners: dict[int, Callable] = {}
+        self.loss_runner: Optional[tuple[int, Callable]] = None
         for p in self.parameters():  # LayerNorms: replicated, deterministic init
             if not hasattr(p, "_shard"):
                 tag(p, ShardSpec(), p.shape)
@@ -210,21 +213,45 @@ class GPT2MoE(nn.Module):
         else:
             self.runners[idx] = fn
 
-    def hidden(self, ids: torch.Tensor):
-        """Final hidden states [B, T, M] and the summed aux loss."""
+    def set_loss_runner(self, idx: int, fn: Optional[Callable]) -> None:
+        """With labels, run blocks `idx`.. and the loss head as `fn(x, labels) -> (losses [B, T], aux)`
+        (None: the blocks and `head_losses` again)."""
+        self.loss_runner = None if fn is None else (idx, fn)
+
+    def _blocks(self, ids: torch.Tensor, stop: int):
+        """Blocks 0..stop-1 on the embedded ids: (their output [B, T, M], the summed aux loss)."""
         T = ids.size(1)
         x = self.drop(self.wte(ids) + self.wpe[:T][None])
         aux_total = x.new_zeros((), dtype=torch.float32)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.block_list()[:stop]):
             x, aux = self.runners.get(i, block)(x)
             if aux is not None:
                 aux_total = aux_total + aux
-        return self.ln_f(x), aux_total
+        return x, aux_total
+
+    def hidden(self, ids: torch.Tensor):
+        """Final hidden states [B, T, M] and the summed aux loss."""
+        x, aux = self._blocks(ids, len(self.blocks))
+        return self.ln_f(x), aux
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary-parallel logits of final hidden states h (after ln_f)."""
+        return F.linear(copy_to_group(h, self.ps.group("mp")), self.wte.weight)
+
+    def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss head: ln_f, the tied LM head and the vocabulary-parallel cross entropy of the last
+        block's output x [B, T, M] -> per-token losses [B, T] (row by row: parts of the batch give
+        the rows of the whole)."""
+        logits = self._logits(self.ln_f(x))
+        return vocab_parallel_cross_entropy(logits, labels, self.ps.group("mp"), self.wte.start, self.vocab_size)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None):
-        h, aux = self.hidden(ids)
-        logits = F.linear(copy_to_group(h, self.ps.group("mp")), self.wte.weight)
         if labels is None:
-            return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, self.ps.group("mp"), self.wte.start, self.vocab_size)
-        return losses.mean(), aux
+            h, _ = self.hidden(ids)
+            return self._logits(h)
+        stop, run = self.loss_runner or (len(self.blocks), None)
+        x, aux = self._blocks(ids, stop)
+        if run is None:
+            return self.head_losses(x, labels).mean(), aux
+        losses, aux_r = run(x, labels)
+        return losses.mean(), aux if aux_r is None else aux + aux_r
