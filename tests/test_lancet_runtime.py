@@ -67,10 +67,10 @@ def synthetic_costs() -> tuple[Costs, CommCostModel]:
 def ranges_for(k: int, policy: str) -> list[RangeSpec]:
     """The widest ranges the gate allows: from the attention when the gate can run per part; block 1's
     range spans everything up to block 3's gate (dense block 2 with its FFN, block 3's attention);
-    with a per-part gate, block 3's runs on through the loss head."""
+    with a per-part gate, block 1's starts at dense block 0 and block 3's runs on through the loss head."""
     if k == 2 or policy == "batch_prioritized":
         return [RangeSpec(1, "gate", "dense_next_attn", 2), RangeSpec(3, "gate", "block", 3)]
-    return [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]
+    return [RangeSpec(1, "dense", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]
 
 
 def one_run(cfg: Config, ps, plan) -> dict:
@@ -203,6 +203,8 @@ def _run_all(rank: int, world: int) -> list:
 def expected_runs(name: str, per_part_gate: bool) -> int:
     """How often dW `name` runs in mode "both" with `ranges_for`: once per part inside a range."""
     layer = int(name.split(".")[0][1:])
+    if layer == 0:  # dense block 0 opens block 1's range when the gate runs per part
+        return 2 if per_part_gate else 1
     if layer == 1 and ".moe." in name:
         return 2
     if layer == 1 and ".attn." in name:

@@ -56,6 +56,7 @@ def _assert_equal(ref, out):
         (2, "position", [RangeSpec(1, "gate", "dense_next_attn", 3), RangeSpec(3, "gate", "block", 2)]),
         (1, "position", [RangeSpec(1, "attn", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]),
         (2, "position", [RangeSpec(1, "gate", "dense", 3), RangeSpec(3, "gate", "head", 2)]),
+        (1, "position", [RangeSpec(1, "dense", "dense_next_attn", 2), RangeSpec(3, "ln2", "head", 3)]),
     ],
 )
 def test_range_with_the_dense_ffn_equals_the_plain_run(k, policy, ranges):
@@ -75,6 +76,21 @@ def test_range_through_dense_blocks_and_the_loss_head_equals_the_plain_run():
     _assert_equal(ref, out)
     assert out["loss_runner"] is not None and out["loss_runner"][0] == 3
     assert 4 in out["runners"] and not isinstance(out["runners"][4], PartitionedRange)  # the range ran block 4
+
+
+def test_dense_start_runs_the_blocks_before_and_sits_on_the_first():
+    cfg = config(1, "position")
+    ref = _run(cfg, None)
+    out = _run(cfg, LancetPlan.manual([RangeSpec(1, "dense", "block", 2), RangeSpec(3, "dense", "head", 3)]))
+    _assert_equal(ref, out)
+    assert isinstance(out["runners"][0], PartitionedRange) and not isinstance(out["runners"][1], PartitionedRange)
+    assert isinstance(out["runners"][2], PartitionedRange) and out["loss_runner"][0] == 2  # block 3's range from 2
+    model = GPT2MoE(cfg, local_state())
+    with pytest.raises(ValueError, match="runs block 2, which another range already runs"):
+        setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "attn", "dense", 2), RangeSpec(3, "dense", "block", 2)]))
+    cfg.model.num_layers, cfg.moe.moe_layer_freq = 4, 1  # every block an MoE block: nothing precedes block 1
+    with pytest.raises(ValueError, match="no dense block precedes MoE block 1"):
+        setup(GPT2MoE(cfg, local_state()), local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "dense", "block", 2)]))
 
 
 def test_loss_head_range_without_labels_and_removed():
@@ -115,6 +131,9 @@ def test_model_ir_offers_the_whole_span_between_moe_layers():
     assert runtime_range(mo, lo, n.index("L2.mlp.fc1") + 1) is None  # ends inside the dense FFN
     assert runtime_range(mo, n.index("L3.ln2"), n.index("L3.moe.combine") + 1) == (3, "ln2", "block")
     assert runtime_range(mo, n.index("L3.ln1"), len(n)) == (3, "attn", "head")  # on through the loss head
+    assert runtime_range(mo, n.index("L0.ln1"), n.index("L1.moe.combine") + 1) == (1, "dense", "block")
+    assert runtime_range(mo, n.index("L2.ln1"), len(n)) == (3, "dense", "head")  # dense block 2, MoE block 3, head
+    assert mo.starts[1][n.index("L0.ln1")] == "dense" and 0 not in mo.starts
     assert runtime_range(mo, lo, len(n)) is None  # the head's range is the last MoE block's
     assert feasibility(mo)(lo, n.index("L3.attn.proj") + 1)
     bp = GPT2MoE(config(1, "batch_prioritized"), local_state())

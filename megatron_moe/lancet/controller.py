@@ -30,7 +30,8 @@ What `setup` installs (through the modules' own hooks; nothing is replaced):
                       A range may run whole dense blocks after its MoE block (a runner that
                       passes their input on is set on them) and the next block's attention,
                       or, for the last MoE block, everything to the loss (the model's loss
-                      runner, `GPT2MoE.set_loss_runner`).
+                      runner, `GPT2MoE.set_loss_runner`); and start at the dense blocks before
+                      its MoE block (its runner then sits on the first of them).
                       Every op splits along the dims CP-SAT solved for the range
                       (`model_ir.range_axes`); the report lists solved and used dims per op.
 The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
-from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks
+from megatron_moe.lancet.partitioned_moe import PartitionedRange, covered_blocks, leading_blocks
 from megatron_moe.lancet.planner import (
     LancetPlan,
     candidate_plans,
@@ -87,7 +88,8 @@ def counts_group(ps: ParallelState):
 
 
 def _ranged_elsewhere(x: torch.Tensor):
-    """Runner of a block an earlier partitioned range already ran whole: passes its output on."""
+    """Runner of a block that a partitioned range, set on an earlier block, already ran: passes its
+    input on."""
     return x, None
 
 
@@ -144,40 +146,45 @@ class LancetController:
         skip: set[int] = set()  # blocks whose attention half a range ran
         cover = {}
         for r in sorted(plan.ranges, key=lambda r: r.layer):
+            lead = leading_blocks(r, is_moe)
             tail, attn_next = covered_blocks(r, is_moe)
-            cover[r.layer] = (tail, attn_next)
-            if r.start == "attn" and r.layer in skip:
+            cover[r.layer] = (lead, tail, attn_next)
+            if r.start in ("dense", "attn") and r.layer in skip:
                 raise ValueError(f"Lancet range {r} starts at an attention the previous range already runs")
-            for l in [r.layer] + tail + ([attn_next] if attn_next is not None else []):
-                if l in owner:
+            for l in lead + [r.layer] + tail + ([attn_next] if attn_next is not None else []):
+                if l in owner or (l in lead and l in skip):
                     raise ValueError(f"Lancet range {r} runs block {l}, which another range already runs")
-            owner[r.layer] = "range"
-            owner.update({l: "whole" for l in tail})
+            owner.update({l: "whole" for l in lead[1:] + [r.layer] + tail})
+            owner[lead[0] if lead else r.layer] = "range"  # the block where the range's runner sits
             if attn_next is not None:
                 skip.add(attn_next)
         ranged = {r.layer: r for r in plan.ranges}
         axes = {l: range_axes(self.model, r) for l, r in ranged.items()}  # all solved before anything is set
+        for l, r in ranged.items():
+            lead, tail, attn_next = cover[l]
+            first = lead[0] if lead else l
+            self.timings[l] = deque(maxlen=1000)
+            self.range_runners[l] = runner = PartitionedRange(
+                blocks[l],
+                r,
+                l in skip,
+                self.part_dispatcher(blocks[l].moe),
+                self.timings[l],
+                [(j, blocks[j]) for j in tail],
+                (attn_next, blocks[attn_next]) if attn_next is not None else None,
+                axes[l],
+                head=self.model.head_losses if r.end == "head" else None,
+                lead=[(j, blocks[j]) for j in lead],
+            )
+            self.model.set_block_runner(first, runner)
+            self._runners.append(first)
+            if r.end == "head":  # with labels the range runs through the loss
+                self.model.set_loss_runner(first, runner.losses)
+                self._loss_runner = first
         for l, block in enumerate(blocks):
-            if l in ranged:
-                r = ranged[l]
-                tail, attn_next = cover[l]
-                self.timings[l] = deque(maxlen=1000)
-                self.range_runners[l] = runner = PartitionedRange(
-                    block,
-                    r,
-                    l in skip,
-                    self.part_dispatcher(block.moe),
-                    self.timings[l],
-                    [(j, blocks[j]) for j in tail],
-                    (attn_next, blocks[attn_next]) if attn_next is not None else None,
-                    axes[l],
-                    head=self.model.head_losses if r.end == "head" else None,
-                )
-                self.model.set_block_runner(l, runner)
-                if r.end == "head":  # with labels the range runs through the loss
-                    self.model.set_loss_runner(l, runner.losses)
-                    self._loss_runner = l
-            elif owner.get(l) == "whole":
+            if owner.get(l) == "range":  # its range's runner, set above
+                continue
+            if owner.get(l) == "whole":
                 self.model.set_block_runner(l, _ranged_elsewhere)
             elif l in skip:
                 self.model.set_block_runner(l, block.ffn_residual)

@@ -16,7 +16,7 @@ mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch (comm, bytes),
 moe.experts, moe.a2a_combine (comm), moe.combine; head (the loss head: ln_f, LM head,
 cross entropy). Each op maps to the AxisOps (`axes.py`) of its tensors, so CP-SAT can
 check any op range, and the places where the runtime can start a range (block l's
-ln1 / ln2 / gate) or end it (after block l's combine, block l+1's attention, the dense
+ln1 / ln2 / gate, or the first of the dense blocks before it) or end it (after block l's combine, block l+1's attention, the dense
 blocks up to the next MoE block, or, for the last MoE block, the loss head) are recorded.
 `feasibility` = the runtime can run the range and CP-SAT finds batch axes
 (a batch-prioritized or top-2 gate then only allows ranges starting at it).
@@ -38,7 +38,7 @@ from megatron_moe.distributed.collectives import group_size, max_over_group
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.lancet.axes import AxisOp, AxisRange, solve_axes
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
-from megatron_moe.lancet.partitioned_moe import RangeAxes, needs_whole_batch_gate
+from megatron_moe.lancet.partitioned_moe import RangeAxes, leading_blocks, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp
 from megatron_moe.model.gpt2 import GPT2MoE, ffn_hidden_size
 from megatron_moe.moe.comm_profile import time_collective
@@ -384,10 +384,16 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
     axis_ops = [AxisOp("embed", "elementwise", ("ids",), ("x0",))]
     spans = [(0, 1)]
     starts: dict[int, dict[int, str]] = {}  # see ModelOps
+    block_at: dict[int, int] = {}  # block -> index of its first op (ln1)
     ends: dict[int, dict[int, str]] = {}
     nbytes = sh.a2a_bytes() if sh is not None else None
+    first_dense = 0  # the first block of the current run of dense blocks
     for l, block in enumerate(model.blocks):
         j0, moe = len(sim), block.is_moe
+        if moe and first_dense < l:  # dense blocks first..l-1 lead up to block l: a "dense" start
+            starts.setdefault(l, {})[block_at[first_dense]] = "dense"
+        block_at[l] = j0
+        first_dense = l + 1 if moe else first_dense
         whole = moe and needs_whole_batch_gate(block.moe)
         per_op = _block_axis_ops(f"L{l}.", f"x{l}", f"x{l + 1}", moe, whole, tensors)
         kind = "moe" if moe else "dense"
@@ -451,8 +457,10 @@ def range_axes(model, spec, time_limit_s: float = 10.0) -> RangeAxes:
         first = mo.axis.ops[mo.axis_span[j][0]]
         t = first.inputs[0]
         ops[mo.sim[j].name] = (t, dims[t], sol[t])
-    # the residual stream the runtime splits first: the block input (attn start) or its attention output
-    x = f"x{spec.layer}" if spec.start == "attn" else f"L{spec.layer}.h"
+    # the residual stream the runtime splits first: the first leading block's input (dense start), the
+    # block input (attn start) or its attention output
+    lead = leading_blocks(spec, [b.is_moe for b in model.blocks])
+    x = f"x{lead[0]}" if lead else f"x{spec.layer}" if spec.start == "attn" else f"L{spec.layer}.h"
     return RangeAxes((x, dims[x], sol[x]), ops)
 
 

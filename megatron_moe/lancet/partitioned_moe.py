@@ -6,7 +6,9 @@ experts per token, C capacity of the whole group.
 
 A `RangeSpec` names a range of ops around MoE block l, run as `k` parts along
 the batch:
-  start "attn"  block l's attention half, ln2, the gate, ... (per-part gate)
+  start "dense" the dense blocks before block l (back to the previous MoE block, or from the
+                embedding), then as "attn" (per-part gate): the whole span between two MoE layers
+        "attn"  block l's attention half, ln2, the gate, ... (per-part gate)
         "ln2"   ln2, the gate, ...                         (per-part gate)
         "gate"  the gate on the whole batch, then dispatch, ...
   end   "block"           after the MoE output's residual add (block l's output)
@@ -76,7 +78,7 @@ from megatron_moe.profiling import annotate
 if TYPE_CHECKING:
     from megatron_moe.model.gpt2 import Block
 
-STARTS = ("attn", "ln2", "gate")
+STARTS = ("dense", "attn", "ln2", "gate")
 ENDS = ("block", "next_attn", "dense", "dense_next_attn", "head")
 
 
@@ -97,6 +99,20 @@ class RangeSpec:
             )
         if self.k < 1:
             raise ValueError(f"range of layer {self.layer}: k must be >= 1 (--lancet-max-partitions), got {self.k}")
+
+
+def leading_blocks(spec: RangeSpec, is_moe: list[bool]) -> list[int]:
+    """The dense blocks before spec.layer a "dense" start runs whole (back to the previous MoE
+    block, or from block 0); [] for the other starts. A "dense" start with none is a ValueError."""
+    if spec.start != "dense":
+        return []
+    l = spec.layer
+    first = l
+    while first > 0 and not is_moe[first - 1]:
+        first -= 1
+    if first == l:
+        raise ValueError(f"Lancet range {spec}: no dense block precedes MoE block {l}")
+    return list(range(first, l))
 
 
 def covered_blocks(spec: RangeSpec, is_moe: list[bool]) -> tuple[list[int], Optional[int]]:
@@ -219,7 +235,8 @@ class PartitionedRange:
     the model's `head_losses`) also as `losses(x, labels [B, T])` -> (per-token losses [B, T], aux).
     `skip_attn`: the block's attention already ran (the previous range ended with it).
     `dispatcher`: the parts' dispatcher (an UnevenDispatcher with handles; the layer's own for S2).
-    `tail` / `attn_next`: (block index, Block) pairs. Appends the wall time in ms to `timings`. After a call, `used_axes` maps every
+    `tail` / `attn_next` / `lead` (the dense blocks a "dense" start runs first): (block index,
+    Block) pairs. Appends the wall time in ms to `timings`. After a call, `used_axes` maps every
     op of the range (model IR names, "L1.attn.qkv", ...) to the dim the runtime split its first
     input along ("B", "S", "C", ...), for the report.
     """
@@ -236,12 +253,15 @@ class PartitionedRange:
         axes: Optional[RangeAxes] = None,
         stream_api: Any = streams,
         head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        lead: Sequence[tuple[int, "Block"]] = (),
     ):
         self.block, self.spec, self.skip_attn = block, spec, skip_attn
         self.sx = stream_api  # the stream calls (the `streams` module; a test passes a recorder)
         self.dispatcher, self.timings = dispatcher, timings
         self.tail, self.attn_next, self.axes = list(tail), attn_next, axes
-        self.head = head
+        self.head, self.lead = head, list(lead)
+        if bool(self.lead) != (spec.start == "dense"):
+            raise ValueError(f"Lancet range {spec}: leading dense blocks are given exactly when it starts at 'dense'")
         if (head is not None) != (spec.end == "head"):
             raise ValueError(f"Lancet range {spec}: a loss head is given exactly when the range ends at 'head'")
         self.used_axes: dict[str, str] = {}
@@ -286,7 +306,8 @@ class PartitionedRange:
         k = min(spec.k, x.size(d))
         self.used_axes = {}
         x = layer.dispatcher.track_input(x)  # Lina: the layer's backward ends here
-        if spec.start != "attn":  # ops before the start run on the whole batch
+        runs_attn = spec.start in ("dense", "attn")  # the parts run the block's attention
+        if not runs_attn:  # ops before the start run on the whole batch
             x = x if self.skip_attn else block.attn_residual(x)
         res = list(_split(x, k, d))
         per_part = layer.schedule == "baseline" and spec.start != "gate"
@@ -296,15 +317,24 @@ class PartitionedRange:
                 "the whole batch's gate; a partitioned range must start at the gate"
             )
         attn_ops = [p + o for o in ("ln1", "attn.qkv", "attn.core", "attn.proj")]
-        for op in (attn_ops if spec.start == "attn" else []) + ([p + "ln2"] if spec.start != "gate" else []):
+        for op in (attn_ops if runs_attn else []) + ([p + "ln2"] if spec.start != "gate" else []):
             self._check(op, dname)
+        for l, _ in self.lead:
+            for op in ("ln1", "attn.qkv", "attn.core", "attn.proj", "ln2", "mlp.fc1", "mlp.fc2"):
+                self._check(f"L{l}.{op}", dname)
+
+        def pre(xi: torch.Tensor) -> torch.Tensor:  # a part's ops before ln2: dense blocks, attention
+            for _, b in self.lead:
+                xi = b(xi)[0]
+            return block.attn_residual(xi) if runs_attn else xi
+
         split, started = False, []
         if per_part:  # stage A part by part: pre-ops and gate; part 0 launched at once, then the rest together
             cp = _CapacityPassing(layer.router, B * T)
             parts = []
             for i in range(k):
                 with annotate("lancet/part"):
-                    res[i] = block.attn_residual(res[i]) if spec.start == "attn" else res[i]
+                    res[i] = pre(res[i])
                     hi = block.ln2(res[i]).reshape(-1, M)  # part i's rows of S (B split, d == 0)
                 parts.append((hi, cp.part(hi)))
                 if i == 0:  # parts 1.. compute their pre-ops and gate while part 0's tokens travel
@@ -314,7 +344,7 @@ class PartitionedRange:
             aux = cp.aux()
         else:  # the layer's router stage on the whole group
             with annotate("lancet/part"):
-                res = [block.attn_residual(xi) for xi in res] if spec.start == "attn" else res
+                res = [pre(xi) for xi in res]
                 h = torch.cat([block.ln2(xi) for xi in res], dim=d).view(1, B * T, M)
             split = layer.splits_tokens(B * T)
             if layer.schedule == "s1" and not split:
