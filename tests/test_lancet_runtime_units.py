@@ -162,7 +162,8 @@ def test_feasibility_accepts_runtime_ranges_only():
     ok = feasibility(mo)
     assert ok(lo, hi) and ok(names.index("L1.moe.gate"), names.index("L1.moe.combine") + 1)
     assert not ok(lo, names.index("L1.moe.experts"))  # ends inside the layer
-    assert not ok(names.index("L0.ln1"), hi)  # starts in a dense block
+    assert runtime_range(mo, names.index("L0.ln1"), hi) == (1, "dense", "next_attn") and ok(names.index("L0.ln1"), hi)
+    assert not ok(names.index("L0.attn.qkv"), hi)  # starts inside a dense block
     bp = GPT2MoE(config(1, "batch_prioritized"), local_state())
     mo_bp = build_model_ops(bp, costs, model_shapes(bp, local_state(), 3, 8))
     assert not feasibility(mo_bp)(lo, hi) and feasibility(mo_bp)(names.index("L1.moe.gate"), hi)
