@@ -291,3 +291,27 @@ def test_plain_layer_overlap_path_is_priced_as_a_pipeline_by_local_expert():
     assert slow["forward_ms"] == sequential_ms(sim, latency) and slow["layer_exposed"] == {}
     forced = _simulate_ranges(mo, dp, latency, 0.0, {1: (4, True)})  # --moe-expert-path overlap
     assert forced["forward_ms"] > slow["forward_ms"] and 1 in forced["layer_exposed"]
+
+
+def test_parts_are_priced_at_their_measured_batch():
+    from megatron_moe.lancet.model_ir import profile_costs
+    from megatron_moe.lancet.simulator import SimOp, op_cost, simulate
+
+    op = SimOp("L1.moe.experts", "compute", 8.0, None, ((2, 7.0), (4, 3.0)))
+    assert op_cost(op, 1) == 8.0 and op_cost(op, 2) == 7.0 and op_cost(op, 4) == 3.0
+    assert op_cost(op, 8, overhead_ms=0.5) == 8.0 / 8 + 0.5  # not measured: cost / k + overhead
+    plain = SimOp("x", "compute", 8.0)
+    assert simulate([op], 2).makespan_ms == 14.0 and simulate([plain], 2, overhead_ms=0.5).makespan_ms == 9.0
+
+    model = GPT2MoE(config(1, "position"), local_state())
+    costs = profile_costs(model, local_state(), 4, 8, iters=1, max_parts=8)
+    assert sorted(costs.parts) == [2, 3, 4]  # at most B parts
+    assert costs.parts[3] is costs.parts[2]  # ceil(4 / 3) = ceil(4 / 2) = 2 samples: one measurement
+    for k, c in costs.parts.items():
+        assert set(c["moe"]) == set(costs.fwd["moe"]) and set(c["dense"]) == set(costs.fwd["dense"]) and c["head"] > 0
+    mo = build_model_ops(model, costs, model_shapes(model, local_state(), 4, 8))
+    by_name = {o.name: o for o in mo.sim}
+    assert dict(by_name["L1.moe.experts"].part_ms) == {k: c["moe"]["moe.experts"] for k, c in costs.parts.items()}
+    assert dict(by_name["head"].part_ms)[4] == costs.parts[4]["head"]
+    assert by_name["L1.moe.a2a_dispatch"].part_ms is None  # comm: the all-to-all model prices its parts
+    assert profile_costs(model, local_state(), 4, 8, iters=1).parts == {}  # max_parts 1: no part costs

@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> None:
     g = torch.Generator(device="cpu").manual_seed(100 + ps.rank("dp"))  # host draws: same ids on every device
     ids = torch.randint(0, m.vocab_size, (B, T + 1), generator=g, device="cpu").to(device)
     probe = GPT2MoE(cfg, ps)
-    costs = profile_costs(probe, ps, B, T)
+    costs = profile_costs(probe, ps, B, T, max_parts=cfg.opts.lancet_max_partitions)
     comm = profile_a2a_model(ps, int(model_shapes(probe, ps, B, T).a2a_bytes()))
     del probe
     rows = run_modes(args.modes.split(","), args, cfg, ps, costs, comm, ids[:, :-1], ids[:, 1:])

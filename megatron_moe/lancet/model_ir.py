@@ -166,10 +166,15 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     r = layer.router.route(tok, 0)
     idx = dispatch_index(r)
     buf = torch.randn(sh.E * C, M, device=dev)
-    x_in = torch.randn(sh.E_l, sh.D * C, M, device=dev)
     ops["moe.gate"] = lambda: layer.router.route(tok, 0)
     ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
-    ops["moe.experts"] = lambda: layer.experts(x_in)
+    if layer.kept_only:  # the kept rows, grouped by local expert: every source's expected tokens, at most C
+        rows = sh.D * min(C, -(-S * sh.K // sh.E))
+        x_kept = torch.randn(sh.E_l * rows, M, device=dev)
+        ops["moe.experts"] = lambda: layer.experts(x_kept, counts=[rows] * sh.E_l)
+    else:  # the padded buffer
+        x_in = torch.randn(sh.E_l, sh.D * C, M, device=dev)
+        ops["moe.experts"] = lambda: layer.experts(x_in)
     ops["moe.combine"] = lambda: x + combine(buf, idx, S).view(batch, T, M)
     return ops
 
@@ -195,55 +200,80 @@ def _dw_ops(model, sh: Shapes) -> dict:
 
 @dataclass
 class Costs:
-    """Profiled ms: forward ops per block kind ('dense' / 'moe' -> op -> ms), dW GEMMs, head, overhead."""
+    """Profiled ms: forward ops per block kind ('dense' / 'moe' -> op -> ms), dW GEMMs, head, overhead;
+    `parts`: k -> the forward ops of one part of a k-way batch split ({'dense': ..., 'moe': ...,
+    'head': ms}, measured at that part's batch), for k = 2 .. the most partitions profiled."""
 
     fwd: dict
     dw: dict
     head_ms: float
     embed_ms: float
     overhead_ms: float
+    parts: dict = field(default_factory=dict)
+
+
+def _head_op(model: GPT2MoE, ps: ParallelState, sh: Shapes, batch: int):
+    """The loss head's forward on random inputs of `batch` samples (no collective)."""
+    dev = model.wte.weight.device
+    h = torch.randn(batch, sh.T, sh.M, device=dev)
+    lab = torch.randint(0, min(sh.vocab_local, model.vocab_size), (batch, sh.T), device=dev)
+    if ps.size("mp") == 1:  # the loss head itself: ln_f, LM head, cross entropy
+        return lambda: model.head_losses(h, lab)
+    # its cross entropy all-reduces over MP: a local stand-in of the same shapes
+    return lambda: F.cross_entropy(
+        F.linear(model.ln_f(h), model.wte.weight).view(batch * sh.T, -1), lab.view(-1), reduction="none"
+    )
+
+
+def _forward_costs(model: GPT2MoE, ps: ParallelState, sh: Shapes, batch: int, prof: OpProfiler, iters: int) -> dict:
+    """{'dense': {op: ms}, 'moe': {op: ms}, 'head': ms} of the forward ops at `batch` samples."""
+    out: dict = {}
+    for block in model.blocks:
+        kind = "moe" if block.is_moe else "dense"
+        if kind not in out:
+            out[kind] = {
+                name: prof.time(f"{kind}.{name}", (batch, sh.T, sh.M), fn, warmup=1, iters=iters)
+                for name, fn in _ops_of_block(block, sh, batch).items()
+            }
+    out["head"] = prof.time("head", (batch, sh.T, sh.M), _head_op(model, ps, sh, batch), warmup=1, iters=iters)
+    return out
 
 
 def profile_costs(
-    model: GPT2MoE, ps: ParallelState, B: int, T: int, profiler: Optional[OpProfiler] = None, iters: int = 3
+    model: GPT2MoE,
+    ps: ParallelState,
+    B: int,
+    T: int,
+    profiler: Optional[OpProfiler] = None,
+    iters: int = 3,
+    max_parts: int = 1,
 ) -> Costs:
-    """Measure this rank's op costs (no collectives). The overhead per op and part is the intercept
+    """Measure this rank's op costs (no collectives): every forward op at the micro-batch B and, for
+    k = 2 .. min(max_parts, B), at one part's batch ceil(B / k) (`Costs.parts`: what a k-way range
+    pays per part, small-GEMM inefficiency included, as Lancet's profiler times ops at the shapes
+    they run at). The fallback overhead per op and part (ops without part costs) is the intercept
     a of t(b) = a + c*b fitted from batches B and 1, averaged over the compute ops."""
     prof = profiler or OpProfiler(None)
     sh = model_shapes(model, ps, B, T)
-    fwd: dict = {}
-    intercepts = []
     with torch.no_grad():
-        for block in model.blocks:
-            kind = "moe" if block.is_moe else "dense"
-            if kind in fwd:
-                continue
-            full, one = _ops_of_block(block, sh, B), (_ops_of_block(block, sh, 1) if B > 1 else None)
-            fwd[kind] = {}
-            for name, fn in full.items():
-                fwd[kind][name] = prof.time(f"{kind}.{name}", (B, T, sh.M), fn, warmup=1, iters=iters)
-                if one is not None:
-                    t1 = prof.time(f"{kind}.{name}", (1, T, sh.M), one[name], warmup=1, iters=iters)
-                    intercepts.append(max(0.0, (B * t1 - fwd[kind][name]) / (B - 1)))
+        by_batch = {B: _forward_costs(model, ps, sh, B, prof, iters)}
+        for b in sorted({-(-B // k) for k in range(2, min(max_parts, B) + 1)} | ({1} if B > 1 else set())):
+            by_batch[b] = _forward_costs(model, ps, sh, b, prof, iters)
         dw = {k: prof.time(f"dw.{k}", (B, T, sh.M), fn, warmup=1, iters=iters) for k, fn in _dw_ops(model, sh).items()}
-        dev = model.wte.weight.device
-        h = torch.randn(B, T, sh.M, device=dev)
-        lab = torch.randint(0, min(sh.vocab_local, model.vocab_size), (B, T), device=dev)
-        if ps.size("mp") == 1:  # the loss head itself: ln_f, LM head, cross entropy
-            head = lambda: model.head_losses(h, lab)  # noqa: E731
-        else:  # its cross entropy all-reduces over MP: a local stand-in of the same shapes
-            head = lambda: F.cross_entropy(  # noqa: E731
-                F.linear(model.ln_f(h), model.wte.weight).view(B * T, -1), lab.view(-1), reduction="none"
-            )
-        head_ms = prof.time("head", (B, T, sh.M), head, warmup=1, iters=iters)
-        ids = torch.randint(0, model.vocab_size, (B, T), device=dev)
+        ids = torch.randint(0, model.vocab_size, (B, T), device=model.wte.weight.device)
         embed_ms = (
             prof.time("embed", (B, T, sh.M), lambda: model.wte(ids) + model.wpe[:T][None], warmup=1, iters=iters)
             if ps.size("mp") == 1
             else 0.0
         )
+    full = by_batch[B]
+    fwd = {kind: ops for kind, ops in full.items() if kind != "head"}
+    intercepts = [
+        max(0.0, (B * by_batch[1][kind][name] - ms) / (B - 1)) for kind, ops in fwd.items() for name, ms in ops.items()
+    ] if B > 1 else []
+    parts = {k: by_batch[-(-B // k)] for k in range(2, min(max_parts, B) + 1)}
     overhead = sum(intercepts) / len(intercepts) if intercepts else 0.0
-    return Costs(fwd, dw, head_ms, embed_ms, overhead)
+    return Costs(fwd, dw, full["head"], embed_ms, overhead, parts)
 
 
 A2A_MIN_BYTES = 1024  # the token all-to-all is timed from 1 KB, doubling, up to the whole message
@@ -376,6 +406,13 @@ def zero_costs(model) -> Costs:
     return Costs(zero, {}, 0.0, 0.0, 0.0)
 
 
+def _part_ms(costs: Costs, kind: str, op: Optional[str] = None) -> Optional[tuple[tuple[int, float], ...]]:
+    """(k, ms of one part of a k-way split) of a block op (kind, op) or of the head (kind 'head')."""
+    if not costs.parts:
+        return None
+    return tuple((k, c[kind] if op is None else c[kind][op]) for k, c in sorted(costs.parts.items()))
+
+
 def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
     """The forward op list with costs, its AxisRange, and the supported range boundaries
     (sh None: all-to-alls carry no byte count)."""
@@ -405,7 +442,7 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
             if op in COMM_OPS:
                 sim.append(SimOp(f"L{l}.{op}", "comm", 0.0, nbytes))
             else:
-                sim.append(SimOp(f"L{l}.{op}", "compute", costs.fwd[kind][op]))
+                sim.append(SimOp(f"L{l}.{op}", "compute", costs.fwd[kind][op], None, _part_ms(costs, kind, op)))
             spans.append((len(axis_ops), len(axis_ops) + len(per_op[op])))
             axis_ops += per_op[op]
         if moe:
@@ -422,7 +459,7 @@ def build_model_ops(model, costs: Costs, sh: Optional[Shapes]) -> ModelOps:
         ends.setdefault(prev, {})[len(sim)] = "dense"
     L = len(model.blocks)
     tensors["logits"] = ("B", "T", "V")
-    sim.append(SimOp("head", "compute", costs.head_ms))
+    sim.append(SimOp("head", "compute", costs.head_ms, None, _part_ms(costs, "head")))
     spans.append((len(axis_ops), len(axis_ops) + 1))
     axis_ops.append(AxisOp("head", "linear", (f"x{L}",), ("logits",), {"contract": "M", "out_dim": "V"}))
     if prev is not None:  # the last MoE block's range may run on through the loss head

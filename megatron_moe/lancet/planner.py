@@ -37,7 +37,7 @@ one by hand (tests, benchmarks of fixed configurations).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
@@ -193,7 +193,12 @@ def _pieces(ops: list, pipelined: dict) -> list:
 
 def _backward_ops(ops: list) -> list:
     """The backward of `ops`: reversed, compute doubled (dX + dW)."""
-    return [SimOp(o.name, o.kind, o.cost_ms if o.kind == "comm" else 2 * o.cost_ms, o.bytes) for o in reversed(ops)]
+
+    def twice(o: SimOp) -> SimOp:
+        parts = None if o.part_ms is None else tuple((k, 2 * ms) for k, ms in o.part_ms)
+        return SimOp(o.name, o.kind, 2 * o.cost_ms, o.bytes, parts)
+
+    return [o if o.kind == "comm" else twice(o) for o in reversed(ops)]
 
 
 def _simulate_ranges(
@@ -212,10 +217,11 @@ def _simulate_ranges(
         for piece, layer in [(ops, None)] if r.k > 1 else _pieces(ops, pipelined):
             f = simulate(piece, r.k, comm, overhead_ms)
             b = simulate(_backward_ops(piece), r.k, comm, overhead_ms)
-            if layer is not None:
+            if layer is not None:  # chunks by local expert, not batch parts: no batch-part costs
                 chunks, forced = pipelined[layer]
-                fp = simulate(piece, chunks, comm, overhead_ms)
-                bp = simulate(_backward_ops(piece), chunks, comm, overhead_ms)
+                by_expert = [replace(o, part_ms=None) for o in piece]
+                fp = simulate(by_expert, chunks, comm, overhead_ms)
+                bp = simulate(_backward_ops(by_expert), chunks, comm, overhead_ms)
                 if forced or fp.makespan_ms + bp.makespan_ms < f.makespan_ms + b.makespan_ms:
                     f, b = fp, bp
                     layer_exposed[layer] = b.exposed_comm_ms
@@ -304,7 +310,7 @@ def make_plan(
     if opts.lancet_max_range < 1:
         raise ValueError(f"--lancet-max-range must be >= 1, got {opts.lancet_max_range}")
     sh = model_shapes(model, ps, B, T)
-    costs = costs or profile_costs(model, ps, B, T, profiler)
+    costs = costs or profile_costs(model, ps, B, T, profiler, max_parts=opts.lancet_max_partitions)
     comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
     mo = build_model_ops(model, costs, sh)
     rho = min(opts.lancet_max_partitions, B)
@@ -373,7 +379,7 @@ def candidate_plans(
     """name -> LancetPlan for "none" and every mode the switches allow (--lancet-wgrad for "dw",
     --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan)."""
     sh = model_shapes(model, ps, B, T)
-    costs = costs or profile_costs(model, ps, B, T, profiler)
+    costs = costs or profile_costs(model, ps, B, T, profiler, max_parts=opts.lancet_max_partitions)
     comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
     out = {}
     for name, (w, p) in MODES.items():

@@ -1,9 +1,11 @@
 """Timeline simulator of a batch-partitioned range of ops (Lancet Sec. 5).
 
 A range of ops (compute or communication, each with its cost for the whole
-batch) is split along the batch into k parts. Per part, a compute op costs
-cost/k + overhead_ms (the overhead models the fixed cost of launching k small
-kernels instead of one), and a communication op costs cost/k, or, when it
+batch) is split along the batch into k parts. Per part, a compute op costs what
+was measured for one part of a k-way split when the op carries that (`part_ms`:
+the op profiled at the part's batch, as Lancet's profiler times ops at the shapes
+they run at), else cost/k + overhead_ms (the overhead models the fixed cost of
+launching k small kernels instead of one); a communication op costs cost/k, or, when it
 carries a byte count and a CommCostModel is given, model.predict(bytes/k):
 the C/n rule for an irregular all-to-all.
 
@@ -30,12 +32,14 @@ OP_KINDS = ("compute", "comm")
 
 @dataclass(frozen=True)
 class SimOp:
-    """An op of a range: kind "compute" or "comm", whole-batch cost in ms, optional comm bytes."""
+    """An op of a range: kind "compute" or "comm", whole-batch cost in ms, optional comm bytes, and
+    for a compute op optionally `part_ms`: (k, ms of one part of a k-way split) pairs, measured."""
 
     name: str
     kind: str
     cost_ms: float
     bytes: float | None = None
+    part_ms: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
@@ -66,7 +70,10 @@ def op_cost(op: SimOp, k: int, cost_model: CommCostModel | None = None, overhead
         if op.bytes is not None and cost_model is not None:
             return cost_model.a2a_part_ms(op.bytes, k)
         return op.cost_ms / k
-    return op.cost_ms if k == 1 else op.cost_ms / k + overhead_ms
+    if k == 1:
+        return op.cost_ms
+    measured = dict(op.part_ms or ())
+    return measured[k] if k in measured else op.cost_ms / k + overhead_ms
 
 
 def sequential_ms(ops: Sequence[SimOp], cost_model: CommCostModel | None = None) -> float:
