@@ -28,9 +28,9 @@ dispatcher and `Experts`: stage by stage, parts in index order within a stage
 exchange of all their counts: a count exchange per part would queue behind the previous
 part's tokens on the link; a per-part gate launches part 0 first, alone; experts of each part
 as its tokens arrive, each return launched; then part by part its combine and post-ops:
-residual, dense blocks, next attention, while later parts' returns are in flight), so
-part i's messages are in flight while other parts compute (the order Lancet's simulator
-assumes). Backward overlaps the same way through the dispatcher's handles.
+residual, dense blocks, next attention or the loss head, while later parts' returns are in
+flight), so part i's messages are in flight while other parts compute (the order Lancet's
+simulator assumes). Backward overlaps the same way through the dispatcher's handles.
 
 On CUDA (streams.py; no-ops on the CPU): the dispatches are launched right after the gates
 they need (with a per-part gate, part 0's after its own pre-ops, the others' after every part's
