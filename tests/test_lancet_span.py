@@ -87,10 +87,20 @@ def test_dense_start_runs_the_blocks_before_and_sits_on_the_first():
     assert isinstance(out["runners"][2], PartitionedRange) and out["loss_runner"][0] == 2  # block 3's range from 2
     model = GPT2MoE(cfg, local_state())
     with pytest.raises(ValueError, match="runs block 2, which another range already runs"):
-        setup(model, local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "attn", "dense", 2), RangeSpec(3, "dense", "block", 2)]))
+        setup(
+            model,
+            local_state(),
+            cfg.opts,
+            plan=LancetPlan.manual([RangeSpec(1, "attn", "dense", 2), RangeSpec(3, "dense", "block", 2)]),
+        )
     cfg.model.num_layers, cfg.moe.moe_layer_freq = 4, 1  # every block an MoE block: nothing precedes block 1
     with pytest.raises(ValueError, match="no dense block precedes MoE block 1"):
-        setup(GPT2MoE(cfg, local_state()), local_state(), cfg.opts, plan=LancetPlan.manual([RangeSpec(1, "dense", "block", 2)]))
+        setup(
+            GPT2MoE(cfg, local_state()),
+            local_state(),
+            cfg.opts,
+            plan=LancetPlan.manual([RangeSpec(1, "dense", "block", 2)]),
+        )
 
 
 def test_loss_head_range_without_labels_and_removed():

@@ -16,8 +16,9 @@ mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch (comm, bytes),
 moe.experts, moe.a2a_combine (comm), moe.combine; head (the loss head: ln_f, LM head,
 cross entropy). Each op maps to the AxisOps (`axes.py`) of its tensors, so CP-SAT can
 check any op range, and the places where the runtime can start a range (block l's
-ln1 / ln2 / gate, or the first of the dense blocks before it) or end it (after block l's combine, block l+1's attention, the dense
-blocks up to the next MoE block, or, for the last MoE block, the loss head) are recorded.
+ln1 / ln2 / gate, or the first of the dense blocks before it) or end it (after block
+l's combine, block l+1's attention, the dense blocks up to the next MoE block, or, for
+the last MoE block, the loss head) are recorded.
 `feasibility` = the runtime can run the range and CP-SAT finds batch axes
 (a batch-prioritized or top-2 gate then only allows ranges starting at it).
 
@@ -268,9 +269,15 @@ def profile_costs(
         )
     full = by_batch[B]
     fwd = {kind: ops for kind, ops in full.items() if kind != "head"}
-    intercepts = [
-        max(0.0, (B * by_batch[1][kind][name] - ms) / (B - 1)) for kind, ops in fwd.items() for name, ms in ops.items()
-    ] if B > 1 else []
+    intercepts = (
+        [
+            max(0.0, (B * by_batch[1][kind][name] - ms) / (B - 1))
+            for kind, ops in fwd.items()
+            for name, ms in ops.items()
+        ]
+        if B > 1
+        else []
+    )
     parts = {k: by_batch[-(-B // k)] for k in range(2, min(max_parts, B) + 1)}
     overhead = sum(intercepts) / len(intercepts) if intercepts else 0.0
     return Costs(fwd, dw, full["head"], embed_ms, overhead, parts)
