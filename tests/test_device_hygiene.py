@@ -252,7 +252,7 @@ BENCH = {  # tool -> (extra flags, key of a row, the rows it must write)
         "schedule",
         ["baseline", "s1", "s2"],
     ),
-    "bench_lancet.py": ([], "mode", ["none", "dw", "partition", "both", "auto"]),
+    "bench_lancet.py": (["--timeline"], "mode", ["none", "dw", "partition", "both", "auto"]),
     "bench_lina.py": (["--rounds", "1", "--partitions", "1"], "mode", ["alone", "no_lina", "lina"]),
 }
 
@@ -272,3 +272,9 @@ def test_bench_tool_under_meta_default_device(tmp_path, tool):
     if tool == "bench_moe_layer.py":
         assert [r["bytes"] for r in out[True]] == [r["bytes"] for r in out[False]]
         assert all(sum(r["bytes"].values()) > 0 for r in out[True])
+    if tool == "bench_lancet.py":  # --timeline: every mode's all-to-alls of one more iteration, in order
+        for r in out[True]:
+            tl = r["timeline"]
+            assert tl["a2a"] and 0 < tl["forward_ms"] < tl["iteration_ms"]
+            assert all(0 <= e["launch_ms"] <= e["finish_ms"] <= tl["iteration_ms"] for e in tl["a2a"])
+            assert {e["phase"] for e in tl["a2a"]} == {"fwd", "bwd"}

@@ -26,6 +26,10 @@ mode's prediction ("fitted err").
 The all-to-alls come from the library's collective observer (`distributed/observer.py`).
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
 iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms, fitted_ms, chosen, selection (and details).
+`--timeline` times one more iteration of every mode and adds rank 0's all-to-alls in it (key
+"timeline": forward_ms, iteration_ms and per all-to-all its phase, group, launch and finish ms
+from the iteration's start, ms the main thread was blocked on it, KB sent to other ranks), printed
+after the table: where the link idles and where the host waits.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--iters", type=int, default=10)
     a("--json", default=None, help="write the rows as JSON to this path")
     a("--link-mbit", type=float, default=None, help="link rate in Mbit/s per direction: adds the wire-time column")
+    a("--timeline", action="store_true", help="add each mode's all-to-alls of one more iteration (rank 0's)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     try:
@@ -149,6 +154,45 @@ def step(model, ctl, ids, labels) -> tuple[float, float, float, float]:
     return 1e3 * (t1 - t0), a2a, exposed, remote
 
 
+def timeline(model, ctl, ids, labels) -> dict:
+    """One more forward + backward: this rank's all-to-alls in it, times in ms from its start."""
+    dist.barrier()
+    with CommLog() as log:
+        t0 = time.perf_counter()
+        lm, aux = model(ids, labels)
+        t_fwd = time.perf_counter()
+        ctl.backward(lm + aux)
+        t1 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    events = []
+    for e in sorted(log.finish_step(), key=lambda e: e.launch):  # CUDA: after a synchronize, GPU-timed
+        if e.op != "all_to_all" or e.finish is None:
+            continue
+        blocked = e.info.get("blocked", [(e.launch, e.finish)])
+        events.append(
+            {
+                "phase": e.phase,
+                "group": e.group,
+                "launch_ms": round(1e3 * (e.launch - t0), 3),
+                "finish_ms": round(1e3 * (e.finish - t0), 3),
+                "blocked_ms": round(1e3 * sum(b - a for a, b in blocked), 3),
+                "remote_kb": round(e.remote_sent / 1024, 1),
+            }
+        )
+    return {"forward_ms": round(1e3 * (t_fwd - t0), 3), "iteration_ms": round(1e3 * (t1 - t0), 3), "a2a": events}
+
+
+def print_timeline(mode: str, tl: dict) -> None:
+    """`timeline`'s all-to-alls of one mode as a table."""
+    print(f"timeline of {mode}: forward {tl['forward_ms']:.1f} ms, forward + backward {tl['iteration_ms']:.1f} ms")
+    print(f"  {'phase':<5} {'group':<10} {'launch':>8} {'finish':>8} {'blocked':>8} {'remote KB':>10}")
+    for e in tl["a2a"]:
+        print(
+            f"  {e['phase']:<5} {e['group']:<10} {e['launch_ms']:>8.1f} {e['finish_ms']:>8.1f} "
+            f"{e['blocked_ms']:>8.1f} {e['remote_kb']:>10.1f}"
+        )
+
+
 def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels) -> list[dict]:
     """Time all modes round-robin (iteration i of every mode, then i + 1, ...), so load that
     comes and goes on a shared machine hits every mode alike; medians, slowest rank."""
@@ -162,6 +206,7 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
             r = step(model, ctl, ids, labels)
             if it >= args.warmup:
                 samples[m].append(r)
+    timelines = {m: timeline(setups[m][0], setups[m][2], ids, labels) for m in modes} if args.timeline else {}
     rows = []
     for m in modes:
         model, plan, ctl = setups[m]
@@ -196,6 +241,8 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
                 "selection": plan.selection or None,
             }
         )
+        if m in timelines:
+            rows[-1]["timeline"] = timelines[m]
     fit = next((r["selection"]["contention"] for r in rows if r["selection"]), None)
     for r, m in zip(rows, modes):  # the planner's contention fit applied to every mode's plan
         r["fitted_ms"] = round(fitted_ms(setups[m][1], fit), 3) if fit is not None else None
@@ -295,6 +342,9 @@ def run(args: argparse.Namespace) -> None:
     }
     if dist.get_rank() == 0:
         print_table(rows, head, args.iters)
+        for r in rows:
+            if "timeline" in r:
+                print_timeline(r["mode"], r["timeline"])
         if args.json:
             atomic_write_json(args.json, [dict(r, config=head) for r in rows])
 
