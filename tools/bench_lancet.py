@@ -139,23 +139,9 @@ def prepare(mode: str, cfg: Config, ps, costs, comm, B: int, T: int):
     return model, plan, setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
 
 
-def step(model, ctl, ids, labels) -> tuple[float, float, float, float]:
-    """One timed forward + backward: (iteration ms, all-to-all ms, exposed all-to-all ms, remote bytes)."""
-    if ctl.wgrad is not None:
-        ctl.wgrad.stats.helper_intervals.clear()
-    dist.barrier()
-    with CommLog() as log:
-        t0 = time.perf_counter()
-        lm, aux = model(ids, labels)
-        ctl.backward(lm + aux)
-        t1 = time.perf_counter()
-    model.zero_grad(set_to_none=True)
-    a2a, exposed, remote = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
-    return 1e3 * (t1 - t0), a2a, exposed, remote
-
-
-def timeline(model, ctl, ids, labels) -> dict:
-    """One more forward + backward: this rank's all-to-alls in it, times in ms from its start."""
+def iteration(model, ctl, ids, labels) -> tuple[CommLog, float, float, float]:
+    """One forward + backward after a barrier, observed: (the collectives' log, perf_counter s at the
+    start, after the forward, at the end); gradients dropped."""
     dist.barrier()
     with CommLog() as log:
         t0 = time.perf_counter()
@@ -164,6 +150,21 @@ def timeline(model, ctl, ids, labels) -> dict:
         ctl.backward(lm + aux)
         t1 = time.perf_counter()
     model.zero_grad(set_to_none=True)
+    return log, t0, t_fwd, t1
+
+
+def step(model, ctl, ids, labels) -> tuple[float, float, float, float]:
+    """One timed forward + backward: (iteration ms, all-to-all ms, exposed all-to-all ms, remote bytes)."""
+    if ctl.wgrad is not None:
+        ctl.wgrad.stats.helper_intervals.clear()
+    log, t0, _, t1 = iteration(model, ctl, ids, labels)
+    a2a, exposed, remote = a2a_times(log, ctl.wgrad.stats.helper_intervals if ctl.wgrad is not None else [])
+    return 1e3 * (t1 - t0), a2a, exposed, remote
+
+
+def timeline(model, ctl, ids, labels) -> dict:
+    """One more forward + backward: this rank's all-to-alls in it, times in ms from its start."""
+    log, t0, t_fwd, t1 = iteration(model, ctl, ids, labels)
     events = []
     for e in sorted(log.finish_step(), key=lambda e: e.launch):  # CUDA: after a synchronize, GPU-timed
         if e.op != "all_to_all" or e.finish is None:
