@@ -60,6 +60,10 @@ MARKS: dict[str, dict[str, object]] = {
         },
         "test_composition.py": {"test_every_combination_keeps_the_curve_or_is_refused_naming_both_flags"},
         "test_pro_prophet_locality.py": ALL,
+        "test_bench_pro_prophet_counts.py": {
+            "test_benchmark_runs_with_trained_counts",
+            "test_expert_count_mismatch_exits_2",
+        },
         "test_pro_prophet_trial.py": {
             "test_the_verdict_is_the_max_over_ranks_and_identical_on_every_rank",
             "test_the_trial_follows_the_calibration_or_a_later_start_and_the_fit_samples_it",

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -140,11 +141,26 @@ PARTS = {
     "agg_wait": ("pro_prophet/agg_wait",),
 }
 GATE_NOISE = 1.3  # std of the unbiased gate logits (Gumbel noise's is pi / sqrt(6) = 1.28)
+U_NORM = 10.0  # |u|, the fixed vector added to the MoE layers' input that carries the gate's bias
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--skew", type=float, nargs="+", default=[0.0, 1.2], help="Zipf exponents of expert popularity")
+    p.add_argument(
+        "--counts-from",
+        default=None,
+        metavar="JSONL",
+        help="expert popularity of a trained model instead of --skew: the trainer's --log-json file of a dropless "
+        "run with E = --experts-per-rank x EP experts; MoE layer i here takes the token shares of the run's i-th "
+        "MoE layer over its last --counts-records logged iterations",
+    )
+    p.add_argument(
+        "--counts-records",
+        type=int,
+        default=10,
+        help="--counts-from: how many of the last logged iterations the shares are summed over",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated")
     p.add_argument("--blocks", type=int, default=2, help="blocks (dense FFN + MoE layer)")
     p.add_argument("--model", choices=sorted(MODELS), default="paper", help="size preset (M, H, tokens per rank)")
@@ -220,7 +236,77 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trial-force-outcome needs --trial-iters >= 1")
     if any(s < 0 for s in a.skew):
         p.error("--skew values must be >= 0")
+    if a.counts_records < 1:
+        p.error("--counts-records must be >= 1")
+    a.popularity = None
+    if a.counts_from is not None:
+        try:
+            a.popularity = load_popularity(a.counts_from, a.blocks, a.counts_records)
+        except ValueError as e:
+            p.error(str(e))
     return a
+
+
+def load_popularity(path: str, layers: int, records: int) -> list[list[float]]:
+    """Token shares per expert of the first `layers` MoE layers of a trained model, from the trainer's
+    --log-json lines (`expert_counts`: per MoE layer, the tokens each expert was routed in the logged
+    iteration), summed over the last `records` iterations that carry them. Raises ValueError naming
+    --counts-from and the file when it cannot serve."""
+    where = f"--counts-from {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
+    logged = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: line {n} is not JSON (expected the trainer's --log-json lines)") from None
+        if isinstance(rec, dict) and rec.get("expert_counts"):
+            logged.append(rec["expert_counts"])
+    if not logged:
+        raise ValueError(f"{where}: no line carries expert_counts (log a run of an MoE model with --log-json)")
+    last = logged[-records:]
+    names = sorted(last[0], key=int)
+    if len(names) < layers:
+        raise ValueError(f"{where}: the run has {len(names)} MoE layer(s), --blocks asks for {layers}")
+    shares = []
+    for name in names[:layers]:
+        rows = [rec.get(name) for rec in last]
+        if any(r is None or len(r) != len(rows[0]) for r in rows):
+            raise ValueError(f"{where}: MoE layer {name} is not logged with the same experts in every record")
+        total = [sum(col) for col in zip(*rows)]
+        if sum(total) <= 0:
+            raise ValueError(f"{where}: MoE layer {name} routed no tokens in the last {len(last)} records")
+        shares.append([t / sum(total) for t in total])
+    return shares
+
+
+def gate_bias(shares: list[float], topk: int, u_scale: float, samples: int = 100_000, steps: int = 30) -> torch.Tensor:
+    """Log-bias b of the benchmark's gate such that top-`topk` routing of b_e (1 + u_scale eps) +
+    GATE_NOISE g_e (eps, g_e standard normal: the gate's logits, see BenchModel) picks expert e with
+    share `shares[e]`: a fixed point b += log(target / realized) on a seeded Monte-Carlo sample (the
+    same on every rank). Experts with no tokens get a share of 1e-4."""
+    E = len(shares)
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    g = torch.randn(samples, E, generator=gen, device="cpu") * GATE_NOISE
+    eps = torch.randn(samples, 1, generator=gen, device="cpu") * u_scale
+    target = torch.tensor(shares, dtype=torch.float32, device="cpu").clamp_min(1e-4)
+    target = target / target.sum()
+    b = target.log()
+    for _ in range(steps):
+        realized = routed_shares(b, g, eps, topk)
+        b = b + (target / realized.clamp_min(1e-6)).log()
+        b = b - b.mean()
+    return b
+
+
+def routed_shares(b: torch.Tensor, g: torch.Tensor, eps: torch.Tensor, topk: int) -> torch.Tensor:
+    """Share of the routed choices per expert when `g` + `b` (1 + `eps`) is routed top-`topk`."""
+    idx = (b[None, :] * (1 + eps) + g).topk(topk, dim=1).indices
+    return torch.bincount(idx.flatten(), minlength=b.numel()).float() / idx.numel()
 
 
 def moe_config(a: argparse.Namespace, ep: int) -> Config:
@@ -250,7 +336,7 @@ class _Stamp(torch.autograd.Function):
 class BenchModel(nn.Module):
     """--blocks x (dense FFN, skewed dropless MoE layer); `moe_s` collects the MoE layers' time."""
 
-    def __init__(self, cfg: Config, ps, skew: float, seed: int = 1234):
+    def __init__(self, cfg: Config, ps, skew: float, seed: int = 1234, shares: Optional[list] = None):
         super().__init__()
         M, E, nb = cfg.model.hidden_size, cfg.moe.num_experts, cfg.model.num_layers // 2
         dev = ps.device
@@ -261,26 +347,64 @@ class BenchModel(nn.Module):
         self.fc2 = nn.ModuleList([nn.Linear(4 * M, M, device=dev) for _ in range(nb)])
         self.moes = nn.ModuleList([MoELayer(cfg, ps, seed, f"moe{i}", 2 * i + 1, device=dev) for i in range(nb)])
         u = torch.randn(M, generator=gen, device="cpu").to(dev)
-        self.register_buffer("u", u * (10.0 / u.norm()))
-        log_p = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32, device=dev))
+        self.register_buffer("u", u * (U_NORM / u.norm()))
+        zipf = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32, device=dev))
+        # --counts-from: each layer's bias realizes the trained layer's shares; u . LayerNorm(h) / u . u,
+        # the bias's multiplier, is 1 + N(0, 1 / |u|) (LayerNorm(h) has unit-variance entries)
+        topk = cfg.moe.moe_router_topk
+        biases = [zipf] * nb if shares is None else [gate_bias(sh, topk, 1 / U_NORM).to(dev) for sh in shares]
         with torch.no_grad():
-            for moe in self.moes:
+            for moe, log_p in zip(self.moes, biases):
                 w = torch.randn(E, M, generator=gen, device="cpu").to(dev) * (GATE_NOISE / M**0.5)
                 w -= (w @ self.u)[:, None] * self.u[None, :] / self.u.dot(self.u)  # u . w_e = 0: no hidden bias
                 moe.router.gate_w.copy_(w + log_p[:, None] * self.u[None, :] / self.u.dot(self.u))
         self.moe_s: list[float] = []  # forward seconds per MoE layer call
         self.moe_bwd: list[list[float]] = []  # per MoE layer call: backward [start, end] stamps
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def fit_gates(self, x: torch.Tensor, shares: list, group, steps: int = 8) -> None:
+        """--counts-from: layer by layer, move each MoE layer's gate bias along u by log(target /
+        realized) until its top-k routing of the benchmark's own inputs `x` (the earlier layers run,
+        counts summed over `group`, so every rank makes the same move) gives the trained shares; the
+        Monte-Carlo bias of `gate_bias` is the start (it ignores what the earlier layers add to h)."""
+        uu, k = self.u.dot(self.u), self.moes[0].router.k
         for i, moe in enumerate(self.moes):
-            h = h + self.fc2[i](F.gelu(self.fc1[i](self.norms[2 * i](h))))
-            bwd: list[float] = []
-            z = _Stamp.apply(self.norms[2 * i + 1](h) + self.u, bwd)
-            t0 = time.perf_counter()
-            y, _ = moe(z)
-            self.moe_s.append(time.perf_counter() - t0)
-            h = h + _Stamp.apply(y, bwd)
-            self.moe_bwd.append(bwd)
+            target = torch.tensor(shares[i], dtype=torch.float32, device=self.u.device).clamp_min(1e-4)
+            target = target / target.sum()
+            for _ in range(steps):
+                h = x
+                for j in range(i):
+                    h = self.block(h, j)
+                z = self.moe_input(self.dense(h, i), i).reshape(-1, h.size(-1))
+                idx = (z @ moe.router.gate_w.t()).topk(k, dim=-1).indices.flatten()
+                counts = torch.bincount(idx, minlength=target.numel()).to(torch.float64)
+                dist.all_reduce(counts, group=group)
+                delta = (target / (counts / counts.sum()).clamp_min(1e-6).float()).log()
+                moe.router.gate_w += (delta - delta.mean())[:, None] * self.u[None, :] / uu
+        self.moe_s, self.moe_bwd = [], []
+
+    def dense(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i's dense FFN on the residual stream h."""
+        return h + self.fc2[i](F.gelu(self.fc1[i](self.norms[2 * i](h))))
+
+    def moe_input(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i's MoE layer input from its residual stream h (after the dense FFN)."""
+        return self.norms[2 * i + 1](h) + self.u
+
+    def block(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i: dense FFN, then the MoE layer (its forward time appended to `moe_s`)."""
+        h = self.dense(h, i)
+        bwd: list[float] = []
+        z = _Stamp.apply(self.moe_input(h, i), bwd)
+        t0 = time.perf_counter()
+        y, _ = self.moes[i](z)
+        self.moe_s.append(time.perf_counter() - t0)
+        self.moe_bwd.append(bwd)
+        return h + _Stamp.apply(y, bwd)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.moes)):
+            h = self.block(h, i)
         return h
 
 
@@ -336,9 +460,14 @@ def kind_of(mode: str) -> str:
     return "overlap" if mode in ("pro_prophet", "heaviest_to_all") else "plain"
 
 
-def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
-    """Warm up, measure; per-iteration lists (every rank holds the same numbers)."""
-    model = BenchModel(cfg, ps, skew)
+def run_mode(a, cfg: Config, ps, mode: str, skew: Optional[float], perf: dict) -> dict:
+    """Warm up, measure; per-iteration lists (every rank holds the same numbers). skew None: the
+    popularity of --counts-from."""
+    model = BenchModel(cfg, ps, skew or 0.0, shares=a.popularity if skew is None else None)
+    if skew is None:  # the same calibration batch on every rank in every mode
+        fit = torch.Generator(device="cpu").manual_seed(7 + ps.rank("ep"))
+        x = torch.randn(1, a.tokens, cfg.model.hidden_size, generator=fit, device="cpu").to(ps.device)
+        model.fit_gates(x, a.popularity, ps.group("ep"))
     spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
     runtime = make_runtime(model, ps, mode, perf, a, spent)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -348,6 +477,7 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     model_for = perf[kind_of(mode)]
     rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
     rows["breakdown"] = None
+    total: Optional[torch.Tensor] = None
     log = CommLog().start()
     trial = runtime.trial if runtime is not None else None
     warmup = a.warmup + (trial.length if trial is not None else 0)  # the trial's steps: unmeasured
@@ -392,6 +522,8 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
         rows["agg"].append(sent["agg"])
         per_expert = counts.sum(dim=(0, 1))
         rows["top"].append(float(per_expert.max() / per_expert.sum()))
+        routed = counts.sum(dim=1).double()  # [L, E]: the measured iterations' routed tokens per expert
+        total = routed if total is None else total + routed
     log.stop()
     t = torch.tensor([rows["step"], rows["moe"]], dtype=torch.float64, device=ps.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -401,6 +533,10 @@ def run_mode(a, cfg: Config, ps, mode: str, skew: float, perf: dict) -> dict:
     rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
     cal = runtime.calibrator if runtime is not None else None
     rows["calibration"] = cal.fitted if cal is not None else None
+    # per layer, the share of the measured iterations' routed tokens each expert received
+    rows["shares"] = (
+        [[round(float(v), 4) for v in layer / layer.sum()] for layer in total] if total is not None else None
+    )
     rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
     return rows
 
@@ -432,7 +568,7 @@ def breakdown_table(rows: list[dict]) -> str:
     for r in rows:
         for b in r.get("breakdown_ms") or []:
             vals = " ".join(f"{b[k + '_ms']:10.1f}" for k in keys)
-            lines.append(f"{r['skew']:5.2f} {r['mode']:22s} {b['rank']:4d} {vals}")
+            lines.append(f"{skew_cell(r['skew'])} {r['mode']:22s} {b['rank']:4d} {vals}")
     return "\n".join(lines)
 
 
@@ -452,6 +588,16 @@ def measure_perf(cfg: Config, ps, a) -> dict:
     }
 
 
+def popularity_text(skew: Optional[float]) -> str:
+    """How a row's expert popularity was made: "skew S" (Zipf) or "counts" (--counts-from)."""
+    return "counts" if skew is None else f"skew {skew:g}"
+
+
+def skew_cell(skew: Optional[float]) -> str:
+    """The tables' skew column (5 wide): the Zipf exponent, or "real" for --counts-from."""
+    return " real" if skew is None else f"{skew:5.2f}"
+
+
 def table(rows: list[dict]) -> str:
     head = (
         f"{'skew':>5s} {'mode':22s} {'step ms':>8s} {'moe ms':>8s} {'pred ms':>8s} {'std before':>10s} "
@@ -460,7 +606,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['skew']:5.2f} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
+            f"{skew_cell(r['skew'])} {r['mode']:22s} {r['step_ms_median']:8.1f} {r['moe_ms_median']:8.1f} "
             f"{r['predicted_ms']:8.1f} {r['load_std_before']:10.1f} {r['load_std_after']:9.1f} "
             f"{r['trans_bytes'] / 2**20:8.2f} {r['agg_bytes'] / 2**20:7.2f} {r['top_expert_share']:9.3f} "
             f"{100 * r['model_error']:6.1f} {r['calibration_scale']:5.2f} {r['calibration_comm']:5.2f} {r['calibration_eta']:4.2f} {r['calibration_overhead_ms']:6.1f} {r['plan_ms']:7.2f} {trial_text(r['trial'])}"
@@ -504,6 +650,14 @@ def run(a: argparse.Namespace) -> None:
         sys.exit(2)
     ps = initialize_model_parallel(1, world, 1, backend, device=device)
     cfg = moe_config(a, world)
+    if a.popularity is not None and len(a.popularity[0]) != cfg.moe.num_experts:
+        if rank == 0:
+            print(
+                f"error: --counts-from {a.counts_from}: the run has {len(a.popularity[0])} experts per MoE layer, "
+                f"this benchmark {cfg.moe.num_experts} (--experts-per-rank {a.experts_per_rank} x EP {world})",
+                file=sys.stderr,
+            )
+        sys.exit(2)
     perf = measure_perf(cfg, ps, a)
     if rank == 0:
         c = perf["plain"].constants
@@ -516,18 +670,18 @@ def run(a: argparse.Namespace) -> None:
             flush=True,
         )
     results = []
-    for skew in a.skew:
+    for skew in a.skew if a.popularity is None else [None]:
         raw = {}
         for mode in a.modes:
             raw[mode] = r = run_mode(a, cfg, ps, mode, skew, perf)
             if rank == 0:
                 print(
-                    f"  skew {skew:g} {mode}: step {statistics.median(r['step']):.1f} ms, "
+                    f"  {popularity_text(skew)} {mode}: step {statistics.median(r['step']):.1f} ms, "
                     f"moe {statistics.median(r['moe']):.1f} ms, calibration {r['calibration']}",
                     flush=True,
                 )
                 if r["trial"] is not None:
-                    print(f"  skew {skew:g} {mode}: {r['trial']['line']}", flush=True)
+                    print(f"  {popularity_text(skew)} {mode}: {r['trial']['line']}", flush=True)
         fits = {kind_of(m): raw[m]["calibration"] for m in ("pro_prophet_plan_only", "pro_prophet") if m in raw}
         for mode, r in raw.items():
             kind = kind_of(mode)
@@ -558,6 +712,8 @@ def run(a: argparse.Namespace) -> None:
                     "breakdown_ms": r["breakdown"],
                     "trial": r["trial"],
                     "plan_ms": med["plan"],
+                    "popularity": "zipf" if skew is not None else f"counts {os.path.basename(a.counts_from)}",
+                    "expert_shares": r["shares"],
                 }
             )
     if rank == 0:
