@@ -41,6 +41,18 @@ LayerNorm(h) . w_e + log p_e with p_e proportional to (e + 1) ** -skew (a Zipf l
 experts; skew 0: uniform), while LayerNorm(h) . w_e has a standard deviation of about 1.3 (as
 Gumbel noise would), so the top-1 choice follows roughly p. Expert 0, the most popular, sits on
 rank 0. Learning rate 0, so routing keeps its distribution.
+--counts-from RUN.jsonl replaces the Zipf law by a trained model's popularity: the trainer's
+--log-json lines of a dropless run with --experts-per-rank x EP experts carry, per MoE layer, the
+tokens each expert was routed in the logged iteration; MoE layer i here takes the shares of the
+run's i-th MoE layer summed over the last --counts-records of them, each expert on the rank that
+owns it in the trained layout (expert e on EP rank e // (E / EP)). Each layer's bias along u is
+fitted, layer by layer, on the benchmark's own inputs (a Monte-Carlo start, then steps of
+log(target / routed share) over the EP group) until its top-k routing gives those shares; the
+rows report skew null, "popularity" and the measured shares ("expert_shares"). E.g. the bundled
+model with 8 experts trained without the load-balancing loss:
+  mmoe-pretrain --num-experts 8 --moe-dropless --moe-aux-loss-coeff 0 --log-json run8.jsonl
+  scripts/emulate_cluster.sh --nodes 2 --procs-per-node 1 --inter-node-rate 400mbit --timeout 1200 -- \\
+      tools/bench_pro_prophet.py --counts-from run8.jsonl --iters 10 --warmup 8 --json pp_real.json
 
 Modes (the same weights and batches in each):
   none                   no placement
