@@ -161,7 +161,15 @@ def _settled_paths(rank, world):
         measured = [layer.path_choice for layer in fresh.moe_layers()]
         fixed_cfg = config(1, "position")
         fixed_cfg.moe.moe_expert_capacity_factor, fixed_cfg.moe.moe_expert_path = 1.25, "kept"
-        none_needed = settle_expert_paths(GPT2MoE(fixed_cfg, ps), ps, _opts(), ids[:, :-1], ids[:, 1:])
+        none_needed = [settle_expert_paths(GPT2MoE(fixed_cfg, ps), ps, _opts(), ids[:, :-1], ids[:, 1:])]
+        # dropless layers and Lina's chunks have no kept / overlap trial either
+        dropless_cfg = config(1, "position")
+        dropless_cfg.moe.moe_dropless = True
+        none_needed.append(settle_expert_paths(GPT2MoE(dropless_cfg, ps), ps, _opts(), ids[:, :-1], ids[:, 1:]))
+        chunked = GPT2MoE(cfg, ps)
+        for layer in chunked.moe_layers():
+            layer.set_pipeline_chunks(2)
+        none_needed.append(settle_expert_paths(chunked, ps, _opts(), ids[:, :-1], ids[:, 1:]))
         return undecided, n, choices, after, again, grads, measured, none_needed, 2 * KEPT_TRIALS + 2
     finally:
         destroy_model_parallel()
@@ -179,5 +187,17 @@ def test_the_expert_path_trial_is_settled_before_plans_are_timed():
         assert all(c in ("kept", "overlap") for c in choices) and not any(after)
         assert again == 0 and all(g is None for g in grads)  # settled once; gradients dropped
         assert all(c in ("kept", "overlap") for c in measured)
-        assert none_needed == 0  # a fixed --moe-expert-path has no trial
+        assert none_needed == [0, 0, 0]  # a fixed --moe-expert-path, dropless, Lina's chunks: no trial
     assert out[0][2] == out[1][2] and out[0][6] == out[1][6]  # the same paths on both ranks
+
+
+def test_one_ep_rank_has_no_trial_to_settle():
+    """One EP rank cannot pipeline the all-to-alls: no kept / overlap trial, so no pass is run."""
+    from megatron_moe.lancet.controller import settle_expert_paths
+
+    ids = torch.randint(0, 100, (MICRO, 9), generator=torch.Generator().manual_seed(3))
+    cfg = config(1, "position")
+    cfg.moe.moe_expert_capacity_factor = 1.25
+    model = GPT2MoE(cfg, local_state())
+    assert not any(layer.path_undecided() for layer in model.moe_layers())
+    assert settle_expert_paths(model, local_state(), _opts(), ids[:, :-1], ids[:, 1:]) == 0
