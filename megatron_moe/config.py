@@ -461,6 +461,11 @@ class OptimizationsConfig:
         "'none' for this many iterations on the real model and keep the fastest "
         "(0: trust the cost model)",
     )
+    lancet_measure_warmup: int = opt(
+        4,
+        "Lancet: untimed rounds of the candidates before the --lancet-measure-iters timed ones "
+        "(the first rounds measured slower than steady state, which biased the contention fit)",
+    )
     lancet_candidates: int = opt(
         2, "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none'"
     )
@@ -518,6 +523,7 @@ class OptimizationsConfig:
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
                 "lancet_measure_iters": NON_NEGATIVE,
+                "lancet_measure_warmup": NON_NEGATIVE,
                 "lancet_candidates": AT_LEAST_ONE,
                 "pro_prophet_alpha": NON_NEGATIVE,
                 "pro_prophet_n": NON_NEGATIVE,

@@ -127,6 +127,8 @@ def test_measuring_leaves_the_model_as_it_was():
 def test_new_flags_are_validated_naming_the_flag():
     with pytest.raises(ValueError, match="--lancet-measure-iters must be >= 0, got -1"):
         OptimizationsConfig(lancet_measure_iters=-1)
+    with pytest.raises(ValueError, match="--lancet-measure-warmup must be >= 0, got -1"):
+        OptimizationsConfig(lancet_measure_warmup=-1)
     with pytest.raises(ValueError, match="--lancet-candidates must be >= 1, got 0"):
         OptimizationsConfig(lancet_candidates=0)
 
@@ -201,3 +203,24 @@ def test_one_ep_rank_has_no_trial_to_settle():
     model = GPT2MoE(cfg, local_state())
     assert not any(layer.path_undecided() for layer in model.moe_layers())
     assert settle_expert_paths(model, local_state(), _opts(), ids[:, :-1], ids[:, 1:]) == 0
+
+
+def test_untimed_rounds_run_before_the_timed_ones():
+    """--lancet-measure-warmup untimed rounds of every candidate, then --lancet-measure-iters timed ones."""
+    model = GPT2MoE(config(1, "position"), local_state())
+    opts = _opts(lancet_candidates=3)
+    costs, comm = synthetic_costs()
+    plans = candidate_plans(model, local_state(), opts, 3, 8, costs=costs, comm=comm, broadcast=False)
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        for warmup, iters in ((0, 1), (3, 2)):
+            forwards.clear()
+            times = measure_plans(model, local_state(), opts, plans, 3, 8, iters, warmup=warmup)
+            assert all(len(t) == iters for t in times.values())
+            assert len(forwards) == (warmup + iters) * len(plans)  # one EP rank: no path trial to settle
+        with pytest.raises(ValueError, match="--lancet-measure-warmup must be >= 0, got -1"):
+            measure_plans(model, local_state(), opts, plans, 3, 8, 1, warmup=-1)
+    finally:
+        hook.remove()
+    assert OptimizationsConfig().lancet_measure_warmup == 4

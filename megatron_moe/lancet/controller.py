@@ -313,11 +313,22 @@ def settle_expert_paths(model: GPT2MoE, ps: ParallelState, opts, ids: torch.Tens
 
 
 def measure_plans(
-    model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int, grad_sync=None
+    model: GPT2MoE,
+    ps: ParallelState,
+    opts,
+    plans: dict,
+    B: int,
+    T: int,
+    iters: int,
+    grad_sync=None,
+    warmup: int = 1,
 ) -> dict:
     """name -> ms of forward + backward of `model` with each plan installed, one value per timed
-    round (`iters` rounds after one untimed round; each the slowest rank's; collective, the same
-    on every rank). The MoE layers' kept / overlap trial is finished first (`settle_expert_paths`).
+    round (`iters` rounds after `warmup` untimed ones, --lancet-measure-warmup; each the slowest
+    rank's; collective, the same on every rank). The MoE layers' kept / overlap trial is finished
+    first (`settle_expert_paths`). The untimed rounds matter for the contention fit: on the emulated
+    cluster the first four or five rounds measured 3-8 % slower than the later ones
+    (docs/BENCHMARKS.md, session 13).
 
     The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
     hits all alike. The model is left as it was: gradients None, the routers' call counters and
@@ -325,6 +336,8 @@ def measure_plans(
     """
     if iters < 1:
         raise ValueError(f"--lancet-measure-iters must be >= 1 to measure, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"--lancet-measure-warmup must be >= 0, got {warmup}")
     dev = model.wte.weight.device
     g = torch.Generator(device="cpu").manual_seed(4321)  # host draw: the same ids on every rank
     ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
@@ -338,7 +351,7 @@ def measure_plans(
     samples: dict = {n: [] for n in names}
     try:
         settle_expert_paths(model, ps, opts, ids[:, :-1], ids[:, 1:])  # "none" timed on its steady path
-        for it in range(iters + 1):
+        for it in range(warmup + iters):
             for j in range(len(names)):
                 name = names[(it + j) % len(names)]
                 plan = plans[name]
@@ -353,7 +366,7 @@ def measure_plans(
                 ms = 1e3 * (time.perf_counter() - t0)
                 ctl.remove()
                 model.zero_grad(set_to_none=True)
-                if it > 0:
+                if it >= warmup:
                     samples[name].append(ms)
     finally:
         if grad_sync is not None:
@@ -389,13 +402,15 @@ def choose_plan(
     rounds = {n: [float(measured[n])] for n in names if measured is not None and n in measured}
     todo = {n: plans[n] for n in names if n not in rounds}
     if todo:
-        rounds.update(measure_plans(model, ps, opts, todo, B, T, max(1, opts.lancet_measure_iters), grad_sync))
+        iters = max(1, opts.lancet_measure_iters)
+        rounds.update(measure_plans(model, ps, opts, todo, B, T, iters, grad_sync, opts.lancet_measure_warmup))
     best, table, ratio = pick_fastest({n: rounds[n] for n in names})
     fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
     chosen = plans[best]
     chosen.selection = {
         "chosen": best,
         "measure_iters": opts.lancet_measure_iters,
+        "measure_warmup": opts.lancet_measure_warmup,
         "candidates": {
             n: {
                 "predicted_ms": plans[n].predicted["iteration_ms"],
