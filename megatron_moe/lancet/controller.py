@@ -313,15 +313,7 @@ def settle_expert_paths(model: GPT2MoE, ps: ParallelState, opts, ids: torch.Tens
 
 
 def measure_plans(
-    model: GPT2MoE,
-    ps: ParallelState,
-    opts,
-    plans: dict,
-    B: int,
-    T: int,
-    iters: int,
-    grad_sync=None,
-    warmup: int = 1,
+    model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int, grad_sync=None, warmup: int = 1
 ) -> dict:
     """name -> ms of forward + backward of `model` with each plan installed, one value per timed
     round (`iters` rounds after `warmup` untimed ones, --lancet-measure-warmup; each the slowest
