@@ -348,7 +348,7 @@ class _Stamp(torch.autograd.Function):
 class BenchModel(nn.Module):
     """--blocks x (dense FFN, skewed dropless MoE layer); `moe_s` collects the MoE layers' time."""
 
-    def __init__(self, cfg: Config, ps, skew: float, seed: int = 1234, shares: Optional[list] = None):
+    def __init__(self, cfg: Config, ps, skew: float, seed: int = 1234, gates: Optional[list] = None):
         super().__init__()
         M, E, nb = cfg.model.hidden_size, cfg.moe.num_experts, cfg.model.num_layers // 2
         dev = ps.device
@@ -360,16 +360,14 @@ class BenchModel(nn.Module):
         self.moes = nn.ModuleList([MoELayer(cfg, ps, seed, f"moe{i}", 2 * i + 1, device=dev) for i in range(nb)])
         u = torch.randn(M, generator=gen, device="cpu").to(dev)
         self.register_buffer("u", u * (U_NORM / u.norm()))
-        zipf = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32, device=dev))
-        # --counts-from: each layer's bias realizes the trained layer's shares; u . LayerNorm(h) / u . u,
-        # the bias's multiplier, is 1 + N(0, 1 / |u|) (LayerNorm(h) has unit-variance entries)
-        topk = cfg.moe.moe_router_topk
-        biases = [zipf] * nb if shares is None else [gate_bias(sh, topk, 1 / U_NORM).to(dev) for sh in shares]
+        log_p = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32, device=dev))
         with torch.no_grad():
-            for moe, log_p in zip(self.moes, biases):
+            for i, moe in enumerate(self.moes):
                 w = torch.randn(E, M, generator=gen, device="cpu").to(dev) * (GATE_NOISE / M**0.5)
                 w -= (w @ self.u)[:, None] * self.u[None, :] / self.u.dot(self.u)  # u . w_e = 0: no hidden bias
-                moe.router.gate_w.copy_(w + log_p[:, None] * self.u[None, :] / self.u.dot(self.u))
+                zipf = w + log_p[:, None] * self.u[None, :] / self.u.dot(self.u)
+                # --counts-from: the gates `fit_gates` fitted from this same start (`fitted_gates`)
+                moe.router.gate_w.copy_(zipf if gates is None else gates[i])
         self.moe_s: list[float] = []  # forward seconds per MoE layer call
         self.moe_bwd: list[list[float]] = []  # per MoE layer call: backward [start, end] stamps
 
@@ -378,11 +376,15 @@ class BenchModel(nn.Module):
         """--counts-from: layer by layer, move each MoE layer's gate bias along u by log(target /
         realized) until its top-k routing of the benchmark's own inputs `x` (the earlier layers run,
         counts summed over `group`, so every rank makes the same move) gives the trained shares; the
-        Monte-Carlo bias of `gate_bias` is the start (it ignores what the earlier layers add to h)."""
+        Monte-Carlo bias of `gate_bias` is the start (it ignores what the earlier layers add to h).
+        Call it on a model built with skew 0 (no bias yet)."""
         uu, k = self.u.dot(self.u), self.moes[0].router.k
         for i, moe in enumerate(self.moes):
             target = torch.tensor(shares[i], dtype=torch.float32, device=self.u.device).clamp_min(1e-4)
             target = target / target.sum()
+            # u . LayerNorm(h) / u . u, the bias's multiplier, is 1 + N(0, 1 / |u|) (unit-variance entries)
+            start = gate_bias(shares[i], k, 1 / U_NORM).to(self.u.device)
+            moe.router.gate_w += start[:, None] * self.u[None, :] / uu
             for _ in range(steps):
                 h = x
                 for j in range(i):
@@ -472,14 +474,20 @@ def kind_of(mode: str) -> str:
     return "overlap" if mode in ("pro_prophet", "heaviest_to_all") else "plain"
 
 
-def run_mode(a, cfg: Config, ps, mode: str, skew: Optional[float], perf: dict) -> dict:
+def fitted_gates(a, cfg: Config, ps) -> list:
+    """--counts-from: the MoE layers' gate weights, fitted once (`BenchModel.fit_gates`, on a
+    calibration batch of this rank's) and given to every mode's model (the same weights in each)."""
+    model = BenchModel(cfg, ps, 0.0)
+    fit = torch.Generator(device="cpu").manual_seed(7 + ps.rank("ep"))
+    x = torch.randn(1, a.tokens, cfg.model.hidden_size, generator=fit, device="cpu").to(ps.device)
+    model.fit_gates(x, a.popularity, ps.group("ep"))
+    return [moe.router.gate_w.detach().clone() for moe in model.moes]
+
+
+def run_mode(a, cfg: Config, ps, mode: str, skew: Optional[float], perf: dict, gates: Optional[list] = None) -> dict:
     """Warm up, measure; per-iteration lists (every rank holds the same numbers). skew None: the
-    popularity of --counts-from."""
-    model = BenchModel(cfg, ps, skew or 0.0, shares=a.popularity if skew is None else None)
-    if skew is None:  # the same calibration batch on every rank in every mode
-        fit = torch.Generator(device="cpu").manual_seed(7 + ps.rank("ep"))
-        x = torch.randn(1, a.tokens, cfg.model.hidden_size, generator=fit, device="cpu").to(ps.device)
-        model.fit_gates(x, a.popularity, ps.group("ep"))
+    popularity of --counts-from, realized by `gates` (`fitted_gates`)."""
+    model = BenchModel(cfg, ps, skew or 0.0, gates=gates)
     spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
     runtime = make_runtime(model, ps, mode, perf, a, spent)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -682,10 +690,11 @@ def run(a: argparse.Namespace) -> None:
             flush=True,
         )
     results = []
+    gates = fitted_gates(a, cfg, ps) if a.popularity is not None else None
     for skew in a.skew if a.popularity is None else [None]:
         raw = {}
         for mode in a.modes:
-            raw[mode] = r = run_mode(a, cfg, ps, mode, skew, perf)
+            raw[mode] = r = run_mode(a, cfg, ps, mode, skew, perf, gates)
             if rank == 0:
                 print(
                     f"  {popularity_text(skew)} {mode}: step {statistics.median(r['step']):.1f} ms, "

@@ -170,10 +170,9 @@ class MoELayer(nn.Module):
         """True while a forward may still be one of the kept / overlap trial of `expert_path`: auto with
         kept rows on a padded dispatcher that pipelines, not under Lina's chunks, the path not fixed
         yet (a layer whose slots are all filled runs the padded compute and never starts the trial)."""
-        d = self.dispatcher
         if self.dropless or not self.kept_only or self.path_flag != "auto" or self.pipeline_chunks > 1:
             return False
-        return isinstance(d, PaddedDispatcher) and d.pipelines and self.path_choice is None
+        return isinstance(self.dispatcher, PaddedDispatcher) and self.dispatcher.pipelines and self.path_choice is None
 
     def path_pending(self) -> bool:
         """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it;
