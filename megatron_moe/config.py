@@ -502,6 +502,11 @@ class OptimizationsConfig:
         "Pro-Prophet trial: iterations each turn of an arm runs before its timed one (the first iteration after "
         "switching between placements measures slow)",
     )
+    pro_prophet_trial_margin: float = opt(
+        0.02,
+        "Pro-Prophet trial: keep a placement only if its median step beats the plain one's by more than this "
+        "fraction (and one more expert moved only if it beats the planner's by as much); 0: any gain",
+    )
     pro_prophet_trial_force_outcome: Optional[str] = opt(
         None,
         "Pro-Prophet trial: decide as if the placement were faster / slower whatever the medians (tests)",
@@ -532,6 +537,8 @@ class OptimizationsConfig:
                 "pro_prophet_trial_settle": NON_NEGATIVE,
             },
         )
+        if not 0.0 <= self.pro_prophet_trial_margin < 1.0:
+            raise ValueError(f"--pro-prophet-trial-margin must be in [0, 1), got {self.pro_prophet_trial_margin}")
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
         if self.pro_prophet_trial_force_outcome is not None and not (

@@ -183,6 +183,7 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
         trial_force_outcome=opts.pro_prophet_trial_force_outcome,
         trial_settle=opts.pro_prophet_trial_settle,
+        trial_margin=opts.pro_prophet_trial_margin,
         anchor=model.wte,  # the first MoE layer's Trans starts, and its Agg is waited, at the embedding
         # after Lina's trial (`distributed.lina_trial`), whose arms would alternate in step with these
         trial_not_before=max_trial_length(opts.lina_trial_iters) if opts.lina and opts.lina_trial_iters else 0,
@@ -193,7 +194,8 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
         + (
-            f"; trial of {k} + {k} + {k} timed iterations (placed, wider, plain; turns of {s}) after {after}"
+            f"; trial of {k} + {k} + {k} timed iterations (placed, wider, plain; turns of {s}) after {after}, "
+            f"a placement kept only if faster by more than {opts.pro_prophet_trial_margin:.1%}"
             if k
             else ""
         )

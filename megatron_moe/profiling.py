@@ -155,12 +155,20 @@ def span_ms(spans: list, cuda: bool) -> list[float]:
     return [1e3 * (b - a) for a, b in spans]
 
 
-def median_below(candidate_ms: list[float], reference_ms: list[float], needs: str) -> bool:
-    """The runtime trials' rule: the candidate's median step time is strictly below the reference's
-    (a tie keeps the reference). `needs`: the ValueError's text when either list is empty."""
+def median_below(candidate_ms: list[float], reference_ms: list[float], needs: str, margin: float = 0.0) -> bool:
+    """The runtime trials' rule: the candidate's median step time is strictly below the reference's,
+    by more than `margin` (a fraction of the reference's median; 0: any amount; a tie keeps the
+    reference). `needs`: the ValueError's text when either list is empty."""
     if not candidate_ms or not reference_ms:
         raise ValueError(needs)
-    return statistics.median(candidate_ms) < statistics.median(reference_ms)
+    return below(statistics.median(candidate_ms), statistics.median(reference_ms), margin)
+
+
+def below(candidate_ms: float, reference_ms: float, margin: float = 0.0) -> bool:
+    """`candidate_ms` < `reference_ms` * (1 - `margin`): faster by more than the fraction `margin`."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"a trial's margin must be in [0, 1), got {margin}")
+    return candidate_ms < reference_ms * (1.0 - margin)
 
 
 def trial_verdict(measured_faster: bool, force_outcome: Optional[str], flag: str) -> tuple[bool, str]:

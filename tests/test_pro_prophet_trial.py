@@ -2,7 +2,7 @@
 placement is kept only if its timed iterations were faster than those with the empty plan.
 
 - the rule and the arms on injected timings (faster -> kept, slower -> dropped, nothing moved -> off,
-  forced outcomes), and with the third arm "wider" (one more greedy move): the fastest arm kept, the
+  forced outcomes, a gain within --pro-prophet-trial-margin -> the simpler arm), and with the third arm "wider" (one more greedy move): the fastest arm kept, the
   wider arm no candidate when its plans were the planner's;
 - two gloo ranks: the verdict comes from the step times MAX-reduced over the ranks (injected spans that
   disagree per rank give one verdict on both); the runtime alternates the planner's plan and the empty
@@ -151,6 +151,43 @@ def test_three_arm_verdict_from_injected_timings():
         PlacementTrial(1, start=1, wider=True).decide([1.0], [1.0])
 
 
+def _decided3m(placed, wider, plain, margin) -> PlacementTrial:
+    """A 3-arm trial with a margin, decided from one timed iteration per arm [s]."""
+    t = PlacementTrial(1, start=1, wider=True, margin=margin)
+    t.wider_moved = True
+    for i, (arm, s) in enumerate(zip(t.arms, (placed, wider, plain))):
+        t.record(2 + i, (0.0, s), True)
+    ms = {arm: [1e3 * s for _, s in t.spans[arm]] for arm in t.arms}
+    t.decide(ms["placed"], ms["plain"], ms["wider"])
+    return t
+
+
+def test_a_placement_must_win_by_more_than_the_margin():
+    # session 14's skew-0 run: wider 1906.8, plain 1914.6 ms (0.4 % apart); strictly faster wins it...
+    assert _decided3m(1.939, 1.9068, 1.9146, 0.0).kept == "wider"
+    # ...within a 2 % margin the plain graph stays, and the log says why
+    off = _decided3m(1.939, 1.9068, 1.9146, 0.02)
+    assert (off.keep, off.kept) == (False, "off") and off.decision["margin"] == 0.02
+    assert "not < by more than 2.0%: placement off" in off.decision["line"]
+    # skew 1.2: the placement wins by far more than the margin
+    placed = _decided3m(1.7738, 1.8419, 2.4193, 0.02)
+    assert placed.kept == "placed" and "< by more than 2.0%: placement kept" in placed.decision["line"]
+    # the wider arm must beat the placed one by the margin too (1 % better: the planner's plan stays)
+    assert _decided3m(1.00, 0.99, 1.50, 0.02).kept == "placed"
+    assert _decided3m(1.00, 0.97, 1.50, 0.02).kept == "wider"
+    # ... and the plain one: placed within the margin of plain, wider beyond it
+    assert _decided3m(0.99, 0.95, 1.00, 0.02).kept == "wider"
+    # the two-arm rule and the pure helpers
+    assert keep_placement([0.99], [1.0], margin=0.02) is False and keep_placement([0.97], [1.0], margin=0.02)
+    assert fastest_arm({"plain": 1.0, "placed": 0.985}, 0.02) == "plain"
+    assert fastest_arm({"plain": 1.0, "placed": 0.975}, 0.02) == "placed"
+    # forced outcomes ignore the margin
+    forced = PlacementTrial(1, start=1, force_outcome="faster", margin=0.5)
+    forced.record(2, (0.0, 1.0), True)
+    forced.record(3, (0.0, 1.0), False)
+    assert forced.decide([1000.0], [1000.0]) and forced.kept == "placed"
+
+
 def test_bad_trial_arguments_name_the_flag():
     with pytest.raises(ValueError, match="--pro-prophet-trial-iters must be >= 1 for a trial, got 0"):
         PlacementTrial(0, start=1)
@@ -158,6 +195,13 @@ def test_bad_trial_arguments_name_the_flag():
         PlacementTrial(1, start=1, force_outcome="maybe")
     with pytest.raises(ValueError, match="--pro-prophet-trial-iters must be >= 0"):
         parse_args(["--pro-prophet-trial-iters", "-1"])
+    for bad in ("-0.1", "1", "1.5"):
+        with pytest.raises(ValueError, match=rf"--pro-prophet-trial-margin must be in \[0, 1\), got {float(bad)}"):
+            parse_args(["--pro-prophet-trial-margin", bad])
+        with pytest.raises(ValueError, match="--pro-prophet-trial-margin must be in"):
+            PlacementTrial(1, start=1, margin=float(bad))
+    assert parse_args(["--pro-prophet-trial-margin", "0"]).opts.pro_prophet_trial_margin == 0.0
+    assert Config().opts.pro_prophet_trial_margin == 0.02
     with pytest.raises(ValueError, match="--pro-prophet-trial-force-outcome needs --pro-prophet"):
         parse_args(["--pro-prophet-trial-force-outcome", "faster"])
     with pytest.raises(ValueError, match="no --pro-prophet-force-plan"):

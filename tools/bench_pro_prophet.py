@@ -65,8 +65,9 @@ Modes (the same weights and batches in each):
                          Algorithm 1's greedy order ("wider", `plan(extra=1)`) and K with the empty plan,
                          alternating in turns of --trial-settle + 1 iterations whose last is timed,
                          step times MAX over ranks; the arm with the lowest median is kept (the empty
-                         plan, the plain graph, unless a placing arm was strictly faster; the wider arm
-                         only if it moved more experts than the plan). The trial's iterations are added
+                         plan, the plain graph, unless a placing arm was faster by more than
+                         --trial-margin; the wider arm only if it moved more experts than the plan and
+                         beat it by that margin). The trial's iterations are added
                          to this mode's warm-up (outside the medians); the row reports the kept arm and
                          the trial's own medians.
 The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
@@ -203,6 +204,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(--pro-prophet-trial-settle)",
     )
     p.add_argument(
+        "--trial-margin",
+        type=float,
+        default=Config().opts.pro_prophet_trial_margin,
+        help="mode pro_prophet: a placing arm must beat the simpler one by more than this fraction "
+        "(--pro-prophet-trial-margin)",
+    )
+    p.add_argument(
         "--trial-force-outcome",
         choices=list(TRIAL_OUTCOMES),
         default=None,
@@ -244,6 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trial-iters must be >= 0 (0: mode pro_prophet runs without the trial)")
     if a.trial_settle < 0:
         p.error("--trial-settle must be >= 0")
+    if not 0.0 <= a.trial_margin < 1.0:
+        p.error(f"--trial-margin must be in [0, 1), got {a.trial_margin}")
     if a.trial_force_outcome is not None and a.trial_iters < 1:
         p.error("--trial-force-outcome needs --trial-iters >= 1")
     if any(s < 0 for s in a.skew):
@@ -460,6 +470,7 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -
         trial_iters=trial_iters(a, mode),
         trial_force_outcome=a.trial_force_outcome,
         trial_settle=a.trial_settle,
+        trial_margin=a.trial_margin,
         anchor=model.norms[0],  # scheduled: the first MoE layer's Trans starts, and its Agg waits, here
     )
 

@@ -489,7 +489,8 @@ class ProProphet:
     (`planner.plan(extra=1)`); the trial then has a third arm running it, and if that arm wins, every
     later plan is `wider`'s (`pro_prophet.trial`). Deterministic like `planner`.
     `trial_settle` S: every turn of an arm is S unmeasured iterations and one timed (the first
-    iteration after a switch measured slow: `pro_prophet.trial`)."""
+    iteration after a switch measured slow: `pro_prophet.trial`). `trial_margin`: the fraction by
+    which a placing arm must beat the simpler one (`pro_prophet.trial`; 0: strictly faster)."""
 
     def __init__(
         self,
@@ -506,6 +507,7 @@ class ProProphet:
         trial_not_before: int = 0,
         wider: Optional[Planner] = None,
         trial_settle: int = 0,
+        trial_margin: float = 0.0,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -530,7 +532,12 @@ class ProProphet:
         if planner is not None and trial_iters > 0:
             start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
             self.trial = PlacementTrial(
-                trial_iters, start, trial_force_outcome, wider=wider is not None, settle=trial_settle
+                trial_iters,
+                start,
+                trial_force_outcome,
+                wider=wider is not None,
+                settle=trial_settle,
+                margin=trial_margin,
             )
             if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
                 calibrator.sample_more(self.trial.end - calibrator.last)
