@@ -466,6 +466,11 @@ class OptimizationsConfig:
         "Lancet: untimed rounds of the candidates before the --lancet-measure-iters timed ones "
         "(the first rounds measured slower than steady state, which biased the contention fit)",
     )
+    lancet_measure_margin: float = opt(
+        0.02,
+        "Lancet: keep the fastest measured plan only if its median time is below 'none''s by more than this "
+        "fraction; 0: any gain",
+    )
     lancet_candidates: int = opt(
         2, "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none'"
     )
@@ -537,6 +542,8 @@ class OptimizationsConfig:
                 "pro_prophet_trial_settle": NON_NEGATIVE,
             },
         )
+        if not 0.0 <= self.lancet_measure_margin < 1.0:
+            raise ValueError(f"--lancet-measure-margin must be in [0, 1), got {self.lancet_measure_margin}")
         if not 0.0 <= self.pro_prophet_trial_margin < 1.0:
             raise ValueError(f"--pro-prophet-trial-margin must be in [0, 1), got {self.pro_prophet_trial_margin}")
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:

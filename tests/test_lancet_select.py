@@ -89,6 +89,15 @@ def test_planner_keeps_a_measured_faster_plan_and_ties_keep_none():
         model, local_state(), opts, plans, 3, 8, measured={"none": 10.0, "dw": 10.0, "partition": 10.0, "both": 10.0}
     )
     assert tie.name == "none"
+    # within the default 2 % margin "none" stays; beyond it, or with the margin off, the plan wins
+    near = {"none": 10.0, "dw": 9.9, "partition": 10.5, "both": 10.4}
+    kept = choose_plan(model, local_state(), opts, plans, 3, 8, measured=near)
+    assert opts.lancet_measure_margin == 0.02 and kept.name == "none"
+    assert kept.selection["measure_margin"] == 0.02 and kept.selection["chosen"] == "none"
+    strict = _opts(lancet_candidates=3, lancet_measure_margin=0.0)
+    assert choose_plan(model, local_state(), strict, plans, 3, 8, measured=near).name == "dw"
+    far = dict(near, dw=9.7)
+    assert choose_plan(model, local_state(), opts, plans, 3, 8, measured=far).name == "dw"
 
 
 def test_rounds_are_compared_pairwise_so_drifting_load_cancels():
@@ -102,6 +111,9 @@ def test_rounds_are_compared_pairwise_so_drifting_load_cancels():
     assert best == "both"  # 0.9, 0.9, 1.1
     with pytest.raises(ValueError, match="needs 'none'"):
         pick_fastest({"both": [1.0]})
+    # a margin compares the paired ratio: 0.9 passes 5 %, not 15 %
+    assert pick_fastest({"none": [10.0, 20.0, 30.0], "both": [9.0, 18.0, 33.0]}, 0.05)[0] == "both"
+    assert pick_fastest({"none": [10.0, 20.0, 30.0], "both": [9.0, 18.0, 33.0]}, 0.15)[0] == "none"
 
 
 def test_measuring_leaves_the_model_as_it_was():
@@ -131,6 +143,9 @@ def test_new_flags_are_validated_naming_the_flag():
         OptimizationsConfig(lancet_measure_warmup=-1)
     with pytest.raises(ValueError, match="--lancet-candidates must be >= 1, got 0"):
         OptimizationsConfig(lancet_candidates=0)
+    for bad in (-0.5, 1.0):
+        with pytest.raises(ValueError, match=rf"--lancet-measure-margin must be in \[0, 1\), got {bad}"):
+            OptimizationsConfig(lancet_measure_margin=bad)
 
 
 def _settled_paths(rank, world):

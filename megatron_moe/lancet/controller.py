@@ -386,7 +386,8 @@ def choose_plan(
     measured: Optional[dict] = None,
 ) -> LancetPlan:
     """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
-    return the fastest measured (smallest median ratio to "none" over the rounds), its `selection`
+    return the fastest measured (smallest median ratio to "none" over the rounds; "none" unless that
+    ratio is below 1 - --lancet-measure-margin), its `selection`
     recording every candidate's predicted, measured (median) and contention-fitted ms.
     `measured` (name -> ms) replaces the measurement of the plans it names (tests; it must be
     the same on every rank). Ties keep "none"."""
@@ -396,13 +397,14 @@ def choose_plan(
     if todo:
         iters = max(1, opts.lancet_measure_iters)
         rounds.update(measure_plans(model, ps, opts, todo, B, T, iters, grad_sync, opts.lancet_measure_warmup))
-    best, table, ratio = pick_fastest({n: rounds[n] for n in names})
+    best, table, ratio = pick_fastest({n: rounds[n] for n in names}, opts.lancet_measure_margin)
     fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
     chosen = plans[best]
     chosen.selection = {
         "chosen": best,
         "measure_iters": opts.lancet_measure_iters,
         "measure_warmup": opts.lancet_measure_warmup,
+        "measure_margin": opts.lancet_measure_margin,
         "candidates": {
             n: {
                 "predicted_ms": plans[n].predicted["iteration_ms"],

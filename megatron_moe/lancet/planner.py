@@ -60,6 +60,7 @@ from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gat
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
 from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, schedule_wgrad
 from megatron_moe.moe.dispatcher import PaddedDispatcher
+from megatron_moe.profiling import below
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -441,12 +442,14 @@ def fitted_ms(plan: LancetPlan, fit: dict) -> float:
     return fit["scale"] * plan.predicted["iteration_ms"] + fit["contention"] * overlapped_ms(plan)
 
 
-def pick_fastest(rounds: dict) -> tuple:
+def pick_fastest(rounds: dict, margin: float = 0.0) -> tuple:
     """(fastest name, name -> median ms, name -> ratio to "none") from name -> ms per round, in
     candidate order ("none" first). Decided on the median over rounds of each plan's time over
     "none"'s in the same round: the plans of a round run back to back, so load that drifts
     between rounds on a shared machine cancels. Plans timed a different number of rounds
-    (injected times) compare their medians. Ties keep the earlier name ("none")."""
+    (injected times) compare their medians. Ties keep the earlier name ("none"), and so does a
+    fastest plan whose ratio is not below 1 - `margin` (--lancet-measure-margin: a gain within
+    the measurement's noise is not worth a plan that may lose)."""
     names = list(rounds)
     if "none" not in rounds or any(not v for v in rounds.values()):
         raise ValueError(f"pick_fastest needs 'none' and at least one time per plan, got {rounds}")
@@ -460,4 +463,5 @@ def pick_fastest(rounds: dict) -> tuple:
         )
         for n in names
     }
-    return min(names, key=lambda n: (ratio[n], names.index(n))), table, ratio
+    best = min(names, key=lambda n: (ratio[n], names.index(n)))
+    return (best if below(ratio[best], 1.0, margin) else "none"), table, ratio
