@@ -137,3 +137,33 @@ def test_expert_count_mismatch_exits_2(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
     assert run.returncode != 0
     assert f"error: --counts-from {path}: the run has 8 experts per MoE layer, this benchmark 4" in run.stderr
+
+
+def test_modes_warm_up_alone_then_run_round_robin(monkeypatch):
+    """The measured iterations interleave the modes (rotated order), after each mode's own warm-up
+    (a trial's arms follow each other); --breakdown's profiled iteration comes last."""
+    import argparse
+
+    order = []
+
+    class Recorder:
+        def __init__(self, a, cfg, ps, mode, skew, perf, log, gates=None):
+            self.mode, self.it = mode, 0
+            self.warmup = {"none": 1, "heaviest_to_all": 2, "pro_prophet": 3}[mode]
+
+        def step(self, profiled=False):
+            order.append((self.mode, self.it, profiled))
+            self.it += 1
+
+        def result(self):
+            return {"iterations": self.it}
+
+    monkeypatch.setattr(bench, "ModeRun", Recorder)
+    a = argparse.Namespace(modes=["none", "heaviest_to_all", "pro_prophet"], iters=2, breakdown=True)
+    out = bench.run_modes(a, None, None, 0.0, {})
+    warm = [("none", 0), ("heaviest_to_all", 0), ("heaviest_to_all", 1)] + [("pro_prophet", i) for i in range(3)]
+    measured = [("none", 1), ("heaviest_to_all", 2), ("pro_prophet", 3)]  # i = 0
+    measured += [("heaviest_to_all", 3), ("pro_prophet", 4), ("none", 2)]  # i = 1: rotated
+    profiled = [("none", 3), ("heaviest_to_all", 4), ("pro_prophet", 5)]
+    assert order == [(m, i, False) for m, i in warm + measured] + [(m, i, True) for m, i in profiled]
+    assert out == {"none": {"iterations": 4}, "heaviest_to_all": {"iterations": 5}, "pro_prophet": {"iterations": 6}}

@@ -88,6 +88,10 @@ does not change which plan Algorithm 1 finds fastest). No constant is tuned to t
 scale, eta and the overhead are all fitted on the run's own samples, and the error is measured on
 the iterations after them (err % = predicted / measured - 1 over the measured medians).
 
+Each mode has its own model and runtime. The warm-ups run mode by mode; the measured iterations
+run round-robin (iteration i of every mode, then i + 1, the order rotated each time), so a machine
+whose speed drifts over minutes slows every mode alike (before session 14 the modes ran one after
+another, and the same graph measured up to 10 % apart between modes).
 An iteration is forward, backward and an SGD step, started together on all ranks (a barrier);
 step time: max over ranks; MoE-layer time: forward + backward of the MoE layers (autograd stamps
 around them), max over ranks; load std: population std of the tokens each EP rank computes, per
@@ -495,81 +499,119 @@ def fitted_gates(a, cfg: Config, ps) -> list:
     return [moe.router.gate_w.detach().clone() for moe in model.moes]
 
 
-def run_mode(a, cfg: Config, ps, mode: str, skew: Optional[float], perf: dict, gates: Optional[list] = None) -> dict:
-    """Warm up, measure; per-iteration lists (every rank holds the same numbers). skew None: the
-    popularity of --counts-from, realized by `gates` (`fitted_gates`)."""
-    model = BenchModel(cfg, ps, skew or 0.0, gates=gates)
-    spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
-    runtime = make_runtime(model, ps, mode, perf, a, spent)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    gen = torch.Generator(device="cpu").manual_seed(99 + ps.rank("ep"))
-    E, n_ep, M = cfg.moe.num_experts, ps.size("ep"), cfg.model.hidden_size
-    plain = Placement.of(E, n_ep, {})
-    model_for = perf[kind_of(mode)]
-    rows: dict = {k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")}
-    rows["breakdown"] = None
-    total: Optional[torch.Tensor] = None
-    log = CommLog().start()
-    trial = runtime.trial if runtime is not None else None
-    warmup = a.warmup + (trial.length if trial is not None else 0)  # the trial's steps: unmeasured
-    n_run = warmup + a.iters
-    for it in range(n_run + int(a.breakdown)):
-        x = torch.randn(1, a.tokens, M, generator=gen, device="cpu").to(ps.device)
-        used = [runtime.placement_of(m.layer_idx) if runtime else plain for m in model.moes]
+class ModeRun:
+    """One mode's model, runtime and per-iteration records, advanced one iteration per `step` call
+    (`run` interleaves the modes' measured iterations round-robin). skew None: the popularity of
+    --counts-from, realized by `gates` (`fitted_gates`). `log`: the collective observer, shared."""
+
+    def __init__(
+        self, a, cfg: Config, ps, mode: str, skew: Optional[float], perf: dict, log: CommLog, gates=None
+    ) -> None:
+        self.a, self.ps, self.log = a, ps, log
+        self.model = BenchModel(cfg, ps, skew or 0.0, gates=gates)
+        self.spent: list[float] = []  # seconds in the planner (every layer's plan), this iteration
+        self.runtime = make_runtime(self.model, ps, mode, perf, a, self.spent)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.gen = torch.Generator(device="cpu").manual_seed(99 + ps.rank("ep"))
+        self.M = cfg.model.hidden_size
+        self.plain = Placement.of(cfg.moe.num_experts, ps.size("ep"), {})
+        self.model_for = perf[kind_of(mode)]
+        self.rows: dict = {
+            k: [] for k in ("step", "moe", "std_before", "std_after", "terms", "trans", "agg", "top", "plan")
+        }
+        self.rows["breakdown"] = None
+        self.total: Optional[torch.Tensor] = None
+        self.trial = self.runtime.trial if self.runtime is not None else None
+        self.warmup = a.warmup + (self.trial.length if self.trial is not None else 0)  # the trial's: unmeasured
+        self.it = 0  # iterations run
+
+    def step(self, profiled: bool = False) -> None:
+        """One iteration (collective: every rank steps the same mode); recorded after the warm-up.
+        `profiled` (--breakdown): under the profiler, outside the medians."""
+        a, ps, model, runtime, it = self.a, self.ps, self.model, self.runtime, self.it
+        self.it += 1
+        x = torch.randn(1, a.tokens, self.M, generator=self.gen, device="cpu").to(ps.device)
+        used = [runtime.placement_of(m.layer_idx) if runtime else self.plain for m in model.moes]
         model.moe_s, model.moe_bwd = [], []
-        plan_s = sum(spent)  # the plans made during the last iteration and at its end (for this one)
-        spent.clear()
-        profiled = it == n_run  # --breakdown: one extra iteration under the profiler, outside the medians
+        plan_s = sum(self.spent)  # the plans made during the last iteration and at its end (for this one)
+        self.spent.clear()
         prof = profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
         dist.barrier()
-        log.clear()
+        self.log.clear()
         with prof:
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
             out = model(x)
             out.float().pow(2).mean().backward()
-            opt.step()
+            self.opt.step()
             step = time.perf_counter() - t0
         moe = sum(model.moe_s) + sum(b[1] - b[0] for b in model.moe_bwd if len(b) == 2)
         if profiled:
-            rows["breakdown"] = step_parts(prof, 1e3 * step, 1e3 * moe, ps)
-            break
-        sent = {op: sum(e.sent for e in log.of(op)) for op in ("trans", "agg")}
+            self.rows["breakdown"] = step_parts(prof, 1e3 * step, 1e3 * moe, ps)
+            return
+        sent = {op: sum(e.sent for e in self.log.of(op)) for op in ("trans", "agg")}
         if runtime is not None:  # the counts came with the dispatchers' count exchanges
             counts = runtime.collected_counts()  # [L, N_EP, E]
             runtime.end_iteration(it + 1)
         else:
             counts = gather_counts(ps, torch.stack([routed_counts(m) for m in model.moes]))
-        if it < warmup:
-            continue
+        if it < self.warmup:
+            return
+        rows = self.rows
         std = lambda v: statistics.pstdev(float(x) for x in v)  # noqa: E731
         rows["step"].append(1e3 * step)
         rows["plan"].append(1e3 * plan_s)
         rows["moe"].append(1e3 * moe)
-        rows["std_before"].append(statistics.mean(std(plain.computed_tokens(c.tolist())) for c in counts))
+        rows["std_before"].append(statistics.mean(std(self.plain.computed_tokens(c.tolist())) for c in counts))
         rows["std_after"].append(statistics.mean(std(p.computed_tokens(c.tolist())) for p, c in zip(used, counts)))
-        rows["terms"].append([model_for.terms(c.tolist(), p.replicas) for p, c in zip(used, counts)])
+        rows["terms"].append([self.model_for.terms(c.tolist(), p.replicas) for p, c in zip(used, counts)])
         rows["trans"].append(sent["trans"])
         rows["agg"].append(sent["agg"])
         per_expert = counts.sum(dim=(0, 1))
         rows["top"].append(float(per_expert.max() / per_expert.sum()))
         routed = counts.sum(dim=1).double()  # [L, E]: the measured iterations' routed tokens per expert
-        total = routed if total is None else total + routed
+        self.total = routed if self.total is None else self.total + routed
+
+    def result(self) -> dict:
+        """The per-iteration lists (collective: every rank then holds the same numbers)."""
+        rows, ps, runtime, trial = self.rows, self.ps, self.runtime, self.trial
+        t = torch.tensor([rows["step"], rows["moe"]], dtype=torch.float64, device=ps.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        b = torch.tensor([rows["trans"], rows["agg"]], dtype=torch.float64, device=ps.device)
+        dist.all_reduce(b)
+        rows["step"], rows["moe"] = t[0].cpu().tolist(), t[1].cpu().tolist()
+        rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
+        cal = runtime.calibrator if runtime is not None else None
+        rows["calibration"] = cal.fitted if cal is not None else None
+        # per layer, the share of the measured iterations' routed tokens each expert received
+        rows["shares"] = (
+            [[round(float(v), 4) for v in layer / layer.sum()] for layer in self.total]
+            if self.total is not None
+            else None
+        )
+        rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
+        return rows
+
+
+def run_modes(a, cfg: Config, ps, skew: Optional[float], perf: dict, gates=None) -> dict:
+    """Every mode's warm-up on its own (a trial's arms must follow each other), then the measured
+    iterations round-robin, iteration i of every mode before i + 1, in an order rotated each time,
+    so load that comes and goes on a shared machine hits every mode alike (as `bench_lancet`);
+    then --breakdown's profiled iteration of each. mode -> `ModeRun.result`."""
+    log = CommLog().start()
+    runs = {mode: ModeRun(a, cfg, ps, mode, skew, perf, log, gates) for mode in a.modes}
+    for r in runs.values():
+        while r.it < r.warmup:
+            r.step()
+    modes = list(runs)
+    for i in range(a.iters):
+        for j in range(len(modes)):
+            runs[modes[(i + j) % len(modes)]].step()
+    if a.breakdown:
+        for r in runs.values():
+            r.step(profiled=True)
     log.stop()
-    t = torch.tensor([rows["step"], rows["moe"]], dtype=torch.float64, device=ps.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    b = torch.tensor([rows["trans"], rows["agg"]], dtype=torch.float64, device=ps.device)
-    dist.all_reduce(b)
-    rows["step"], rows["moe"] = t[0].cpu().tolist(), t[1].cpu().tolist()
-    rows["trans"], rows["agg"] = b[0].cpu().tolist(), b[1].cpu().tolist()
-    cal = runtime.calibrator if runtime is not None else None
-    rows["calibration"] = cal.fitted if cal is not None else None
-    # per layer, the share of the measured iterations' routed tokens each expert received
-    rows["shares"] = (
-        [[round(float(v), 4) for v in layer / layer.sum()] for layer in total] if total is not None else None
-    )
-    rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
-    return rows
+    return {mode: r.result() for mode, r in runs.items()}
 
 
 def step_parts(prof, step_ms: float, moe_ms: float, ps) -> list[dict]:
@@ -703,9 +745,8 @@ def run(a: argparse.Namespace) -> None:
     results = []
     gates = fitted_gates(a, cfg, ps) if a.popularity is not None else None
     for skew in a.skew if a.popularity is None else [None]:
-        raw = {}
-        for mode in a.modes:
-            raw[mode] = r = run_mode(a, cfg, ps, mode, skew, perf, gates)
+        raw = run_modes(a, cfg, ps, skew, perf, gates)
+        for mode, r in raw.items():
             if rank == 0:
                 print(
                     f"  {popularity_text(skew)} {mode}: step {statistics.median(r['step']):.1f} ms, "
