@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import statistics
 import time
 from typing import Optional, Sequence
@@ -169,6 +170,34 @@ def below(candidate_ms: float, reference_ms: float, margin: float = 0.0) -> bool
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"a trial's margin must be in [0, 1), got {margin}")
     return candidate_ms < reference_ms * (1.0 - margin)
+
+
+def paired_ratio(
+    candidate_ms: Sequence[float],
+    reference_ms: Sequence[float],
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The benchmarks' paired comparison: (median, low, high) of candidate[i] / reference[i] over the
+    rounds i, each round timing both back to back (round-robin), so a slow spell of a shared machine
+    hits both sides of a ratio. low / high: a percentile-bootstrap confidence interval of that median
+    at `level` (the rounds resampled with replacement `resamples` times; seeded, so the same samples
+    give the same interval). It treats rounds as independent: drift slower than a round cancels in
+    the ratio, drift within a round does not, and the interval cannot see it."""
+    if len(candidate_ms) != len(reference_ms) or not candidate_ms:
+        raise ValueError(
+            f"paired_ratio needs one reference time per candidate time, got {len(candidate_ms)} and {len(reference_ms)}"
+        )
+    if not 0.0 < level < 1.0 or resamples < 1:
+        raise ValueError(f"paired_ratio: level must be in (0, 1) and resamples >= 1, got {level}, {resamples}")
+    ratios = [c / r for c, r in zip(candidate_ms, reference_ms)]
+    rng, n = random.Random(seed), len(ratios)
+    medians = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    lo = medians[min(resamples - 1, int(tail * resamples))]
+    hi = medians[max(0, min(resamples - 1, int((1.0 - tail) * resamples) - 1))]
+    return statistics.median(ratios), lo, hi
 
 
 def trial_verdict(measured_faster: bool, force_outcome: Optional[str], flag: str) -> tuple[bool, str]:

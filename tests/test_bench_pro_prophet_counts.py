@@ -124,6 +124,11 @@ def test_benchmark_runs_with_trained_counts(tmp_path):
     assert " real none " in run.stdout
     # heaviest-to-all moved the 2 heaviest experts of each layer; "none" nothing
     assert rows[0]["trans_bytes"] == 0 and rows[1]["trans_bytes"] > 0
+    # paired speedups: none over itself is 1 in every iteration; heaviest-to-all's median lies in its interval
+    assert rows[0]["speedup_vs_none_paired"] == [1.0, 1.0, 1.0]
+    med, lo, hi = rows[1]["speedup_vs_none_paired"]
+    assert lo <= med <= hi and rows[1]["speedup_vs_heaviest_to_all_paired"] == [1.0, 1.0, 1.0]
+    assert "counts heaviest_to_all: " in run.stdout and ") over none" in run.stdout
 
 
 def test_expert_count_mismatch_exits_2(tmp_path):

@@ -273,6 +273,8 @@ def test_bench_tool_under_meta_default_device(tmp_path, tool):
         assert [r["bytes"] for r in out[True]] == [r["bytes"] for r in out[False]]
         assert all(sum(r["bytes"].values()) > 0 for r in out[True])
     if tool == "bench_lancet.py":  # --timeline: every mode's all-to-alls of one more iteration, in order
+        assert out[True][0]["speedup_paired"] == [1.0, 1.0, 1.0]  # none over itself, round by round
+        assert all(lo <= med <= hi for med, lo, hi in (r["speedup_paired"] for r in out[True]))
         for r in out[True]:
             tl = r["timeline"]
             assert tl["a2a"] and 0 < tl["forward_ms"] < tl["iteration_ms"]

@@ -25,7 +25,9 @@ the trainer's choice: the fastest measured of the top predicted plans and "none"
 mode's prediction ("fitted err").
 The all-to-alls come from the library's collective observer (`distributed/observer.py`).
 Prints a table and writes `--json PATH`: a list of objects with keys mode,
-iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms, fitted_ms, chosen, selection (and details).
+iter_ms_median, a2a_ms, a2a_exposed_ms, predicted_ms, fitted_ms, chosen, selection, speedup_paired
+([median, low, high]: `none`'s time over the mode's, round by round, and its 95 % bootstrap interval,
+`profiling.paired_ratio`) and details.
 `--timeline` times one more iteration of every mode and adds rank 0's all-to-alls in it (key
 "timeline": forward_ms, iteration_ms and per all-to-all its phase, group, launch and finish ms
 from the iteration's start, ms the main thread was blocked on it, KB sent to other ranks), printed
@@ -56,6 +58,7 @@ from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
+from megatron_moe.profiling import paired_ratio
 
 MODES = {
     "none": (False, False),
@@ -211,9 +214,12 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
             if it >= args.warmup:
                 samples[m].append(r)
     timelines = {m: timeline(setups[m][0], setups[m][2], ids, labels) for m in modes} if args.timeline else {}
-    rows = []
+    rows, iter_ms = [], {}
     for m in modes:
         model, plan, ctl = setups[m]
+        slowest = torch.tensor([s[0] for s in samples[m]], dtype=torch.float64, device=ps.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each round's slowest rank
+        iter_ms[m] = slowest.cpu().tolist()
         med = torch.tensor(
             [statistics.median(s[j] for s in samples[m]) for j in range(4)] + [min(s[0] for s in samples[m])],
             dtype=torch.float64,
@@ -247,10 +253,17 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
         )
         if m in timelines:
             rows[-1]["timeline"] = timelines[m]
+    for r in rows:  # none's time over the mode's, round by round, with its 95 % bootstrap interval
+        r["speedup_paired"] = list(paired_ratio(iter_ms["none"], iter_ms[r["mode"]])) if "none" in iter_ms else None
     fit = next((r["selection"]["contention"] for r in rows if r["selection"]), None)
     for r, m in zip(rows, modes):  # the planner's contention fit applied to every mode's plan
         r["fitted_ms"] = round(fitted_ms(setups[m][1], fit), 3) if fit is not None else None
     return rows
+
+
+def paired_text(paired) -> str:
+    """A paired speedup's cell: "1.25x (1.21-1.30)", or "-" without a `none` row."""
+    return "-" if paired is None else "{:.2f}x ({:.2f}-{:.2f})".format(*paired)
 
 
 def print_table(rows: list[dict], head: dict, iters: int) -> None:
@@ -263,7 +276,7 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
     print(
         f"{'mode':<10} {'iter ms':>9} {'(min)':>8} {'a2a ms':>9} {'exposed a2a ms':>15} "
         + (f"{'wire ms':>8} " if wire else "")
-        + f"{'predicted ms':>13} {'pred err':>9} {'fitted err':>10} {'speedup':>8} {'(min)':>6}  ranges"
+        + f"{'predicted ms':>13} {'pred err':>9} {'fitted err':>10} {'speedup':>8} {'(min)':>6} {'paired (95%)':>20}  ranges"
     )
     for r in rows:
         err = (r["predicted_ms"] - r["iter_ms_median"]) / r["iter_ms_median"]
@@ -278,7 +291,8 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
             f"{r['a2a_exposed_ms']:>15.1f} "
             + (f"{r['wire_ms']:>8.1f} " if wire else "")
             + f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x "
-            f"{base['iter_ms_min'] / r['iter_ms_min']:>5.2f}x  {', '.join(r['ranges']) or '-'}{chosen}"
+            f"{base['iter_ms_min'] / r['iter_ms_min']:>5.2f}x {paired_text(r['speedup_paired']):>20}  "
+            f"{', '.join(r['ranges']) or '-'}{chosen}"
             f"  paths {'/'.join(p or '-' for p in r['expert_paths'])}"
         )
     sel = next((r["selection"] for r in rows if r["selection"]), None)

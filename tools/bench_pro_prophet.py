@@ -111,7 +111,9 @@ last dispatch all-to-all or at the iteration's end; rank 0's), trial: mode pro_p
 decision or null: keep, kept ("placed" / "wider" / "off": the arm kept), placed_ms / wider_ms /
 plain_ms (the arms' medians, MAX over ranks), placed_steps_ms, wider_steps_ms, plain_steps_ms,
 trial_ms_total, moved, wider_moved (the wider arm moved more experts than the planner would have),
-line).
+line), speedup_vs_none_paired / speedup_vs_heaviest_to_all_paired ([median, low, high]: that mode's
+step time over this mode's, iteration by iteration of the round-robin, and its 95 % bootstrap
+interval, `profiling.paired_ratio`; null when that mode did not run), printed under the table.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, rou
 from megatron_moe.host_memory import CHOICES as HOST_MEMORY
 from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
+from megatron_moe.profiling import paired_ratio
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
@@ -687,6 +690,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def speedup_lines(rows: list[dict]) -> str:
+    """Under the table: each placing mode's paired speedups with their 95 % intervals."""
+    lines = []
+    for r in rows:
+        cells = [
+            "{:.3f}x ({:.3f}-{:.3f}) over {}".format(*r[f"speedup_vs_{other}_paired"], other)
+            for other in ("none", "heaviest_to_all")
+            if r[f"speedup_vs_{other}_paired"] is not None and r["mode"] not in ("none", other)
+        ]
+        if cells:
+            lines.append(f"{popularity_text(r['skew'])} {r['mode']}: " + ", ".join(cells))
+    return "\n".join(["paired step speedups (95% bootstrap intervals):"] + lines)
+
+
 def trial_text(trial: Optional[dict]) -> str:
     """The table's trial column: the kept arm ("placed" / "wider" / "off") and the arms' medians
     (placed / wider / plain ms; wider "-" without that arm), or "-" (no trial)."""
@@ -785,12 +802,20 @@ def run(a: argparse.Namespace) -> None:
                     "breakdown_ms": r["breakdown"],
                     "trial": r["trial"],
                     "plan_ms": med["plan"],
+                    # the other mode's step over this one's, iteration by iteration (round-robin)
+                    **{
+                        f"speedup_vs_{other}_paired": (
+                            list(paired_ratio(raw[other]["step"], r["step"])) if other in raw else None
+                        )
+                        for other in ("none", "heaviest_to_all")
+                    },
                     "popularity": "zipf" if skew is not None else f"counts {os.path.basename(a.counts_from)}",
                     "expert_shares": r["shares"],
                 }
             )
     if rank == 0:
         print(table(results), flush=True)
+        print(speedup_lines(results), flush=True)
         if a.breakdown:
             print(breakdown_table(results), flush=True)
         if a.json:

@@ -30,7 +30,8 @@ and rank 0 prints each rank's ops by self time (`op_table`). The timed table giv
 median wall and thread-CPU time too: wall - CPU is the time a rank spends off the CPU (waiting
 inside collectives, or preempted by other jobs). Prints a table on rank 0; --json writes
 {config, rows: [{variant, ms_median, ms_p90, round_ms, ratio_vs_deepspeed, paired_ratio_vs_deepspeed (median over
-rounds of the round's ratio), ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
+rounds of the round's ratio), paired_ci_vs_deepspeed ([low, high]: its 95 % bootstrap interval,
+`profiling.paired_ratio`), ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
 ours_path}.
 """
 
@@ -54,6 +55,7 @@ from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import initialize_model_parallel, shutdown
+from megatron_moe.profiling import paired_ratio
 
 VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "deepspeed-cgelu", "floor")
 
@@ -276,15 +278,15 @@ def run(args: argparse.Namespace) -> None:
             }
         )
     ref = {r["variant"]: r["ms_median"] for r in rows}
-    rounds = {r["variant"]: torch.tensor(r["round_ms"], dtype=torch.float64) for r in rows}
+    rounds = {r["variant"]: r["round_ms"] for r in rows}
     for r in rows:
         r["ratio_vs_deepspeed"] = r["ms_median"] / ref["deepspeed"] if "deepspeed" in ref else None
         r["ratio_vs_floor"] = r["ms_median"] / ref["floor"] if "floor" in ref else None
         # paired: the median over rounds of this round's time over DeepSpeed's time in the same round
-        # (a slow spell of a shared machine slows both sides of a pair)
-        r["paired_ratio_vs_deepspeed"] = (
-            float((rounds[r["variant"]] / rounds["deepspeed"]).median()) if "deepspeed" in rounds else None
-        )
+        # (a slow spell of a shared machine slows both sides of a pair), with its 95 % bootstrap interval
+        paired = paired_ratio(rounds[r["variant"]], rounds["deepspeed"]) if "deepspeed" in rounds else None
+        r["paired_ratio_vs_deepspeed"] = paired[0] if paired else None
+        r["paired_ci_vs_deepspeed"] = list(paired[1:]) if paired else None
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, info)
     if dist.get_rank() == 0:
@@ -322,12 +324,16 @@ def print_table(args, rows: list, info: list) -> None:
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")
-    print(f"{'variant':<17}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'paired':>9}{'vs floor':>10}")
+    print(
+        f"{'variant':<17}{'median ms':>11}{'p90 ms':>10}{'vs deepspeed':>14}{'paired':>9}{'95% interval':>15}"
+        f"{'vs floor':>10}"
+    )
     for r in rows:
         ds = "" if r["ratio_vs_deepspeed"] is None else f"{r['ratio_vs_deepspeed']:.3f}x"
         pr = "" if r["paired_ratio_vs_deepspeed"] is None else f"{r['paired_ratio_vs_deepspeed']:.3f}x"
+        ci = "" if r["paired_ci_vs_deepspeed"] is None else "{:.3f}-{:.3f}".format(*r["paired_ci_vs_deepspeed"])
         fl = "" if r["ratio_vs_floor"] is None else f"{r['ratio_vs_floor']:.3f}x"
-        print(f"{r['variant']:<17}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{pr:>9}{fl:>10}")
+        print(f"{r['variant']:<17}{r['ms_median']:>11.2f}{r['ms_p90']:>10.2f}{ds:>14}{pr:>9}{ci:>15}{fl:>10}")
     print("per rank, median ms: wall / thread CPU / off CPU (waiting in collectives or preempted)")
     for r in rows:
         cells = [f"{w:.1f} / {c:.1f} / {w - c:.1f}" for w, c in zip(r["rank_wall_ms"], r["rank_cpu_ms"])]
