@@ -134,6 +134,7 @@ class LancetController:
             1.0 / ps.size("mp") if base else 1.0,
             token_group_kind(ps) if base else "ep_esp",
             counts_group(ps),
+            ragged=layer.kept_only or layer.dropless,  # received rows grouped by expert: no padded buffer
         )
         d.set_dw_queue(self.wgrad)
         return d

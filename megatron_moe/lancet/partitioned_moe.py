@@ -435,8 +435,9 @@ class PartitionedRange:
         with sx.use(side):
             for plan, _, _ in started:  # Experts.forward is the "moe/experts" range
                 sx.record_stream(plan.in_flight, side)  # the received tokens, allocated at launch: read here
-                kept = plan.kept if self.block.moe.kept_only else None  # only the rows that hold a token
-                d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale, kept=kept), plan)
+                # kept rows only: the ragged received rows, each expert's rows together (`part_dispatcher`)
+                x_in = d.dispatch_finish(plan, M)
+                d.combine_start(experts(x_in, grad_scale=d.grad_scale, counts=plan.expert_rows), plan)
         side_end.append(sx.record_event(side))
         for plan, _, _ in started:
             sx.record_stream(plan.in_flight, cur)  # the returned rows, allocated on the side stream: read here

@@ -187,6 +187,22 @@ class _PackRows(torch.autograd.Function):
         return g_KM.new_zeros(ctx.num_tokens, g_KM.size(1)).index_add_(0, token, g_KM), None, None, None
 
 
+class _PermuteRows(torch.autograd.Function):
+    """x [R, M] -> x[perm] for a permutation `perm` of the rows; backward g[inv] (`inv` its inverse): one
+    gather each way, no zero-filled buffer and no scatter (what index_copy into zeros and index_select's
+    backward would cost)."""
+
+    @staticmethod
+    def forward(ctx, x_RM, perm, inv):
+        ctx.save_for_backward(inv)
+        return x_RM.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, g_RM):
+        (inv,) = ctx.saved_tensors
+        return g_RM.contiguous().index_select(0, inv), None, None
+
+
 def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's rows of y [K, M], row i belonging to kept choice i of `idx`."""
     return _Combine.apply(y_KM, None, idx.token, idx.weight, num_tokens, True)
@@ -594,8 +610,9 @@ class _S2Return(torch.autograd.Function):
 class UnevenPlan:
     """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
     of each send row, once per ESP shard); recv_row [R_recv] (row of each received token in the
-    padded expert input [E_l * N, M], or in the ragged one [R_recv, M]); expert_rows: rows of each
-    local expert in the ragged input (None: padded); the handles of the two all-to-alls once started."""
+    padded expert input [E_l * N, M], or in the ragged one [R_recv, M]: there a permutation, and
+    recv_order its inverse); expert_rows: rows of each local expert in the ragged input (None:
+    padded); the handles of the two all-to-alls once started."""
 
     token: torch.Tensor
     weight: torch.Tensor
@@ -608,6 +625,7 @@ class UnevenPlan:
     in_flight: Optional[torch.Tensor] = field(default=None, repr=False)
     expert_rows: Optional[list[int]] = None
     kept: Optional[KeptRows] = None
+    recv_order: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -628,7 +646,9 @@ class _LocalPlan:
 class UnevenDispatcher(TokenDispatcher):
     """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
     `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
-    expert input holds only the received rows, grouped by local expert (dropless)."""
+    expert input holds only the received rows, grouped by local expert (dropless, and Lancet's parts
+    when the experts compute kept rows only: there every received row holds a kept token, so the
+    ragged input is exactly the padded input's kept rows, in the same order)."""
 
     def __init__(
         self,
@@ -745,11 +765,12 @@ class UnevenDispatcher(TokenDispatcher):
             self.dw,
         )
         dev = lp.token.device
+        row = row.to(dev)
         return UnevenPlan(
             lp.token,
             lp.weight,
             lp.dump.to(dev),
-            row.to(dev),
+            row,
             N,
             lp.tokens,
             out,
@@ -757,7 +778,8 @@ class UnevenDispatcher(TokenDispatcher):
             expert_rows=(per_expert.tolist() if self.placement is None else self.placement.expert_rows(per_expert))
             if self.ragged
             else None,
-            kept=None if self.ragged else uneven_kept_rows(row.to(dev), per_expert.tolist()),
+            kept=None if self.ragged else uneven_kept_rows(row, per_expert.tolist()),
+            recv_order=torch.argsort(row) if self.ragged else None,
         )
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
@@ -767,14 +789,18 @@ class UnevenDispatcher(TokenDispatcher):
     def dispatch_finish(self, plan: UnevenPlan, M: int) -> torch.Tensor:
         """Wait for the tokens; the zero-padded expert input [E_l, N, M] (ragged: [R, M] by expert)."""
         recv, plan.in_flight = a2a.finish(plan.in_flight, plan.out), None
-        if plan.expert_rows is not None:
-            return recv.new_zeros(recv.size(0), M).index_copy(0, plan.recv_row, recv)
+        if plan.recv_order is not None:  # ragged: the received rows regrouped by expert, a permutation
+            return _PermuteRows.apply(recv, plan.recv_order, plan.recv_row)
         x_in = recv.new_zeros(self.num_local * plan.rows_per_expert, M).index_copy(0, plan.recv_row, recv)
         return x_in.view(self.num_local, plan.rows_per_expert, M)
 
     def combine_start(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> None:
         """Launch the return all-to-all of the rows that were received (y [E_l, N, M] or ragged [R, M])."""
-        plan.in_flight = a2a.start(y_LNM.reshape(-1, y_LNM.size(-1)).index_select(0, plan.recv_row), plan.back)
+        y_RM = y_LNM.reshape(-1, y_LNM.size(-1))
+        if plan.recv_order is not None:  # ragged: back to the received order, the inverse permutation
+            plan.in_flight = a2a.start(_PermuteRows.apply(y_RM, plan.recv_row, plan.recv_order), plan.back)
+        else:
+            plan.in_flight = a2a.start(y_RM.index_select(0, plan.recv_row), plan.back)
 
     def combine_finish(self, plan: UnevenPlan) -> torch.Tensor:
         """Wait for the outputs; local combine of the N_ESP partials, then the weighted sum y [T, M]."""
