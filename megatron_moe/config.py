@@ -472,7 +472,9 @@ class OptimizationsConfig:
         "fraction; 0: any gain",
     )
     lancet_candidates: int = opt(
-        2, "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none'"
+        2,
+        "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none', at the "
+        "--lancet-max-partitions budget and again at half of it",
     )
     pro_prophet: bool = opt(
         False,

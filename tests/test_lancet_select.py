@@ -8,10 +8,20 @@ import torch
 
 from megatron_moe.config import OptimizationsConfig
 from megatron_moe.lancet.controller import choose_plan, measure_plans, setup
-from megatron_moe.lancet.planner import candidate_plans, fit_contention, overlapped_ms, pick_fastest, top_candidates
+from megatron_moe.lancet.cost import CommCostModel
+from megatron_moe.lancet.planner import (
+    candidate_plans,
+    coarse_budget,
+    fit_contention,
+    overlapped_ms,
+    pick_fastest,
+    top_candidates,
+)
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import local_state
 from test_lancet_runtime import MICRO, config, synthetic_costs
+
+SLOW_LINK = CommCostModel([(1.0, 0.5), (4096.0, 30.0)])  # all-to-alls slow enough that block 1 pays for 3 parts
 
 
 def _opts(**kw) -> OptimizationsConfig:
@@ -239,3 +249,42 @@ def test_untimed_rounds_run_before_the_timed_ones():
     finally:
         hook.remove()
     assert OptimizationsConfig().lancet_measure_warmup == 4
+
+
+def test_the_coarse_budget_is_half_the_part_budget():
+    assert [coarse_budget(r) for r in (1, 2, 3, 4, 8, 9)] == [None, None, 2, 2, 4, 4]
+
+
+def test_candidates_add_half_budget_plans_and_both_budgets_are_measured():
+    """Partitioned modes are also planned with at most half the parts ("<mode>@k<K>"), and the
+    measured candidates are the best predicted of each budget: the cost model ranks plans of one
+    budget, but what a part costs beyond its ops' profile is not in it."""
+    costs, _ = synthetic_costs()
+    model = GPT2MoE(config(1, "position"), local_state())
+    opts = _opts(lancet_max_partitions=3)
+    plans = candidate_plans(model, local_state(), opts, 3, 8, costs=costs, comm=SLOW_LINK, broadcast=False)
+    assert sorted(plans) == ["both", "both@k2", "dw", "none", "partition", "partition@k2"]
+    for mode in ("partition", "both"):
+        fine, coarse = plans[mode], plans[f"{mode}@k2"]
+        assert max(r.k for r in fine.ranges) == 3 and coarse.ranges and max(r.k for r in coarse.ranges) <= 2
+        assert coarse.wgrad == fine.wgrad and coarse.name == f"{mode}@k2"
+    pred = lambda m: plans[m].predicted["iteration_ms"]  # noqa: E731
+    full = sorted(["dw", "partition", "both"], key=pred)
+    half = sorted(["partition@k2", "both@k2"], key=pred)
+    assert top_candidates(plans, 1) == ["none", full[0], half[0]]
+    assert top_candidates(plans, 2) == ["none", *full[:2], *half]
+    # where every budget gives the same plan (the other tests' costs pick 2 parts), nothing is timed twice
+    _, same = _plans(_opts())
+    assert not [n for n in same if "@" in n]
+
+
+def test_a_half_budget_plan_that_measures_fastest_is_kept(tmp_path):
+    costs, _ = synthetic_costs()
+    model = GPT2MoE(config(1, "position"), local_state())
+    opts = _opts(lancet_max_partitions=3, lancet_candidates=2, lancet_report=str(tmp_path / "rep.json"))
+    table = {"none": 10.0, "dw": 9.6, "partition": 8.9, "both": 8.6, "partition@k2": 8.7, "both@k2": 8.1}
+    ctl = setup(model, local_state(), opts, micro_batch=3, seq_length=8, measured=table, costs=costs, comm=SLOW_LINK)
+    assert ctl.plan.name == "both@k2" and ctl.plan.wgrad and max(r.k for r in ctl.plan.ranges) <= 2
+    got = json.loads(json.dumps(ctl.write_report(measured_iter_ms=8.2)["selection"]))
+    assert got["chosen"] == "both@k2" and {"both@k2", "partition@k2"} <= set(got["candidates"])
+    assert got["candidates"]["both@k2"]["ratio_to_none"] == pytest.approx(0.81)

@@ -17,9 +17,15 @@ Profiles differ from rank to rank, and a plan must be the same on every rank
 it), so `make_plan` broadcasts rank 0's plan.
 
 Never slower: `candidate_plans` plans every mode the switches allow ("none", "dw",
-"partition", "both") from one profile; the controller times the `top_candidates`
-(the best predicted, always with "none") on the real model and keeps the fastest
-measured (`controller.choose_plan`). `fit_contention` fits the cost model's
+"partition", "both") from one profile, the partitioned modes also at half the part budget
+("partition@k4", "both@k4" for --lancet-max-partitions 8: `coarse_budget`); the controller times
+the `top_candidates` (the best predicted at each budget, always with "none") on the real model and
+keeps the fastest measured (`controller.choose_plan`). The second budget is there because the
+model ranks plans of one part budget better than plans of different budgets: what a part costs
+beyond its ops' profiled time (a collective's launch, the autograd nodes and small ops of each
+part) is not in the op profile. On the emulated cluster (docs/BENCHMARKS.md, session 15) the
+planner predicted 8 parts 4-8 % faster than 4, and the two measured within 3 % of each other,
+either one ahead. `fit_contention` fits the cost model's
 communication-computation contention from those measurements:
 
     measured ~= scale * predicted + contention * overlapped_ms
@@ -378,10 +384,13 @@ def candidate_plans(
     broadcast: bool = True,
 ) -> dict:
     """name -> LancetPlan for "none" and every mode the switches allow (--lancet-wgrad for "dw",
-    --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan)."""
+    --lancet-partition for "partition", both for "both"), all from one profile (collective like make_plan);
+    a partitioned mode also as "<mode>@k<K>" planned with at most K = `coarse_budget` parts, when that
+    plan differs from the mode's own."""
     sh = model_shapes(model, ps, B, T)
     costs = costs or profile_costs(model, ps, B, T, profiler, max_parts=opts.lancet_max_partitions)
     comm = comm or profile_a2a_model(ps, int(sh.a2a_bytes()))
+    coarse = coarse_budget(opts.lancet_max_partitions)
     out = {}
     for name, (w, p) in MODES.items():
         if (w and not opts.lancet_wgrad) or (p and not opts.lancet_partition):
@@ -389,19 +398,35 @@ def candidate_plans(
         plan = make_plan(model, ps, opts, B, T, wgrad=w, partition=p, costs=costs, comm=comm, broadcast=broadcast)
         plan.name = name
         out[name] = plan
+        if p and coarse is not None:
+            half = replace(opts, lancet_max_partitions=coarse)
+            fewer = make_plan(model, ps, half, B, T, wgrad=w, partition=p, costs=costs, comm=comm, broadcast=broadcast)
+            if fewer.ranges and fewer.ranges != plan.ranges:
+                fewer.name = f"{name}@k{coarse}"
+                out[fewer.name] = fewer
     return out
 
 
+def coarse_budget(max_partitions: int) -> Optional[int]:
+    """The second part budget `candidate_plans` plans at: half of --lancet-max-partitions (at least 2),
+    None when that is not below it."""
+    k = max(2, max_partitions // 2)
+    return k if k < max_partitions else None
+
+
 def top_candidates(plans: dict, n: int) -> list:
-    """ "none" and the n plans other than "none" with the smallest predicted iteration time
-    (ties in MODES order); plans with nothing to install ("partition" without ranges) are dropped."""
+    """ "none", the n plans of the full part budget other than "none" with the smallest predicted
+    iteration time, and the n such plans of the coarse budget ("<mode>@k<K>", `candidate_plans`),
+    ties in the plans' order; plans with nothing to install ("partition" without ranges) are dropped."""
     if n < 1:
         raise ValueError(f"--lancet-candidates must be >= 1, got {n}")
     if "none" not in plans:
         raise ValueError("the candidate plans must include 'none'")
-    rest = [m for m in MODES if m in plans and m != "none" and (plans[m].ranges or plans[m].wgrad)]
-    rest.sort(key=lambda m: (plans[m].predicted["iteration_ms"], list(MODES).index(m)))
-    return ["none"] + rest[:n]
+    order = list(plans)
+    rest = [m for m in order if m != "none" and (plans[m].ranges or plans[m].wgrad)]
+    rest.sort(key=lambda m: (plans[m].predicted["iteration_ms"], order.index(m)))
+    full, coarse = [m for m in rest if "@" not in m], [m for m in rest if "@" in m]
+    return ["none"] + full[:n] + coarse[:n]
 
 
 def overlapped_ms(plan: LancetPlan) -> float:
