@@ -542,12 +542,10 @@ class OptimizationsConfig:
                 "pro_prophet_interval": AT_LEAST_ONE,
                 "pro_prophet_trial_iters": NON_NEGATIVE,
                 "pro_prophet_trial_settle": NON_NEGATIVE,
+                "lancet_measure_margin": FRACTION,
+                "pro_prophet_trial_margin": FRACTION,
             },
         )
-        if not 0.0 <= self.lancet_measure_margin < 1.0:
-            raise ValueError(f"--lancet-measure-margin must be in [0, 1), got {self.lancet_measure_margin}")
-        if not 0.0 <= self.pro_prophet_trial_margin < 1.0:
-            raise ValueError(f"--pro-prophet-trial-margin must be in [0, 1), got {self.pro_prophet_trial_margin}")
         if self.pro_prophet_force_plan is not None and not self.pro_prophet:
             raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
         if self.pro_prophet_trial_force_outcome is not None and not (
