@@ -434,17 +434,17 @@ class Trainer:
             lm_sum += lm.item()
             aux_sum += float(aux.detach())
             for layer in self.model.moe_layers():
-                st = layer.last_stats
-                dropped, choices = dropped + st["dropped"], choices + st["choices"]
-                loads.append(st["counts"].float())
-                per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + st["counts"].long()
+                kept_E, n = layer.router.device_stats  # on the device: no host read per layer
+                dropped, choices = dropped + (n - kept_E.sum()), choices + n
+                loads.append(kept_E.float())
+                per_layer[layer.layer_idx] = per_layer.get(layer.layer_idx, 0) + kept_E.long()
                 if layer.dropless:
                     routed[layer.layer_idx] = routed.get(layer.layer_idx, 0) + routed_counts(layer)
         self.grad_sync.finish()
         balance = self.token_balance(routed) if routed else {}
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
         sums = [lm_sum / len(batches), aux_sum / len(batches), dropped, choices]
-        stats = torch.tensor(sums, device=self.device, dtype=torch.float64)
+        stats = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in sums])
         stats = self.average_over_dp(stats)
         if self.cfg.train.check_for_nan_in_loss_and_grad:
             self.check_finite(float(stats[0]), norm)

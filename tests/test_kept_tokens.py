@@ -2,7 +2,8 @@
 computing only those gives the values and gradients of multiplying the whole padded buffer.
 
 The GEMMs' operands are recorded with a TorchDispatchMode (every aten matmul the layer runs,
-with its shapes): the forward's first expert GEMM of each local expert has exactly as many
+with its shapes; a grouped GEMM as one GEMM per expert over its offsets): the forward's first
+expert GEMM of each local expert has exactly as many
 rows as tokens routed and kept for that expert (from the router's own counts, gathered
 over the sources), never the padded capacity.
 """
@@ -40,7 +41,12 @@ class MatmulShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in MATMULS:
+        if name == "_grouped_mm" and args[1].dim() == 3:  # [R, K] x [X, K, N]: one GEMM per expert's rows
+            a, b = args[0], args[1]
+            ends = [0] + (kwargs or {}).get("offs", args[2] if len(args) > 2 else None).tolist()
+            for e in range(b.size(0)):
+                self.calls.append(("mm", (ends[e + 1] - ends[e], a.size(1)), tuple(b.shape[1:]), (b.data_ptr(), e)))
+        elif name in MATMULS:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
             self.calls.append((name, tuple(a.shape), tuple(b.shape), b.data_ptr()))
         out = func(*args, **(kwargs or {}))

@@ -84,6 +84,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.distributed import streams
+from megatron_moe.moe.grouped import GroupedRows, wgrad
 
 
 @dataclass
@@ -130,35 +131,22 @@ class WgradStats:
 
 
 def _rows_grad(p: torch.nn.Parameter, uses: list, scale: float) -> torch.Tensor:
-    """p-shaped gradient from the row operands of one or more forward uses (`DeferredDW.rows`):
-    slot s = sum over the uses' (g, x) pairs of g^T x, cast to p's dtype, times `scale`: the first
-    pair's GEMM writes the slot and the others add to it (`addmm_`; no copy of the rows). One slot
-    on a 2-D p is the plain `g^T x`; more go into the slices of one p-shaped tensor (the same
-    `mm(..., out=)` calls the experts' plain backward makes). A use's slot may itself be a list of
-    pairs (an expert's row ranges of a buffer, `moe.experts`), as in the plain backward."""
-
-    def pairs(s: int) -> list:
-        if len(uses) == 1:
-            one = uses[0][s]
-            return one if isinstance(one, list) else [one]
-        return [pr for u in uses for pr in (u[s] if isinstance(u[s], list) else [u[s]])]
-
-    slots = len(uses[0])
-    if slots == 1 and p.dim() == 2:  # one slot: the plain g^T x
-        (g, x), *rest = pairs(0)
-        d = g.t().mm(x)
-        for g, x in rest:
-            d.addmm_(g.t(), x)
-    else:
-        first = uses[0][0]
-        g0 = (first[0] if isinstance(first, list) else first)[0]
-        d = torch.empty(p.shape, dtype=g0.dtype, device=g0.device)
-        for s in range(slots):
-            for i, (g, x) in enumerate(pairs(s)):
-                if i:
-                    d[s].addmm_(g.t(), x)
-                else:
-                    torch.mm(g.t(), x, out=d[s])
+    """p-shaped gradient from the row operands of one or more forward uses (`DeferredDW.rows`), cast to
+    p's dtype, times `scale`. A use is either a `moe.grouped.GroupedRows` (the experts: every expert's
+    g^T x in one grouped GEMM, [E_l, O, I]) or, for a 2-D p, one slot of (g, x) pairs (a linear: g^T x,
+    several pairs summed with `addmm_`, no copy of the rows). The uses' results are summed in place."""
+    d: Optional[torch.Tensor] = None
+    for use in uses:
+        if isinstance(use, GroupedRows):
+            part = wgrad(use)
+        else:
+            pairs = [pr for slot in use for pr in (slot if isinstance(slot, list) else [slot])]
+            (g, x), *rest = pairs
+            part = g.t().mm(x)
+            for g, x in rest:
+                part.addmm_(g.t(), x)
+        d = part if d is None else d.add_(part)
+    assert d is not None, "a deferred dW with no uses"
     d = d.to(p.dtype)
     return d * scale if scale != 1.0 else d
 
@@ -247,9 +235,9 @@ class ExpertDW:
     def _item(self, name: str, p: torch.nn.Parameter, rows: list) -> DeferredDW:
         return DeferredDW(name, p, lambda: _rows_grad(p, [rows], self.scale), rows, self.scale)
 
-    def submit(self, proj_rows: list, fc_rows: list) -> None:
-        """Queue fc2's (proj_w: (gy_e, h_e) per local expert) and fc1's (fc_w: (da_e, x_e)) dW GEMMs,
-        in the IR's order (fc2 first); d W[e] = g_e^T x_e."""
+    def submit(self, proj_rows: GroupedRows, fc_rows: GroupedRows) -> None:
+        """Queue fc2's (proj_w: gy, h) and fc1's (fc_w: da, x) dW GEMMs as grouped rows, in the IR's order
+        (fc2 first); d W[e] = g_e^T x_e over expert e's rows."""
         rt = self.runtime
         rt.submit(self._item(self.prefix + "fc2.dW", self.proj_w, proj_rows))
         rt.submit(self._item(self.prefix + "fc1.dW", self.fc_w, fc_rows))

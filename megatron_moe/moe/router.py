@@ -65,7 +65,7 @@ class RouteResult:
 
     @property
     def num_dropped(self) -> int:
-        return int((self.slot < 0).sum())
+        return int((self.slot < 0).sum())  # a host read: for tests and tools, not the training step
 
     def detached(self) -> "RouteResult":
         """The same routing without autograd history (what is kept past the forward)."""
@@ -102,7 +102,7 @@ def choose_experts(
     first = gates.argmax(dim=-1)
     if k == 1:
         return gates, first[:, None]
-    masked = logits_SE.float().masked_fill(torch.nn.functional.one_hot(first, E).bool(), float("-inf"))
+    masked = logits_SE.float().scatter(1, first[:, None], float("-inf"))
     second = masked.argmax(dim=-1)
     return gates, torch.stack([first, second], dim=1)
 
@@ -154,7 +154,7 @@ def slot_positions(
     S, k = expert_Sk.shape
     dev = expert_Sk.device
     ordered = expert_Sk if order_S is None else expert_Sk[order_S]
-    one_hot = torch.nn.functional.one_hot(ordered, num_experts)  # [S, k, E]; S*k*E ints
+    one_hot = one_hot_of(ordered, num_experts)  # [S, k, E]; S*k*E ints
     pos_ordered = (one_hot.cumsum(dim=0) - 1).gather(2, ordered[..., None]).squeeze(2)  # [S, k]
     if offset_kE is not None:
         pos_ordered = pos_ordered + offset_kE.to(dev).gather(1, ordered.t()).t()
@@ -169,15 +169,28 @@ def slot_positions(
     return pos
 
 
+def one_hot_of(index: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """`F.one_hot` without its host-side range check (a device-to-host sync on CUDA): int64 [..., C]."""
+    out = torch.zeros(*index.shape, num_classes, dtype=torch.int64, device=index.device)
+    return out.scatter_(-1, index[..., None], 1)
+
+
+def count_per_expert(expert: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[E] int64: how many entries of `expert` (any shape) name each expert, counting only where `keep`
+    (same shape, bool) holds. `torch.bincount` would read the maximum on the host (a sync on CUDA)."""
+    ones = torch.ones_like(expert) if keep is None else keep.to(torch.int64)
+    return expert.new_zeros(num_experts).index_add_(0, expert.reshape(-1), ones.reshape(-1))
+
+
 def choice_counts(expert_Sk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[k, E] number of tokens whose j-th choice is e (before dropping)."""
-    return torch.stack([torch.bincount(expert_Sk[:, j], minlength=num_experts) for j in range(expert_Sk.size(1))])
+    return torch.stack([count_per_expert(expert_Sk[:, j], num_experts) for j in range(expert_Sk.size(1))])
 
 
 def aux_loss_terms(gates_SE: torch.Tensor, expert_Sk: torch.Tensor):
     """Sums needed by the aux loss: (sum_s gates [E], count of first choice [E], S)."""
     E = gates_SE.size(1)
-    return gates_SE.sum(dim=0), torch.bincount(expert_Sk[:, 0], minlength=E).float(), gates_SE.size(0)
+    return gates_SE.sum(dim=0), count_per_expert(expert_Sk[:, 0], E).float(), gates_SE.size(0)
 
 
 def aux_loss_from_terms(gate_sum_E: torch.Tensor, first_count_E: torch.Tensor, S: int, k: int) -> torch.Tensor:
@@ -204,7 +217,7 @@ def finish_route(
     if k == 2:
         denom = g.sum(dim=1, keepdim=True).clamp(min=torch.finfo(g.dtype).eps)
         g = g / denom
-    counts = torch.bincount(expert_Sk[kept], minlength=E)
+    counts = count_per_expert(expert_Sk, E, kept)
     return RouteResult(expert_Sk, slot, g, cap, aux_loss, z_loss, counts, gates_SE)
 
 
@@ -235,7 +248,7 @@ def route(
     if policy == "position" and kernels.use_triton(logits):  # CUDA + triton: fused gating (kernels/gating.py)
         gates, expert, slot, weight = kernels.topk_gating(logits, k, cap)
         aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
-        return RouteResult(expert, slot, weight, cap, aux, z, torch.bincount(expert[slot >= 0], minlength=E), gates)
+        return RouteResult(expert, slot, weight, cap, aux, z, count_per_expert(expert, E, slot >= 0), gates)
     gates, expert = choose_experts(logits, k, policy, generator)
     pos = slot_positions(expert, E, token_order(gates, expert, policy))
     aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
@@ -283,8 +296,17 @@ class Router(nn.Module):
             device,
         )
         self.calls = 0
-        self.last_stats: dict = {}
+        self.device_stats: Optional[tuple[torch.Tensor, int]] = None  # (kept per expert [E], choices)
         self.last_routes: list[RouteResult] = []
+
+    @property
+    def last_stats(self) -> dict:
+        """The last forward's {"counts": [E] kept per expert (host), "dropped", "choices"}: a host read
+        of `device_stats` (the trainer sums those on the device and reads them once per step)."""
+        if self.device_stats is None:
+            return {}
+        counts, choices = self.device_stats[0].cpu(), self.device_stats[1]
+        return {"counts": counts, "dropped": choices - int(counts.sum()), "choices": choices}
 
     def capacity(self, num_tokens: int) -> int:
         """C of a routing group of `num_tokens` tokens (dropless: `num_tokens`, nothing dropped)."""
@@ -364,8 +386,8 @@ class Router(nn.Module):
         if kept_E is None:
             kept_E = torch.stack([r.counts for r in routes]).sum(0)
             choices = sum(r.slot.numel() for r in routes)
-        counts = kept_E.detach().cpu()
-        self.last_stats = {"counts": counts, "dropped": int(choices) - int(counts.sum()), "choices": int(choices)}
+        # kept on the device: read on the host only when someone asks (`last_stats`), not per forward
+        self.device_stats = (kept_E.detach(), int(choices))
         # detached: the routes' graph reaches back through every earlier layer, and kept past the step it
         # would hold that step's activations and the parameters' gradient accumulators (their shapes:
         # Lina's expert packing changes the experts' shapes between steps)

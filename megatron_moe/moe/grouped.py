@@ -1,0 +1,210 @@
+"""The experts' MLPs as grouped GEMMs: every local expert in one call per GEMM, in the compute dtype.
+
+Legend: R rows of the expert input, X experts in the call (local experts, or owned experts and
+replicas), M model dim, H ffn hidden dim of this ESP rank.
+
+The rows are grouped by expert: expert e owns rows [offs[e-1], offs[e]) (offs [X] int32, cumulative,
+on the device: nothing about the split reaches the host). Rows at and after offs[X-1] belong to no
+expert (a fixed-size buffer whose tail holds dropped choices, `moe.dispatcher.LocalPlan`): their
+outputs and input gradients are zero.
+
+    y = gelu_tanh(x W1_e^T + b1_e) W2_e^T + b2_e        for the rows of expert e
+
+Each GEMM is one `torch._grouped_mm` (CUTLASS grouped GEMM on CUDA, a loop on CPU), so CPU and GPU
+share one path. The GEMMs run in the compute dtype: the autocast dtype when autocast is on (autocast
+does not list `_grouped_mm` on every device, and an op called with `out=` is never autocast), else the
+input's dtype. Weight gradients come out of the grouped GEMM in that dtype and are cast to the
+parameters' dtype, as autocast's linear does. A dW queue (Lancet, `lancet.wgrad_runtime`) can take the
+two weight-gradient GEMMs as `GroupedRows` and run them later.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.layers.fused import gelu_tanh, gelu_tanh_backward
+
+_ALIGN_BYTES = 16  # the grouped GEMM's stride rule
+
+
+class GroupedRows(NamedTuple):
+    """Operands of a grouped weight gradient: d W[e] = g[rows of e]^T x[rows of e], [X, O, I]."""
+
+    g: torch.Tensor  # [R, O]
+    x: torch.Tensor  # [R, I]
+    offs: torch.Tensor  # [X] int32
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM on `t` runs in: autocast's when it is on for t's device, else t's own."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:
+    """Cumulative row ends [X] int32 of per-expert row counts [X] (on their device)."""
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def _pad_to(t: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
+    n = t.size(dim)
+    extra = -n % mult
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return F.pad(t, pad)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    mult = _ALIGN_BYTES // t.element_size()
+    return t.data_ptr() % _ALIGN_BYTES == 0 and all(s % mult == 0 for s in t.stride() if s != 1)
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a, b, offs)`: a [R, K] x b [X, K, N] -> [R, N] (expert e's rows times b[e]),
+    or a [K, R] x b [R, N] -> [X, K, N] (groups along R). Operands whose strides break the grouped
+    GEMM's 16-byte rule (tiny test models) are zero-padded copies, which changes no value."""
+    with torch.autocast(a.device.type, enabled=False):
+        if _aligned(a) and _aligned(b):
+            return torch._grouped_mm(a, b, offs=offs)
+        mult = _ALIGN_BYTES // a.element_size()
+        if b.dim() == 3:  # [R, K] x [X, K, N]: pad K on both, N on b
+            N = b.size(2)
+            ap = _pad_to(a, 1, mult).contiguous()
+            bp = _pad_to(_pad_to(b, 1, mult), 2, mult).contiguous()
+            return torch._grouped_mm(ap, bp, offs=offs)[:, :N]
+        # [K, R] x [R, N] -> [X, K, N]: pad K on a (kept K-major: a transposed row block), N on b
+        K, N = a.size(0), b.size(1)
+        ap = _pad_to(a.t(), 1, mult).contiguous().t()
+        bp = _pad_to(b, 1, mult).contiguous()
+        return torch._grouped_mm(ap, bp, offs=offs)[:, :K, :N]
+
+
+def wgrad(rows: GroupedRows) -> torch.Tensor:
+    """d W [X, O, I] of `GroupedRows` (groups with no rows: zeros)."""
+    return gmm(rows.g.t(), rows.x, rows.offs)
+
+
+def _row_experts(offs: torch.Tensor, R: int) -> torch.Tensor:
+    """Expert of every row [R] int64 (X for a row past the last expert's)."""
+    return torch.searchsorted(offs, torch.arange(R, device=offs.device, dtype=torch.int32), right=True)
+
+
+def _sum_by_expert(t: torch.Tensor, eid: torch.Tensor, X: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per expert, the sum of its rows of t [R, D] -> [X, D] in `dtype` (rows of no expert dropped)."""
+    return t.new_zeros(X + 1, t.size(1), dtype=dtype).index_add_(0, eid, t.to(dtype))[:X]
+
+
+class Saved(NamedTuple):
+    """What the backward of one grouped MLP needs (`mlp_forward`)."""
+
+    x: torch.Tensor
+    offs: torch.Tensor
+    eid: torch.Tensor  # expert of every row (X: none)
+    a: torch.Tensor  # pre-activation [R, H]
+    h: torch.Tensor  # activation [R, H]
+    fc_w: torch.Tensor
+    proj_w: torch.Tensor
+    tail: bool
+    bias_dtypes: tuple
+
+
+def mlp_forward(x, offs, fc_w, fc_b, proj_w, bias, tail: bool) -> tuple[torch.Tensor, Saved]:
+    """y [R, M] of the module docstring, no autograd (x, fc_w, proj_w in the compute dtype; biases any)."""
+    X, R = fc_w.size(0), x.size(0)
+    eid = _row_experts(offs, R)
+    at = eid.clamp(max=X - 1)
+    a = gmm(x, fc_w.transpose(1, 2), offs).add_(fc_b.to(x.dtype).index_select(0, at))
+    h = gelu_tanh(a)
+    y = gmm(h, proj_w.transpose(1, 2), offs).add_(bias.to(x.dtype).index_select(0, at))
+    if tail:  # rows of no expert: zeros (the grouped GEMM leaves them unwritten)
+        y = torch.where((eid < X)[:, None], y, 0)
+    return y, Saved(x, offs, eid, a, h, fc_w, proj_w, tail, (fc_b.dtype, bias.dtype))
+
+
+def mlp_backward(gy: torch.Tensor, s: Saved):
+    """(dx, d_fc_b, d_bias, fc1 rows, fc2 rows) from gy [R, M]: the weights' gradients as `GroupedRows`
+    (`wgrad` computes them; a dW queue computes them later)."""
+    X = s.fc_w.size(0)
+    gy = gy.to(s.x.dtype).contiguous()
+    valid = (s.eid < X)[:, None] if s.tail else None
+    if valid is not None:
+        gy = torch.where(valid, gy, 0)
+    d_bias = _sum_by_expert(gy, s.eid, X, s.bias_dtypes[1])
+    da = gelu_tanh_backward(gmm(gy, s.proj_w, s.offs), s.a)
+    if valid is not None:  # rows past the experts' hold no values: keep them out of every sum
+        da = torch.where(valid, da, 0)
+    d_fc_b = _sum_by_expert(da, s.eid, X, s.bias_dtypes[0])
+    dx = gmm(da, s.fc_w, s.offs)
+    if valid is not None:
+        dx = torch.where(valid, dx, 0)
+    return dx, d_fc_b, d_bias, GroupedRows(da, s.x, s.offs), GroupedRows(gy, s.h, s.offs)
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """`mlp_forward` / `mlp_backward` as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, x, offs, fc_w, fc_b, proj_w, bias, tail: bool, defer):
+        y, saved = mlp_forward(x, offs, fc_w, fc_b, proj_w, bias, tail)
+        ctx.saved, ctx.defer = saved, defer
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        dx, d_fc_b, d_bias, fc1, fc2 = mlp_backward(gy, ctx.saved)
+        del ctx.saved
+        if ctx.defer is not None:  # the weights' dW GEMMs by the queue (`lancet.wgrad_runtime`)
+            ctx.defer.submit(fc2, fc1)
+            return dx, None, None, d_fc_b, None, d_bias, None, None
+        return dx, None, wgrad(fc1), d_fc_b, wgrad(fc2), d_bias, None, None
+
+
+def stack_rows(per_expert: list[GroupedRows]) -> GroupedRows:
+    """One `GroupedRows` of several one-expert ones (expert e's rows after expert e-1's)."""
+    if len(per_expert) == 1:
+        return per_expert[0]
+    ends = torch.cat([r.offs[-1:] for r in per_expert]).cumsum(0, dtype=torch.int32)
+    return GroupedRows(torch.cat([r.g for r in per_expert]), torch.cat([r.x for r in per_expert]), ends)
+
+
+def grouped_mlp(
+    x_RM: torch.Tensor,
+    offs: torch.Tensor,
+    fc_w: torch.Tensor,
+    fc_b: torch.Tensor,
+    proj_w: torch.Tensor,
+    bias: torch.Tensor,
+    tail: bool = False,
+    defer=None,
+) -> torch.Tensor:
+    """y [R, M] in the compute dtype (module docstring): fc_w [X, H, M], fc_b [X, H], proj_w [X, M, H],
+    bias [X, M] (each ESP rank's partial output carries its own columns of the bias). `tail`: rows at
+    and after offs[X-1] may exist (they give zeros). `defer`: a dW queue's handle (`ExpertDW`), which
+    then gets the two weight-gradient GEMMs; fc_w and proj_w get no gradient from this call."""
+    dt = compute_dtype(x_RM)
+    return _GroupedMLP.apply(x_RM.to(dt), offs, fc_w.to(dt), fc_b, proj_w.to(dt), bias, tail, defer)
+
+
+def expert_rows_mlp(
+    x_RM: torch.Tensor,
+    counts: Optional[list[int]],
+    fc_w: torch.Tensor,
+    fc_b: torch.Tensor,
+    proj_w: torch.Tensor,
+    bias: torch.Tensor,
+    defer=None,
+) -> torch.Tensor:
+    """`grouped_mlp` of rows grouped by expert with host `counts` (sum = R)."""
+    offs = torch.tensor(list(_accumulate(counts)), dtype=torch.int32).to(x_RM.device)
+    return grouped_mlp(x_RM, offs, fc_w, fc_b, proj_w, bias, False, defer)
+
+
+def _accumulate(counts):
+    total = 0
+    for c in counts:
+        total += int(c)
+        yield total
