@@ -89,20 +89,34 @@ if TYPE_CHECKING:
 
 @dataclass
 class DispatchIndex:
-    """Flat positions of kept choices: token index [K], row e*C + c in the buffer [K], weight [K]."""
+    """Flat positions of kept choices: token index [K], row e*C + c in the buffer [K], weight [K].
+
+    `dropped`: every choice is listed (K = choices) and a dropped one has row -1 and weight 0, so the
+    index is built without a host sync (`dispatch_index(..., every_choice=True)`): `dispatch` sends
+    those rows to a spare row past the buffer and `combine` reads them as zeros."""
 
     token: torch.Tensor
     row: torch.Tensor
     weight: torch.Tensor
+    dropped: bool = False
 
 
-def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base: int = 0) -> DispatchIndex:
+def dispatch_index(
+    route: RouteResult, capacity: Optional[int] = None, slot_base: int = 0, every_choice: bool = False
+) -> DispatchIndex:
     """Kept choices of a routing result as flat buffer rows (`capacity`: row stride per expert,
-    default the route's; `slot_base` shifts every slot: several groups side by side)."""
+    default the route's; `slot_base` shifts every slot: several groups side by side). `every_choice`:
+    all S*k choices, dropped ones at row -1 (`DispatchIndex.dropped`), found without a host sync;
+    otherwise the kept ones only, found with `nonzero` (a host sync on CUDA)."""
     cap = route.capacity if capacity is None else capacity
     k = route.slot.size(1)
-    flat = (route.slot.reshape(-1) >= 0).nonzero().squeeze(1)  # kept choices in (token, choice) order, found once
-    row = route.expert.reshape(-1).index_select(0, flat) * cap + route.slot.reshape(-1).index_select(0, flat)
+    expert, slot = route.expert.reshape(-1), route.slot.reshape(-1)
+    if every_choice:
+        token = torch.arange(slot.numel(), device=slot.device).div(k, rounding_mode="floor")
+        row = torch.where(slot >= 0, expert * cap + slot + slot_base, -1)
+        return DispatchIndex(token, row, route.weight.reshape(-1), dropped=True)
+    flat = (slot >= 0).nonzero().squeeze(1)  # kept choices in (token, choice) order, found once
+    row = expert.index_select(0, flat) * cap + slot.index_select(0, flat)
     return DispatchIndex(
         flat.div(k, rounding_mode="floor"),
         row + slot_base if slot_base else row,
@@ -112,17 +126,26 @@ def dispatch_index(route: RouteResult, capacity: Optional[int] = None, slot_base
 
 def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Tensor:
     """buf [num_rows, M] with x[token] at each kept row, zeros elsewhere (differentiable)."""
+    row, rows = idx.row, num_rows
+    if idx.dropped:  # dropped choices land in a spare row past the buffer, cut off below
+        row, rows = torch.where(row >= 0, row, num_rows), num_rows + 1
     if kernels.use_triton(x_SM):  # CUDA + triton: the fused permute (kernels/permute.py)
-        return kernels.permute(x_SM, idx.token, idx.row, num_rows)
-    return x_SM.new_zeros(num_rows, x_SM.size(1)).index_copy_(0, idx.row, x_SM.index_select(0, idx.token))
+        buf = kernels.permute(x_SM, idx.token, row, rows)
+    else:
+        buf = x_SM.new_zeros(rows, x_SM.size(1)).index_copy_(0, row, x_SM.index_select(0, idx.token))
+    return buf[:num_rows] if idx.dropped else buf
 
 
 def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int, zero_rest: bool = True) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's kept rows of buf [R, M]. `zero_rest=False`: the gradient of
-    buf is left unwritten in the rows no kept choice reads (for a buffer whose other rows nothing reads)."""
+    buf is left unwritten in the rows no kept choice reads (for a buffer whose other rows nothing reads).
+    A dropped choice (`DispatchIndex.dropped`) reads row 0 with weight 0: it adds nothing."""
+    row = torch.where(idx.row >= 0, idx.row, 0) if idx.dropped else idx.row
+    if idx.dropped and not zero_rest:
+        raise ValueError("an index with dropped choices reads row 0 for them: its other rows need zero gradients")
     if kernels.use_triton(buf_RM):  # CUDA + triton: the fused unpermute (kernels/permute.py)
-        return kernels.unpermute(buf_RM, idx.token, idx.row, idx.weight, num_tokens)
-    return _Combine.apply(buf_RM, idx.row, idx.token, idx.weight, num_tokens, zero_rest)
+        return kernels.unpermute(buf_RM, idx.token, row, idx.weight, num_tokens)
+    return _Combine.apply(buf_RM, row, idx.token, idx.weight, num_tokens, zero_rest, idx.dropped)
 
 
 class _Combine(torch.autograd.Function):
@@ -133,9 +156,11 @@ class _Combine(torch.autograd.Function):
     gradient summed in another order); aten's index ops otherwise."""
 
     @staticmethod
-    def forward(ctx, buf_RM, row, token, weight, num_tokens, zero_rest):
+    def forward(ctx, buf_RM, row, token, weight, num_tokens, zero_rest, repeats=False):
         ctx.buf_shape, ctx.zero_rest = buf_RM.shape, zero_rest
-        ctx.fused = cpu_gelu.combine_applies(buf_RM, weight, row, token)
+        # the C backward writes (not adds) each row's gradient: only for distinct rows (`repeats`: dropped
+        # choices all read row 0)
+        ctx.fused = not repeats and cpu_gelu.combine_applies(buf_RM, weight, row, token)
         if ctx.fused:  # the buffer itself is kept for the weights' gradient: no gathered copy
             ctx.save_for_backward(buf_RM, row, token, weight)
             return cpu_gelu.combine_forward(buf_RM, row, token, weight, num_tokens)
@@ -152,7 +177,7 @@ class _Combine(torch.autograd.Function):
             fresh = g_SM.new_zeros if ctx.zero_rest and row is not None else g_SM.new_empty
             d_buf = fresh(ctx.buf_shape)
             d_weight = cpu_gelu.combine_backward(g_SM, saved, row, token, weight, d_buf)
-            return d_buf, None, None, d_weight if ctx.needs_input_grad[3] else None, None, None
+            return d_buf, None, None, d_weight if ctx.needs_input_grad[3] else None, None, None, None
         picked = saved if not ctx.fused or row is None else saved.index_select(0, row)
         g_KM = g_SM.index_select(0, token)
         d_buf = d_weight = None
@@ -166,7 +191,7 @@ class _Combine(torch.autograd.Function):
                 d_buf = g_KM.new_empty(ctx.buf_shape).index_copy_(0, row, d_rows)
         if ctx.needs_input_grad[3]:
             d_weight = (g_KM * picked).sum(1, keepdim=True).to(weight.dtype).squeeze(1)
-        return d_buf, None, None, d_weight, None, None
+        return d_buf, None, None, d_weight, None, None, None
 
 
 class _PackRows(torch.autograd.Function):
@@ -320,6 +345,7 @@ class PaddedPlan:
     exchange: bool = False
     sent: Optional[torch.Tensor] = None
     header: int = 0  # rows of counts after each destination's block of the buffer (set by `dispatch`)
+    offs: Optional[torch.Tensor] = None  # direct: every local expert's row end [E] int32, on the device
     # header mode: the kept slots of every (group, expert) block are its leading rows (the router's prefix), so
     # the rows a receiver computes are exactly the rows the sender filled: the rest of the buffers that travel
     # (and of their gradients) is never read and is left unwritten instead of zero-filled
@@ -327,8 +353,8 @@ class PaddedPlan:
 
     @property
     def expert_rows(self) -> Optional[list[int]]:
-        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input, or
-        `expert_segments`)."""
+        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input,
+        `expert_segments`, or `offs`)."""
         return None if self.kept is None or self.header else self.kept.counts
 
     @property
@@ -337,6 +363,30 @@ class PaddedPlan:
         received buffer (the expert input) that hold its kept tokens; the experts compute them where they lie
         and their outputs return in the same rows (`Experts.forward_segments`). None otherwise."""
         return self.kept.segments if self.header and self.kept is not None else None
+
+
+def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPlan:
+    """The plan of one rank holding every expert (`PaddedDispatcher.local_only`), with no host sync: all
+    G*S*k choices, the kept ones first in buffer-row order (by expert, then group, then slot: the rows
+    the padded buffer would hold) and the dropped ones after them; `offs` [E] ends each expert's kept
+    rows. The tokens are gathered in that order straight into the experts' input (no buffer), the
+    experts compute up to offs[-1] (the dropped tail gives zeros) and the combine weighs every row by
+    its choice's weight (0 for a dropped one)."""
+    G, (S, k) = len(routes), routes[0].slot.shape
+    dev = routes[0].slot.device
+    GC = G * Cs
+    keys, weights = [], []
+    for g, r in enumerate(routes):
+        kept = r.slot >= 0
+        keys.append(torch.where(kept, r.expert * GC + g * Cs + r.slot, num_experts * GC).reshape(-1))
+        weights.append(r.weight.reshape(-1))
+    key = torch.cat(keys)
+    order = torch.argsort(key, stable=True)  # kept rows ascending, then the dropped in choice order
+    token = order.div(k, rounding_mode="floor")  # choice (g*S + s)*k + j belongs to token g*S + s
+    counts = torch.stack([r.counts for r in routes]).sum(0)
+    idx = DispatchIndex(token, key.index_select(0, order), torch.cat(weights).index_select(0, order))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32).to(dev)
+    return PaddedPlan(idx, G, Cs, G * S, direct=True, offs=offs)
 
 
 class PaddedDispatcher(TokenDispatcher):
@@ -380,7 +430,10 @@ class PaddedDispatcher(TokenDispatcher):
             raise ValueError(f"unknown expert path {path!r}; one of {PATHS}")
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
-        idxs = [dispatch_index(r, capacity=G * Cs, slot_base=g * Cs) for g, r in enumerate(routes)]
+        if path != "padded" and self.local_only:
+            return local_plan(routes, self.num_experts, Cs)
+        padded = path == "padded"  # every buffer row is computed: dropped choices may read any row, at weight 0
+        idxs = [dispatch_index(r, G * Cs, g * Cs, every_choice=padded) for g, r in enumerate(routes)]
         idx = (
             idxs[0]
             if G == 1
@@ -388,15 +441,11 @@ class PaddedDispatcher(TokenDispatcher):
                 torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
                 torch.cat([i.row for i in idxs]),
                 torch.cat([i.weight for i in idxs]),
+                padded,
             )
         )
         if path == "padded":
             return PaddedPlan(idx, G, Cs, G * S)
-        if self.local_only:  # expert e's kept rows are the buffer rows e*G*Cs + ..., in ascending order
-            order = torch.argsort(idx.row)
-            idx = DispatchIndex(idx.token[order], idx.row[order], idx.weight[order])
-            counts = torch.bincount(idx.row // (G * Cs), minlength=self.num_experts).tolist()
-            return PaddedPlan(idx, G, Cs, G * S, KeptRows(idx.row, counts), direct=True)
         if (
             path == "overlap" and self.pipelines
         ):  # buffer rows by local expert, then destination: row (e_l*N_EP + ep)*GC + ...

@@ -101,6 +101,11 @@ class MoELayer(nn.Module):
         self.path_last = ""  # the path of the last forward with a padded dispatcher
         self.path_trial = False  # True when the last forward was part of the kept / overlap trial
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
+        # dropless with every expert on this rank and no replicas: nothing travels, so the one-rank plan
+        # (`moe.dispatcher.local_plan`: no host sync) serves it; Pro-Prophet's replicas need the uneven one
+        self.dropless_local = (
+            self.dropless and ps.size("ep") * ps.size("esp") == 1 and not getattr(cfg.opts, "pro_prophet", False)
+        )
         self.use_schedule("baseline" if moe.moe_schedule == "auto" else moe.moe_schedule)
 
     def use_schedule(self, schedule: str, saa_chunks: int = SAA_CHUNKS, choice: Optional["Choice"] = None) -> None:
@@ -112,7 +117,9 @@ class MoELayer(nn.Module):
         self.schedule, self.schedule_choice = schedule, choice
         old = getattr(self, "dispatcher", None)
         self.dispatcher: TokenDispatcher
-        if self.dropless:
+        if self.dropless_local and schedule == "baseline":
+            self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "baseline", self.saa, saa_chunks)
+        elif self.dropless:
             scale = 1.0 / self.ps.size("mp") if schedule == "baseline" else 1.0
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale, ragged=True)
         elif schedule == "s1":
@@ -149,6 +156,8 @@ class MoELayer(nn.Module):
         forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of each path's fastest forward over the world
         (`moe.kept.decide_path`) fixes the faster for good (the overlap only when faster by more than OVERLAP_MARGIN) (Lancet's deferred dW runs in every path)."""
         self.path_trial = False
+        if self.dropless:  # only on one rank holding every expert (`dropless_local`): its own plan
+            return "kept"
         if not self.kept_only:
             return "padded"
         if self.path_flag != "auto":
@@ -260,7 +269,9 @@ class MoELayer(nn.Module):
             x_in = d.dispatch(tokens, plan)
         ragged = plan.expert_rows  # rows per local expert: dropless, or a padded buffer's kept rows
         kept = plan.kept if self.kept_only and isinstance(plan, UnevenPlan) else None  # S1: rows holding a token
-        if placed is not None:  # owned experts + replicas
+        if isinstance(plan, PaddedPlan) and plan.offs is not None:  # one rank, every expert: no host sync
+            y_partial = self.experts.forward_offsets(x_in, plan.offs, d.grad_scale, tail=True)
+        elif placed is not None:  # owned experts + replicas
             y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
         else:
             segments = plan.expert_segments if isinstance(plan, PaddedPlan) else None  # header: rows where they lie

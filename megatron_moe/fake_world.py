@@ -1,0 +1,145 @@
+"""Every layout's code path in one process: torch's fake process group plays rank r of a world.
+
+`fake_world(rank, world_size)` initializes torch.distributed with the "fake" backend
+(`torch.testing._internal.distributed.fake_pg`): collectives return at once without moving data,
+but every op of the model runs for real on this process's device, with the shapes, dtypes and
+devices rank r would see. Received buffers hold whatever was in them (zeros where the code
+allocates zeros), so values mean nothing; what the run shows is that the layout's code path takes
+tensors of that device and dtype from end to end, which GEMMs it runs in which dtype, and how
+often it reads device data on the host (`opspy.OpSpy`).
+
+`LAYOUTS` names the layouts of the equivalence suite (world 8) and `step_report` runs one bf16
+training step (forward + backward) of a small GPT-2 MoE under one of them. `tools/check_layouts.py`
+prints the table for every layout, on CPU or CUDA (`scripts/gpu_check.sh`); tests/test_gpu_readiness.py
+pins the counts on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.opspy import OpSpy
+
+
+@dataclass(frozen=True)
+class Layout:
+    mp: int = 1
+    ep: int = 1
+    esp: int = 1
+    moe: dict = field(default_factory=dict)  # MoEConfig overrides
+    lina_chunks: int = 1  # Lina's pipelined all-to-all chunks (`MoELayer.set_pipeline_chunks`)
+
+
+WORLD = 8
+LAYOUTS: dict[str, Layout] = {
+    "one-process": Layout(),
+    "one-process-top1": Layout(moe={"moe_router_topk": 1}),
+    "one-process-padded": Layout(moe={"moe_kept_only": False}),
+    "one-process-dropless": Layout(moe={"moe_dropless": True}),
+    "EP8": Layout(ep=8),
+    "MP2xEP4": Layout(mp=2, ep=4),
+    "MP4xEP2": Layout(mp=4, ep=2),
+    "EP4xESP2": Layout(ep=4, esp=2),
+    "MP2xEP2xESP2": Layout(mp=2, ep=2, esp=2),
+    "MP2xEP4-S1": Layout(mp=2, ep=4, moe={"moe_schedule": "s1"}),
+    "MP2xEP4-S2": Layout(mp=2, ep=4, moe={"moe_schedule": "s2"}),
+    "EP8-kept": Layout(ep=8, moe={"moe_expert_path": "kept"}),
+    "EP8-overlap": Layout(ep=8, moe={"moe_expert_path": "overlap"}),
+    "EP4-dropless": Layout(ep=4, moe={"moe_dropless": True}),
+    "MP2xEP4-dropless-S1": Layout(mp=2, ep=4, moe={"moe_dropless": True, "moe_schedule": "s1"}),
+    "EP4-lina-chunks": Layout(ep=4, lina_chunks=2),
+}
+# uneven all-to-alls need their split sizes on the host: one read per layer forward, none in backward
+UNEVEN = {"MP2xEP4-S1", "EP4-dropless", "MP2xEP4-dropless-S1", "EP8-kept", "EP8-overlap"}
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """torch.distributed on the fake backend as `rank` of `world_size` (nothing else may be initialized)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        from megatron_moe.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def small_config(**moe):
+    """A 2-block GPT-2 MoE (block 1 MoE): M=64, 4 heads, H=128, T=32, vocab 128, E=8, top-2, capacity 1.25."""
+    from megatron_moe.config import Config
+
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.num_layers, m.hidden_size, m.num_attention_heads = 128, 2, 64, 4
+    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = 128, 32, 32
+    c = cfg.moe
+    c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor, c.moe_min_capacity = 8, 2, 1.25, 1
+    c.moe_schedule = "baseline"
+    for k, v in moe.items():
+        setattr(c, k, v)
+    cfg.train.seed = 3
+    return cfg
+
+
+def step_report(name: str, device: torch.device, rank: int = 3, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One forward + backward of `small_config` under layout `name` as `rank` (of WORLD, or of one
+    process) on `device`, under `dtype` autocast: {layout, gemms, high_precision_gemms (where),
+    moe_syncs (where), syncs, moe_layers}. Syncs are counted by name (`OpSpy`); a second step is
+    measured, so first-use work is not counted."""
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.parallel_state import initialize_model_parallel, local_state
+
+    lay = LAYOUTS[name]
+    one = lay.mp * lay.ep * lay.esp == 1
+    cfg = small_config(**lay.moe)
+    with contextlib.ExitStack() as stack:
+        if one:
+            ps = local_state(device)
+        else:
+            stack.enter_context(fake_world(rank, WORLD))
+            ps = initialize_model_parallel(lay.mp, lay.ep, lay.esp, device=device)
+        model = GPT2MoE(cfg, ps).to(device)
+        for layer in model.moe_layers():
+            layer.set_pipeline_chunks(lay.lina_chunks)
+        B, T = 2, cfg.model.seq_length
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(device)
+        spy = OpSpy()
+        for measured in (False, True):
+            with spy if measured else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=dtype):
+                    lm, aux = model(ids[:, :-1], ids[:, 1:])
+                (lm + aux).backward()
+            model.zero_grad(set_to_none=True)
+        E = cfg.moe.num_experts
+        return {
+            "layout": name,
+            "device": str(device),
+            "moe_layers": len(model.moe_layers()),
+            "gemms": len(spy.gemms),
+            # the router's gate runs in fp32 by design: its GEMMs are the ones with an operand dim of E
+            "router_gemms": sum(1 for g in spy.high_precision_gemms() if _is_router(g.shapes, E)),
+            "high_precision_gemms": [
+                f"{g.op} {g.dtypes} {g.shapes} at {g.where}"
+                for g in spy.high_precision_gemms()
+                if not _is_router(g.shapes, E)
+            ],
+            "out_gemms": [f"{g.op} at {g.where}" for g in spy.gemms if g.out_arg],
+            "moe_syncs": [f"{what} at {where}" for what, where in spy.syncs_in("megatron_moe/moe/")],
+            "syncs": len(spy.syncs),
+        }
+
+
+def _is_router(shapes: tuple, num_experts: int) -> bool:
+    """A GEMM of the gate (x W_g^T and its two gradients): an operand has a dimension of E (no other GEMM
+    of `small_config` does)."""
+    return any(num_experts in s for s in shapes)
