@@ -132,10 +132,10 @@ class MoEConfig:
     )
     moe_expert_path: str = opt(
         "auto",
-        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (padded when under "
-        "a tenth of the capacity slots must stay empty, else kept rows, with or without the overlap as measured "
-        "in the first forwards), padded, kept (rows only), overlap (kept rows, all-to-alls pipelined by "
-        "local expert)",
+        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (kept rows when one "
+        "rank holds every expert, with no host sync; else the padded buffer, with no host sync), padded, "
+        "kept (rows only; several ranks: one host sync per layer for the counts), overlap (kept rows, "
+        "all-to-alls pipelined by local expert)",
         choices=["auto", "padded", "kept", "overlap"],
     )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")

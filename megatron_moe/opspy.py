@@ -75,7 +75,9 @@ class OpSpy(TorchDispatchMode):
                 )
             )
             return out
-        if name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None and _tensor_repeats(args)):
+        if name in SYNC_OPS or (
+            name == "repeat_interleave" and kwargs.get("output_size") is None and _tensor_repeats(args)
+        ):
             self.syncs.append((name, _where()))
         return func(*args, **kwargs)
 
@@ -128,5 +130,5 @@ def _where() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
         f = frame.filename.replace("\\", "/")
         if "megatron_moe/" in f and not f.endswith("opspy.py"):
-            return f"{f[f.rindex('megatron_moe/'):]}:{frame.lineno} in {frame.name}"
+            return f"{f[f.rindex('megatron_moe/') :]}:{frame.lineno} in {frame.name}"
     return "<outside megatron_moe>"

@@ -313,7 +313,6 @@ class Trainer:
                 o.lina_trial_iters,
                 o.lina_trial_force_outcome,
                 pipeline=self.set_lina_pipeline if o.lina_pipeline_chunks > 1 else None,
-                settling=self.expert_path_pending,
             )
             if applied.lina is not None and o.lina_trial_iters
             else None
@@ -369,10 +368,6 @@ class Trainer:
         self.logger.line(f"> {keep_freed_memory(self.device, cfg.parallel.cpu_allocator)}")
         for change in applied.changes:
             self.logger.line(f"> {change}")
-
-    def expert_path_pending(self) -> bool:
-        """Some MoE layer is still timing its kept / overlap expert path (`MoELayer.path_pending`)."""
-        return any(layer.path_pending() for layer in self.model.moe_layers())
 
     def set_lina_pipeline(self, on: bool) -> None:
         """Lina's all-to-all pipelining (`--lina-pipeline-chunks`) on or off for every MoE layer (the Lina trial)."""

@@ -268,114 +268,60 @@ def test_baseline_with_one_esp_rank_sends_the_counts_in_its_dispatch_all_to_all(
         assert not [r for r in recs if r[0] == "all_gather"]  # no count exchange of its own
 
 
-# ----------------------------------------------------------------------------- the experts' path, chosen once
+# ----------------------------------------------------------------------------- the experts' path
 
 
-def _decide_ranks(rank, world):
-    from megatron_moe.moe.kept import decide_path
+def test_auto_takes_kept_rows_on_one_rank_and_the_padded_buffer_on_several():
+    from megatron_moe.fake_world import fake_world
 
-    # rank 0 alone would pick "padded", rank 1 alone "kept"; the slowest rank's times say "kept"
-    mine = [{"padded": 1.0, "kept": 2.0, "overlap": 3.0}, {"padded": 5.0, "kept": 2.5, "overlap": 3.0}][rank]
-    return decide_path(mine, None, torch.device("cpu"))  # None: the default (world) group
+    def path(cfg, ps):
+        layer = MoELayer(cfg, ps, seed=7, name="moe", layer_idx=1)
+        return layer.expert_path(layer.dispatcher)
 
-
-def test_every_rank_takes_the_path_of_the_slowest_rank_times():
-    assert spawn(_decide_ranks, 2) == ["kept", "kept"]
-
-
-def test_a_later_path_needs_to_beat_the_earlier_by_the_margin():
-    from megatron_moe.moe.kept import decide_path
-
-    one = local_state().group("world")  # a world of one rank: no all-reduce
-    cpu = torch.device("cpu")
-    assert decide_path({"kept": 1.00, "overlap": 0.97}, one, cpu) == "overlap"
-    assert decide_path({"kept": 1.00, "overlap": 0.97}, one, cpu, margin=0.05) == "kept"  # within the noise
-    assert decide_path({"kept": 1.00, "overlap": 0.90}, one, cpu, margin=0.05) == "overlap"
-    assert decide_path({"padded": 1.0, "kept": 0.99, "overlap": 0.5}, one, cpu, margin=0.05) == "overlap"
-    assert decide_path({"kept": 1.0, "overlap": 1.0}, one, cpu) == "kept"  # ties: the earlier path
+    assert path(tiny_config(k=2, cf=1.25), local_state()) == "kept"  # no buffer, no host sync
+    assert path(tiny_config(k=2, cf=1.25, moe_kept_only=False), local_state()) == "padded"
+    assert path(tiny_config(k=2, cf=1.25, moe_dropless=True), local_state()) == "kept"  # the one-rank plan
+    with fake_world(0, 2):
+        ps = initialize_model_parallel(1, 2, 1)
+        assert path(tiny_config(k=2, cf=1.25), ps) == "padded"  # kept rows would need the counts on the host
+        for forced in ("kept", "overlap", "padded"):
+            assert path(tiny_config(k=2, cf=1.25, moe_expert_path=forced), ps) == forced
 
 
-def test_auto_computes_padded_when_nearly_every_slot_holds_a_token_else_kept_rows():
-    from megatron_moe.moe.layer import KEPT_MIN_EMPTY
-
-    S = B * config().model.seq_length
-    # KEPT_MIN_EMPTY is 0 (kept rows measured faster at every capacity factor); a share above it -> kept rows
-    want_of = {
-        cf: "kept"
-        if 1
-        - 2
-        * S
-        / (4 * MoELayer(tiny_config(k=2, cf=cf), local_state(), seed=7, name="moe", layer_idx=1).router.capacity(S))
-        >= KEPT_MIN_EMPTY
-        else "padded"
-        for cf in (1.0, 1.05, 1.25)
-    }
-    assert want_of == {1.0: "kept", 1.05: "kept", 1.25: "kept"}
-    for cf, want in want_of.items():
-        cfg = tiny_config(k=2, cf=cf)  # --moe-expert-path auto
-        layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
-        C = layer.router.capacity(S)
-        assert (1 - 2 * S / (4 * C) >= KEPT_MIN_EMPTY) == (want == "kept"), cf
-        assert layer.expert_path(layer.dispatcher, S) == want, cf  # one process: no overlap to try
-    cfg = tiny_config(k=2, cf=1.25, moe_kept_only=False)
-    layer = MoELayer(cfg, local_state(), seed=7, name="moe", layer_idx=1)
-    assert layer.expert_path(layer.dispatcher, S) == "padded"  # --no-moe-kept-only
-
-
-def test_one_ep_rank_runs_kept_rows_without_a_pending_trial():
-    # one EP rank cannot pipeline the all-to-alls: kept rows at once, no kept / overlap trial to wait for
-    # (the benchmark tools loop `while layer.path_pending()`; this used to stay True forever on one rank)
-    layer = MoELayer(tiny_config(k=2, cf=1.25), local_state(), seed=7, name="moe", layer_idx=1)
-    x = layer_input(0, layer.experts.fc_w.size(2), tiny_config().model.seq_length)
-    for _ in range(3):
-        layer(x)
-        assert (layer.path_last, layer.path_pending(), layer.path_calls) == ("kept", False, 0)
-
-
-def _trial_ranks(rank, world):
-    """EP2 baseline, capacity factor 1.25: a kept-only layer through its whole kept / overlap trial and
-    past it, against a padded layer, forward + backward on the same inputs (different on each rank)."""
-    from megatron_moe.moe.layer import KEPT_TRIALS
-
+def _path_ranks(rank, world):
+    """EP2 baseline, capacity factor 1.25: a layer on each expert path against a --no-moe-kept-only
+    layer, forward + backward on the same inputs (different on each rank)."""
     ps = initialize_model_parallel(1, 2, 1)
     try:
-        out = []
-        cfg, ref_cfg = config(), config()
-        for c in (cfg, ref_cfg):
-            c.moe.moe_expert_capacity_factor, c.moe.moe_expert_path = 1.25, "auto"
-        cfg.moe.moe_kept_only, ref_cfg.moe.moe_kept_only = True, False
-        layer = MoELayer(cfg, ps, seed=7, name="moe", layer_idx=1)
-        ref = MoELayer(ref_cfg, ps, seed=7, name="moe", layer_idx=1)
-        calls = 1 + 2 * KEPT_TRIALS + 2  # warm-up, trial rounds, the choice, one forward after it
-        for call in range(calls):
-            g = torch.Generator(device="cpu").manual_seed(1000 * call + 13 * rank)
-            x = torch.randn(B, cfg.model.seq_length, cfg.model.hidden_size, generator=g, device="cpu")
-            got = []
-            for lay in (layer, ref):
-                xi = x.clone().requires_grad_()
-                y, aux = lay(xi)
-                (y.pow(2).sum() + aux).backward()
-                got.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in lay.named_parameters()}))
-                lay.zero_grad(set_to_none=True)
-            kept = int(torch.stack([r.counts for r in layer.router.last_routes]).sum())
-            out.append((got, kept, layer.path_last))
-        return out, layer.path_choice, sorted(layer.path_times), ref.path_choice
+        out = {}
+        for path in ("auto", "kept", "overlap"):
+            cfg, ref_cfg = config(), config()
+            for c in (cfg, ref_cfg):
+                c.moe.moe_expert_capacity_factor, c.moe.moe_expert_path = 1.25, path
+            cfg.moe.moe_kept_only, ref_cfg.moe.moe_kept_only = True, False
+            layer = MoELayer(cfg, ps, seed=7, name="moe", layer_idx=1)
+            ref = MoELayer(ref_cfg, ps, seed=7, name="moe", layer_idx=1)
+            for call in range(2):
+                g = torch.Generator(device="cpu").manual_seed(1000 * call + 13 * rank)
+                x = torch.randn(B, cfg.model.seq_length, cfg.model.hidden_size, generator=g, device="cpu")
+                got = []
+                for lay in (layer, ref):
+                    xi = x.clone().requires_grad_()
+                    y, aux = lay(xi)
+                    (y.pow(2).sum() + aux).backward()
+                    got.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in lay.named_parameters()}))
+                    lay.zero_grad(set_to_none=True)
+                out[(path, call)] = (got, layer.path_last)
+        return out
     finally:
         destroy_model_parallel()
 
 
-def test_ranks_with_different_fills_take_the_same_path_and_every_path_equals_the_padded_layer():
-    results = spawn(_trial_ranks, 2)
-    (calls0, choice0, tried0, ref0), (calls1, choice1, tried1, ref1) = results
-    assert choice0 == choice1 and choice0 in ("kept", "overlap")
-    assert tried0 == tried1 == ["kept", "overlap"]  # the trial timed both kept forms
-    assert ref0 is None and ref1 is None  # --no-moe-kept-only: no trial
-    assert any(k0 != k1 for (_, k0, _), (_, k1, _) in zip(calls0, calls1))  # the ranks' fills differ
-    assert [p for *_, p in calls0] == [p for *_, p in calls1]  # the same path at every call
-    assert [p for *_, p in calls0][-1] == choice0
-    for rank, calls in enumerate(results[i][0] for i in range(2)):
-        for call, ((got, ref), _, _) in enumerate(calls):
-            tag = f"rank {rank} call {call}"
+def test_every_expert_path_equals_the_padded_layer_on_ep2():
+    for rank, calls in enumerate(spawn(_path_ranks, 2)):
+        for (path, call), ((got, ref), taken) in calls.items():
+            assert taken == ("padded" if path == "auto" else path)
+            tag = f"rank {rank} path {path} call {call}"
             torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-6, msg=tag)
             torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-6, msg=tag)
             for n in ref[2]:

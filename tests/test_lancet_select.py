@@ -19,7 +19,7 @@ from megatron_moe.lancet.planner import (
 )
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.parallel_state import local_state
-from test_lancet_runtime import MICRO, config, synthetic_costs
+from test_lancet_runtime import config, synthetic_costs
 
 SLOW_LINK = CommCostModel([(1.0, 0.5), (4096.0, 30.0)])  # all-to-alls slow enough that block 1 pays for 3 parts
 
@@ -156,78 +156,6 @@ def test_new_flags_are_validated_naming_the_flag():
     for bad in (-0.5, 1.0):
         with pytest.raises(ValueError, match=rf"--lancet-measure-margin must be in \[0, 1\), got {bad}"):
             OptimizationsConfig(lancet_measure_margin=bad)
-
-
-def _settled_paths(rank, world):
-    """EP2: a fresh model's kept / overlap trial settled before Lancet times anything."""
-    from megatron_moe.lancet.controller import settle_expert_paths
-    from megatron_moe.moe.layer import KEPT_TRIALS
-    from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
-
-    ps = initialize_model_parallel(1, 2, 1)
-    try:
-        cfg = config(1, "position")
-        cfg.moe.moe_expert_capacity_factor = 1.25  # empty slots: kept rows, and the trial with the overlap
-        torch.manual_seed(5)
-        model = GPT2MoE(cfg, ps)
-        layers = model.moe_layers()
-        undecided = [layer.path_undecided() for layer in layers]
-        g = torch.Generator(device="cpu").manual_seed(3)  # the same ids on both ranks
-        ids = torch.randint(0, 100, (MICRO, 9), generator=g, device="cpu")
-        n = settle_expert_paths(model, ps, _opts(), ids[:, :-1], ids[:, 1:])
-        choices = [layer.path_choice for layer in layers]
-        after = [layer.path_undecided() for layer in layers]
-        again = settle_expert_paths(model, ps, _opts(), ids[:, :-1], ids[:, 1:])
-        grads = [p.grad for p in model.parameters()]
-        # measure_plans settles a fresh model before its rounds: afterwards its layers' paths are fixed
-        fresh = GPT2MoE(cfg, ps)
-        costs, comm = synthetic_costs()
-        opts = _opts(lancet_candidates=3)
-        plans = candidate_plans(fresh, ps, opts, MICRO, 8, costs=costs, comm=comm)
-        measure_plans(fresh, ps, opts, plans, MICRO, 8, 1)
-        measured = [layer.path_choice for layer in fresh.moe_layers()]
-        fixed_cfg = config(1, "position")
-        fixed_cfg.moe.moe_expert_capacity_factor, fixed_cfg.moe.moe_expert_path = 1.25, "kept"
-        none_needed = [settle_expert_paths(GPT2MoE(fixed_cfg, ps), ps, _opts(), ids[:, :-1], ids[:, 1:])]
-        # dropless layers and Lina's chunks have no kept / overlap trial either
-        dropless_cfg = config(1, "position")
-        dropless_cfg.moe.moe_dropless = True
-        none_needed.append(settle_expert_paths(GPT2MoE(dropless_cfg, ps), ps, _opts(), ids[:, :-1], ids[:, 1:]))
-        chunked = GPT2MoE(cfg, ps)
-        for layer in chunked.moe_layers():
-            layer.set_pipeline_chunks(2)
-        none_needed.append(settle_expert_paths(chunked, ps, _opts(), ids[:, :-1], ids[:, 1:]))
-        return undecided, n, choices, after, again, grads, measured, none_needed, 2 * KEPT_TRIALS + 2
-    finally:
-        destroy_model_parallel()
-
-
-def test_the_expert_path_trial_is_settled_before_plans_are_timed():
-    """On EP2 a kept-rows layer's first 2 KEPT_TRIALS + 1 forwards alternate kept rows and the overlap;
-    `measure_plans` (the trainer's and bench_lancet's "auto") used to time "none" during them, on the
-    path the layer then drops. `settle_expert_paths` runs plain passes until the path is fixed."""
-    from megatron_moe.testing import spawn
-
-    out = spawn(_settled_paths, 2)
-    for undecided, n, choices, after, again, grads, measured, none_needed, limit in out:
-        assert all(undecided) and n == limit  # warm-up, trial, and the forward that decides
-        assert all(c in ("kept", "overlap") for c in choices) and not any(after)
-        assert again == 0 and all(g is None for g in grads)  # settled once; gradients dropped
-        assert all(c in ("kept", "overlap") for c in measured)
-        assert none_needed == [0, 0, 0]  # a fixed --moe-expert-path, dropless, Lina's chunks: no trial
-    assert out[0][2] == out[1][2] and out[0][6] == out[1][6]  # the same paths on both ranks
-
-
-def test_one_ep_rank_has_no_trial_to_settle():
-    """One EP rank cannot pipeline the all-to-alls: no kept / overlap trial, so no pass is run."""
-    from megatron_moe.lancet.controller import settle_expert_paths
-
-    ids = torch.randint(0, 100, (MICRO, 9), generator=torch.Generator().manual_seed(3))
-    cfg = config(1, "position")
-    cfg.moe.moe_expert_capacity_factor = 1.25
-    model = GPT2MoE(cfg, local_state())
-    assert not any(layer.path_undecided() for layer in model.moe_layers())
-    assert settle_expert_paths(model, local_state(), _opts(), ids[:, :-1], ids[:, 1:]) == 0
 
 
 def test_untimed_rounds_run_before_the_timed_ones():

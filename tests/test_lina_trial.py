@@ -17,7 +17,6 @@ import torch
 from megatron_moe.arguments import parse_args
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.lina_trial import (
-    MAX_SETTLE_ITERS,
     WARMUP_ITERS,
     LinaTrial,
     keep_lina,
@@ -200,23 +199,3 @@ def test_trial_turns_the_all_to_all_pipelining_with_its_arms(outcome):
     assert trial.decision["line"].endswith("Lina kept" if keep else "not pipelined")
 
 
-def test_warm_up_runs_unpipelined_until_the_layers_fix_their_expert_path():
-    """With `settling` (the trainer's `expert_path_pending`), the warm-up is unpipelined and lasts while the
-    layers time their kept / overlap path, so no arm is timed on that trial; at most MAX_SETTLE_ITERS longer."""
-    for pending_for, arms_from in ((0, 1), (3, 3), (100, 1 + MAX_SETTLE_ITERS)):
-        sync, sched, pipeline = _Sync(), _Scheduler(), []
-        ps = SimpleNamespace(device=torch.device("cpu"))
-        trial = _OneRankTrial(
-            sync, sched, ps, 2, "faster", warmup=1, pipeline=pipeline.append, settling=lambda: trial.steps < pending_for
-        )
-        assert trial.length == 1 + MAX_SETTLE_ITERS + 4  # the most iterations it can take (packing's window)
-        steps = 0
-        while trial.running:
-            trial.before_step()
-            trial.after_step()
-            steps += 1
-        assert steps == arms_from + 4 <= trial.length
-        # the warm-up unpipelined, then lina / plain / lina / plain, then the decision (kept)
-        assert pipeline == [False] * arms_from + [True, False, True, False, True], pending_for
-        assert sync.calls == [sched, None, sched, None, sched]
-        assert len(trial.times["lina"]) == len(trial.times["plain"]) == 2

@@ -51,7 +51,7 @@ from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog, intersection_length, total_length, union
-from megatron_moe.lancet.controller import choose_plan, settle_expert_paths, setup
+from megatron_moe.lancet.controller import choose_plan, setup
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
 from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
@@ -130,9 +130,7 @@ def build_config(args, world: int) -> Config:
 def prepare(mode: str, cfg: Config, ps, costs, comm, ids, labels):
     """Model (same seed in every mode), plan and installed controller of one mode. "auto" is what
     the trainer does: the fastest *measured* of the top predicted plans and "none"
-    (`controller.choose_plan`, --lancet-measure-iters iterations each). Every mode's MoE layers
-    finish their kept / overlap trial before any of its iterations is timed (`settle_expert_paths`;
-    "auto"'s within `choose_plan`), so no mode is timed on the path its layers drop."""
+    (`controller.choose_plan`, --lancet-measure-iters iterations each)."""
     wgrad, partition = MODES[mode]
     B, T = ids.shape
     model = GPT2MoE(cfg, ps)
@@ -142,7 +140,6 @@ def prepare(mode: str, cfg: Config, ps, costs, comm, ids, labels):
         plan = choose_plan(model, ps, opts, plans, B, T)
         return model, plan, setup(model, ps, cfg.opts, plan=plan if (plan.ranges or plan.wgrad) else None)
     plan = make_plan(model, ps, cfg.opts, B, T, wgrad=wgrad, partition=partition, costs=costs, comm=comm)
-    settle_expert_paths(model, ps, cfg.opts, ids, labels)
     return model, plan, setup(model, ps, cfg.opts, plan=plan if (wgrad or partition) else None)
 
 

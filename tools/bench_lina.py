@@ -266,7 +266,6 @@ def trial_for(
         a.lina_trial_force_outcome,
         warmup=a.warmup,
         pipeline=(lambda on: model.set_pipeline_chunks(chunks if on else 1)) if chunks > 1 else None,
-        settling=lambda: any(layer.path_pending() for layer in model.moe_layers()),
     )
 
 
@@ -359,12 +358,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         # the same on every rank: the warm-up, the Lina trial, a packing trial, the experts' path trial
         # (`MoELayer.expert_path`)
         in_trial = trial is not None and trial.running
-        warming = (
-            it < warmup
-            or in_trial
-            or (packing is not None and packing.busy)
-            or any(layer.path_pending() for layer in model.moe_layers())
-        )
+        warming = it < warmup or in_trial or (packing is not None and packing.busy)
         packing_now = packing is not None and warming and not in_trial  # packing sees no trial step
         ids = torch.randint(
             0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"

@@ -37,7 +37,6 @@ from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
-from megatron_moe.moe.dispatcher import PaddedDispatcher
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedule_trial import auto_schedule
 from megatron_moe.host_memory import keep_freed_memory
@@ -148,10 +147,6 @@ def run(args: argparse.Namespace) -> None:
     times = {s: [] for s in layers}
     for s, layer in layers.items():
         for _ in range(args.warmup):
-            one_iteration(layer, x, gy, device)
-        # the experts' path trial (`MoELayer.expert_path`, same count on every rank); only a dispatcher that
-        # pipelines has one (S2's "kept" forwards look pending to `path_pending` for ever)
-        while layer.path_pending() and isinstance(layer.dispatcher, PaddedDispatcher) and layer.dispatcher.pipelines:
             one_iteration(layer, x, gy, device)
     for _ in range(args.iters):
         for s, layer in layers.items():

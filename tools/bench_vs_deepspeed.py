@@ -10,9 +10,8 @@ H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Varian
 round robin so a slow spell of a shared machine hits them alike, each round starting one variant
 later than the last so that none always runs first (an iteration's time is the slowest rank's):
   ours         our MoE layer as a run gets it (--moe-kept-only, --moe-expert-path auto, the
-               defaults): padded or kept rows from the share of slots that must stay empty, and
-               kept rows with or without the overlap as measured in its first forwards
-               (`MoELayer.expert_path`; warm-up runs until the path is fixed; the table prints it)
+               defaults): kept rows on one rank, the padded buffer on several
+               (`MoELayer.expert_path`; the table prints it)
   ours-kept    the same layer held on kept rows
   ours-overlap the same layer held on kept rows with the pipelined all-to-alls (several EP ranks)
   ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
@@ -249,8 +248,6 @@ def run(args: argparse.Namespace) -> None:
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    while layer is not None and layer.path_pending():  # the same count of forwards on every rank
-        steps["ours"]()
     if layer is not None:
         info["ours_path"] = layer.path_last
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in steps}

@@ -14,13 +14,6 @@ With `--lina-pipeline-chunks` > 1 the trial covers Lina's all-to-all pipelining 
 (the trainer's callback over the MoE layers' `set_pipeline_chunks`) turns it on for the Lina arm and off
 for the plain arm, and the decision keeps both or neither, so "plain" is exactly the run without Lina.
 
-The MoE layers time their own kept / overlap expert path on their first unpipelined forwards
-(`MoELayer.expert_path`). Had that trial run inside an arm (the plain arm's forwards are the first
-unpipelined ones), that arm would be timed on a mix of paths and a warm-up. So with `settling` (the
-trainer's "some layer's path trial is under way"), the warm-up runs unpipelined and lasts until the
-layers have fixed their path, at most `MAX_SETTLE_ITERS` iterations longer; every rank sees the same
-answer (the layers decide by forward count and one collective), so every rank starts the arms together.
-
 The trial and expert packing's own trial (`moe.packing`) must not overlap: a packing decision compares
 the K steps before a pack with the K after it, and a "before" window holding trial steps (half of
 them run without Lina) would compare different gradient syncs. So the Lina trial runs first and
@@ -43,9 +36,6 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 WARMUP_ITERS = 2  # iterations with Lina before the trial times anything (allocations, Lina's link rate)
-# warm-up iterations added at most while the layers fix their expert path: that trial takes 6 forwards
-# (`MoELayer.expert_path`: a warm-up one, 2 x KEPT_TRIALS timed, the deciding one), >= 2 in WARMUP_ITERS
-MAX_SETTLE_ITERS = 4
 OUTCOMES = ("faster", "slower")  # --lina-trial-force-outcome
 
 
@@ -64,10 +54,9 @@ def packing_start(first_iteration: int, trial_steps: int, window: int, pack_star
     return max(pack_start, first_iteration + trial_steps + window)
 
 
-def max_trial_length(iters: int, warmup: int = WARMUP_ITERS, settling: bool = True) -> int:
-    """The most iterations a trial of `iters` per arm can take: its warm-up (longer by up to MAX_SETTLE_ITERS
-    while the MoE layers fix their expert path, when it asks them), both arms, the deciding iteration included."""
-    return warmup + (MAX_SETTLE_ITERS if settling else 0) + 2 * iters
+def max_trial_length(iters: int, warmup: int = WARMUP_ITERS) -> int:
+    """The iterations a trial of `iters` per arm takes: its warm-up, both arms, the deciding iteration included."""
+    return warmup + 2 * iters
 
 
 def trial_arm(step: int, warmup: int, iters: int) -> Optional[str]:
@@ -93,7 +82,6 @@ class LinaTrial:
         force_outcome: Optional[str] = None,
         warmup: int = WARMUP_ITERS,
         pipeline: Optional[Callable[[bool], None]] = None,
-        settling: Optional[Callable[[], bool]] = None,
     ):
         if iters < 1:
             raise ValueError(f"--lina-trial-iters must be >= 1 for a trial, got {iters}")
@@ -102,7 +90,6 @@ class LinaTrial:
         self.grad_sync, self.scheduler, self.ps = grad_sync, scheduler, ps
         self.iters, self.force_outcome, self.warmup = iters, force_outcome, warmup
         self.pipeline = pipeline  # Lina's all-to-all pipelining on / off with the arm (None: not used)
-        self.settling = settling  # True while the MoE layers still time their expert path (None: not asked)
         self.arms_from: Optional[int] = None  # the iteration (0-based) of the first arm, once the warm-up is over
         self.cuda = ps.device.type == "cuda"
         self.steps = 0  # iterations seen by this trial
@@ -114,9 +101,8 @@ class LinaTrial:
 
     @property
     def length(self) -> int:
-        """Iterations from the first one this trial sees to the one that decides, inclusive, at most (the
-        warm-up may end up to MAX_SETTLE_ITERS earlier when the layers settle sooner or need no settling)."""
-        return max_trial_length(self.iters, self.warmup, self.settling is not None)
+        """Iterations from the first one this trial sees to the one that decides, inclusive."""
+        return max_trial_length(self.iters, self.warmup)
 
     @property
     def running(self) -> bool:
@@ -127,12 +113,10 @@ class LinaTrial:
         """Between iterations: put the next iteration's gradient sync in place and start its clock."""
         if self.done:
             return
-        if self.arms_from is None and self.steps >= self.warmup and not self._settling():
+        if self.arms_from is None and self.steps >= self.warmup:
             self.arms_from = self.steps  # the warm-up is over
-        if self.arms_from is None:  # warm-up: unpipelined while the layers may still time their expert path
+        if self.arms_from is None:  # warm-up
             self._arm = None
-            if self.settling is not None:
-                self.set_pipeline(False)
             return
         self._arm = trial_arm(self.steps, self.arms_from, self.iters)
         if self._arm is not None:
@@ -152,12 +136,6 @@ class LinaTrial:
         if self.steps < self.arms_from + 2 * self.iters:
             return None
         return self.decide()
-
-    def _settling(self) -> bool:
-        """The warm-up goes on: some MoE layer still times its expert path, for at most MAX_SETTLE_ITERS more."""
-        if self.settling is None or self.steps >= self.warmup + MAX_SETTLE_ITERS:
-            return False
-        return self.settling()
 
     def set_pipeline(self, on: bool) -> None:
         """Lina's all-to-all pipelining on or off (nothing when the run does not pipeline)."""

@@ -69,7 +69,6 @@ from megatron_moe.lancet.wgrad_runtime import WgradRuntime
 from megatron_moe.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.dispatcher import PaddedDispatcher, TokenDispatcher, UnevenDispatcher
-from megatron_moe.moe.layer import KEPT_TRIALS
 from megatron_moe.parallel_state import ParallelState
 
 
@@ -288,40 +287,13 @@ class LancetController:
         return d
 
 
-def settle_expert_paths(model: GPT2MoE, ps: ParallelState, opts, ids: torch.Tensor, labels: torch.Tensor) -> int:
-    """Forward + backward passes without a plan (gradients dropped) until no MoE layer's kept / overlap
-    trial (`MoELayer.expert_path`: its first 2 KEPT_TRIALS + 1 forwards alternate the two paths, then
-    the faster is fixed for good) is under way; the number of passes. A plan timed during the trial
-    would be timed partly on the path the layer drops. The trial's decision is collective and the
-    same on every rank, so every rank runs the same passes. The caller restores what else the passes
-    change (the routers' call counters, RNG states)."""
-    layers = model.moe_layers()
-    if not any(layer.path_undecided() for layer in layers):
-        return 0
-    ctl = LancetController(model, ps, opts, None).install()
-    n = 0
-    try:
-        while n < 2 * KEPT_TRIALS + 2:
-            lm, aux = model(ids, labels)
-            ctl.backward(lm + aux)
-            model.zero_grad(set_to_none=True)
-            n += 1
-            if not any(layer.path_pending() for layer in layers):
-                break
-    finally:
-        ctl.remove()
-    return n
-
-
 def measure_plans(
     model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int, grad_sync=None, warmup: int = 1
 ) -> dict:
     """name -> ms of forward + backward of `model` with each plan installed, one value per timed
     round (`iters` rounds after `warmup` untimed ones, --lancet-measure-warmup; each the slowest
-    rank's; collective, the same on every rank). The MoE layers' kept / overlap trial is finished
-    first (`settle_expert_paths`). The untimed rounds matter for the contention fit: on the emulated
-    cluster the first four or five rounds measured 3-8 % slower than the later ones
-    (docs/BENCHMARKS.md, session 13).
+    rank's; collective, the same on every rank). The untimed rounds matter for the contention fit: on
+    the emulated cluster the first four or five rounds measured 3-8 % slower than the later ones.
 
     The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
     hits all alike. The model is left as it was: gradients None, the routers' call counters and
@@ -343,7 +315,6 @@ def measure_plans(
     names = list(plans)
     samples: dict = {n: [] for n in names}
     try:
-        settle_expert_paths(model, ps, opts, ids[:, :-1], ids[:, 1:])  # "none" timed on its steady path
         for it in range(warmup + iters):
             for j in range(len(names)):
                 name = names[(it + j) % len(names)]

@@ -165,16 +165,15 @@ def _layer_of(name: str) -> int:
 def plain_pipelines(model) -> dict[int, tuple[int, bool]]:
     """MoE layer -> (chunks, forced) for the layers whose unpartitioned forward may pipeline its
     all-to-alls and experts by local expert (`MoELayer.expert_path` "overlap": a padded baseline
-    dispatcher that `pipelines`, kept rows, no Lina chunks): chunks = local experts; forced when
-    --moe-expert-path overlap fixes that path, else the layer's trial takes the faster of it and kept
-    rows, so the plan prices the faster of the two."""
+    dispatcher that `pipelines`, kept rows, no Lina chunks, --moe-expert-path overlap): chunks = local
+    experts; forced (always, since the layer takes that path whenever it can)."""
     out = {}
     for layer in model.moe_layers():
         d = layer.dispatcher
         if not (isinstance(d, PaddedDispatcher) and d.pipelines and layer.kept_only and layer.pipeline_chunks == 1):
             continue
-        if layer.path_flag in ("auto", "overlap") and d.num_local > 1:
-            out[layer.layer_idx] = (d.num_local, layer.path_flag == "overlap")
+        if layer.path_flag == "overlap" and d.num_local > 1:
+            out[layer.layer_idx] = (d.num_local, True)
     return out
 
 

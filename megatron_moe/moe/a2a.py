@@ -68,10 +68,11 @@ def wait_raw(handle, group) -> torch.Tensor:
 
 
 def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:
-    """Even all-to-all of counts [D, X] (row j goes to rank j); returns [D, X] (row j from rank j), on CPU."""
+    """Even all-to-all of counts [D, X] (row j goes to rank j); returns [D, X] (row j from rank j), on the
+    counts' device (the caller reads them on the host once, with the counts it sent)."""
     if group_size(group) == 1:
-        return counts_DX.clone().cpu()
-    return all_to_all_raw(counts_DX.to(torch.int64).contiguous(), group).cpu()
+        return counts_DX.clone()
+    return all_to_all_raw(counts_DX.to(torch.int64).contiguous(), group)
 
 
 @dataclass

@@ -80,7 +80,7 @@ from megatron_moe.moe.kept import (
     uneven_kept_rows,
     write_header,
 )
-from megatron_moe.moe.router import RouteResult
+from megatron_moe.moe.router import RouteResult, count_per_expert
 from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
@@ -655,6 +655,21 @@ class _S2Return(torch.autograd.Function):
 # ----------------------------------------------------------------------------- uneven
 
 
+def _host_counts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
+    """The (sent, received) count tensors [D, X'] of one or more plans as host lists of rows, read in one
+    device-to-host copy (`tolist` of one tensor)."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for pair in pairs for t in pair]).tolist()
+    out, at = [], 0
+    for pair in pairs:
+        rows = []
+        for t in pair:
+            D, W = t.shape
+            rows.append([flat[at + d * W : at + (d + 1) * W] for d in range(D)])
+            at += D * W
+        out.append((rows[0], rows[1]))
+    return out
+
+
 @dataclass
 class UnevenPlan:
     """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
@@ -679,15 +694,13 @@ class UnevenPlan:
 
 @dataclass
 class _LocalPlan:
-    """What `UnevenDispatcher._sort` computes before the counts travel: the kept choices' token rows and
-    weights in send order, the dump, the counts [D, X] to send (+ [D, E] routed, with the counts sink),
-    the rows sent to each rank, X columns per rank, and the routed tokens."""
+    """What `UnevenDispatcher._sort` computes before the counts travel, all on the device: every choice's
+    token row and weight in send order (the kept ones first, the dropped after them), the counts [D, X] to
+    send (+ [D, E] routed, with the counts sink), X columns per rank, and the routed tokens."""
 
     token: torch.Tensor
     weight: torch.Tensor
-    dump: torch.Tensor
     send_counts: torch.Tensor
-    send_splits: list[int]
     X: int
     tokens: int
 
@@ -697,7 +710,11 @@ class UnevenDispatcher(TokenDispatcher):
     `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
     expert input holds only the received rows, grouped by local expert (dropless, and Lancet's parts
     when the experts compute kept rows only: there every received row holds a kept token, so the
-    ragged input is exactly the padded input's kept rows, in the same order)."""
+    ragged input is exactly the padded input's kept rows, in the same order).
+
+    The all-to-all's split sizes must be on the host, so a plan reads the sent and received counts
+    there once (one device-to-host copy per layer forward, as Megatron-Core's and torchtitan's uneven
+    dispatchers do); everything else stays on the device, and the backward reuses the splits."""
 
     def __init__(
         self,
@@ -722,7 +739,9 @@ class UnevenDispatcher(TokenDispatcher):
     def plan(self, routes: list[RouteResult]) -> UnevenPlan:
         """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
         local = self._sort(routes)
-        return self._complete(local, a2a.exchange_counts(local.send_counts, self.counts_group))
+        recv = a2a.exchange_counts(local.send_counts, self.counts_group)
+        ((sent, got),) = _host_counts([(local.send_counts, recv)])
+        return self._complete(local, recv, sent, got)
 
     def plan_parts(self, parts: list[list[RouteResult]]) -> list[UnevenPlan]:
         """`plan` of each part (Lancet's partitions of one range) with one count exchange for all of them
@@ -734,100 +753,93 @@ class UnevenDispatcher(TokenDispatcher):
         local = [self._sort(r) for r in parts]
         recv = a2a.exchange_counts(torch.cat([lp.send_counts for lp in local], dim=1), self.counts_group)
         widths = [lp.send_counts.size(1) for lp in local]
-        return [self._complete(lp, rc) for lp, rc in zip(local, recv.split(widths, dim=1))]
+        pairs = list(zip([lp.send_counts for lp in local], recv.split(widths, dim=1)))
+        host = _host_counts(pairs)  # one read for every part
+        return [self._complete(lp, rc, s, g) for lp, (_, rc), (s, g) in zip(local, pairs, host)]
 
     def _sort(self, routes: list[RouteResult]) -> "_LocalPlan":
-        """The part of `plan` that needs no other rank: kept choices sorted by destination column."""
+        """The part of `plan` that needs no other rank: every choice sorted by destination column (the kept
+        ones by (column, group, slot), the dropped ones after them), and the counts to send."""
         G, (s, k) = len(routes), routes[0].slot.shape
-        cap, E, E_l, n_esp = routes[0].capacity, self.num_experts, self.num_local, self.n_esp
-        kept = [r.slot >= 0 for r in routes]
-        token = torch.cat(
-            [
-                torch.arange(s, device=r.slot.device)[:, None].expand(s, k)[m] + g * s
-                for g, (r, m) in enumerate(zip(routes, kept))
-            ]
-        )
+        cap, E, n_esp = routes[0].capacity, self.num_experts, self.n_esp
+        dev = routes[0].expert.device
         # column of each expert: destination EP rank * X + its place among the destination's experts
         # (no placement: the owner, X = E_l, column = expert); a placement may send to a replica
         col, X = (
-            (torch.arange(E, device=routes[0].expert.device), E_l)
+            (torch.arange(E, device=dev), self.num_local)
             if self.placement is None or not self.ragged
-            else self.placement.columns(self.ps.rank("ep"), routes[0].expert.device)
+            else self.placement.columns(self.ps.rank("ep"), dev)
         )
-        key = torch.cat(
-            [col[r.expert[m]] * (G * cap) + g * cap + r.slot[m] for g, (r, m) in enumerate(zip(routes, kept))]
-        )
-        order = torch.argsort(key)
-        column = torch.cat([col[r.expert[m]] for r, m in zip(routes, kept)])[order]
-        weight = torch.cat([r.weight[m] for r, m in zip(routes, kept)])[order]
-        per_ep_E = torch.bincount(column, minlength=self.n_ep * X).view(self.n_ep, X)
-        K_ep = per_ep_E.sum(dim=1).tolist()
+        cols = self.n_ep * X
+        keys, columns, weights = [], [], []
+        for g, r in enumerate(routes):
+            kept = r.slot >= 0
+            c = col[r.expert]
+            keys.append(torch.where(kept, c * (G * cap) + g * cap + r.slot, cols * G * cap).reshape(-1))
+            columns.append(torch.where(kept, c, cols).reshape(-1))  # dropped: a column past the last
+            weights.append(r.weight.reshape(-1))
+        order = torch.argsort(torch.cat(keys), stable=True)
+        per_col = count_per_expert(torch.cat(columns), cols + 1)[:cols]
+        send_counts = per_col.view(self.n_ep, X).repeat_interleave(n_esp, dim=0)  # [D, X]
+        if self.sinks_counts:  # this rank's routed counts [E] to every rank, in the same message
+            routed_E = sum(count_per_expert(r.expert, E, r.slot >= 0) for r in routes)
+            send_counts = torch.cat([send_counts, routed_E.expand(send_counts.size(0), E)], dim=1)
+        token = order.div(k, rounding_mode="floor")  # choice (g*s + i)*k + j is token g*s + i's
+        return _LocalPlan(token, torch.cat(weights).index_select(0, order), send_counts, X, G * s)
+
+    def _complete(self, lp: "_LocalPlan", recv: torch.Tensor, sent_h: list, got_h: list) -> UnevenPlan:
+        """The rest of `plan` once the counts [D, X] (+ [D, E] routed, with the sink) have arrived: `recv` on
+        the device, `sent_h` / `got_h` the sent and received counts on the host (lists of rows)."""
+        X, n_esp, dev = lp.X, self.n_esp, lp.token.device
+        if self.sinks_counts:
+            self.counts_sink.add_counts(self.layer_idx, torch.tensor([r[X:] for r in got_h], dtype=torch.int64))
+            recv, got_h, sent_h = recv[:, :X], [r[:X] for r in got_h], [r[:X] for r in sent_h]
+        K_ep = [sum(sent_h[ep * n_esp]) for ep in range(self.n_ep)]  # kept choices for each EP rank
+        K = sum(K_ep)
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
         dump = torch.cat(
             [
-                torch.arange(starts[ep], starts[ep] + K_ep[ep], device=column.device)
+                torch.arange(starts[ep], starts[ep] + K_ep[ep], device=dev)
                 for ep in range(self.n_ep)
                 for _ in range(n_esp)
             ]
         )
-        send_counts = per_ep_E.repeat_interleave(n_esp, dim=0)  # [D, X]
-        if self.sinks_counts:  # this rank's routed counts [E] to every rank, in the same message
-            routed_E = torch.bincount(torch.cat([r.expert[m] for r, m in zip(routes, kept)]), minlength=E)
-            send_counts = torch.cat([send_counts, routed_E.expand(send_counts.size(0), E)], dim=1)
-        return _LocalPlan(
-            token[order],
-            weight,
-            dump,
-            send_counts,
-            [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
-            X,
-            G * s,
-        )
-
-    def _complete(self, lp: "_LocalPlan", recv_counts: torch.Tensor) -> UnevenPlan:
-        """The rest of `plan` once the counts [D, X] (+ [D, E] routed, with the sink) have arrived."""
-        X = lp.X
-        if self.sinks_counts:
-            self.counts_sink.add_counts(self.layer_idx, recv_counts[:, X:])
-            recv_counts = recv_counts[:, :X]
-        per_expert = recv_counts.sum(dim=0)  # [X] rows received
-        N = max(1, int(per_expert.max()))
+        recv = recv.to(device=dev, dtype=torch.int64)
+        per_expert_h = [sum(r[x] for r in got_h) for x in range(X)]  # rows received per column, on the host
+        total, N = sum(per_expert_h), max(1, max(per_expert_h))
+        per_expert = recv.sum(dim=0)
         # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
-        expert_base = (
-            per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=per_expert.device) * N
-        )
-        flat = recv_counts.reshape(-1)  # (source, expert) blocks
-        block_pos = (recv_counts.cumsum(dim=0) - recv_counts).reshape(-1)  # rows of earlier sources
-        within = torch.arange(int(flat.sum()), device=flat.device) - torch.repeat_interleave(
-            flat.cumsum(0) - flat, flat
-        )
-        row = (
-            torch.repeat_interleave(expert_base.repeat(recv_counts.size(0)), flat)
-            + torch.repeat_interleave(block_pos, flat)
-            + within
-        )
+        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=dev) * N
+        flat = recv.reshape(-1)  # (source, expert) blocks
+        block_pos = (recv.cumsum(dim=0) - recv).reshape(-1)  # rows of earlier sources
+
+        def spread(t: torch.Tensor) -> torch.Tensor:  # each block's value on each of its rows
+            return torch.repeat_interleave(t, flat, output_size=total)
+
+        row = spread(expert_base.repeat(recv.size(0))) + spread(block_pos) + torch.arange(total, device=dev)
+        row = row - spread(flat.cumsum(0) - flat)
         out = a2a.A2AHandle(
             self.group,
-            lp.send_splits,
-            recv_counts.sum(dim=1).tolist(),
+            [K_ep[ep] for ep in range(self.n_ep) for _ in range(n_esp)],
+            [sum(r) for r in got_h],
             self.a2a_name("dispatch"),
             self.dw,
         )
-        dev = lp.token.device
-        row = row.to(dev)
         return UnevenPlan(
-            lp.token,
-            lp.weight,
-            lp.dump.to(dev),
+            lp.token[:K],
+            lp.weight[:K],
+            dump,
             row,
             N,
             lp.tokens,
             out,
             out.reverse(self.a2a_name("combine")),
-            expert_rows=(per_expert.tolist() if self.placement is None else self.placement.expert_rows(per_expert))
+            expert_rows=(
+                per_expert_h if self.placement is None else self.placement.expert_rows(torch.tensor(per_expert_h))
+            )
             if self.ragged
             else None,
-            kept=None if self.ragged else uneven_kept_rows(row, per_expert.tolist()),
+            kept=None if self.ragged else uneven_kept_rows(row, per_expert_h),
             recv_order=torch.argsort(row) if self.ragged else None,
         )
 

@@ -40,6 +40,7 @@ from megatron_moe.moe.grouped import (
     mlp_backward,
     mlp_forward,
     stack_rows,
+    to_device,
     wgrad,
 )
 from megatron_moe.moe.kept import KeptRows
@@ -236,7 +237,7 @@ Segments = list[list[tuple[int, int]]]  # per expert, the row ranges [lo, hi) of
 def segment_rows(segments: Segments, device: torch.device) -> torch.Tensor:
     """The rows [K] int64 of every expert's ranges, in order (grouped by expert)."""
     rows = [r for segs in segments for lo, hi in segs for r in range(lo, hi)]
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 class _ExchangedMLP(torch.autograd.Function):

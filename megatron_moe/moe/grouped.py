@@ -20,7 +20,7 @@ two weight-gradient GEMMs as `GroupedRows` and run them later.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +191,7 @@ def grouped_mlp(
 
 def expert_rows_mlp(
     x_RM: torch.Tensor,
-    counts: Optional[list[int]],
+    counts: list[int],
     fc_w: torch.Tensor,
     fc_b: torch.Tensor,
     proj_w: torch.Tensor,
@@ -199,12 +199,17 @@ def expert_rows_mlp(
     defer=None,
 ) -> torch.Tensor:
     """`grouped_mlp` of rows grouped by expert with host `counts` (sum = R)."""
-    offs = torch.tensor(list(_accumulate(counts)), dtype=torch.int32).to(x_RM.device)
+    ends, total = [], 0
+    for c in counts:
+        total += int(c)
+        ends.append(total)
+    offs = to_device(torch.tensor(ends, dtype=torch.int32), x_RM.device)
     return grouped_mlp(x_RM, offs, fc_w, fc_b, proj_w, bias, False, defer)
 
 
-def _accumulate(counts):
-    total = 0
-    for c in counts:
-        total += int(c)
-        yield total
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without a stream sync: a CUDA copy from pageable memory waits for
+    the stream (`copy_` with non_blocking=False synchronizes), from pinned memory it is queued."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

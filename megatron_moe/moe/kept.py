@@ -20,9 +20,9 @@ rows a receiver computes are exactly the rows its sender filled, so those rows o
 buffers and of their gradients are left unwritten instead of zero-filled: nothing reads them.
 
 Which path (PATHS: the padded compute, kept rows, or kept rows with the all-to-alls pipelined by
-local expert) a layer takes is decided the same on every rank (`MoELayer.expert_path`): padded or
-kept from the layer's shape, and between the two kept forms, which give the same bits, by a short
-measurement fixed with `decide_path` (one MAX all-reduce over the world).
+local expert) a layer takes is decided the same on every rank from the layout and the flags
+(`MoELayer.expert_path`): kept rows need the counts on the host (a sync per layer), so with several
+ranks the default is the padded compute; --moe-expert-path kept / overlap ask for kept rows.
 
 With one ESP rank, the baseline sends the counts inside its dispatch all-to-all instead (no collective of
 their own): every destination block of the send buffer ends with header rows holding the counts as
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed import observer
-from megatron_moe.distributed.collectives import all_reduce_raw, group_size
+from megatron_moe.distributed.collectives import group_size
 from megatron_moe.moe.router import RouteResult
 
 
@@ -238,20 +238,3 @@ def uneven_kept_rows(recv_row: torch.Tensor, per_expert: list[int]) -> KeptRows:
 # How a padded dispatcher's experts compute: the whole buffer, its kept rows, or its kept rows with the
 # all-to-alls pipelined by local expert (`PaddedDispatcher.plan`).
 PATHS = ("padded", "kept", "overlap")
-
-
-def decide_path(times_s: dict[str, float], world, device: torch.device, margin: float = 0.0) -> str:
-    """The fastest of the measured paths (`times_s`: this rank's seconds of each, in PATHS order), from
-    one MAX all-reduce over `world`: every rank compares the slowest rank's times and takes the same
-    path whatever it measured itself (ranks on different paths would order their collectives
-    differently). A later path replaces an earlier one only when it is faster by more than `margin`
-    (a fraction of the earlier one's time; ties go to the earlier path). Every rank of `world` must
-    call it at the same point with the same paths."""
-    names = [p for p in PATHS if p in times_s]
-    t = torch.tensor([times_s[p] for p in names], dtype=torch.float64, device=device)
-    all_reduce_raw(t, world, op="max")
-    best = 0
-    for i in range(1, len(names)):
-        if float(t[i]) < float(t[best]) * (1.0 - margin):
-            best = i
-    return names[best]

@@ -24,7 +24,6 @@ baseline; s2 (a padded buffer by construction) is refused.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -35,7 +34,6 @@ from megatron_moe.distributed.collectives import gather_from_group, scatter_to_g
 from megatron_moe.distributed.saa import SAA_CHUNKS
 from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher, UnevenPlan
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.kept import decide_path
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
 from megatron_moe.moe.router import Router
@@ -47,15 +45,6 @@ if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 SCHEDULES = ("baseline", "s1", "s2")
-KEPT_TRIALS = 2  # timed forwards of kept rows and of the overlap before one is fixed (`MoELayer.expert_path`)
-# the overlap replaces kept rows only when its fastest trial forward beats theirs by more than this: the two give
-# the same bits, kept rows are the simpler pipeline, and two forwards each on a shared 2-core machine differed by
-# up to 5 % between runs of the same path (docs/BENCHMARKS.md, session 10); on a slow link the overlap wins by more
-OVERLAP_MARGIN = 0.05
-# kept rows when at least this share of the capacity slots must stay empty (`expert_path`): 0, since kept rows
-# measured faster than the padded compute even at capacity factor 1.0 with 99% of the slots filled (quiet rerun
-# of tools/bench_vs_deepspeed.py, docs/BENCHMARKS.md); a positive value sends nearly full layers to the padded GEMMs
-KEPT_MIN_EMPTY = 0.0
 
 
 class MoELayer(nn.Module):
@@ -96,10 +85,7 @@ class MoELayer(nn.Module):
         self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
         self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
-        self.path_choice: Optional[str] = None  # kept or overlap, measured (auto)
-        self.path_calls, self.path_times = 0, {}  # that trial's forwards and each path's fastest, in seconds
         self.path_last = ""  # the path of the last forward with a padded dispatcher
-        self.path_trial = False  # True when the last forward was part of the kept / overlap trial
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         # dropless with every expert on this rank and no replicas: nothing travels, so the one-rank plan
         # (`moe.dispatcher.local_plan`: no host sync) serves it; Pro-Prophet's replicas need the uneven one
@@ -118,7 +104,9 @@ class MoELayer(nn.Module):
         old = getattr(self, "dispatcher", None)
         self.dispatcher: TokenDispatcher
         if self.dropless_local and schedule == "baseline":
-            self.dispatcher = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "baseline", self.saa, saa_chunks)
+            self.dispatcher = PaddedDispatcher(
+                self.ps, self.num_experts, self.layer_idx, "baseline", self.saa, saa_chunks
+            )
         elif self.dropless:
             scale = 1.0 / self.ps.size("mp") if schedule == "baseline" else 1.0
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale, ragged=True)
@@ -143,58 +131,20 @@ class MoELayer(nn.Module):
             raise ValueError(DROPLESS_ERROR)
         self.pipeline_chunks = chunks
 
-    def expert_path(self, d: PaddedDispatcher, tokens: int) -> str:
-        """How the padded dispatcher `d`'s experts compute this forward of `tokens` tokens per routing
-        group (`moe.kept.PATHS`; --moe-kept-only, --moe-expert-path).
-
-        auto decides from what every rank has identically, so every rank takes the same path and a
-        run is reproducible bit for bit (also across a resume): the padded compute when fewer than
-        KEPT_MIN_EMPTY of the capacity slots must stay empty (1 - k*S / (E*C): at capacity factor 1
-        nearly every slot holds a token and packing costs more than the padding saves), else kept
-        rows. Kept rows with the all-to-alls pipelined by local expert ("overlap", when `d.pipelines`)
-        gives the same bits as kept rows, so between those two the layer measures: after a warm-up
-        forward, KEPT_TRIALS forwards of each, then one MAX all-reduce of each path's fastest forward over the world
-        (`moe.kept.decide_path`) fixes the faster for good (the overlap only when faster by more than OVERLAP_MARGIN) (Lancet's deferred dW runs in every path)."""
-        self.path_trial = False
-        if self.dropless:  # only on one rank holding every expert (`dropless_local`): its own plan
+    def expert_path(self, d: PaddedDispatcher) -> str:
+        """How the padded dispatcher `d`'s experts compute (`moe.kept.PATHS`; --moe-kept-only,
+        --moe-expert-path). auto: with one rank holding every expert, kept rows (`moe.dispatcher.local_plan`:
+        the tokens go straight to a grouped GEMM over their experts' rows, no buffer and no host sync);
+        with several, the padded buffer: one batched GEMM per expert weight in the compute dtype and no
+        host sync, where kept rows need every source's counts on the host (one sync per layer) to skip
+        the empty slots. Dropless on one rank (`dropless_local`) is the kept-rows plan with nothing dropped."""
+        if self.dropless:
             return "kept"
         if not self.kept_only:
             return "padded"
         if self.path_flag != "auto":
             return self.path_flag
-        k, E, C = self.router.k, self.num_experts, self.router.capacity(tokens)
-        if 1.0 - k * tokens / (E * C) < KEPT_MIN_EMPTY:
-            return "padded"
-        if not d.pipelines:
-            return "kept"
-        if self.path_choice is None and self.path_calls > 2 * KEPT_TRIALS:
-            times = {p: self.path_times.get(p, 0.0) for p in ("kept", "overlap")}
-            self.path_choice = decide_path(times, self.ps.group("world"), self.experts.fc_w.device, OVERLAP_MARGIN)
-        if self.path_choice is not None:
-            return self.path_choice
-        self.path_trial = True
-        return ("kept", "overlap")[self.path_calls % 2]  # 0: warm-up (kept), then overlap, kept, ...
-
-    def path_undecided(self) -> bool:
-        """True while a forward may still be one of the kept / overlap trial of `expert_path`: auto with
-        kept rows on a padded dispatcher that pipelines, not under Lina's chunks, the path not fixed
-        yet (a layer whose slots are all filled runs the padded compute and never starts the trial)."""
-        if self.dropless or not self.kept_only or self.path_flag != "auto" or self.pipeline_chunks > 1:
-            return False
-        return isinstance(self.dispatcher, PaddedDispatcher) and self.dispatcher.pipelines and self.path_choice is None
-
-    def path_pending(self) -> bool:
-        """True while the kept / overlap trial of `expert_path` is under way (the last forward was part of it;
-        never when the dispatcher cannot pipeline, e.g. one EP rank: kept rows without a trial)."""
-        return self.path_trial and self.path_choice is None
-
-    def _timed(self, path: str, seconds: float) -> None:
-        """Count a forward of the kept / overlap trial of `expert_path` and keep each path's fastest: one forward
-        slowed by a preemption on a shared machine then cannot decide the trial (a sum of two could)."""
-        if self.path_trial and self.path_choice is None:
-            if self.path_calls > 0:
-                self.path_times[path] = min(self.path_times.get(path, float("inf")), seconds)
-            self.path_calls += 1
+        return "kept" if d.local_only else "padded"
 
     @property
     def last_stats(self) -> dict:
@@ -252,18 +202,15 @@ class MoELayer(nn.Module):
             d.set_dw_queue(self.dispatcher.dw)
         routes, aux, tokens = self.route(x_GSM, split)
         if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
-            self.path_trial = False  # not a forward of the kept / overlap trial (it resumes when unpipelined)
             y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
-        path = self.expert_path(d, x_GSM.size(1)) if isinstance(d, PaddedDispatcher) else ""
+        path = self.expert_path(d) if isinstance(d, PaddedDispatcher) else ""
         self.path_last = path
-        t0 = time.perf_counter()
         plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
         if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
             y = d.exchange(tokens, plan, self.experts)  # its own "moe/dispatch" / "moe/combine" ranges
-            self._timed(path, time.perf_counter() - t0)
             return self.dispatcher.track_output(y.reshape(B, T, M)), aux
         with annotate("moe/dispatch"):  # one range per forward (the plan is routing metadata, before it)
             x_in = d.dispatch(tokens, plan)
@@ -278,8 +225,6 @@ class MoELayer(nn.Module):
             y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept, segments=segments)
         with annotate("moe/combine"):
             y = d.combine(y_partial, plan)
-            if path:
-                self._timed(path, time.perf_counter() - t0)
             if split:
                 y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
         return self.dispatcher.track_output(y.reshape(B, T, M)), aux
