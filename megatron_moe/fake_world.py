@@ -33,6 +33,8 @@ class Layout:
     esp: int = 1
     moe: dict = field(default_factory=dict)  # MoEConfig overrides
     lina_chunks: int = 1  # Lina's pipelined all-to-all chunks (`MoELayer.set_pipeline_chunks`)
+    opts: dict = field(default_factory=dict)  # OptimizationsConfig overrides, applied by `optimizations.apply`
+    rank: int = 3  # the rank played (Lancet's planner runs on rank 0 and broadcasts its plan: rank 0 there)
 
 
 WORLD = 8
@@ -53,9 +55,18 @@ LAYOUTS: dict[str, Layout] = {
     "EP4-dropless": Layout(ep=4, moe={"moe_dropless": True}),
     "MP2xEP4-dropless-S1": Layout(mp=2, ep=4, moe={"moe_dropless": True, "moe_schedule": "s1"}),
     "EP4-lina-chunks": Layout(ep=4, lina_chunks=2),
+    "EP4-lancet-parts": Layout(
+        ep=4, opts={"lancet_partition": True, "lancet_force_partitions": 2, "lancet_measure_iters": 0}, rank=0
+    ),
+    "EP4-lancet-wgrad": Layout(ep=4, opts={"lancet_wgrad": True, "lancet_measure_iters": 0}, rank=0),
+    "EP4-dropless-pro-prophet": Layout(
+        ep=4,
+        moe={"moe_dropless": True},
+        opts={"pro_prophet": True, "pro_prophet_force_plan": "0:1;2:2;4:3;6:0", "pro_prophet_trial_iters": 0},
+    ),
 }
 # uneven all-to-alls need their split sizes on the host: one read per layer forward, none in backward
-UNEVEN = {"MP2xEP4-S1", "EP4-dropless", "MP2xEP4-dropless-S1", "EP8-kept", "EP8-overlap"}
+UNEVEN = {"MP2xEP4-S1", "EP4-dropless", "MP2xEP4-dropless-S1", "EP4-lancet-parts", "EP4-dropless-pro-prophet"}
 
 
 @contextlib.contextmanager
@@ -90,26 +101,36 @@ def small_config(**moe):
     return cfg
 
 
-def step_report(name: str, device: torch.device, rank: int = 3, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One forward + backward of `small_config` under layout `name` as `rank` (of WORLD, or of one
+def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One forward + backward of `small_config` under layout `name` as its rank (of WORLD, or of one
     process) on `device`, under `dtype` autocast: {layout, gemms, high_precision_gemms (where),
     moe_syncs (where), syncs, moe_layers}. Syncs are counted by name (`OpSpy`); a second step is
     measured, so first-use work is not counted."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import initialize_model_parallel, local_state
 
+    from megatron_moe.distributed.grad_sync import GradSync
+    from megatron_moe.optimizations import apply
+
     lay = LAYOUTS[name]
     one = lay.mp * lay.ep * lay.esp == 1
     cfg = small_config(**lay.moe)
+    for k, v in lay.opts.items():
+        setattr(cfg.opts, k, v)
+    par = cfg.parallel
+    par.tensor_model_parallel_size, par.expert_model_parallel_size = lay.mp, lay.ep
+    par.expert_sharding_parallel_size = lay.esp
     with contextlib.ExitStack() as stack:
         if one:
             ps = local_state(device)
         else:
-            stack.enter_context(fake_world(rank, WORLD))
+            stack.enter_context(fake_world(lay.rank, WORLD))
             ps = initialize_model_parallel(lay.mp, lay.ep, lay.esp, device=device)
         model = GPT2MoE(cfg, ps).to(device)
         for layer in model.moe_layers():
             layer.set_pipeline_chunks(lay.lina_chunks)
+        applied = apply(model, ps, cfg, GradSync(model, ps)) if lay.opts else None
+        lancet = applied.lancet if applied is not None else None
         B, T = 2, cfg.model.seq_length
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(device)
@@ -118,7 +139,10 @@ def step_report(name: str, device: torch.device, rank: int = 3, dtype: torch.dty
             with spy if measured else contextlib.nullcontext():
                 with torch.autocast(device.type, dtype=dtype):
                     lm, aux = model(ids[:, :-1], ids[:, 1:])
-                (lm + aux).backward()
+                if lancet is not None:
+                    lancet.backward(lm + aux)  # deferred dW under the all-to-alls, then flushed
+                else:
+                    (lm + aux).backward()
             model.zero_grad(set_to_none=True)
         E = cfg.moe.num_experts
         return {

@@ -155,6 +155,8 @@ class ParallelState:
         if kind in self._groups:
             raise ValueError(f"a group of kind {kind!r} already exists")
         mine = None
+        if self.backend == "fake":  # one process playing a rank (`megatron_moe.fake_world`): no other backend
+            backend = None
         for ranks in rank_lists:
             g = dist.new_group(ranks, backend=backend or self.backend, timeout=self.timeout)
             if self.global_rank in ranks:

@@ -126,11 +126,12 @@ def all_to_all_raw(
     out_splits: Optional[Sequence[int]] = None,
     in_splits: Optional[Sequence[int]] = None,
     async_op: bool = False,
+    zeros: bool = False,
 ):
     """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.
 
-    Returns the output [sum(out_splits), ...] (and the work handle if async_op).
-    Even splits when both are None.
+    Returns the output [sum(out_splits), ...] (and the work handle if async_op), allocated empty
+    (`zeros`: zero-filled). Even splits when both are None.
     """
     n = group_size(group)
     if n == 1:
@@ -138,7 +139,7 @@ def all_to_all_raw(
     t = t.contiguous()
     row = t.element_size() * (int(torch.Size(t.shape[1:]).numel()))  # bytes per dim-0 row
     if out_splits is None:
-        out = torch.empty_like(t)
+        out = torch.zeros_like(t) if zeros else torch.empty_like(t)
         remote = _nbytes(t) - _nbytes(t) // n
     else:
         out = torch.empty((int(sum(out_splits)), *t.shape[1:]), dtype=t.dtype, device=t.device)

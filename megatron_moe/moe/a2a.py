@@ -72,7 +72,8 @@ def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:
     counts' device (the caller reads them on the host once, with the counts it sent)."""
     if group_size(group) == 1:
         return counts_DX.clone()
-    return all_to_all_raw(counts_DX.to(torch.int64).contiguous(), group)
+    # received into zeros: a rank whose peers send nothing (a fake process group) plans for no tokens
+    return all_to_all_raw(counts_DX.to(torch.int64).contiguous(), group, zeros=True)
 
 
 @dataclass

@@ -834,9 +834,7 @@ class UnevenDispatcher(TokenDispatcher):
             lp.tokens,
             out,
             out.reverse(self.a2a_name("combine")),
-            expert_rows=(
-                per_expert_h if self.placement is None else self.placement.expert_rows(torch.tensor(per_expert_h))
-            )
+            expert_rows=(per_expert_h if self.placement is None else self.placement.expert_rows(per_expert_h))
             if self.ragged
             else None,
             kept=None if self.ragged else uneven_kept_rows(row, per_expert_h),

@@ -351,15 +351,15 @@ class PlacedLayer:
     def columns(self, ep: int, device: torch.device) -> tuple[torch.Tensor, int]:
         return self.placement.columns(ep, device)
 
-    def expert_rows(self, rows_X: torch.Tensor) -> list[int]:
-        """Rows per compute expert of this rank, from the rows received per column [X]."""
+    def expert_rows(self, rows_X: list[int]) -> list[int]:
+        """Rows per compute expert of this rank, from the rows received per column [X] (host ints)."""
         n = len(self.placement.compute_experts(self.runtime.ps.rank("ep")))
-        if int(rows_X[n:].sum()):
+        if sum(rows_X[n:]):
             raise RuntimeError(
                 f"layer {self.layer_idx}: tokens arrived for experts this rank does not compute "
                 f"(the ranks disagree on the Pro-Prophet placement)"
             )
-        return rows_X[:n].tolist()
+        return list(rows_X[:n])
 
     def new_exchange(self) -> ReplicaExchange:
         return ReplicaExchange(
@@ -582,13 +582,11 @@ class ProProphet:
     # -- counts and planning under the all-to-all (called by the dispatchers) --------------------
     def add_counts(self, layer_idx: int, counts_DE: torch.Tensor) -> None:
         """Every rank's routed counts [D, E] of one forward of layer `layer_idx` (D = EP x ESP ranks,
-        EP-major, from the dispatcher's count exchange); summed per EP rank into this iteration's."""
+        EP-major, from the dispatcher's count exchange, on the host); summed per EP rank into this iteration's."""
         if not torch.is_grad_enabled():
             return  # evaluation forwards are no part of the training iteration
         n_ep = self.ps.size("ep")
-        self.counts[layer_idx] += (
-            counts_DE.to(device="cpu", dtype=torch.int64).reshape(n_ep, -1, counts_DE.size(1)).sum(1)
-        )
+        self.counts[layer_idx] += counts_DE.to(torch.int64).reshape(n_ep, -1, counts_DE.size(1)).sum(1)
         self.forwards[layer_idx] += 1
 
     def dispatch_in_flight(self, layer_idx: int) -> None:
