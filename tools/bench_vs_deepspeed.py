@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import time
@@ -81,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--warmup", type=int, default=3)
     a("--profile", type=int, default=0, help="profile this many iterations of each variant on rank 0")
     a("--json", default=None, help="write the results here (rank 0)")
+    a("--bf16", action="store_true", help="run every variant under bf16 autocast (as --bf16 trains)")
     args = p.parse_args(argv)
     try:
         args.cfg = config_from_args(args)
@@ -98,8 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             "--tensor-model-parallel-size and --expert-sharding-parallel-size must be 1 "
             "(DeepSpeed's MoE layer has expert parallelism only)"
         )
-    if args.cfg.moe.moe_dropless:
-        p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; compare capacity-padded layers")
+    if args.cfg.moe.moe_dropless:  # DeepSpeed's MoE layer has a capacity: ours and the floor only
+        args.variant_list = [v for v in args.variant_list if v in ("ours", "ours-padded", "floor")]
+        if not args.variant_list:
+            p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; choose among ours, ours-padded, floor")
+    dev = args.cfg.parallel.device
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
     return args
 
 
@@ -119,7 +127,7 @@ def deepspeed_layer(cfg: Config, ep: int, activation: nn.Module):
         if dist.get_rank() == 0:
             print(f"deepspeed: skipped (not importable: {e})")
         return None
-    deepspeed.init_distributed("gloo")  # wraps the process group torchrun already made
+    deepspeed.init_distributed(dist.get_backend())  # wraps the process group torchrun already made
     m, moe = cfg.model, cfg.moe
     expert = nn.Sequential(
         nn.Linear(m.hidden_size, m.ffn_hidden_size),
@@ -143,17 +151,24 @@ def deepspeed_layer(cfg: Config, ep: int, activation: nn.Module):
 
 
 class Floor:
-    """Forward + backward of this rank's experts on the kept rows of our layer (ragged GEMMs only)."""
+    """Forward + backward of this rank's experts on the kept rows of our layer: the grouped GEMMs and the
+    activation alone (`Experts.forward_offsets`), no routing, no permutation, no communication."""
 
     def __init__(self, layer: MoELayer, cfg: Config, x: torch.Tensor, ps, device: torch.device):
         x_GSM = x.detach().reshape(1, -1, x.size(-1))
-        routes, _, tokens = layer.route(x_GSM, split=False)
-        plan = layer.dispatcher.plan(routes, "kept")  # collective: every rank takes part
+        d = layer.dispatcher
         with torch.no_grad():
-            layer.dispatcher.dispatch(tokens, plan)  # the counts may travel with the tokens
-        assert plan.kept is not None
-        self.counts = plan.kept.counts
-        self.padded = layer.dispatcher.num_local * layer.dispatcher.n_ep * plan.groups * plan.slots
+            routes, _, tokens = layer.route(x_GSM, split=False)
+            if d.local_only:  # one rank holds every expert: its kept rows are the router's counts
+                self.counts = torch.stack([r.counts for r in routes]).sum(0).tolist()
+                G, Cs = len(routes), d.slots_per_group(routes[0].capacity)
+            else:
+                plan = d.plan(routes, "kept")  # collective: every rank takes part
+                d.dispatch(tokens, plan)  # the counts may travel with the tokens
+                assert plan.kept is not None
+                self.counts, G, Cs = plan.kept.counts, plan.groups, plan.slots
+        self.padded = d.num_local * d.n_ep * G * Cs
+        self.offs = torch.tensor(list(itertools.accumulate(self.counts)), dtype=torch.int32).to(device)
         m = cfg.model
         self.experts = Experts(
             cfg.moe.num_experts, m.hidden_size, m.ffn_hidden_size, ps, cfg.train.seed, "bench.floor", device=device
@@ -164,7 +179,7 @@ class Floor:
         self.gy = torch.randn(rows, m.hidden_size, generator=g, device="cpu").to(device)
 
     def step(self) -> None:
-        (self.experts.forward_ragged(self.x, self.counts) * self.gy).sum().backward()
+        (self.experts.forward_offsets(self.x, self.offs) * self.gy).sum().backward()
         self.experts.zero_grad(set_to_none=True)
         self.x.grad = None
 
@@ -200,6 +215,7 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
         ds = deepspeed_layer(args.cfg, ps.size("ep"), activation)
         if ds is None:
             break
+        ds = ds.to(device)
         xs = x.detach().reshape(-1, x.size(-1)).requires_grad_()
 
         def deepspeed_step(ds=ds):
@@ -211,9 +227,20 @@ def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
     return {v: steps[v] for v in VARIANTS if v in steps}, info
 
 
-def timed(step) -> tuple[float, float]:
-    """(wall seconds, this thread's CPU seconds) of one step, started together on every rank."""
+def timed(step, cuda: bool) -> tuple[float, float]:
+    """(seconds, this thread's CPU seconds) of one step, started together on every rank. On CUDA the
+    seconds are the device's, between two events around the step (the host only enqueues)."""
     dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        c0 = time.thread_time()
+        start.record()
+        step()
+        end.record()
+        cpu = time.thread_time() - c0
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, cpu
     t0, c0 = time.perf_counter(), time.thread_time()
     step()
     return time.perf_counter() - t0, time.thread_time() - c0
@@ -234,16 +261,24 @@ def run(args: argparse.Namespace) -> None:
         from megatron_moe.testing import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    device = torch.device("cpu")
-    keep_freed_memory(device, par.cpu_allocator)  # as the trainer does (--cpu-allocator); both layers alike
-    dist.init_process_group("gloo")
-    ps = initialize_model_parallel(1, par.expert_model_parallel_size, 1, "gloo", device=device)
+    cuda = args.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        keep_freed_memory(device, par.cpu_allocator)  # as the trainer does (--cpu-allocator); both layers alike
+    dist.init_process_group(backend)
+    ps = initialize_model_parallel(1, par.expert_model_parallel_size, 1, backend, device=device)
     m, t = cfg.model, cfg.train
     g = torch.Generator(device="cpu").manual_seed(t.seed + dist.get_rank())
     x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, generator=g, device="cpu").to(device)
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g, device="cpu").to(device)
     steps, info = make_steps(args, ps, x, gy, device)
+    if args.bf16:  # every variant under the same autocast
+        steps = {v: (lambda step=step: _autocast(step, device)) for v, step in steps.items()}
     layer = info.pop("layer", None)
     for step in steps.values():
         for _ in range(args.warmup):
@@ -254,7 +289,7 @@ def run(args: argparse.Namespace) -> None:
     order = list(steps.items())
     for it in range(args.iters):  # each iteration starts one variant later: every variant in every position
         for v, step in order[it % len(order) :] + order[: it % len(order)]:
-            times[v].append(timed(step))
+            times[v].append(timed(step, cuda))
     rows = []
     for v in steps:
         wall_cpu = torch.tensor(times[v], dtype=torch.float64, device=device) * 1e3  # [iters, 2] ms
@@ -304,10 +339,16 @@ def run(args: argparse.Namespace) -> None:
         profile(args, steps)
 
 
+def _autocast(step, device: torch.device) -> None:
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        step()
+
+
 def describe(args) -> str:
     m, moe, t = args.cfg.model, args.cfg.moe, args.cfg.train
     return (
-        f"EP{args.cfg.parallel.expert_model_parallel_size} on {dist.get_world_size()} gloo processes, "
+        f"EP{args.cfg.parallel.expert_model_parallel_size} on {dist.get_world_size()} processes ({args.device}"
+        f"{', bf16 autocast' if args.bf16 else ''}{', dropless' if moe.moe_dropless else ''}), "
         f"E={moe.num_experts} top-{moe.moe_router_topk} cf={moe.moe_expert_capacity_factor} "
         f"{t.micro_batch_size * m.seq_length} tokens/rank M={m.hidden_size} H={m.ffn_hidden_size}; "
         f"{args.iters} iters after {args.warmup} warmup"
