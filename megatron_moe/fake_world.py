@@ -133,7 +133,7 @@ def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
         lancet = applied.lancet if applied is not None else None
         B, T = 2, cfg.model.seq_length
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(device)
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g, device="cpu").to(device)
         spy = OpSpy()
         for measured in (False, True):
             with spy if measured else contextlib.nullcontext():

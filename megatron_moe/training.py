@@ -439,7 +439,7 @@ class Trainer:
         balance = self.token_balance(routed) if routed else {}
         norm = clip_gradients(self.model, self.ps, self.cfg.optim.clip_grad)
         sums = [lm_sum / len(batches), aux_sum / len(batches), dropped, choices]
-        stats = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in sums])
+        stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums])
         stats = self.average_over_dp(stats)
         if self.cfg.train.check_for_nan_in_loss_and_grad:
             self.check_finite(float(stats[0]), norm)

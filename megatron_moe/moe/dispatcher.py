@@ -792,7 +792,9 @@ class UnevenDispatcher(TokenDispatcher):
         the device, `sent_h` / `got_h` the sent and received counts on the host (lists of rows)."""
         X, n_esp, dev = lp.X, self.n_esp, lp.token.device
         if self.sinks_counts:
-            self.counts_sink.add_counts(self.layer_idx, torch.tensor([r[X:] for r in got_h], dtype=torch.int64))
+            self.counts_sink.add_counts(
+                self.layer_idx, torch.tensor([r[X:] for r in got_h], dtype=torch.int64, device="cpu")
+            )
             recv, got_h, sent_h = recv[:, :X], [r[:X] for r in got_h], [r[:X] for r in sent_h]
         K_ep = [sum(sent_h[ep * n_esp]) for ep in range(self.n_ep)]  # kept choices for each EP rank
         K = sum(K_ep)

@@ -237,7 +237,7 @@ Segments = list[list[tuple[int, int]]]  # per expert, the row ranges [lo, hi) of
 def segment_rows(segments: Segments, device: torch.device) -> torch.Tensor:
     """The rows [K] int64 of every expert's ranges, in order (grouped by expert)."""
     rows = [r for segs in segments for lo, hi in segs for r in range(lo, hi)]
-    return to_device(torch.tensor(rows, dtype=torch.int64), device)
+    return to_device(torch.tensor(rows, dtype=torch.int64, device="cpu"), device)
 
 
 class _ExchangedMLP(torch.autograd.Function):

@@ -203,7 +203,7 @@ def expert_rows_mlp(
     for c in counts:
         total += int(c)
         ends.append(total)
-    offs = to_device(torch.tensor(ends, dtype=torch.int32), x_RM.device)
+    offs = to_device(torch.tensor(ends, dtype=torch.int32, device="cpu"), x_RM.device)
     return grouped_mlp(x_RM, offs, fc_w, fc_b, proj_w, bias, False, defer)
 
 

@@ -14,8 +14,8 @@ does to one MoE layer:
      median, ties to the model's ranking. N = 0 keeps the model's choice.
 The schedules compute the same values, and the measurement leaves the run as it was: no optimizer step,
 the weight gradients are returned by `torch.autograd.grad` (nothing reaches `.grad`, no gradient hook
-fires), the CPU and CUDA RNG states, the router's call counter and the layer's experts-path trial
-state are restored; so the training curve (and a resumed run's) is the one of the chosen schedule.
+fires), the CPU and CUDA RNG states, the router's call counter and the layer's last expert path
+are restored; so the training curve (and a resumed run's) is the one of the chosen schedule.
 The measured medians, the model's pick and a least-squares scale of the predictions onto the
 measurements (`fit_scale`: predicted x scale is comparable with measured) go into the `Choice` and the log.
 """
@@ -114,7 +114,7 @@ def measure_schedules(
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if cuda else None
     calls = layer.router.calls
-    path = (layer.path_calls, dict(layer.path_times), layer.path_last, layer.path_choice)
+    path_last = layer.path_last
     spans: dict = {s: [] for s in ranked}
     try:
         for it in range(WARMUP_ROUNDS + iters):
@@ -129,7 +129,7 @@ def measure_schedules(
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, dev)
         layer.router.calls = calls
-        layer.path_calls, layer.path_times, layer.path_last, layer.path_choice = path
+        layer.path_last = path_last
     flat = []
     for s in ranked:
         ms = span_ms(spans[s], cuda)
