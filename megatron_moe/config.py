@@ -103,7 +103,7 @@ class MoEConfig:
 
     num_experts: int = opt(4, "experts per MoE layer E (0: dense model)")
     moe_layer_freq: int = opt(2, "every this many blocks is an MoE block (the 2nd, 4th, ... by default)")
-    moe_router_topk: int = opt(1, "experts per token k (1 or 2)")
+    moe_router_topk: int = opt(1, "experts per token k (1 <= k <= --num-experts)")
     moe_expert_capacity_factor: float = opt(1.0, "capacity factor f")
     moe_dropless: bool = opt(
         False,
@@ -169,8 +169,8 @@ class MoEConfig:
             self.moe_schedule == "auto" and self.parm_auto_measure_iters
         ):
             raise ValueError("--parm-auto-force-fastest needs --moe-schedule auto and --parm-auto-measure-iters >= 1")
-        if self.moe_router_topk not in (1, 2):
-            raise ValueError(f"--moe-router-topk must be 1 or 2, got {self.moe_router_topk}")
+        if self.moe_router_topk < 1:
+            raise ValueError(f"--moe-router-topk must be >= 1, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
             raise ValueError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
         if self.moe_expert_capacity_factor <= 0:

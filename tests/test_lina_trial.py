@@ -197,5 +197,3 @@ def test_trial_turns_the_all_to_all_pipelining_with_its_arms(outcome):
     assert sync.calls == [sched, None, sched, None, sched if keep else None]
     assert sched.closed is not keep
     assert trial.decision["line"].endswith("Lina kept" if keep else "not pipelined")
-
-

@@ -95,5 +95,5 @@ def topk_gating(logits_SE: torch.Tensor, k: int, capacity: int):
     fp32): the router's top-k gating with capacity `capacity`, policy "position" (differentiable in
     the logits through gates and weight)."""
     if k not in (1, 2):
-        raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
+        raise ValueError(f"the fused gating kernel routes top-1 or top-2, got k={k} (the router uses torch for more)")
     return _TopkGating.apply(logits_SE, k, int(capacity))

@@ -183,7 +183,7 @@ def _split(x: torch.Tensor, k: int, d: int) -> tuple[torch.Tensor, ...]:
 
 def needs_whole_batch_gate(layer) -> bool:
     """True when the router needs every token of the group before any slot is known."""
-    return layer.router.k == 2 or layer.router.policy == "batch_prioritized"
+    return layer.router.k >= 2 or layer.router.policy == "batch_prioritized"
 
 
 def _rows(r: RouteResult, lo: int, hi: int) -> RouteResult:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from megatron_moe.distributed.collectives import all_gather_raw, reduce_from_group
-from megatron_moe.moe.router import Router, choice_counts, finish_route, slot_positions
+from megatron_moe.moe.router import Router, choice_counts, count_per_expert, finish_route, slot_positions
 
 
 def _s1_slots(router: Router, gates: list, experts: list, S: int, local_capacity: bool):
@@ -52,13 +52,14 @@ def _s1_slots(router: Router, gates: list, experts: list, S: int, local_capacity
                     gates[g], experts[g], pos_full[r * S_l : (r + 1) * S_l], cap, *[gates[g].new_zeros(())] * 2
                 )
             )
-            first.append(torch.bincount(e_full[:, 0], minlength=E))
-            kept.append(torch.bincount(e_full[pos_full < cap], minlength=E))
+            first.append(count_per_expert(e_full[:, 0], E))
+            kept.append(count_per_expert(e_full, E, pos_full < cap))
         return routes, torch.stack(first), torch.stack(kept)
     counts = torch.stack([choice_counts(e, E) for e in experts])  # [G, k, E]
     every = all_gather_raw(counts[None].contiguous(), ps.group("mp"), dim=0)  # [N_MP, G, k, E]
-    offset, first, total = every[:r].sum(dim=0), every[:, :, 0].sum(dim=0), every.sum(dim=(0, 2))
-    routes = [router.route_slice(gt, e, S, offset[g], first[g]) for g, (gt, e) in enumerate(zip(gates, experts))]
+    offset, totals = every[:r].sum(dim=0), every.sum(dim=0)  # [G, k, E]: before this rank, the whole group
+    first, total = totals[:, 0], totals.sum(dim=1)
+    routes = [router.route_slice(gt, e, S, offset[g], totals[g]) for g, (gt, e) in enumerate(zip(gates, experts))]
     # an expert's choices hold positions 0 .. total-1 in the group, so min(total, C) are kept
     return routes, first, total.clamp(max=cap)
 

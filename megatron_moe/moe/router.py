@@ -13,10 +13,16 @@ Semantics (docs/DESIGN.md "Router semantics"):
          choices of that expert + number of first choices of that expert
          (before dropping); kept weights renormalized to sum to 1;
          aux = E * E * mean_e(me_e * ce_e), ce from the first choice
+  top-k, 2 < k <= E (fine-grained experts, as Megatron-Core and torchtitan
+         allow): choice j = argmax with choices < j masked out; its slot =
+         position among choice-j tokens of that expert + the choices < j of
+         that expert in the group (before dropping): the top-2 rule, repeated;
+         C = max(ceil(k * cf * S / E), min_capacity); kept weights renormalized;
+         aux as top-2.
   slot >= C is dropped (slot = -1, weight = 0).
   dropless (--moe-dropless): C = S, the most choices one expert can get in a
          group (a token picks an expert at most once), so nothing is dropped;
-         same experts and aux loss, top-2 weights renormalized over both choices.
+         same experts and aux loss, weights (k >= 2) renormalized over all choices.
   policy "position": positions in token order; "batch_prioritized": in order
   of descending top gate value (ties by token order); "random": experts drawn
   uniformly (seeded generator), positions in token order.
@@ -89,10 +95,10 @@ def choose_experts(
     """Pick k experts per token. Returns (gates_SE fp32, expert_Sk int64)."""
     if policy not in POLICIES:
         raise ValueError(f"--moe-router-policy must be one of {POLICIES}, got {policy!r}")
-    if k not in (1, 2):
-        raise ValueError(f"--moe-router-topk must be 1 or 2, got {k}")
     gates = torch.softmax(logits_SE.float(), dim=-1)
     S, E = gates.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"--moe-router-topk must be between 1 and --num-experts {E}, got {k}")
     if policy == "random":
         # k distinct experts per token, uniformly, from the seeded generator (drawn on CPU
         # so CPU and CUDA runs draw the same numbers)
@@ -102,9 +108,12 @@ def choose_experts(
     first = gates.argmax(dim=-1)
     if k == 1:
         return gates, first[:, None]
-    masked = logits_SE.float().scatter(1, first[:, None], float("-inf"))
-    second = masked.argmax(dim=-1)
-    return gates, torch.stack([first, second], dim=1)
+    # choice j: the argmax with the earlier choices masked out (GShard's second expert, repeated)
+    chosen, masked = [first], logits_SE.float()
+    for _ in range(1, k):
+        masked = masked.scatter(1, chosen[-1][:, None], float("-inf"))
+        chosen.append(masked.argmax(dim=-1))
+    return gates, torch.stack(chosen, dim=1)
 
 
 def choose_experts_slice(
@@ -142,14 +151,16 @@ def slot_positions(
     num_experts: int,
     order_S: Optional[torch.Tensor] = None,
     offset_kE: Optional[torch.Tensor] = None,
-    first_total_E: Optional[torch.Tensor] = None,
+    totals_kE: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Slot of every choice before dropping, [S, k] int64.
 
     Choice j of token s gets its position among choice-j tokens of the same
     expert in `order_S`, plus `offset_kE[j, e]` (tokens of earlier parts when a
-    group is split), plus, for j = 1, `first_total_E[e]` (first choices of that
-    expert in the whole group; by default the count in this part).
+    group is split), plus the choices i < j of that expert in the whole group
+    (`totals_kE[i, e]`: choice-i tokens of expert e in the group; by default the
+    counts in this part). So the k-th choices take slots after the (k-1)-th ones
+    (GShard's rule for k = 2).
     """
     S, k = expert_Sk.shape
     dev = expert_Sk.device
@@ -158,10 +169,10 @@ def slot_positions(
     pos_ordered = (one_hot.cumsum(dim=0) - 1).gather(2, ordered[..., None]).squeeze(2)  # [S, k]
     if offset_kE is not None:
         pos_ordered = pos_ordered + offset_kE.to(dev).gather(1, ordered.t()).t()
-    if k == 2:
-        if first_total_E is None:
-            first_total_E = one_hot[:, 0].sum(dim=0)
-        pos_ordered[:, 1] += first_total_E.to(dev)[ordered[:, 1]]
+    if k >= 2:
+        totals = one_hot.sum(dim=0) if totals_kE is None else totals_kE.to(dev)  # [k, E]
+        before = totals.cumsum(dim=0) - totals  # choices i < j of each expert
+        pos_ordered = pos_ordered + before.gather(1, ordered.t()).t()
     if order_S is None:
         return pos_ordered
     pos = torch.empty_like(pos_ordered)
@@ -214,7 +225,7 @@ def finish_route(
     kept = pos_Sk < cap
     slot = torch.where(kept, pos_Sk, torch.full_like(pos_Sk, -1))
     g = gates_SE.gather(1, expert_Sk) * kept  # [S, k]
-    if k == 2:
+    if k >= 2:
         denom = g.sum(dim=1, keepdim=True).clamp(min=torch.finfo(g.dtype).eps)
         g = g / denom
     counts = count_per_expert(expert_Sk, E, kept)
@@ -245,7 +256,7 @@ def route(
     S, E = logits.shape
     cap = S if dropless else capacity(S, E, k, capacity_factor, min_capacity)
     z = z_loss_of(logits) * z_loss_coeff if z_loss_coeff else logits.new_zeros((), dtype=torch.float32)
-    if policy == "position" and kernels.use_triton(logits):  # CUDA + triton: fused gating (kernels/gating.py)
+    if policy == "position" and k <= 2 and kernels.use_triton(logits):  # CUDA + triton: fused gating
         gates, expert, slot, weight = kernels.topk_gating(logits, k, cap)
         aux = aux_loss_from_terms(*aux_loss_terms(gates, expert)[:2], S, k)
         return RouteResult(expert, slot, weight, cap, aux, z, count_per_expert(expert, E, slot >= 0), gates)
@@ -352,14 +363,14 @@ class Router(nn.Module):
         expert_sk: torch.Tensor,
         group_tokens: int,
         offset_kE: Optional[torch.Tensor] = None,
-        first_total_E: Optional[torch.Tensor] = None,
+        totals_kE: Optional[torch.Tensor] = None,
     ) -> RouteResult:
         """Capacity passing: the route of a slice of a group of `group_tokens` tokens (experts from
         `choose`) with the slots it holds in the whole group, given the choice-j tokens of each expert
-        before the slice (`offset_kE` [k, E]) and, for top-2, the group's first-choice totals [E].
+        before the slice (`offset_kE` [k, E]) and, for k >= 2, the group's choice-j totals [k, E].
         The losses are left at zero: the caller computes them from the group's sums (`aux_of_sums`)."""
         pos = slot_positions(
-            expert_sk, self.num_experts, token_order(gates_sE, expert_sk, self.policy), offset_kE, first_total_E
+            expert_sk, self.num_experts, token_order(gates_sE, expert_sk, self.policy), offset_kE, totals_kE
         )
         zero = gates_sE.new_zeros((), dtype=torch.float32)
         return finish_route(gates_sE, expert_sk, pos, self.capacity(group_tokens), zero, zero)
