@@ -328,6 +328,11 @@ class TrainConfig:
         True,
         "on SIGUSR1 (e.g. sbatch --signal=USR1@300) save and exit 0 at the next iteration boundary, all ranks together",
     )
+    compile: bool = opt(
+        False,
+        "torch.compile each transformer block (as torchtitan): dense blocks whole, MoE blocks their attention "
+        "(the MoE layer stays eager: collectives, uneven shapes and its own autograd functions)",
+    )
 
     def __post_init__(self) -> None:
         check_fields(

@@ -58,6 +58,8 @@ UNSUPPORTED: tuple = (
     ("--lina-packing", None, "--lancet-wgrad", None),
     ("--lina-packing", None, "--lancet-partition", None),
     ("--lina-packing", None, "--pro-prophet", None),
+    ("--compile", None, "--lancet-wgrad", None),  # Lancet swaps the linears' autograd for its dW queue
+    ("--compile", None, "--lancet-partition", None),
 )
 
 
@@ -73,7 +75,7 @@ class Applied:
 
 def _flag_value(cfg: Config, flag: str):
     name = flag.lstrip("-").replace("-", "_")
-    section = cfg.moe if hasattr(cfg.moe, name) else cfg.opts
+    section = next(sec for sec in (cfg.moe, cfg.train, cfg.opts) if hasattr(sec, name))
     return getattr(section, name)
 
 

@@ -298,6 +298,9 @@ class Trainer:
         self.grad_sync = GradSync(self.model, self.ps)
         self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
         self.lancet = applied.lancet
+        if cfg.train.compile:  # after Parm measured its schedules eagerly
+            self.model.compile_blocks()
+            applied.changes.append("compile: torch.compile per block (MoE blocks: attention and layer norms)")
         self.iteration, self.consumed = 0, 0
         self.checkpoint_meta: dict = {}
         if cfg.train.load:

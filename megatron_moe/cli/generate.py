@@ -29,6 +29,7 @@ import os
 import sys
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_moe.arguments import HelpFormatter
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of the dropless engine",
     )
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after an end-of-document token")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model and its KV cache live: cuda (this rank's GPU, LOCAL_RANK; NCCL under torchrun), "
+        "cpu, or auto (cuda when available)",
+    )
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="MP degree (under torchrun)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP degree (under torchrun)")
     p.add_argument("--expert-sharding-parallel-size", type=int, default=1, help="ESP degree (under torchrun)")
@@ -108,6 +116,16 @@ def _one_process_capacity(model, args, temperature: float, requests, eod) -> lis
     ]
 
 
+def _device(flag: str) -> torch.device:
+    """--device resolved: cuda is this rank's GPU (LOCAL_RANK)."""
+    if flag == "cpu" or (flag == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the prompt and each sample's continuation; errors go to stderr with status 2."""
     args = build_parser().parse_args(argv)
@@ -123,14 +141,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
                 "and not with --lina-inference"
             )
+        device = _device(args.device)
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         ps = (
             initialize_model_parallel(
-                args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_sharding_parallel_size
+                args.tensor_model_parallel_size,
+                args.expert_model_parallel_size,
+                args.expert_sharding_parallel_size,
+                device=device,
             )
             if world > 1
-            else local_state()
+            else local_state(device)
         )
         engine, cap_model = None, None
         if args.moe_expert_capacity_factor is None:
@@ -138,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = engine.cfg
         else:
             cap_model, cfg = load_model(args.load, args.iteration, args.moe_expert_capacity_factor)
+            cap_model = cap_model.to(device)
         from megatron_moe.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(

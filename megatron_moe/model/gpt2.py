@@ -198,6 +198,17 @@ class GPT2MoE(nn.Module):
         """The transformer blocks in order (iterating the nn.ModuleList yields untyped Modules)."""
         return cast("list[Block]", list(self.blocks))  # the constructor fills it with Blocks only
 
+    def compile_blocks(self) -> None:
+        """torch.compile each block (--compile), in place (`nn.Module.compile`): a dense block whole, an MoE
+        block its attention and layer norms, since the MoE layer runs collectives, tensors whose size depends on
+        the routing and autograd functions of its own, each of which would break the graph."""
+        for b in self.block_list():
+            if b.is_moe:
+                for m in (b.ln1, b.attn, b.ln2):
+                    m.compile()
+            else:
+                b.compile()
+
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.block_list() if b.is_moe]
 
