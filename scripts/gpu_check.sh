@@ -13,7 +13,8 @@
 #    and the dropless layer against its floor;
 # 4. the trainer's step (tools/bench_train_step.py: tokens/s, TFLOP/s by the trainer's count, host
 #    syncs per step from the driver) for GPT-2 124M and 350M, dense and MoE (every second block,
-#    E=8, top-2), with a capacity and dropless.
+#    E=8, top-2), with a capacity and dropless;
+# 5. generation tokens/s, ours against transformers' generate on the same weights (tools/bench_generate.py).
 # Two or more GPUs add the NCCL tests (tests/gpu/) and one benchmark of each optimization on all of
 # them (Parm, Lancet, Lina, Pro-Prophet, Lina's inference scheduling).
 # OUT_DIR/report.json: the machine, the test counts and every step's rows (or its exit status and log
@@ -105,6 +106,9 @@ for size in "${GPT2_SIZES[@]}"; do
     one "train_${size}_moe_dropless" "$PYTHON" tools/bench_train_step.py "${STEP[@]}" --num-experts 8 \
         --moe-router-topk 2 --moe-dropless
 done
+GEN=(--device cuda --bf16 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
+     --vocab-size 50304 --batch-size 8 --prompt-len 128 --max-new-tokens 128 --rounds 3)
+one generate "$PYTHON" tools/bench_generate.py "${GEN[@]}"
 
 # ---------------------------------------------------------------- 5. two or more GPUs: one benchmark of each optimization
 # bench_with NAME TOOL ARGS...: torchrun on every GPU with ARGS only, rows in OUT/NAME.json, exit
@@ -200,6 +204,8 @@ for name in one:
     elif name.startswith("train_"):
         print(f"  {name}: {rows['ms_median']:.1f} ms/step, {rows['tokens_per_s']:.0f} tokens/s, "
               f"{rows['tflops']:.1f} TFLOP/s, {rows['host_syncs_per_step']} host syncs/step")
+    elif name == "generate":
+        print("  generate: " + ", ".join(f"{r['variant']} {r['tokens_per_s']:.0f} tokens/s" for r in rows["rows"]))
     elif name.startswith("moe_layer"):
         for r in rows["rows"]:
             ds = "" if r["ratio_vs_deepspeed"] is None else f", {r['ratio_vs_deepspeed']:.2f}x DeepSpeed"

@@ -93,7 +93,8 @@ def hf_logit_diff(hf_model, ckpt: FullCheckpoint, no_drop: bool = False) -> floa
     return float((model_logits(ckpt.cfg, ckpt.model, ids, no_drop) - hf_model(ids).logits).abs().max())
 
 
-def _hf_config(cfg: Config):
+def hf_config_of(cfg: Config):
+    """The GPT2Config of a dense model of `cfg` (what `export_hf` writes)."""
     from transformers import GPT2Config
 
     m = cfg.model
@@ -149,7 +150,7 @@ def export_hf(ckpt: FullCheckpoint, output: str, before_commit: Optional[Callabl
             "use `export` (consolidated safetensors) instead"
         )
     sd = hf_state_from_full(ckpt.model, ckpt.cfg)
-    hf_config = _hf_config(ckpt.cfg)
+    hf_config = hf_config_of(ckpt.cfg)
     with staged_dir(output) as tmp:
         note = _copy_tokenizer(ckpt.cfg, tmp, hf_config)
         model = GPT2LMHeadModel(hf_config)
