@@ -103,7 +103,7 @@ class OpSpy(TorchDispatchMode):
                 spy.syncs.append(("to(cpu)", _where()))
             return orig_to(t, *a, **k)
 
-        torch.Tensor.to = to  # type: ignore[method-assign]
+        torch.Tensor.to = to
         return super().__enter__()
 
     def __exit__(self, *exc):

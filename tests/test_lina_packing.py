@@ -5,17 +5,16 @@ iterations with EP4 (one expert per rank), then the same run with all of Lina (4
 all-to-alls in 2 pipelined chunks) and packing forced (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
 further), saving after packing (iteration 15, in the packed layout). That checkpoint is resharded
 to EP4 with the conversion tool and a third run continues from it in the original layout.
-Lina's own trial (--lina-trial-iters 1: a warm-up of 2 iterations, up to 4 more while the layers time their
-expert path, then 1 with Lina and 1 without: at most iterations 1-8) runs first, so packing is first due
-at iteration 11 (`lina_trial.packing_start`: the 3 iterations a pack's trial compares before it, 9-11,
-follow the Lina trial), not at 10.
+Lina's own trial (--lina-trial-iters 1: a warm-up of 2 iterations, then 1 with Lina and 1 without:
+iterations 1-4) runs first, so the 3 iterations a pack's trial compares before it follow the Lina trial
+(`lina_trial.packing_start`), and packing is first due at iteration 10 (its first iteration packed).
 The pack's trial (3 iterations timed before and after it) is forced to find the packed layout
-faster (--lina-packing-force-outcome faster), so it is kept. A fourth run packs at 11 too but its
-trial is forced to find it slower: the experts go back to EP4 after iteration 14 and no pack is
+faster (--lina-packing-force-outcome faster), so it is kept. A fourth run packs at 10 too but its
+trial is forced to find it slower: the experts go back to EP4 after iteration 13 and no pack is
 tried again.
 Checks: the packed and the reverted curves equal the unpacked one within 1e-5 (parameters *and*
 Adam state were moved, both ways: a wrong move shows in the next iterations), the layout changed
-exactly at iterations 11 (and 14), every rank decided on the same measured times and logged the
+exactly at iterations 10 (and 13), every rank decided on the same measured times and logged the
 same lines, and the resumed run continues the same curve.
 
 The same spawn then packs EP2 x ESP2 to EP1 x ESP2 x expert-DP2 directly (`ExpertPacking.relayout`)
@@ -96,12 +95,12 @@ def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_or
         assert runs["plain"][2:] == (4, 1, None)
         hist, decisions, ep, edp, lina_decided = runs["packed"]
         assert (ep, edp) == (2, 2), f"rank {rank}: EP {ep} x expert-DP {edp} after packing"
-        assert [h["experts_per_rank"] for h in hist] == [1] * 10 + [2] * 10
+        assert [h["experts_per_rank"] for h in hist] == [1] * 9 + [2] * 11
         assert [(d["kind"], d["iteration"], d["ep_before"], d["ep"]) for d in decisions] == [
-            ("pack", 11, 4, 2),
-            ("trial", 14, 2, 2),
+            ("pack", 10, 4, 2),
+            ("trial", 13, 2, 2),
         ]
-        assert 4 <= lina_decided <= 8  # the Lina trial decided before packing's window (9-11) began
+        assert lina_decided == 4  # the Lina trial decided before packing's window (7-9) began
         assert decisions[0]["ffn_ms"] > 0 and decisions[0]["a2a_ms"] > 0  # both were measured
         assert "forced faster (--lina-packing-force-outcome): kept EP 2" in decisions[1]["line"]
         for i, (a, b) in enumerate(zip(plain, hist)):
@@ -120,13 +119,13 @@ def test_a_pack_whose_trial_is_slower_goes_back_to_ep4_on_the_same_curve(per_ran
     plain = per_rank[0]["plain"][0]
     for rank, runs in enumerate(per_rank):
         hist, decisions, ep, edp, lina_decided = runs["reverted"]
-        assert 4 <= lina_decided <= 8
+        assert lina_decided == 4
         assert (ep, edp) == (4, 1), f"rank {rank}: EP {ep} x expert-DP {edp} after the trial"
-        assert [h["experts_per_rank"] for h in hist] == [1] * 10 + [2] * 3 + [1] * 7
+        assert [h["experts_per_rank"] for h in hist] == [1] * 9 + [2] * 3 + [1] * 8
         assert [(d["kind"], d["iteration"], d["ep_before"], d["ep"]) for d in decisions] == [
-            ("pack", 11, 4, 2),
-            ("trial", 14, 2, 4),
-        ]  # and no pack at 15 or 19: packing stopped
+            ("pack", 10, 4, 2),
+            ("trial", 13, 2, 4),
+        ]  # and no pack at 14 or 18: packing stopped
         trial = decisions[1]
         assert trial["step_ms_before"] > 0 and trial["step_ms_after"] > 0  # both medians were measured
         assert "forced slower (--lina-packing-force-outcome): back to EP 4, expert-DP 1" in trial["line"]

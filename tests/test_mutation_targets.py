@@ -72,8 +72,9 @@ def test_gate_logits_are_fp32_under_bf16_autocast():
 
 
 def test_two_routing_groups_equal_two_separate_calls():
-    """Routing groups side by side in one buffer give what each group gives on its own."""
-    cfg = tiny_config(k=2)
+    """Routing groups side by side in one buffer give what each group gives on its own (the padded buffer:
+    the one-rank kept-row plan gathers each token straight into its expert's rows, whatever its slot)."""
+    cfg = tiny_config(k=2, moe_kept_only=False)
     ids, labels = global_batch(2)
     both = GPT2MoE(cfg, local_state(), routing_groups=2)
     loss2 = _loss_and_grads(both, ids, labels)

@@ -121,11 +121,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "router_second_choice_not_after_first",
-        "top-2: second-choice slots no longer start after all first choices of that expert",
+        "top-k: choice j's slots no longer start after the choices < j of that expert",
         "megatron_moe/moe/router.py",
-        "pos_ordered[:, 1] += first_total_E.to(dev)[ordered[:, 1]]",
-        "pos_ordered[:, 1] += 0",
-        ("tests/test_router.py::test_top2_second_choice_slots_follow_all_first_choices",),
+        "pos_ordered = pos_ordered + before.gather(1, ordered.t()).t()",
+        "pos_ordered = pos_ordered + 0 * before.gather(1, ordered.t()).t()",
+        (
+            "tests/test_router.py::test_top2_second_choice_slots_follow_all_first_choices",
+            "tests/test_topk.py::test_slots_follow_the_choice_order_rule_and_weights_renormalize",
+        ),
     ),
     M(
         "router_no_renormalize",
@@ -159,8 +162,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "groups_share_slots",
         "PaddedDispatcher.plan puts every routing group at the same slots of the buffer (groups overwrite each other)",
         "megatron_moe/moe/dispatcher.py",
-        "slot_base=g * Cs)",
-        "slot_base=0)",
+        "dispatch_index(r, G * Cs, g * Cs, every_choice=padded)",
+        "dispatch_index(r, G * Cs, 0, every_choice=padded)",
         (T + "test_two_routing_groups_equal_two_separate_calls",),
     ),
     M(
@@ -176,8 +179,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "parm_s1_no_slot_offsets",
         "Parm S1: an MP rank's slots no longer start after the tokens of the MP ranks before it",
         "megatron_moe/moe/parm.py",
-        "offset, first, total = every[:r].sum(dim=0), every[:, :, 0].sum(dim=0)",
-        "offset, first, total = every[:0].sum(dim=0), every[:, :, 0].sum(dim=0)",
+        "offset, totals = every[:r].sum(dim=0), every.sum(dim=0)",
+        "offset, totals = every[:0].sum(dim=0), every.sum(dim=0)",
         (T + "test_two_process_layout_matches_one_process[s1-MP2xEP2]",),
     ),
     M(

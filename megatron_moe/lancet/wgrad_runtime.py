@@ -17,9 +17,8 @@ own all-to-alls, so its backward opens their dW windows itself (`ExpertDW.window
 
 Partitioned ranges use a weight k times. With row operands the runtime holds
 each use's (g, x) until the weight's last use is reached and then runs each use's
-GEMM into one gradient tensor, the first writing it and the others adding to it
-(`_rows_grad`, `addmm_`): no k full-size dW tensors, no k - 1 sums and no copy of
-the rows; the controller installs the runtime for that under partitioning
+GEMM (a linear's `addmm_` into one tensor; the experts' one grouped GEMM each, in
+the compute dtype, summed in place) (`_rows_grad`): no copy of the rows; the controller installs the runtime for that under partitioning
 alone too (empty assignment: nothing is placed under an all-to-all).
 
 Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
@@ -101,9 +100,9 @@ class WeightRef:
 class DeferredDW:
     """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution.
 
-    rows (optional): the same GEMM as operands, one (g [n, O], x [n, I]) pair per slot of the
-    parameter (one slot for a linear's [O, I], E_l for the experts' [E_l, O, I]): contribution
-    slot s = g_s^T x_s, cast to the parameter's dtype, times `scale`. With rows the runtime holds
+    rows (optional): the same GEMM as operands: for a linear's [O, I], one slot of (g [n, O], x [n, I])
+    pairs (contribution g^T x); for the experts' [E_l, O, I], a `moe.grouped.GroupedRows` (expert e's
+    rows' g^T x in one grouped GEMM); cast to the parameter's dtype, times `scale`. With rows the runtime holds
     a parameter's contributions until its last forward use is reached and accumulates every use's
     GEMM into one tensor (`_rows_grad`): a k-way partitioned range then costs k accumulating GEMMs
     into one buffer, not k full-size buffers plus k - 1 sums."""
@@ -111,7 +110,7 @@ class DeferredDW:
     name: str
     param: torch.nn.Parameter
     compute: Callable[[], torch.Tensor]
-    rows: Optional[list] = None
+    rows: Optional[list | GroupedRows] = None
     scale: float = 1.0
     done: bool = False
 
@@ -232,7 +231,7 @@ class ExpertDW:
     ):
         self.runtime, self.prefix, self.fc_w, self.proj_w, self.scale = runtime, prefix, fc_w, proj_w, scale
 
-    def _item(self, name: str, p: torch.nn.Parameter, rows: list) -> DeferredDW:
+    def _item(self, name: str, p: torch.nn.Parameter, rows: GroupedRows) -> DeferredDW:
         return DeferredDW(name, p, lambda: _rows_grad(p, [rows], self.scale), rows, self.scale)
 
     def submit(self, proj_rows: GroupedRows, fc_rows: GroupedRows) -> None:
@@ -276,7 +275,7 @@ class WgradRuntime:
         self._started: set[str] = set()  # all-to-alls whose window opened in this backward
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)  # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._held: dict[torch.nn.Parameter, list[list]] = defaultdict(list)  # row operands not yet multiplied
+        self._held: dict[torch.nn.Parameter, list[list | GroupedRows]] = defaultdict(list)  # row operands not yet multiplied
         self._held_scale: dict[torch.nn.Parameter, float] = {}
         self._flushing = False
         self._callback_queued = False

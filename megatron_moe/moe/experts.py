@@ -158,6 +158,7 @@ class Experts(nn.Module):
         fc_w, fc_b, proj_w, proj_b, defer = self._weights(x_RM, grad_scale)
         return self.forward_grouped(x_RM, counts, fc_w, fc_b, proj_w, proj_b, defer)
 
+    @annotate("moe/experts")
     def forward_offsets(
         self, x_RM: torch.Tensor, offs: torch.Tensor, grad_scale: float = 1.0, tail: bool = False
     ) -> torch.Tensor:
