@@ -167,3 +167,40 @@ def _is_router(shapes: tuple, num_experts: int) -> bool:
     """A GEMM of the gate (x W_g^T and its two gradients): an operand has a dimension of E (no other GEMM
     of `small_config` does)."""
     return any(num_experts in s for s in shapes)
+
+
+INFERENCE_LAYOUTS = {"infer-EP4": Layout(ep=4), "infer-MP2xEP2xESP2": Layout(mp=2, ep=2, esp=2)}
+
+
+def generate_report(name: str, device: torch.device, new_tokens: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The inference engine (`inference.InferenceEngine`, KV cache, dropless routing) under layout `name` of
+    INFERENCE_LAYOUTS: two prompts, `new_tokens` greedy tokens each, under `dtype` autocast:
+    {layout, forwards, moe_layers, router_gemms, high_precision_gemms, moe_syncs, syncs} as `step_report`."""
+    from megatron_moe.inference.engine import InferenceEngine, inference_config
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.parallel_state import initialize_model_parallel
+
+    lay = INFERENCE_LAYOUTS[name]
+    with fake_world(lay.rank, WORLD):
+        ps = initialize_model_parallel(lay.mp, lay.ep, lay.esp, device=device)
+        cfg = small_config()
+        model = GPT2MoE(inference_config(cfg, ps), ps).to(device).eval()
+        engine = InferenceEngine(model)
+        spy = OpSpy()
+        with spy, torch.autocast(device.type, dtype=dtype):
+            engine.generate([[1, 2, 3], [4, 5]], new_tokens)
+        E = cfg.moe.num_experts
+        return {
+            "layout": name,
+            "device": str(device),
+            "forwards": new_tokens,  # the prompt's forward, then one per new token but the last
+            "moe_layers": len(model.moe_layers()),
+            "router_gemms": sum(1 for g in spy.high_precision_gemms() if _is_router(g.shapes, E)),
+            "high_precision_gemms": [
+                f"{g.op} {g.dtypes} {g.shapes} at {g.where}"
+                for g in spy.high_precision_gemms()
+                if not _is_router(g.shapes, E)
+            ],
+            "moe_syncs": [f"{what} at {where}" for what, where in spy.syncs_in("megatron_moe/moe/")],
+            "syncs": len(spy.syncs),
+        }

@@ -18,7 +18,7 @@ import torch
 
 import megatron_moe.moe.dispatcher as dispatcher_mod
 import megatron_moe.moe.grouped as grouped_mod
-from megatron_moe.fake_world import LAYOUTS, UNEVEN, step_report
+from megatron_moe.fake_world import INFERENCE_LAYOUTS, LAYOUTS, UNEVEN, generate_report, step_report
 
 # host syncs in the MoE layers of one forward + backward, per MoE layer: zero unless tokens travel unevenly
 KEPT_PATHS = {"EP8-kept": 5, "EP8-overlap": 4}  # opt-in kept rows on several ranks: the counts' exchange
@@ -41,6 +41,16 @@ def test_every_gemm_but_the_routers_runs_in_bf16_and_the_host_syncs_are_pinned(n
     assert r["out_gemms"] == [], r["out_gemms"]
     assert r["router_gemms"] == 3 * r["moe_layers"]  # the gate's fp32 GEMMs: there and nowhere else
     assert len(r["moe_syncs"]) == expected_syncs(name) * r["moe_layers"], r["moe_syncs"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(INFERENCE_LAYOUTS))
+def test_the_inference_engine_runs_bf16_experts_and_one_host_sync_per_moe_forward(name, device):
+    r = generate_report(name, torch.device(device))
+    assert r["high_precision_gemms"] == [], r["high_precision_gemms"]
+    assert r["router_gemms"] == r["forwards"] * r["moe_layers"]  # the gate's forward GEMM, fp32
+    # dropless routing: the uneven all-to-all's split sizes, once per MoE layer forward
+    assert len(r["moe_syncs"]) == r["forwards"] * r["moe_layers"], r["moe_syncs"]
 
 
 def test_an_fp32_out_gemm_in_the_experts_fails_the_dtype_check(monkeypatch):

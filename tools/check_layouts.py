@@ -3,7 +3,8 @@
   python tools/check_layouts.py --device cuda [--layouts EP8,MP2xEP4-S2] [--json out.json]
 
 For each layout of `megatron_moe.fake_world.LAYOUTS` (world 8: MP, EP, ESP, S1, S2, dropless, the
-kept-row paths, Lina's chunks, Lancet's parts and dW queue, Pro-Prophet's replicas), one process
+kept-row paths, Lina's chunks, Lancet's parts and dW queue, Pro-Prophet's replicas; and the inference
+engine generating a few tokens under EP4 and MP2xEP2xESP2), one process
 plays one rank and runs a bf16 forward + backward of a small GPT-2 MoE on --device: collectives move
 no data, every other op runs for real. The table gives the GEMMs that did not run in bf16 (the
 router's gate is fp32 by design and counted apart), the GEMMs written into `out=` tensors, and the
@@ -21,19 +22,20 @@ import traceback
 
 import torch
 
-from megatron_moe.fake_world import LAYOUTS, step_report
+from megatron_moe.fake_world import INFERENCE_LAYOUTS, LAYOUTS, generate_report, step_report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from the fake_world LAYOUTS")
+    every = [*LAYOUTS, *INFERENCE_LAYOUTS]
+    p.add_argument("--layouts", default=",".join(every), help="comma-separated, from the fake_world LAYOUTS")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    bad = [n for n in names if n not in LAYOUTS]
+    bad = [n for n in names if n not in every]
     if bad:
-        p.error(f"--layouts: unknown {bad}; choose from {', '.join(LAYOUTS)}")
+        p.error(f"--layouts: unknown {bad}; choose from {', '.join(every)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available")
     device = torch.device(args.device)
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     )
     for name in names:
         try:
-            r = step_report(name, device)
+            r = step_report(name, device) if name in LAYOUTS else generate_report(name, device)
         except Exception as e:  # noqa: BLE001 (reported, and the exit status says so)
             status = 1
             reports.append({"layout": name, "error": repr(e), "traceback": traceback.format_exc()})
@@ -52,8 +54,8 @@ def main(argv=None) -> int:
         reports.append(r)
         status |= bool(r["high_precision_gemms"])
         print(
-            f"{name:<26}{r['gemms']:>6}{r['router_gemms']:>12}{len(r['high_precision_gemms']):>12}"
-            f"{len(r['out_gemms']):>6}{len(r['moe_syncs']):>10}{r['syncs']:>11}"
+            f"{name:<26}{r.get('gemms', ''):>6}{r['router_gemms']:>12}{len(r['high_precision_gemms']):>12}"
+            f"{len(r.get('out_gemms', [])):>6}{len(r['moe_syncs']):>10}{r['syncs']:>11}"
         )
     if args.json:
         tmp = f"{args.json}.tmp{os.getpid()}"
