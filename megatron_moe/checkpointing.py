@@ -20,6 +20,11 @@ A save never loses the previous good state. In order (each a named fault point, 
   7. with --keep-last N, all but the newest N iterations are deleted.
 Leftovers of a crash (`iter_*.tmp-*` not being written by a live process, `iter_*.old-*`) are
 cleaned by rank 0 at the next save; an `.old` copy whose `iter_N` is missing is renamed back.
+No symbolic link inside DIR is followed for a write, rename or deletion: a save refuses, before
+writing anything, when `latest`, `latest.tmp` or an `iter_*` entry is a link (a planted
+`latest.tmp` link would otherwise receive the iteration number wherever it points, and a linked
+`iter_*` would fail retention after the commit); files are created with O_EXCL | O_NOFOLLOW.
+DIR itself may be a link (to a scratch file system, say).
 Loading follows `latest`; when it is missing, unreadable or names an incomplete directory, the
 newest complete iteration is used with a warning naming what was skipped.
 
@@ -49,6 +54,7 @@ from safetensors.torch import save as save_bytes
 
 from megatron_moe.data.paths import tokenizer_dir_for
 from megatron_moe.arguments import config_to_dict
+from megatron_moe.fileio import refuse_link, remove_tree, replace_no_link, write_new_file
 
 FORMAT_VERSION = 1
 FAULT_ENV = "MEGATRON_MOE_CKPT_FAULT"
@@ -106,10 +112,22 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_new_file(path, data, durable=True)  # O_EXCL | O_NOFOLLOW, fsynced
+
+
+def link_problem(root: str) -> Optional[str]:
+    """Why checkpoints cannot be written under `root`: a symbolic link where `latest`, `latest.tmp`
+    or an `iter_*` directory belongs (None when there is none, or `root` does not exist yet)."""
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root)):
+        expected = "regular file" if name in ("latest", "latest.tmp") else "directory"
+        if name in ("latest", "latest.tmp") or name.startswith("iter_"):
+            try:
+                refuse_link(os.path.join(root, name), expected)
+            except ValueError as e:
+                return f"--save {root}: {e}"
+    return None
 
 
 def _barrier(ps) -> None:
@@ -237,17 +255,23 @@ def _clean_leftovers(root: str, own_tmp: str) -> None:
             pid = int(m.group(1))
             if pid != os.getpid() and _pid_alive(pid):
                 continue  # another live process may be writing it
-            shutil.rmtree(path, ignore_errors=True)
+            _drop(path)
             continue
         m = _ITER_RE.match(name)
         if m and m.group(2) is not None:
             final = iter_dir(root, int(m.group(1)))
             if not _is_complete(final) and _is_complete(path):
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)  # the only good copy of this iteration
+                _drop(final)
+                replace_no_link(path, final, "directory")  # the only good copy of this iteration
             else:
-                shutil.rmtree(path, ignore_errors=True)
+                _drop(path)
     _fsync_dir(root)
+
+
+def _drop(path: str) -> None:
+    """Remove a leftover directory, never through a link (refused, naming it)."""
+    refuse_link(path, "directory")
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -267,7 +291,7 @@ def _retain(root: str, keep_last: int, keep: int) -> list:
     its = sorted(it for it, path in complete_iterations(root) if path == iter_dir(root, it))
     doomed = [it for it in its[:-keep_last] if it != keep]
     for it in doomed:
-        shutil.rmtree(iter_dir(root, it))
+        remove_tree(iter_dir(root, it))
     return [iter_dir(root, it) for it in doomed]
 
 
@@ -289,11 +313,14 @@ def save_checkpoint(
                 f"iteration {iteration}: not saved, non-finite values in "
                 f"{bad[:3] if bad else 'another rank'} (a NaN/inf checkpoint is never written)"
             )
+    problem = _broadcast_str((link_problem(root) or "") if ps.global_rank == 0 else "", ps)
+    if problem:  # before anything is written, on every rank
+        raise ValueError(problem)
     tmp = _broadcast_str(f"{final}.tmp-{os.getpid()}", ps)
     if ps.global_rank == 0:
         os.makedirs(root, exist_ok=True)
         _clean_leftovers(root, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _drop(tmp)
         os.makedirs(tmp)
     _barrier(ps)
     name = shard_name(ps.global_rank)
@@ -341,21 +368,21 @@ def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg
     _fsync_dir(tmp)
     _fault_point("after_metadata")
     aside = None
-    if os.path.exists(final):
+    if os.path.lexists(final):
         aside = f"{final}.old-{os.getpid()}"
-        os.replace(final, aside)
+        replace_no_link(final, aside, "directory")
         _fsync_dir(root)
         _fault_point("after_old_aside")
-    os.replace(tmp, final)
+    replace_no_link(tmp, final, "directory")
     _fsync_dir(root)
     _fault_point("after_new_in")
     latest_tmp = os.path.join(root, "latest.tmp")
     _write_durably(latest_tmp, str(iteration).encode())
-    os.replace(latest_tmp, os.path.join(root, "latest"))
+    replace_no_link(latest_tmp, os.path.join(root, "latest"), "regular file")
     _fsync_dir(root)
     _fault_point("after_latest")
     if aside is not None:
-        shutil.rmtree(aside)
+        remove_tree(aside)
         _fault_point("after_old_removed")
     _retain(root, cfg.train.keep_last, iteration)
 

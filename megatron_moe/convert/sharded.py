@@ -44,6 +44,7 @@ from megatron_moe.checkpointing import (
     tokenizer_source,
 )
 from megatron_moe.config import Config
+from megatron_moe.fileio import refuse_link, replace_no_link, write_new_file
 from megatron_moe.layers.sharding import (
     ShardSpec,
     coords_key,
@@ -126,10 +127,11 @@ def seeded_rng_state(seed: int) -> torch.Tensor:
 def staged_dir(final: str) -> Iterator[str]:
     """Yield a temporary directory beside `final`; rename it to `final` on success, remove it on error."""
     final = os.path.abspath(final)
-    if os.path.exists(final):
+    if os.path.lexists(final):  # a dangling link too: nothing is renamed onto a link
         raise FileExistsError(f"{final} already exists; remove it or choose another output path")
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{final}.tmp-{os.getpid()}"
+    refuse_link(tmp, "directory")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -137,7 +139,7 @@ def staged_dir(final: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.replace(tmp, final)
+    replace_no_link(tmp, final, "directory")
 
 
 # ----------------------------------------------------------------------------- sharded -> full
@@ -390,11 +392,14 @@ def write_sharded(
             f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
             f"writing into it would move its 'latest': choose a new directory"
         )
+    try:  # before anything is written
+        refuse_link(os.path.join(save, "latest.tmp"), "regular file")
+    except ValueError as e:
+        raise ValueError(f"--save {save}: {e}") from None
     with staged_dir(final) as staged:
         fill(staged)
-    with open(os.path.join(save, "latest.tmp"), "w") as f:
-        f.write(str(iteration))
-    os.replace(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"))
+    write_new_file(os.path.join(save, "latest.tmp"), str(iteration).encode())
+    replace_no_link(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"), "regular file")
     return final
 
 
