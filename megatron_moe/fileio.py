@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 
 def atomic_write_json(path: str, obj: Any, sort_keys: bool = True) -> None:
@@ -75,3 +75,52 @@ def replace_no_link(src: str, dst: str, expected: str) -> None:
     refuse_link(src, expected)
     refuse_link(dst, expected)
     os.replace(src, dst)
+
+
+# ----------------------------------------------------------------------------- checking output paths
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def _cannot_write_in(directory: str) -> Optional[str]:
+    """Why no entry can be created in `directory` (None: it can). A probe file is created and
+    removed at once: permission bits alone do not tell (root passes every access() check, yet a
+    read-only or pseudo file system such as /sys still refuses)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=directory)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def output_path_problem(path: str, kind: str) -> Optional[str]:
+    """Why `path` cannot be written as a `kind` ("directory" or "file"), in words that follow the
+    path ("exists and is not a directory", ...); None when it can. A missing path must be creatable:
+    its nearest existing ancestor a writable directory. An existing directory must be writable, an
+    existing regular file openable for appending (its bytes are not touched); other existing files
+    (/dev/stdout, a FIFO) are left to the writer."""
+    if os.path.lexists(path):
+        if kind == "directory":
+            if not os.path.isdir(path):
+                return "exists and is not a directory"
+            why = _cannot_write_in(path)
+            return f"is not writable ({why})" if why else None
+        if os.path.isdir(path):
+            return "is a directory, not a file"
+        if os.path.isfile(path):
+            try:
+                open(path, "ab").close()
+            except OSError as e:
+                return f"is not writable ({e.strerror or type(e).__name__})"
+        return None
+    folder = path if kind == "directory" else os.path.dirname(os.path.abspath(path))
+    anc = _nearest_existing(folder)
+    if not os.path.isdir(anc):
+        return f"cannot be created: {anc} is not a directory"
+    why = _cannot_write_in(anc)
+    return f"cannot be created in {anc} ({why})" if why else None

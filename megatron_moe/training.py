@@ -37,6 +37,7 @@ from megatron_moe.checkpointing import (
     NonFiniteError,
     apply_checkpoint_args,
     check_config,
+    link_problem,
     load_checkpoint,
     read_metadata,
     resolve,
@@ -57,6 +58,7 @@ from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina_trial import LinaTrial, packing_start
+from megatron_moe.fileio import output_path_problem
 from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
@@ -275,6 +277,34 @@ def profile_dir(cfg) -> Optional[str]:
     return None
 
 
+def output_paths(cfg) -> list:
+    """[(flag, path, "directory" or "file")] of every output path flag given."""
+    lg = cfg.logging
+    given = [
+        ("--save", cfg.train.save, "directory"),
+        ("--tensorboard-dir", lg.tensorboard_dir, "directory"),
+        ("--wandb-save-dir", lg.wandb_save_dir, "directory"),
+        ("--log-json", lg.log_json, "file"),
+        ("--lancet-report", cfg.opts.lancet_report, "file"),
+        ("--profile-dir", lg.profile_dir, "directory"),
+    ]
+    return [(flag, path, kind) for flag, path, kind in given if path]
+
+
+def check_output_paths(cfg) -> None:
+    """At start-up, before anything is written: every output path given is creatable, writable and
+    of the right kind, and --save holds no link where a checkpoint file belongs; else ValueError
+    naming the flag and the path. (Without it a bad --save trained every iteration and then died
+    in the first save.) Every rank checks alike, before the process groups exist."""
+    for flag, path, kind in output_paths(cfg):
+        why = output_path_problem(path, kind)
+        if why:
+            raise ValueError(f"{flag} {path} {why}")
+    problem = link_problem(cfg.train.save) if cfg.train.save else None
+    if problem:
+        raise ValueError(problem)
+
+
 class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
@@ -284,6 +314,7 @@ class Trainer:
             apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
         started = time.time()
         trace_dir = profile_dir(cfg)
+        check_output_paths(cfg)
         self.ps, self.device = init_distributed(cfg)
         setup_console(self.ps.global_rank, cfg.logging.timestamps)
         if self.ps.layout.world_size == 1:
