@@ -25,6 +25,12 @@ writing anything, when `latest`, `latest.tmp` or an `iter_*` entry is a link (a 
 `latest.tmp` link would otherwise receive the iteration number wherever it points, and a linked
 `iter_*` would fail retention after the commit); files are created with O_EXCL | O_NOFOLLOW.
 DIR itself may be a link (to a scratch file system, say).
+
+One writer per DIR: the trainer's rank 0 holds an advisory lock (flock) on `DIR/.writer.lock`
+(holding its PID) from start-up to the end of the run, so a second trainer or `convert_checkpoint.py`
+on the same DIR is refused naming the holder instead of racing on `latest.tmp`. A run without
+--load is refused on a DIR that already holds checkpoints: it would move `latest` back to its own
+first save and later replace that run's iterations. Pass --load DIR (to resume) or another --save.
 Loading follows `latest`; when it is missing, unreadable or names an incomplete directory, the
 newest complete iteration is used with a warning naming what was skipped.
 
@@ -38,12 +44,15 @@ SHA-256 and the checkpoint's model/optimizer config have been checked against th
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import warnings
+import weakref
 from dataclasses import fields
 from typing import Optional
 
@@ -121,8 +130,8 @@ def link_problem(root: str) -> Optional[str]:
     if not os.path.isdir(root):
         return None
     for name in sorted(os.listdir(root)):
-        expected = "regular file" if name in ("latest", "latest.tmp") else "directory"
-        if name in ("latest", "latest.tmp") or name.startswith("iter_"):
+        expected = "regular file" if name in ("latest", "latest.tmp", LOCK_FILE) else "directory"
+        if name in ("latest", "latest.tmp", LOCK_FILE) or name.startswith("iter_"):
             try:
                 refuse_link(os.path.join(root, name), expected)
             except ValueError as e:
@@ -243,6 +252,83 @@ def portable_config(cfg) -> dict:
     if tok and os.path.exists(tok):  # a hub name stays as it is
         data["tokenizer_name_or_path"] = os.path.abspath(tok)
     return d
+
+
+# ----------------------------------------------------------------------------- one writer per directory
+LOCK_FILE = ".writer.lock"
+
+
+def _unlock(fd: int, path: str) -> None:
+    try:  # removed while still locked: a waiter that opened this file sees it is gone and retries
+        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SaveDirLock:
+    """An exclusive advisory lock (flock) on `root/.writer.lock`, which holds the holder's PID.
+
+    Released by `release()`, when the object is collected, or when the process ends (the kernel
+    drops a dead process's flock, so a crash leaves no stale lock, only the file). The file is
+    removed on release; a waiter that locked the removed file notices (its inode is no longer the
+    one at the path) and tries again.
+    """
+
+    def __init__(self, root: str, flag: str = "--save"):
+        self.root, self.path = root, os.path.join(root, LOCK_FILE)
+        os.makedirs(root, exist_ok=True)
+        while True:
+            refuse_link(self.path, "regular file")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):  # a file system without flock
+                    warnings.warn(f"{flag} {root}: no writer lock ({e.strerror}); make sure one run writes it")
+                    break
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ValueError(
+                    f"{flag} {root} is being written by another process (PID {holder} holds {self.path}): "
+                    f"two runs must not write one checkpoint directory; wait for it to end or choose another {flag}"
+                ) from None
+            try:
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder released and removed it between our open and our lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._finalizer = weakref.finalize(self, _unlock, fd, self.path)
+
+    def release(self) -> None:
+        self._finalizer()  # runs once
+
+
+def held_checkpoints(root: str) -> list:
+    """Names of the checkpoints under `root` (`latest`, `iter_*` directories and their `.old` copies)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if n == "latest" or _ITER_RE.match(n))
+
+
+def lock_save_dir(root: str, resuming: bool) -> SaveDirLock:
+    """Take `root`'s writer lock; without `resuming` (no --load) refuse a `root` that holds checkpoints."""
+    lock = SaveDirLock(root)
+    held = [] if resuming else held_checkpoints(root)
+    if held:
+        lock.release()
+        raise ValueError(
+            f"--save {root} already holds checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) "
+            f"and this run has no --load: pass --load {root} to resume from them, or choose another --save "
+            f"(a fresh run would move their 'latest' back and later replace their iterations)"
+        )
+    return lock
 
 
 # ----------------------------------------------------------------------------- save

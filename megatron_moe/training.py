@@ -36,9 +36,11 @@ from megatron_moe.checkpointing import (
     TOKENIZER_DIR,
     NonFiniteError,
     apply_checkpoint_args,
+    SaveDirLock,
     check_config,
     link_problem,
     load_checkpoint,
+    lock_save_dir,
     read_metadata,
     resolve,
     save_checkpoint,
@@ -309,6 +311,29 @@ class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
     def __init__(self, cfg: Config):
+        self.save_lock: Optional[SaveDirLock] = None
+        try:
+            self._init(cfg)
+        except BaseException:
+            self.release_save_dir()  # a failed start leaves --save unlocked
+            raise
+
+    def lock_save_dir(self) -> Optional[SaveDirLock]:
+        """Rank 0 takes the --save lock (None on the other ranks); a refusal raises on every rank."""
+        taken: list = []
+
+        def work() -> None:
+            taken.append(lock_save_dir(self.cfg.train.save, resuming=bool(self.cfg.train.load)))
+
+        _on_rank0(self.ps, work)
+        return taken[0] if taken else None
+
+    def release_save_dir(self) -> None:
+        """Let another run write --save (the end of the run; idempotent)."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+
+    def _init(self, cfg: Config) -> None:
         self.cfg = cfg
         if cfg.train.load and cfg.train.use_checkpoint_args:
             apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
@@ -316,6 +341,8 @@ class Trainer:
         trace_dir = profile_dir(cfg)
         check_output_paths(cfg)
         self.ps, self.device = init_distributed(cfg)
+        if cfg.train.save:  # one writer per --save: rank 0 holds its lock for the run (`checkpointing`)
+            self.save_lock = self.lock_save_dir()
         setup_console(self.ps.global_rank, cfg.logging.timestamps)
         if self.ps.layout.world_size == 1:
             validate(cfg, 1)
@@ -671,6 +698,7 @@ class Trainer:
         if self.packing is not None:
             self.packing.close()
         self.logger.close()
+        self.release_save_dir()
 
 
 def max_over_mean(values: list) -> float:
@@ -705,3 +733,4 @@ def pretrain(cfg: Config) -> list[dict]:
         return trainer.train()
     finally:
         trainer.stop.restore()
+        trainer.release_save_dir()

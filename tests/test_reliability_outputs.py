@@ -129,3 +129,68 @@ def test_a_link_inside_save_is_refused_at_start_up_and_its_target_untouched(samp
     )
     assert not trained(stdout)
     assert victim.read_text() == "precious" and os.listdir(save) == ["latest.tmp"]
+
+
+# ----------------------------------------------------------------------------- one writer per --save
+def test_a_second_trainer_on_the_same_save_is_refused_naming_the_directory_and_the_holder(
+    sample_data, tmp_path, capsys
+):
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.training import Trainer
+
+    save = tmp_path / "ckpt"
+    first = Trainer(parse_args(tiny_args(sample_data, 2, "--save", str(save))))  # started, not yet trained
+    try:
+        capsys.readouterr()
+        code, stdout, err = run(sample_data, capsys, "--save", str(save), iters=3)
+        assert code == 2 and len(err) == 1, err
+        assert f": error: --save {save} is being written by another process (PID {os.getpid()} holds" in err[0]
+        assert not trained(stdout)
+        first.train()
+    finally:
+        first.stop.restore()
+        first.release_save_dir()
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest"]  # the first run's, lock file removed
+    assert (save / "latest").read_text() == "2"
+
+
+def test_reshard_into_a_directory_a_trainer_is_writing_is_refused(sample_data, tmp_path, capsys):
+    from megatron_moe.arguments import parse_args
+    from megatron_moe.training import Trainer
+    from test_reliability_links import convert_tool
+
+    src = tmp_path / "src"
+    assert run(sample_data, capsys, "--save", str(src))[0] == 0
+    save = tmp_path / "ckpt"
+    trainer = Trainer(parse_args(tiny_args(sample_data, 2, "--save", str(save))))
+    try:
+        capsys.readouterr()
+        code = convert_tool().main(["reshard", "--no-progress", "--load", str(src), "--save", str(save)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, err
+        assert f"reshard: error: --save {save} is being written by another process (PID {os.getpid()}" in err[0]
+        assert os.listdir(save) == [".writer.lock"]
+    finally:
+        trainer.stop.restore()
+        trainer.release_save_dir()
+    assert os.listdir(save) == []
+
+
+def test_a_fresh_run_on_a_save_holding_checkpoints_is_refused_and_resuming_works(sample_data, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert run(sample_data, capsys, "--save", str(save), iters=4)[0] == 0
+    before = sorted(os.listdir(save))
+    code, stdout, err = run(sample_data, capsys, "--save", str(save), "--save-interval", "1", iters=2)
+    assert code == 2 and len(err) == 1, err
+    assert (
+        f": error: --save {save} already holds checkpoints (iter_0000004, latest) and this run has no --load" in err[0]
+    )
+    assert f"pass --load {save} to resume" in err[0] and not trained(stdout)
+    assert sorted(os.listdir(save)) == before and (save / "latest").read_text() == "4"
+    # a failed start (the checkpoint does not match) releases the lock: the next run resumes
+    code, _, err = run(sample_data, capsys, "--load", str(save), "--save", str(save), "--num-layers", "3", iters=6)
+    assert code == 2 and "does not match this run" in err[0]
+    code, stdout, err = run(sample_data, capsys, "--load", str(save), "--save", str(save), iters=6)
+    assert code == 0, err
+    assert " iteration      5/6" in stdout or "iteration      6/6" in stdout
+    assert sorted(os.listdir(save)) == ["iter_0000004", "iter_0000006", "latest"]

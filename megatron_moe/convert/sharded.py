@@ -35,6 +35,7 @@ from megatron_moe.arguments import config_from_dict, validate
 from megatron_moe.checkpointing import (
     FORMAT_VERSION,
     TOKENIZER_DIR,
+    SaveDirLock,
     copy_tokenizer,
     iter_dir,
     portable_config,
@@ -325,8 +326,9 @@ def write_sharded(
 
     `save` is a checkpoint root: a new one is staged whole and renamed; into an existing
     directory that holds no checkpoint the iteration directory is staged and renamed, then
-    `latest` is replaced; the root of another run (a `latest` or `iter_*` inside) is refused,
-    so its `latest` never moves. Each shard's SHA-256 goes into metadata.json and the tokenizer
+    `latest` is replaced, under the directory's writer lock (a trainer writing it is refused);
+    the root of another run (a `latest` or `iter_*` inside) is refused, so its `latest` never
+    moves. Each shard's SHA-256 goes into metadata.json and the tokenizer
     (the source checkpoint's, else the config's) into ITER_DIR/tokenizer.
     `before_commit(staged_iteration_dir)` runs before the rename (the --verify check), so a
     failure leaves nothing behind. Returns the final iteration dir.
@@ -386,20 +388,24 @@ def write_sharded(
         return final
     if not os.path.isdir(save):
         raise FileExistsError(f"--save {save} exists and is not a directory")
-    held = sorted(n for n in os.listdir(save) if n == "latest" or n.startswith("iter_"))
-    if held:
-        raise FileExistsError(
-            f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
-            f"writing into it would move its 'latest': choose a new directory"
-        )
     try:  # before anything is written
         refuse_link(os.path.join(save, "latest.tmp"), "regular file")
     except ValueError as e:
         raise ValueError(f"--save {save}: {e}") from None
-    with staged_dir(final) as staged:
-        fill(staged)
-    write_new_file(os.path.join(save, "latest.tmp"), str(iteration).encode())
-    replace_no_link(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"), "regular file")
+    lock = SaveDirLock(save)  # a trainer (or another conversion) writing `save` is named and refused
+    try:
+        held = sorted(n for n in os.listdir(save) if n == "latest" or n.startswith("iter_"))
+        if held:
+            raise FileExistsError(
+                f"--save {save} is the checkpoint directory of another run (it holds {held[:3]}); "
+                f"writing into it would move its 'latest': choose a new directory"
+            )
+        with staged_dir(final) as staged:
+            fill(staged)
+        write_new_file(os.path.join(save, "latest.tmp"), str(iteration).encode())
+        replace_no_link(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"), "regular file")
+    finally:
+        lock.release()
     return final
 
 
