@@ -1,4 +1,4 @@
-"""Benchmarks exit 0 after a successful run (issue 11, item 8).
+"""Benchmarks exit 0 after a successful run.
 
 `tools/bench_moe_layer.py` (MP2 x EP2 x ESP2, every schedule) used to die with SIGABRT
 ("terminate called without an active exception") after printing its table: the process groups

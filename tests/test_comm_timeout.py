@@ -1,4 +1,4 @@
-"""A stalled peer ends every surviving rank with one clear error instead of a hang (issue 11, item 1).
+"""A stalled peer ends every surviving rank with one clear error instead of a hang.
 
 Two processes; one of them is SIGSTOPped mid-training, the other must stop within
 --comm-timeout (+ slack) with an error naming the collective, the group and the flag:

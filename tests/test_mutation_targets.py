@@ -3,7 +3,7 @@
 Each test checks one behaviour against an independent reference (hand values,
 a one-process run, the same computation done another way). Multi-process
 cases run on two gloo ranks in one spawn shared by the module; heavier golden
-curves live in the tests of issue 20's second deliverable.
+curves live in the SAA, Lina-gate and random-routing tests.
 """
 
 from __future__ import annotations

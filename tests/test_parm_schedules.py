@@ -302,4 +302,4 @@ def test_parm_schedules_p8():
     _check_bytes(byte_cases, results, 8)
     choices = [results[r]["choices"][0] for r in range(8)]
     assert all(c == choices[0] for c in choices), "auto must choose the same schedule on every rank"
-    assert choices[0].schedule in ("baseline", "s1", "s2")  # auto also prices the baseline (issue 15)
+    assert choices[0].schedule in ("baseline", "s1", "s2")  # auto also prices the baseline

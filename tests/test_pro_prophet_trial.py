@@ -163,7 +163,7 @@ def _decided3m(placed, wider, plain, margin) -> PlacementTrial:
 
 
 def test_a_placement_must_win_by_more_than_the_margin():
-    # session 14's skew-0 run: wider 1906.8, plain 1914.6 ms (0.4 % apart); strictly faster wins it...
+    # a measured skew-0 run: wider 1906.8, plain 1914.6 ms (0.4 % apart); strictly faster wins it...
     assert _decided3m(1.939, 1.9068, 1.9146, 0.0).kept == "wider"
     # ...within a 2 % margin the plain graph stays, and the log says why
     off = _decided3m(1.939, 1.9068, 1.9146, 0.02)

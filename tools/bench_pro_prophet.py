@@ -90,8 +90,8 @@ the iterations after them (err % = predicted / measured - 1 over the measured me
 
 Each mode has its own model and runtime. The warm-ups run mode by mode; the measured iterations
 run round-robin (iteration i of every mode, then i + 1, the order rotated each time), so a machine
-whose speed drifts over minutes slows every mode alike (before session 14 the modes ran one after
-another, and the same graph measured up to 10 % apart between modes).
+whose speed drifts over minutes slows every mode alike (run one after another, the same graph
+measured up to 10 % apart between modes).
 An iteration is forward, backward and an SGD step, started together on all ranks (a barrier);
 step time: max over ranks; MoE-layer time: forward + backward of the MoE layers (autograd stamps
 around them), max over ranks; load std: population std of the tokens each EP rank computes, per

@@ -63,7 +63,7 @@ class Mutation:
 
 M = Mutation
 MUTATIONS: tuple[Mutation, ...] = (
-    # ------------------------------------------------------------------ the five of issue 20
+    # ------------------------------------------------------------------ SAA, Lina's gate, random routing, ...
     M(
         "saa_sequential",
         "SAA made sequential: chunk i's MP all-gather is started and waited for before chunk i+1's "

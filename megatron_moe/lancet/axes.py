@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ortools.sat.python import cp_model
 
 OP_KINDS = (
     "linear",
@@ -152,6 +151,8 @@ def solve_axes(
     for j, op in enumerate(ops):
         if op.kind == "gate" and op.attrs.get("batch_prioritized", False) and j != 0:
             return None  # the gate must see the whole batch: only possible ahead of the pipeline
+    from ortools.sat.python import cp_model  # imported when Lancet plans, not when the trainer starts
+
     m = cp_model.CpModel()
     names = []
     for op in ops:

@@ -30,7 +30,7 @@ and wider candidates; forced "slower" turns placement off.
 
 Margin (`margin`, --pro-prophet-trial-margin, default 0.02 in the trainer): a placing arm must beat the
 plain arm's median by more than this fraction of it, and the wider arm the placed one's likewise; a
-gain within the margin keeps the simpler arm. Measured (session 14, 2 nodes x 1 process, skew 0):
+gain within the margin keeps the simpler arm. Measured (emulated cluster, 2 nodes x 1 process, skew 0):
 with the strict rule the wider arm won by 0.4 % (1906.8 against 1914.6 ms), moved 18 MB per
 iteration, and its row then measured 13 % slower than no placement; trial arms of the same graph
 differ by a few percent on this emulator.
