@@ -275,7 +275,9 @@ class WgradRuntime:
         self._started: set[str] = set()  # all-to-alls whose window opened in this backward
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)  # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._held: dict[torch.nn.Parameter, list[list | GroupedRows]] = defaultdict(list)  # row operands not yet multiplied
+        self._held: dict[torch.nn.Parameter, list[list | GroupedRows]] = defaultdict(
+            list
+        )  # row operands not yet multiplied
         self._held_scale: dict[torch.nn.Parameter, float] = {}
         self._flushing = False
         self._callback_queued = False
