@@ -69,7 +69,12 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     GEMM's 16-byte rule (tiny test models) are zero-padded copies, which changes no value."""
     with torch.autocast(a.device.type, enabled=False):
         if _aligned(a) and _aligned(b):
-            return torch._grouped_mm(a, b, offs=offs)
+            try:
+                return torch._grouped_mm(a, b, offs=offs)
+            except RuntimeError:
+                if a.device.type != "cuda":
+                    raise
+                return _looped(a, b, offs)  # a dtype or GPU the grouped kernel does not take
         mult = _ALIGN_BYTES // a.element_size()
         if b.dim() == 3:  # [R, K] x [X, K, N]: pad K on both, N on b
             N = b.size(2)
@@ -81,6 +86,18 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ap = _pad_to(a.t(), 1, mult).contiguous().t()
         bp = _pad_to(b, 1, mult).contiguous()
         return torch._grouped_mm(ap, bp, offs=offs)[:, :K, :N]
+
+
+def _looped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`gmm` one group at a time, for CUDA dtypes or GPUs without a grouped kernel (fp32 training, say):
+    reading the offsets costs one host sync per call, which the bf16 path never pays."""
+    ends = [0] + offs.tolist()
+    if b.dim() == 3:
+        out = a.new_zeros(a.size(0), b.size(2))
+        for e in range(b.size(0)):
+            out[ends[e] : ends[e + 1]] = a[ends[e] : ends[e + 1]] @ b[e]
+        return out
+    return torch.stack([a[:, ends[e] : ends[e + 1]] @ b[ends[e] : ends[e + 1]] for e in range(len(ends) - 1)])
 
 
 def wgrad(rows: GroupedRows) -> torch.Tensor:
