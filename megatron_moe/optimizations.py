@@ -100,6 +100,10 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
                 f"layer {layer.layer_idx}: --moe-dropless: auto -> dropless baseline "
                 f"(uneven all-to-all, ragged experts)"
             )
+        elif layer.requested == "auto" and ps.size("mp") * ps.size("ep") * ps.size("esp") == 1:
+            # one rank: baseline, S1 and S2 are the same computation (no MP split, nothing to send)
+            layer.use_schedule("baseline")
+            out.changes.append(f"layer {layer.layer_idx}: Parm auto -> baseline (one rank: the schedules coincide)")
         elif layer.requested == "auto":
             choice = auto_schedule(cfg, ps, layer)  # the model's ranking, confirmed by measurement
             out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
