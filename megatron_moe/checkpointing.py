@@ -51,6 +51,7 @@ import json
 import os
 import re
 import shutil
+import typing
 import warnings
 import weakref
 from dataclasses import fields
@@ -63,6 +64,7 @@ from safetensors.torch import save as save_bytes
 
 from megatron_moe.data.paths import tokenizer_dir_for
 from megatron_moe.arguments import config_to_dict
+from megatron_moe.config import Config
 from megatron_moe.fileio import refuse_link, remove_tree, replace_no_link, write_new_file
 
 FORMAT_VERSION = 1
@@ -473,9 +475,164 @@ def _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg
     _retain(root, cfg.train.keep_last, iteration)
 
 
+# ----------------------------------------------------------------------------- metadata
+MAX_WORLD_SIZE = 1 << 20  # a bound on the shards looked for (each is a file to stat and open)
+MAX_LAYERS = 1 << 14  # the converter loops over the config's blocks
+SPEC_KINDS = ("mp", "mp_qkv", "ep", "esp")
+LAYOUT_KEYS = (
+    "world_size",
+    "tensor_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_sharding_parallel_size",
+)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(v) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _hint_words(value, hint) -> Optional[str]:
+    """What `value` must be for the type hint `hint` of a config field (None: it is, or the hint is
+    not one checked here: lists and unions of several types are left to the config's own checks)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union:
+        if value is None:
+            return None
+        return _hint_words(value, args[0]) if len(args) == 1 else None
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if _is_int(value) else "an integer"
+    if hint is float:
+        return None if _is_int(value) or isinstance(value, float) else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def validate_metadata(meta, path: str) -> dict:
+    """Check the types and ranges of every metadata field that loading or converting reads, before
+    anything is read from the checkpoint; ValueError naming the file and the field. Returns `meta`.
+
+    Hand-edited metadata otherwise got far: world_size 0 exported zero tensors with exit 0, a negative
+    iteration was resharded to `iter_-000001`, `checksums` that is no object raised AttributeError.
+    The config's sections must be objects and their known fields of the declared scalar types
+    (unknown fields are left alone: the trainer only compares the model fields; ranges are checked
+    when a config is built from them, by the converter or --use-checkpoint-args).
+    """
+
+    def bad(field: str, words: str, value) -> ValueError:
+        return ValueError(f"checkpoint metadata {path}: {field} must be {words}, got {_shown(value)}")
+
+    if not isinstance(meta, dict):
+        raise bad("the file", "a JSON object", meta)
+    for key in ("iteration", "consumed_samples", "layout", "config"):
+        if key not in meta:
+            raise ValueError(f"checkpoint metadata {path}: {key} is missing (corrupt or from another format)")
+    version = meta.get("format_version", FORMAT_VERSION)
+    if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
+        raise bad("format_version", f"an integer from 1 to {FORMAT_VERSION}", version)
+    for key in ("iteration", "consumed_samples"):
+        if not _is_int(meta[key]) or meta[key] < 0:
+            raise bad(key, "an integer >= 0", meta[key])
+    layout = meta["layout"]
+    if not isinstance(layout, dict):
+        raise bad("layout", "an object", layout)
+    for key in LAYOUT_KEYS:
+        if key not in layout:
+            raise ValueError(f"checkpoint metadata {path}: layout.{key} is missing")
+        v = layout[key]
+        if not _is_int(v) or v < 1:
+            raise bad(f"layout.{key}", "an integer >= 1", v)
+    world, mp, ep, esp = (layout[k] for k in LAYOUT_KEYS)
+    if world > MAX_WORLD_SIZE:
+        raise bad("layout.world_size", f"at most {MAX_WORLD_SIZE}", world)
+    if world % mp or world % (ep * esp):
+        raise ValueError(
+            f"checkpoint metadata {path}: layout.world_size {world} must be a multiple of "
+            f"tensor_model_parallel_size {mp} and of expert_model_parallel_size x "
+            f"expert_sharding_parallel_size {ep * esp}"
+        )
+    _validate_config(meta["config"], bad)
+    checksums = meta.get("checksums")
+    if checksums is not None:
+        if not isinstance(checksums, dict):
+            raise bad("checksums", "an object", checksums)
+        sums = checksums.get("sha256", {})
+        if not isinstance(sums, dict):
+            raise bad("checksums.sha256", "an object", sums)
+        for name, digest in sums.items():
+            if not isinstance(digest, str):
+                raise bad(f"checksums.sha256.{name}", "a hex string", digest)
+    calls = meta.get("router_calls")
+    if calls is not None and not (isinstance(calls, list) and all(_is_int(c) and c >= 0 for c in calls)):
+        raise bad("router_calls", "a list of integers >= 0", calls)
+    for key, words in (
+        ("has_optimizer_state", "true or false"),
+        ("optimizer", "a string"),
+        ("wandb_run_id", "a string"),
+    ):
+        v = meta.get(key)
+        if v is not None and (not isinstance(v, bool) if key == "has_optimizer_state" else not isinstance(v, str)):
+            raise bad(key, words, v)
+    if "shard_specs" in meta:
+        _validate_specs(meta["shard_specs"], bad)
+    return meta
+
+
+def _validate_config(config, bad) -> None:
+    if not isinstance(config, dict):
+        raise bad("config", "an object", config)
+    sections = {f.name: f.default_factory for f in fields(Config)}
+    for section, values in config.items():
+        if section not in sections:
+            continue
+        if not isinstance(values, dict):
+            raise bad(f"config.{section}", "an object", values)
+        hints = typing.get_type_hints(sections[section])
+        for name, value in values.items():
+            words = _hint_words(value, hints[name]) if name in hints else None
+            if words:
+                raise bad(f"config.{section}.{name}", words, value)
+    layers = config.get("model", {}).get("num_layers")
+    if layers is not None and not 1 <= layers <= MAX_LAYERS:
+        raise bad("config.model.num_layers", f"an integer from 1 to {MAX_LAYERS}", layers)
+
+
+def _validate_specs(specs, bad) -> None:
+    if not isinstance(specs, dict):
+        raise bad("shard_specs", "an object", specs)
+    for name, spec in specs.items():
+        field = f"shard_specs.{name}"
+        if not isinstance(spec, dict):
+            raise bad(field, "an object", spec)
+        shape = spec.get("full_shape")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+            raise bad(f"{field}.full_shape", "a list of integers >= 0", shape)
+        if not isinstance(spec.get("expert"), bool):
+            raise bad(f"{field}.expert", "true or false", spec.get("expert"))
+        dims = spec.get("dims")
+        ok = isinstance(dims, list) and all(
+            isinstance(d, list)
+            and len(d) == 2
+            and _is_int(d[0])
+            and 0 <= d[0] < len(shape)
+            and isinstance(d[1], str)
+            and d[1] in SPEC_KINDS
+            for d in dims
+        )
+        if not ok:
+            raise bad(f"{field}.dims", f"a list of [dimension, one of {list(SPEC_KINDS)}]", dims)
+
+
 # ----------------------------------------------------------------------------- finding a checkpoint
 def read_metadata(ckpt_dir: str) -> dict:
-    """metadata.json of an iteration directory; errors name the file."""
+    """metadata.json of an iteration directory, validated (`validate_metadata`); errors name the file."""
     path = os.path.join(ckpt_dir, "metadata.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint metadata {path} is missing")
@@ -484,15 +641,7 @@ def read_metadata(ckpt_dir: str) -> dict:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"checkpoint metadata {path} is corrupt (not valid JSON: {e})") from e
-    missing = [
-        k for k in ("iteration", "consumed_samples", "layout", "config") if not isinstance(meta, dict) or k not in meta
-    ]
-    if missing or not (isinstance(meta["layout"], dict) and isinstance(meta["config"], dict)):
-        raise ValueError(
-            f"checkpoint metadata {path} is corrupt or from another format "
-            f"({'no ' + str(missing) if missing else 'layout/config are not objects'})"
-        )
-    return meta
+    return validate_metadata(meta, path)
 
 
 def incomplete_reason(path: str) -> Optional[str]:
@@ -728,6 +877,6 @@ def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
     torch.set_rng_state(tensors["rng/torch"])
     if torch.cuda.is_available() and "rng/cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng/cuda"])
-    for layer, calls in zip(model.moe_layers(), meta.get("router_calls", [])):
+    for layer, calls in zip(model.moe_layers(), meta.get("router_calls") or []):
         layer.router.calls = calls
     return meta

@@ -43,6 +43,7 @@ from megatron_moe.checkpointing import (
     sha256_file,
     shard_name,
     tokenizer_source,
+    validate_metadata,
 )
 from megatron_moe.config import Config
 from megatron_moe.fileio import refuse_link, replace_no_link, write_new_file
@@ -207,7 +208,7 @@ def read_sharded(
     """
     path = checkpoint_dir(load, iteration)
     meta_path = os.path.join(path, "metadata.json")
-    meta = _read_json(meta_path)
+    meta = validate_metadata(_read_json(meta_path), meta_path)  # before any shard is opened
     (world, mp, ep, esp), specs, shapes, cfg = _layout_and_specs(meta, meta_path)
     pieces: dict = {}  # (name, state or None) -> {coords key: slice}
     rngs = []
