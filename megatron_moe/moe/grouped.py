@@ -147,17 +147,15 @@ def mlp_backward(gy: torch.Tensor, s: Saved):
     (`wgrad` computes them; a dW queue computes them later)."""
     X = s.fc_w.size(0)
     gy = gy.to(s.x.dtype).contiguous()
-    valid = (s.eid < X)[:, None] if s.tail else None
-    if valid is not None:
-        gy = torch.where(valid, gy, 0)
+    # rows past the experts' (`tail`) hold no values in dh, da and dx: the sums by expert put them in a
+    # spare row that is cut off, the grouped weight gradients read rows up to offs[-1] only, and dx is
+    # masked, so that nothing from them reaches the tokens' gradients
     d_bias = _sum_by_expert(gy, s.eid, X, s.bias_dtypes[1])
     da = gelu_tanh_backward(gmm(gy, s.proj_w, s.offs), s.a)
-    if valid is not None:  # rows past the experts' hold no values: keep them out of every sum
-        da = torch.where(valid, da, 0)
     d_fc_b = _sum_by_expert(da, s.eid, X, s.bias_dtypes[0])
     dx = gmm(da, s.fc_w, s.offs)
-    if valid is not None:
-        dx = torch.where(valid, dx, 0)
+    if s.tail:
+        dx = torch.where((s.eid < X)[:, None], dx, 0)
     return dx, d_fc_b, d_bias, GroupedRows(da, s.x, s.offs), GroupedRows(gy, s.h, s.offs)
 
 
