@@ -155,8 +155,8 @@ def test_gating_backward_kernel_equals_autograd_of_the_torch_formulas(k, cf):
 
 
 @needs_triton
-def test_topk_gating_refuses_k_3():
-    with pytest.raises(ValueError, match="--moe-router-topk must be 1 or 2, got 3"):
+def test_topk_gating_refuses_k_3():  # the router takes torch's path for k > 2 (`moe.router.route`)
+    with pytest.raises(ValueError, match="the fused gating kernel routes top-1 or top-2, got k=3"):
         kernels.topk_gating(_logits(0).to(DEV), 3, 10)
 
 
