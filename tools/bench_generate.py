@@ -16,8 +16,6 @@ ties and bf16 round-off may differ). Prints a table; --json writes {config, rows
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -29,7 +27,8 @@ from megatron_moe.convert.formats import hf_config_of
 from megatron_moe.inference.engine import InferenceEngine
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.model.hf_import import hf_state_from_full
-from megatron_moe.parallel_state import local_state
+from megatron_moe.fileio import atomic_write_json
+from megatron_moe.parallel_state import local_state, resolve_device
 
 
 def defaults() -> Config:
@@ -61,10 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batch-size, --prompt-len, --max-new-tokens and --rounds must be >= 1")
     if args.prompt_len + args.max_new_tokens > (m.max_position_embeddings or m.seq_length):
         p.error("--prompt-len + --max-new-tokens exceed --max-position-embeddings")
-    dev = args.cfg.parallel.device
-    args.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+    try:
+        args.device = resolve_device(args.cfg.parallel.device)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -136,10 +135,7 @@ def main(argv=None) -> dict:
         print(f"  {r['variant']:<13}{r['s_median'] * 1e3:>10.1f} ms{r['tokens_per_s']:>12.1f} tokens/s")
     print(f"  greedy tokens equal: {out['agree']:.1%}")
     if args.json:
-        tmp = f"{args.json}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write_json(args.json, out)
     return out
 
 

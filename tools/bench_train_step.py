@@ -20,8 +20,6 @@ moe_layer_syncs, device}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 import warnings
@@ -33,7 +31,8 @@ from megatron_moe.config import Config
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.opspy import OpSpy
 from megatron_moe.optim import build_optimizer
-from megatron_moe.parallel_state import local_state
+from megatron_moe.fileio import atomic_write_json
+from megatron_moe.parallel_state import local_state, resolve_device
 from megatron_moe.training import model_flops_per_token
 
 
@@ -62,10 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
-    dev = args.cfg.parallel.device
-    args.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+    try:
+        args.device = resolve_device(args.cfg.parallel.device)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -123,10 +122,7 @@ def main(argv=None) -> dict:
         f"{syncs:>12}{'' if moe_syncs is None else moe_syncs:>8}"
     )
     if args.json:
-        tmp = f"{args.json}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write_json(args.json, out)
     return out
 
 

@@ -54,7 +54,7 @@ from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
-from megatron_moe.parallel_state import initialize_model_parallel, shutdown
+from megatron_moe.parallel_state import initialize_model_parallel, resolve_device, shutdown
 from megatron_moe.profiling import paired_ratio
 
 VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "deepspeed-cgelu", "floor")
@@ -104,10 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.variant_list = [v for v in args.variant_list if v in ("ours", "ours-padded", "floor")]
         if not args.variant_list:
             p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; choose among ours, ours-padded, floor")
-    dev = args.cfg.parallel.device
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+    try:
+        args.device = resolve_device(args.cfg.parallel.device).type
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

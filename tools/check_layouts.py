@@ -15,13 +15,12 @@ layout fails to run or runs a non-router GEMM above bf16; --json writes every la
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import traceback
 
 import torch
 
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.fake_world import INFERENCE_LAYOUTS, LAYOUTS, generate_report, step_report
 
 
@@ -58,10 +57,7 @@ def main(argv=None) -> int:
             f"{len(r.get('out_gemms', [])):>6}{len(r['moe_syncs']):>10}{r['syncs']:>11}"
         )
     if args.json:
-        tmp = f"{args.json}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"device": args.device, "layouts": reports}, f, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write_json(args.json, {"device": args.device, "layouts": reports})
     return status
 
 

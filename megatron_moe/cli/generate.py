@@ -36,7 +36,7 @@ from megatron_moe.arguments import HelpFormatter
 from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
 from megatron_moe.inference.fallback import use_lina
-from megatron_moe.parallel_state import initialize_model_parallel, local_state, shutdown
+from megatron_moe.parallel_state import initialize_model_parallel, local_state, resolve_device, shutdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,16 +116,6 @@ def _one_process_capacity(model, args, temperature: float, requests, eod) -> lis
     ]
 
 
-def _device(flag: str) -> torch.device:
-    """--device resolved: cuda is this rank's GPU (LOCAL_RANK)."""
-    if flag == "cpu" or (flag == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the prompt and each sample's continuation; errors go to stderr with status 2."""
     args = build_parser().parse_args(argv)
@@ -141,7 +131,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
                 "and not with --lina-inference"
             )
-        device = _device(args.device)
+        device = resolve_device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         ps = (
