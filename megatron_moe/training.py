@@ -487,8 +487,8 @@ class Trainer:
                 self.lancet.backward(loss)  # runs deferred dW under the all-to-alls, then flushes
             else:
                 loss.backward()
-            lm_sum += lm.item()
-            aux_sum += float(aux.detach())
+            lm_sum = lm_sum + lm.detach().double()  # on the device: read once per step, with the stats below
+            aux_sum = aux_sum + aux.detach().double()
             for layer in self.model.moe_layers():
                 kept_E, n = layer.router.device_stats  # on the device: no host read per layer
                 dropped, choices = dropped + (n - kept_E.sum()), choices + n
