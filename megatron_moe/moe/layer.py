@@ -86,6 +86,9 @@ class MoELayer(nn.Module):
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
         self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
         self.path_last = ""  # the path of the last forward with a padded dispatcher
+        self._s2_fallback: Optional[tuple] = (
+            None  # ((SAA chunks, dispatcher id), the S2 dispatcher) of `dispatcher_for`
+        )
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         # dropless with every expert on this rank and no replicas: nothing travels, so the one-rank plan
         # (`moe.dispatcher.local_plan`: no host sync) serves it; Pro-Prophet's replicas need the uneven one
@@ -180,51 +183,81 @@ class MoELayer(nn.Module):
             return routes, torch.stack([self.router.aux(r) for r in routes]).mean(), x_GSM.reshape(G * S, M)
 
     def forward(self, x_BTM: torch.Tensor):
+        """The stages in order: enter (routing groups, Pro-Prophet's Trans), route, plan, dispatch,
+        experts, combine, leave. Lina's chunks and the overlap path run dispatch -> experts -> combine
+        as one pipeline instead."""
+        B, T, M = x_BTM.shape
+        x_GSM, placed = self.enter(x_BTM)
+        split = self.splits_tokens(x_GSM.size(1))
+        d = self.dispatcher_for(split)
+        routes, aux, tokens = self.route(x_GSM, split)
+        if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
+            return self.leave(pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks), split, B, T), aux
+        plan = self.plan(d, routes)
+        if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
+            return self.leave(d.exchange(tokens, plan, self.experts), False, B, T), aux
+        with annotate("moe/dispatch"):  # one range per forward (the plan is routing metadata, before it)
+            x_in = d.dispatch(tokens, plan)
+        y_partial = self.compute_experts(x_in, plan, d.grad_scale, placed)
+        with annotate("moe/combine"):
+            y = d.combine(y_partial, plan)
+        return self.leave(y, split, B, T), aux
+
+    def enter(self, x_BTM: torch.Tensor):
+        """(tokens [G, S, M] by routing group, Pro-Prophet's placed layer or None); with replicas their
+        parameters' Trans starts here (and their gradients' Agg is waited here in backward)."""
         B, T, M = x_BTM.shape
         G = self.routing_groups
         if B % G:
             raise ValueError(f"batch {B} is not divisible into {G} routing groups")
-        d = self.dispatcher
-        placed = d.placement  # Pro-Prophet replicas (moe.placement.PlacedLayer) or None
+        placed = self.dispatcher.placement  # Pro-Prophet replicas (moe.placement.PlacedLayer) or None
         if placed is not None:
-            x_BTM = placed.layer_input(x_BTM)  # launches Trans; backward: Agg is waited here
-        x_GSM = d.track_input(x_BTM).reshape(G, (B // G) * T, M)
-        split = self.splits_tokens(x_GSM.size(1))
-        if self.schedule == "s1" and not split:
-            d = PaddedDispatcher(
-                self.ps,
-                self.num_experts,
-                self.layer_idx,
-                "s2",
-                self.saa,
-                self.schedule_choice.saa_chunks,
-            )
-            d.set_dw_queue(self.dispatcher.dw)
-        routes, aux, tokens = self.route(x_GSM, split)
-        if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
-            y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
-            if split:
-                y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
-            return self.dispatcher.track_output(y.reshape(B, T, M)), aux
-        path = self.expert_path(d) if isinstance(d, PaddedDispatcher) else ""
-        self.path_last = path
-        plan = d.plan(routes, path) if isinstance(d, PaddedDispatcher) else d.plan(routes)
-        if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
-            y = d.exchange(tokens, plan, self.experts)  # its own "moe/dispatch" / "moe/combine" ranges
-            return self.dispatcher.track_output(y.reshape(B, T, M)), aux
-        with annotate("moe/dispatch"):  # one range per forward (the plan is routing metadata, before it)
-            x_in = d.dispatch(tokens, plan)
-        ragged = plan.expert_rows  # rows per local expert: dropless, or a padded buffer's kept rows
-        kept = plan.kept if self.kept_only and isinstance(plan, UnevenPlan) else None  # S1: rows holding a token
+            x_BTM = placed.layer_input(x_BTM)
+        return self.dispatcher.track_input(x_BTM).reshape(G, (B // G) * T, M), placed
+
+    def dispatcher_for(self, split: bool) -> TokenDispatcher:
+        """This forward's dispatcher: the schedule's, or, under auto's S1 when the tokens do not split
+        evenly over MP, an S2 dispatcher made once and kept (it holds the same dW queue)."""
+        if self.schedule != "s1" or split:
+            return self.dispatcher
+        assert self.schedule_choice is not None  # a fixed s1 that cannot split raised in `splits_tokens`
+        key = (self.schedule_choice.saa_chunks, id(self.dispatcher))
+        if self._s2_fallback is None or self._s2_fallback[0] != key:
+            d = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa, key[0])
+            self._s2_fallback = (key, d)
+        d = self._s2_fallback[1]
+        d.set_dw_queue(self.dispatcher.dw)
+        return d
+
+    def plan(self, d: TokenDispatcher, routes):
+        """The dispatcher's plan of these routes (a padded dispatcher's on the layer's expert path)."""
+        if isinstance(d, PaddedDispatcher):
+            self.path_last = self.expert_path(d)
+            return d.plan(routes, self.path_last)
+        self.path_last = ""
+        return d.plan(routes)
+
+    def compute_experts(self, x_in: torch.Tensor, plan, grad_scale: float, placed) -> torch.Tensor:
+        """The experts on the dispatched input, as the plan lays it out: one rank's grouped rows (device
+        offsets), owned experts and replicas (Pro-Prophet), rows grouped by expert (host counts: dropless
+        and kept rows), kept rows where they lie in the received buffer, S1's zero-padded input with its
+        kept rows, or the padded buffer."""
         if isinstance(plan, PaddedPlan) and plan.offs is not None:  # one rank, every expert: no host sync
-            y_partial = self.experts.forward_offsets(x_in, plan.offs, d.grad_scale, tail=True)
-        elif placed is not None:  # owned experts + replicas
-            y_partial = placed.run_experts(x_in, ragged, d.grad_scale)
-        else:
-            segments = plan.expert_segments if isinstance(plan, PaddedPlan) else None  # header: rows where they lie
-            y_partial = self.experts(x_in, grad_scale=d.grad_scale, counts=ragged, kept=kept, segments=segments)
-        with annotate("moe/combine"):
-            y = d.combine(y_partial, plan)
-            if split:
-                y = gather_from_group(y.view(G, -1, M), self.ps.group("mp"), dim=1)
-        return self.dispatcher.track_output(y.reshape(B, T, M)), aux
+            return self.experts.forward_offsets(x_in, plan.offs, grad_scale, tail=True)
+        if placed is not None:
+            return placed.run_experts(x_in, plan.expert_rows, grad_scale)
+        if plan.expert_rows is not None:
+            return self.experts.forward_ragged(x_in, plan.expert_rows, grad_scale)
+        if isinstance(plan, PaddedPlan) and plan.expert_segments is not None:
+            return self.experts.forward_segments(x_in, plan.expert_segments, grad_scale)
+        if isinstance(plan, UnevenPlan) and self.kept_only and plan.kept is not None:
+            return self.experts.forward_kept(x_in, plan.kept, grad_scale)
+        return self.experts(x_in, grad_scale=grad_scale)
+
+    def leave(self, y: torch.Tensor, split: bool, B: int, T: int) -> torch.Tensor:
+        """y [G*S', M] -> [B, T, M]: S1's MP slices gathered back, and the layer's output marked for the
+        listeners of its backward (Lina)."""
+        M = y.size(-1)
+        if split:
+            y = gather_from_group(y.view(self.routing_groups, -1, M), self.ps.group("mp"), dim=1)
+        return self.dispatcher.track_output(y.reshape(B, T, M))
