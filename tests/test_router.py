@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from megatron_moe.moe.dispatcher import combine, dispatch, dispatch_index
@@ -106,19 +107,22 @@ def test_z_loss_value():
     assert math.isclose(r.z_loss.item(), expect.item(), rel_tol=1e-6)
 
 
-def test_dispatch_then_combine_is_identity_times_weights_without_drops():
+@pytest.mark.parametrize("c_loops", ["0", "1"])  # the combine's aten ops, and its C loops where they load
+def test_dispatch_then_combine_is_identity_times_weights_without_drops(c_loops, monkeypatch):
+    monkeypatch.setenv("MEGATRON_MOE_NO_CPU_KERNELS", "0" if c_loops == "1" else "1")
     torch.manual_seed(0)
     S, E, M = 32, 4, 8
     x = torch.randn(S, M)
     for k in (1, 2):
         r = route(torch.randn(S, E), k, 4.0, 1)
         assert r.num_dropped == 0
-        idx = dispatch_index(r)
-        buf = dispatch(x, idx, E * r.capacity)
-        y = combine(buf, idx, S)
-        assert torch.allclose(y, x * r.weight.sum(1, keepdim=True), atol=1e-6)
-        if k == 2:
-            assert torch.allclose(y, x, atol=1e-6)  # renormalized weights sum to 1
+        for every_choice in (False, True):  # the padded plan's index lists every choice
+            idx = dispatch_index(r, every_choice=every_choice)
+            buf = dispatch(x, idx, E * r.capacity)
+            y = combine(buf, idx, S)
+            assert torch.allclose(y, x * r.weight.sum(1, keepdim=True), atol=1e-6)
+            if k == 2:
+                assert torch.allclose(y, x, atol=1e-6)  # renormalized weights sum to 1
 
 
 def test_dispatch_places_tokens_at_expert_slot_rows_and_drops_zero():

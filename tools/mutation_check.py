@@ -357,6 +357,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "start = t * self.global_batch_size",
         ("tests/test_data_sampler.py::test_resume_continues_the_exact_sequence",),
     ),
+    M(
+        "experts_fp32_gemms",
+        "the experts' grouped GEMMs run in fp32 under bf16 autocast (one per expert, offsets read on the host)",
+        "megatron_moe/moe/grouped.py",
+        "                return torch._grouped_mm(a, b, offs=offs)",
+        "                return _looped(a.float(), b.float(), offs).to(a.dtype)",
+        ("tests/test_gpu_readiness.py -k test_every_gemm_but_the_routers_runs_in_bf16_and_the_host_syncs_are_pinned",),
+    ),
+    M(
+        "one_rank_plan_reads_counts_on_the_host",
+        "the one-rank plan reads its experts' offsets on the host (a device-to-host sync per layer on CUDA)",
+        "megatron_moe/moe/dispatcher.py",
+        "    offs = torch.cumsum(counts, 0, dtype=torch.int32).to(dev)",
+        "    offs = torch.tensor(torch.cumsum(counts, 0).tolist(), dtype=torch.int32).to(dev)",
+        ("tests/test_gpu_readiness.py -k test_every_gemm_but_the_routers_runs_in_bf16_and_the_host_syncs_are_pinned",),
+    ),
 )
 del M
 
