@@ -23,7 +23,7 @@ the `top_candidates` (the best predicted at each budget, always with "none") on 
 keeps the fastest measured (`controller.choose_plan`). The second budget is there because the
 model ranks plans of one part budget better than plans of different budgets: what a part costs
 beyond its ops' profiled time (a collective's launch, the autograd nodes and small ops of each
-part) is not in the op profile. On the emulated cluster (docs/BENCHMARKS.md, "Lancet") the
+part) is not in the op profile. On the emulated cluster (docs/BENCHMARKS.md, "Lancet: the measured candidates include half the part budget") the
 planner predicted 8 parts 4-8 % faster than 4, and the two measured within 3 % of each other,
 either one ahead. `fit_contention` fits the cost model's
 communication-computation contention from those measurements:
