@@ -8,7 +8,8 @@ allocates zeros), so values mean nothing; what the run shows is that the layout'
 tensors of that device and dtype from end to end, which GEMMs it runs in which dtype, and how
 often it reads device data on the host (`opspy.OpSpy`).
 
-`LAYOUTS` names the layouts of the equivalence suite (world 8) and `step_report` runs one bf16
+`LAYOUTS` names the layouts of the equivalence suite (MP, EP, ESP and their products, DP; in a world
+of 8 the rest of the ranks are data parallel) with the schedules and optimizations, and `step_report` runs one bf16
 training step (forward + backward) of a small GPT-2 MoE under one of them. `tools/check_layouts.py`
 prints the table for every layout, on CPU or CUDA (`scripts/gpu_check.sh`); tests/test_gpu_readiness.py
 pins the counts on CPU.
@@ -35,6 +36,7 @@ class Layout:
     lina_chunks: int = 1  # Lina's pipelined all-to-all chunks (`MoELayer.set_pipeline_chunks`)
     opts: dict = field(default_factory=dict)  # OptimizationsConfig overrides, applied by `optimizations.apply`
     rank: int = 3  # the rank played (Lancet's planner runs on rank 0 and broadcasts its plan: rank 0 there)
+    dp_world: bool = False  # MP = EP = ESP = 1 in a world of WORLD ranks (data parallel only)
 
 
 WORLD = 8
@@ -43,6 +45,12 @@ LAYOUTS: dict[str, Layout] = {
     "one-process-top1": Layout(moe={"moe_router_topk": 1}),
     "one-process-padded": Layout(moe={"moe_kept_only": False}),
     "one-process-dropless": Layout(moe={"moe_dropless": True}),
+    "DP8": Layout(dp_world=True),
+    "MP2": Layout(mp=2),
+    "EP2": Layout(ep=2),
+    "ESP2": Layout(esp=2),
+    "MP2xESP2": Layout(mp=2, esp=2),
+    "MP2xEP2": Layout(mp=2, ep=2),
     "EP8": Layout(ep=8),
     "MP2xEP4": Layout(mp=2, ep=4),
     "MP4xEP2": Layout(mp=4, ep=2),
@@ -113,7 +121,7 @@ def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
     from megatron_moe.optimizations import apply
 
     lay = LAYOUTS[name]
-    one = lay.mp * lay.ep * lay.esp == 1
+    one = lay.mp * lay.ep * lay.esp == 1 and not lay.dp_world
     cfg = small_config(**lay.moe)
     for k, v in lay.opts.items():
         setattr(cfg.opts, k, v)
