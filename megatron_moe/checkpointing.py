@@ -190,6 +190,44 @@ def tokenizer_source(cfg) -> Optional[str]:
     return None
 
 
+def check_carried_tokenizer(directory: str) -> str:
+    """`directory` (ITER_DIR/tokenizer) after refusing links in it and custom code (an `auto_map`)."""
+    from megatron_moe.data.tokenizer import refuse_custom_code, refuse_links
+
+    refuse_links(directory)
+    refuse_custom_code(directory)
+    return directory
+
+
+def recorded_tokenizer(value: Optional[str], checkpoint: str, source: str) -> Optional[str]:
+    """The config's tokenizer_name_or_path as read from a checkpoint (`source`: its metadata file).
+
+    An absolute path (what `portable_config` records for a local tokenizer) is kept. A relative one
+    is resolved from the checkpoint directory `checkpoint`, never from the current directory (which
+    would make the same checkpoint load a different tokenizer depending on where it is run), and is
+    refused when it leaves that directory (`..`, or a link inside pointing out). A relative name
+    that is nothing inside the checkpoint is a hub name, unless it names something in the current
+    directory, which is refused rather than silently used."""
+    if not value or os.path.isabs(value):
+        return value
+    field = "config.data.tokenizer_name_or_path"
+    base = os.path.realpath(checkpoint)
+    path = os.path.realpath(os.path.join(base, value))
+    if os.path.commonpath([base, path]) != base:
+        raise ValueError(
+            f"{field} {value!r} in {source} leaves the checkpoint directory {checkpoint}: "
+            "pass --tokenizer-name-or-path instead"
+        )
+    if os.path.lexists(os.path.join(base, value)):
+        return path
+    if os.path.lexists(value):
+        raise ValueError(
+            f"{field} {value!r} in {source} is a relative path that is not inside the checkpoint "
+            f"directory {checkpoint} (it is not read from the current directory): pass --tokenizer-name-or-path"
+        )
+    return value
+
+
 TOKENIZER_FILE_PREFIXES = (
     "tokenizer",
     "vocab",
@@ -747,8 +785,14 @@ def apply_checkpoint_args(cfg, meta: dict) -> list:
                 changed.append(f"{section}.{name}")
         setattr(cfg, section, type(sub)(**values))
     if "data.tokenizer_name_or_path" not in explicit:
-        carried = os.path.join(resolve(cfg.train.load), TOKENIZER_DIR)
-        tok = carried if os.path.isdir(carried) else saved.get("data", {}).get("tokenizer_name_or_path")
+        path = resolve(cfg.train.load)
+        carried = os.path.join(path, TOKENIZER_DIR)
+        tok: Optional[str]
+        if os.path.lexists(carried):
+            tok = check_carried_tokenizer(carried)
+        else:
+            recorded = saved.get("data", {}).get("tokenizer_name_or_path")
+            tok = recorded_tokenizer(recorded, path, os.path.join(path, "metadata.json"))
         if tok:
             cfg.data.tokenizer_name_or_path = tok
             changed.append("data.tokenizer_name_or_path")

@@ -47,14 +47,15 @@ def load_model(path: str, iteration: Optional[int] = None, capacity_factor: Opti
 
 
 def carried_tokenizer(path: str, iteration: Optional[int] = None) -> Optional[str]:
-    """The tokenizer directory a sharded checkpoint carries (ITER_DIR/tokenizer), if any."""
+    """The tokenizer directory a sharded checkpoint carries (ITER_DIR/tokenizer), if any; ValueError
+    when it is or holds a symbolic link, or names custom code."""
     if os.path.isfile(path):
         return None
-    from megatron_moe.checkpointing import TOKENIZER_DIR
+    from megatron_moe.checkpointing import TOKENIZER_DIR, check_carried_tokenizer
     from megatron_moe.convert import checkpoint_dir
 
     tok = os.path.join(checkpoint_dir(path, iteration), TOKENIZER_DIR)
-    return tok if os.path.isdir(tok) else None
+    return check_carried_tokenizer(tok) if os.path.lexists(tok) else None
 
 
 def tokenizer_path(cfg: Config, override: Optional[str] = None, carried: Optional[str] = None) -> str:

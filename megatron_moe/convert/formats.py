@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_moe.arguments import config_from_dict, config_to_dict
-from megatron_moe.checkpointing import FORMAT_VERSION
+from megatron_moe.checkpointing import FORMAT_VERSION, recorded_tokenizer
 from megatron_moe.config import Config
 from megatron_moe.convert.sharded import (
     CONSOLIDATED_FORMAT,
@@ -214,6 +214,9 @@ def read_file(path: str, json_path: Optional[str] = None) -> FullCheckpoint:
     if info.get("format") != CONSOLIDATED_FORMAT:
         raise ValueError(f"{js} is not a {CONSOLIDATED_FORMAT} config (format {info.get('format')!r})")
     cfg = config_from_dict(info["config"])
+    cfg.data.tokenizer_name_or_path = recorded_tokenizer(
+        cfg.data.tokenizer_name_or_path, os.path.dirname(os.path.abspath(js)), js
+    )
     with _open_shard(path) as f:
         model = {k: _get(f, path, k) for k in f.keys()}
     specs = (

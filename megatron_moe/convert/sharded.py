@@ -36,12 +36,14 @@ from megatron_moe.checkpointing import (
     FORMAT_VERSION,
     TOKENIZER_DIR,
     SaveDirLock,
+    check_carried_tokenizer,
     copy_tokenizer,
     iter_dir,
     portable_config,
     resolve,
     sha256_file,
     shard_name,
+    recorded_tokenizer,
     tokenizer_source,
     validate_metadata,
 )
@@ -210,6 +212,7 @@ def read_sharded(
     meta_path = os.path.join(path, "metadata.json")
     meta = validate_metadata(_read_json(meta_path), meta_path)  # before any shard is opened
     (world, mp, ep, esp), specs, shapes, cfg = _layout_and_specs(meta, meta_path)
+    cfg.data.tokenizer_name_or_path = recorded_tokenizer(cfg.data.tokenizer_name_or_path, path, meta_path)
     pieces: dict = {}  # (name, state or None) -> {coords key: slice}
     rngs = []
     for rank in tqdm(range(world), desc="reading shards", unit="shard", disable=None if progress else True):
@@ -360,7 +363,7 @@ def write_sharded(
         meta["converted_from"] = ckpt.meta["source"]
 
     carried = os.path.join(ckpt.meta.get("source", {}).get("path", ""), TOKENIZER_DIR)
-    tokenizer = carried if os.path.isdir(carried) else tokenizer_source(cfg)
+    tokenizer = check_carried_tokenizer(carried) if os.path.lexists(carried) else tokenizer_source(cfg)
 
     def fill(directory: str) -> None:
         os.makedirs(directory, exist_ok=True)

@@ -120,10 +120,55 @@ def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> None:
     (d / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
+# A tokenizer directory may name Python code to import: an `auto_map` in tokenizer_config.json (or
+# config.json) makes `AutoTokenizer.from_pretrained` import a .py file from that directory, and with
+# trust_remote_code unset transformers asks on the terminal and runs it on "y". A tokenizer here is
+# data (a checkpoint carries one): it is always loaded with trust_remote_code=False, and a directory
+# with an `auto_map` is refused up front, naming the file, instead of a prompt or an opaque error.
+CODE_CONFIG_FILES = ("tokenizer_config.json", "config.json")
+
+
+def refuse_custom_code(directory: str | os.PathLike) -> None:
+    """ValueError naming the file when `directory` has a config with an `auto_map` (custom code)."""
+    for name in CODE_CONFIG_FILES:
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):  # unreadable: transformers reports it when it loads the file
+            continue
+        if isinstance(data, dict) and "auto_map" in data:
+            raise ValueError(
+                f"--tokenizer-name-or-path {directory}: {path} has an auto_map naming custom Python code; "
+                "tokenizers are loaded without running code (trust_remote_code=False): remove the auto_map"
+            )
+
+
+def refuse_links(directory: str | os.PathLike) -> None:
+    """ValueError naming the first symbolic link at or under `directory` (links are not followed).
+
+    For a tokenizer a checkpoint carries: a link there can name any file on the machine, which
+    loading would read and saving a new checkpoint would copy in as a regular file."""
+    top = str(directory)
+    if os.path.islink(top):
+        raise ValueError(f"{top} is a symbolic link: a checkpoint's tokenizer directory must hold its own files")
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                raise ValueError(
+                    f"{path} is a symbolic link inside a checkpoint's tokenizer directory "
+                    f"(links there are refused, never followed): replace it with the file itself"
+                )
+
+
 def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer (see the module docstring for what is accepted).
+    """Load a tokenizer (see the module docstring for what is accepted), never running code from it.
     Errors name --tokenizer-name-or-path."""
     p = Path(name_or_path)
+    if p.is_dir():
+        refuse_custom_code(p)
     if (p / MARKER_FILE).is_file():
         marker = json.loads((p / MARKER_FILE).read_text())
         tok = tokenizers.Tokenizer.from_file(str(p / "tokenizer.json"))
@@ -134,7 +179,7 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(name_or_path))
+        hf = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=False)
     except Exception as e:  # hub unreachable, bad directory, ...: say which flag and why
         raise ValueError(
             f"--tokenizer-name-or-path {name_or_path}: could not load it with "
