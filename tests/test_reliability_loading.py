@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron_moe import checkpointing as ck
 from megatron_moe import convert as cv
@@ -218,3 +219,75 @@ def test_a_plain_carried_tokenizer_still_loads_and_is_copied_on_reshard(made, tm
     assert convert_cli.main(["reshard", "--no-progress", "--load", ckpt, "--save", save]) == 0
     assert os.path.isfile(os.path.join(save, ITER, "tokenizer", "tokenizer.json"))
     assert resume_args(ckpt).data.tokenizer_name_or_path == os.path.join(ckpt, ITER, "tokenizer")
+
+
+# ----------------------------------------------------------------------------- import-hf
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A 2-block GPT2LMHeadModel `save_pretrained` directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("hf") / "gpt2"
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(path)
+    return str(path)
+
+
+def import_hf(capsys, hf: str, save: str, *flags) -> tuple:
+    rc = convert_cli.main(["import-hf", "--no-progress", "--hf", hf, "--save", save, *flags])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def edited_config(hf_dir: str, dest, **changes) -> str:
+    shutil.copytree(hf_dir, dest)
+    path = os.path.join(dest, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(dest)
+
+
+@pytest.mark.parametrize(
+    "changes, tensor",
+    [
+        (dict(n_layer=3), "transformer.h.2."),  # a block the weights lack: was random, and --verify said OK
+        (dict(n_layer=1), "transformer.h.1."),  # a block the config lacks: was dropped
+        (dict(n_inner=256), "mlp.c_fc."),  # a wider MLP than the weights
+    ],
+)
+def test_import_hf_refuses_weights_that_do_not_match_the_config(hf_dir, tmp_path, capsys, changes, tensor):
+    hf = edited_config(hf_dir, tmp_path / "hf", **changes)
+    save = str(tmp_path / "out")
+    rc, out, err = import_hf(capsys, hf, save, "--verify")
+    assert rc == 2 and out == "" and not os.path.exists(save)
+    assert err.startswith("convert_checkpoint.py import-hf: error: --hf ") and tensor in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--num-experts", "-1"], "--num-experts"),
+        (["--num-experts", "2", "--moe-router-topk", "3"], "--moe-router-topk"),
+        (["--num-experts", "2", "--moe-router-topk", "0"], "--moe-router-topk"),
+        (["--num-experts", "2", "--moe-layer-freq", "0"], "--moe-layer-freq"),
+        (["--num-experts", "2", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor"),
+    ],
+)
+def test_import_hf_validates_its_moe_flags_like_the_trainer(hf_dir, tmp_path, capsys, flags, named):
+    save = str(tmp_path / "out")
+    rc, out, err = import_hf(capsys, hf_dir, save, *flags)
+    assert rc == 2 and out == "" and not os.path.exists(save)
+    assert err.startswith("convert_checkpoint.py import-hf: error: ") and named in err, err
+
+
+def test_import_hf_accepts_any_topk_up_to_the_expert_count(hf_dir, tmp_path, capsys):
+    save = str(tmp_path / "out")
+    rc, out, err = import_hf(capsys, hf_dir, save, "--num-experts", "3", "--moe-router-topk", "3", "--verify")
+    assert rc == 0, err
+    assert "OK" in out
+    assert cv.read_sharded(save, progress=False).cfg.moe.moe_router_topk == 3

@@ -167,6 +167,10 @@ def cmd_reshard(args) -> None:
 
 
 def cmd_import_hf(args) -> None:
+    from megatron_moe.model.hf_import import moe_config
+
+    # the MoE flags first: a bad one is named before the model is read (or downloaded)
+    moe_config(args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_expert_capacity_factor)
     hf = cv.load_hf_model(args.hf)
     src = cv.import_hf(
         hf,

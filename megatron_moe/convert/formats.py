@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -36,15 +36,42 @@ from megatron_moe.convert.sharded import (
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2
 def load_hf_model(name_or_path: str):
-    """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode)."""
+    """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode).
+
+    The weights must be exactly what config.json describes: `from_pretrained` fills a tensor the
+    files lack with random values and drops one they have in excess, with only a log line (a
+    config.json with one block more than the weights gave a random block, and --verify compared
+    that model with itself and said OK). Every missing, extra or differently shaped tensor is
+    an error naming it."""
     from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
 
     if not os.path.isdir(name_or_path) and _looks_like_path(name_or_path):
         raise FileNotFoundError(f"--hf {name_or_path}: no such directory")
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the mismatches are reported below, as one error line
+    hf_logging.disable_progress_bar()
     try:
-        return GPT2LMHeadModel.from_pretrained(name_or_path).eval()
+        loaded: Any = GPT2LMHeadModel.from_pretrained(
+            name_or_path, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+        model, info = loaded  # (model, {missing_keys, unexpected_keys, mismatched_keys, ...})
     except Exception as e:  # missing directory, no hub access, not a GPT-2: say which flag
         raise ValueError(f"--hf {name_or_path}: cannot load a GPT2LMHeadModel ({type(e).__name__}: {e})") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    problems = [f"{k} is missing from the weights" for k in sorted(info["missing_keys"])]
+    problems += [f"{k} is in the weights but not in the model of config.json" for k in sorted(info["unexpected_keys"])]
+    problems += [
+        f"{k} has shape {list(theirs)} in the weights, config.json needs {list(ours)}"
+        for k, theirs, ours in sorted(info["mismatched_keys"], key=lambda m: m[0])
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"--hf {name_or_path}: the weights do not match its config.json: {problems[0]}{more}")
+    return model.eval()
 
 
 def _looks_like_path(name: str) -> bool:
@@ -69,8 +96,8 @@ def import_hf(
     start as the block's MLP and whose gate is small and random (seeded by `seed`)."""
     from megatron_moe.model.hf_import import config_from_hf, full_state_from_hf
 
-    cfg = config_from_hf(hf_model.config, num_experts, moe_layer_freq, topk)
-    cfg.moe.moe_expert_capacity_factor, cfg.train.seed = capacity_factor, seed
+    cfg = config_from_hf(hf_model.config, num_experts, moe_layer_freq, topk, capacity_factor)
+    cfg.train.seed = seed
     tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
     if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, f)) for f in tokenizer_files):
         cfg.data.tokenizer_name_or_path = source

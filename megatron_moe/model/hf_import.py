@@ -12,15 +12,33 @@ and the gate is small and random (seeded), as in sparse upcycling.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from megatron_moe.config import Config
+from megatron_moe.config import Config, MoEConfig
 from megatron_moe.layers.sharding import seeded_generator
 
 
-def config_from_hf(hf_config, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1) -> Config:
+def moe_config(num_experts: int, moe_layer_freq: int, topk: int, capacity_factor: float = 1.0) -> MoEConfig:
+    """The MoE section of an imported model, validated by the trainer's own rules (MoEConfig raises
+    ValueError naming the flag: --num-experts -1, --moe-router-topk above --num-experts,
+    --moe-layer-freq 0, which was a ZeroDivisionError when the blocks were numbered)."""
+    return replace(
+        MoEConfig(),
+        num_experts=num_experts,
+        moe_layer_freq=moe_layer_freq,
+        moe_router_topk=topk,
+        moe_expert_capacity_factor=capacity_factor,
+    )
+
+
+def config_from_hf(
+    hf_config, num_experts: int = 0, moe_layer_freq: int = 2, topk: int = 1, capacity_factor: float = 1.0
+) -> Config:
     """Our Config for a transformers GPT2Config (dense unless num_experts > 0)."""
     cfg = Config()
+    cfg.moe = moe_config(num_experts, moe_layer_freq, topk, capacity_factor)
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf_config.n_layer, hf_config.n_embd, hf_config.n_head
     m.ffn_hidden_size = hf_config.n_inner or 4 * hf_config.n_embd
@@ -28,7 +46,6 @@ def config_from_hf(hf_config, num_experts: int = 0, moe_layer_freq: int = 2, top
     m.seq_length = min(m.seq_length, m.max_position_embeddings) if m.seq_length else m.max_position_embeddings
     m.vocab_size, m.layernorm_epsilon = hf_config.vocab_size, hf_config.layer_norm_epsilon
     m.dropout = 0.0
-    cfg.moe.num_experts, cfg.moe.moe_layer_freq, cfg.moe.moe_router_topk = num_experts, moe_layer_freq, topk
     return cfg
 
 
