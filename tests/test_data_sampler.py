@@ -123,3 +123,15 @@ def test_mp_ranks_of_a_dp_group_get_identical_samples(tmp_path):
     )
     merged = torch.stack([out[0], out[2]], dim=1)  # [micro-step, dp, b, 9]: Megatron's order
     assert torch.equal(merged.reshape(24, 9), whole)
+
+
+def test_the_sample_order_inside_an_epoch_differs_between_epochs():
+    """Each epoch shuffles its own samples (not only its documents): the order in which an epoch's
+    samples are visited, relative to the epoch's first sample, differs from every other epoch's."""
+    from megatron_moe.data.gpt_dataset import build_sample_index
+
+    sizes = np.full(16, 10)  # 160 tokens, seq_length 8: 20 samples start in each epoch
+    _, _, shuffle_idx = build_sample_index(sizes, 8, 80, seed=5)
+    orders = [tuple(shuffle_idx[20 * e : 20 * e + 20] - 20 * e) for e in range(4)]
+    assert all(sorted(o) == list(range(20)) for o in orders)  # each epoch visits its own samples once
+    assert len(set(orders)) == 4, "two epochs visit their samples in the same order"

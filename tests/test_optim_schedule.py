@@ -235,3 +235,26 @@ def test_dropout_under_mp2_equals_one_process_and_masks_agree_across_mp_ranks(sa
     assert curves[0] == curves[1], "the two MP ranks disagree (different dropout masks)"
     for i, (a, b) in enumerate(zip(one, curves[0])):
         assert abs(a - b) < 1e-4, f"iteration {i + 1}: MP2 with dropout {b} vs one process {a}"
+
+
+def test_every_param_group_follows_the_schedule_in_the_trainer(sample_data):
+    """The trainer sets the learning rate of every optimizer group (the no-decay one included) to
+    lr_at(iteration) before each step: recorded at each optimizer.step of a short linear-decay run."""
+    args = ("--lr-decay-style", "linear", "--lr-warmup-iters", "2", "--min-lr", "1e-4", "--weight-decay", "0.1")
+    trainer = Trainer(parse_args(tiny_args(sample_data, 5, *args)))
+    opt = trainer.optimizer
+    assert len(opt.param_groups) == 2 and all(g["params"] for g in opt.param_groups)
+    seen = []
+    step = opt.step
+
+    def recording_step(*a, **k):
+        seen.append((trainer.iteration, [g["lr"] for g in opt.param_groups]))
+        return step(*a, **k)
+
+    opt.step = recording_step
+    trainer.train()
+    assert [it for it, _ in seen] == list(range(5))
+    want = [lr_at(it, trainer.cfg.optim) for it in range(5)]
+    assert len(set(want)) == 4  # warmup, the peak (twice) and decay
+    for (it, lrs), lr in zip(seen, want):
+        assert lrs == [lr, lr], f"iteration {it}: group learning rates {lrs}, schedule {lr}"
