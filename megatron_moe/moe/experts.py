@@ -10,14 +10,17 @@ Full parameters and their splits (dim 0 over EP, the H dim over ESP):
                                      output, so the sum of partials carries the
                                      bias exactly once and each piece has one owner)
 The forward returns each ESP rank's *partial* output; schedules sum them.
-Dropless MoE gives a ragged input x [R, M] instead of [E_l, N, M]: the R rows
-grouped by local expert, `counts` [E_l] rows each; each expert computes its own
-row range (no padding rows, no FLOPs on them).
-The capacity-padded schedules hand over only the rows that hold a kept token, as a ragged
-input (the dispatcher gathers them, `moe.kept`); S1's zero-padded input [E_l, N, M] with `kept`
-rows (`moe.kept.KeptRows`) is packed to those rows here and scattered back (zeros elsewhere):
-the GEMMs never multiply padding. `forward_exchange` runs the experts between the baseline's two
-all-to-alls, one local expert at a time, overlapping the transfers of the others.
+Every GEMM is a grouped GEMM in the compute dtype (`moe.grouped`): all experts in one call, over
+row offsets per expert. The inputs the layer hands over:
+  - a padded buffer [E_l, N, M] (`forward`): one batched GEMM per weight;
+  - rows grouped by expert with device offsets (`forward_offsets`: one rank holding every expert,
+    no host sync; rows after the last expert's are a dropped tail computed as zeros);
+  - rows grouped by expert with host counts (`forward_ragged`: dropless, the kept rows of a padded
+    buffer, Pro-Prophet's replicas through `forward_grouped`);
+  - the kept rows of a received buffer where they lie (`forward_segments`), or of S1's zero-padded
+    input (`forward_kept`): gathered into one grouped input and scattered back;
+  - `forward_exchange`: the experts between the baseline's two all-to-alls, one local expert at a
+    time, overlapping the transfers of the others.
 """
 
 from __future__ import annotations
