@@ -258,7 +258,7 @@ class OptimConfig:
                 "adam_beta1": FRACTION,
                 "adam_beta2": FRACTION,
                 "adam_eps": POSITIVE,
-                "sgd_momentum": NON_NEGATIVE,
+                "sgd_momentum": FRACTION,  # >= 1 makes the velocity grow without bound
                 "clip_grad": NON_NEGATIVE,
             },
         )

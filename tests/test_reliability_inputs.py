@@ -33,6 +33,7 @@ BAD_FLAGS = [
     (["--adam-beta2", "1"], "--adam-beta2 must be in [0, 1), got 1.0"),
     (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--sgd-momentum", "5"], "--sgd-momentum must be in [0, 1), got 5.0"),
 ]
 
 
@@ -231,3 +232,18 @@ def test_the_trainer_refuses_data_tokenized_beyond_its_vocabulary(tmp_path):
         r"of 512",
     ):
         Trainer(parse_args(argv))
+
+
+@pytest.mark.parametrize("words", [["inf", "a", "1", "b"], ["nan", "a", "1", "b"]])
+def test_a_blend_weight_must_be_finite(words):
+    from megatron_moe.data.paths import parse_data_path
+
+    with pytest.raises(ValueError, match=f"--data-path: weight {words[0]} of a must be a finite number >= 0"):
+        parse_data_path(words)
+
+
+def test_a_split_weight_must_be_finite():
+    from megatron_moe.data.paths import parse_split
+
+    with pytest.raises(ValueError, match="--split must be three non-negative weights"):
+        parse_split("inf,1,1")

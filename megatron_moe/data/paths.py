@@ -26,6 +26,8 @@ anywhere finds (or builds) the same files.
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import os
 import re
@@ -95,8 +97,8 @@ def parse_data_path(data_path: DataPath) -> list[tuple[float, str]]:
             raise ValueError(
                 f"--data-path: '{w}' is not a weight (blends are 'WEIGHT PREFIX WEIGHT PREFIX ...')"
             ) from None
-        if not weight >= 0:
-            raise ValueError(f"--data-path: weight {w} of {prefix} must be >= 0")
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"--data-path: weight {w} of {prefix} must be a finite number >= 0")
         pairs.append((weight, prefix))
     total = sum(w for w, _ in pairs)
     if total <= 0:
@@ -128,7 +130,7 @@ def parse_split(split: str) -> list[float]:
         w = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         w = []
-    if len(w) != 3 or any(x < 0 for x in w) or sum(w) <= 0:
+    if len(w) != 3 or any(not (x >= 0 and math.isfinite(x)) for x in w) or sum(w) <= 0:
         raise ValueError(
             f"--split must be three non-negative weights 'train,valid,test' with a positive sum, got '{split}'"
         )
