@@ -1,4 +1,4 @@
-"""Checkpoints that cannot be lost or poisoned (issue 11 items 2-5, 7): crash injection at every
+"""Checkpoints that cannot be lost or poisoned: crash injection at every
 step of the save sequence, retention and leftovers, `latest` fallback, SHA-256 per shard, the
 config compared before any tensor is read, --use-checkpoint-args and the tokenizer a checkpoint carries."""
 

@@ -1,4 +1,4 @@
-"""Bad input is refused with one clear error (issue 11 items 4, 6, 7): every numeric flag is checked
+"""Bad input is refused with one clear error: every numeric flag is checked
 beside its dataclass field, the trainer prints one `error:` line and exits 2, and indexed datasets
 are validated when opened (cached beside the index, rechecked when the files change)."""
 
