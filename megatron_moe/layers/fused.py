@@ -55,19 +55,6 @@ def gelu_tanh_out(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
 
 
-def linear_gelu_tanh_out(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, a_out: torch.Tensor, h_out: torch.Tensor
-):
-    """a_out = x weight^T + bias (the pre-activation, kept for backward) and h_out = gelu_tanh(a_out), outside
-    autograd. Where the C kernel applies, the GEMM writes x weight^T and the kernel adds the bias and applies
-    the activation in one pass (no copy of the bias into a_out before the GEMM); elsewhere addmm, then gelu."""
-    if cpu_gelu.applies(a_out, bias, h_out) and a_out.dim() == 2 and bias.dim() == 1:
-        torch.mm(x, weight.t(), out=a_out)
-        return cpu_gelu.forward_bias(a_out, bias, h_out)
-    torch.addmm(bias, x, weight.t(), out=a_out)
-    return gelu_tanh_out(a_out, h_out)
-
-
 def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grad * gelu_tanh'(x), into `out` when given (`out` may be `grad`: in place), else a new tensor."""
     if out is None:
