@@ -396,6 +396,14 @@ class LoggingConfig:
 class OptimizationsConfig:
     """Switches of the communication optimizations (each exactly equivalent to the plain run)."""
 
+    measure_iters: int = opt(
+        3,
+        "timed passes of each alternative wherever the run measures and chooses (`megatron_moe/choose.py`: "
+        "Parm's auto schedule, Lancet's plan, Lina, Lina's packing, Pro-Prophet's placement), after warm-up "
+        "rounds; an alternative is kept only if faster than the simpler one by more than 2 %% on the slowest "
+        "rank. 0: measure nothing (Parm keeps the cost model's schedule, Lancet the planner's plan, Lina, "
+        "packing and Pro-Prophet stay on)",
+    )
     lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
     lina_max_in_flight: int = opt(4, "Lina: gradient micro-ops in flight at once at most (1: the original Lina)")
@@ -534,6 +542,7 @@ class OptimizationsConfig:
                 "lina_drain_ms": NON_NEGATIVE,
                 "lina_pipeline_chunks": AT_LEAST_ONE,
                 "lina_max_experts_per_rank": NON_NEGATIVE,
+                "measure_iters": NON_NEGATIVE,
                 "lina_packing_trial_iters": NON_NEGATIVE,
                 "lina_trial_iters": NON_NEGATIVE,
                 "lancet_max_partitions": AT_LEAST_ONE,
