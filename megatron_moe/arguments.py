@@ -66,6 +66,8 @@ def add_config_flags(
         group = parser.add_argument_group(GROUPS[section])
         sub = getattr(defaults, section)
         for f in dataclasses.fields(sub):
+            if not f.metadata.get("cli", True):
+                continue  # set from Python only (tests, benchmarks, ablations)
             flag, tp = _flag(f), _base_type(f.type)
             dest = f"{section}.{f.name}"
             derived = f.name in ("ffn_hidden_size", "max_position_embeddings")  # from the others when None
@@ -134,8 +136,15 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def config_from_dict(d: dict) -> Config:
+    """A checkpoint's config; sections and fields this version does not have (a flag removed since the
+    checkpoint was written) are skipped, as `checkpointing.validate_metadata` leaves them alone."""
     cls = {f.name: f.default_factory for f in dataclasses.fields(Config)}
-    return Config(**{section: cls[section](**vals) for section, vals in d.items() if section in cls})
+    built = {}
+    for section, vals in d.items():
+        if section in cls:
+            known = {f.name for f in dataclasses.fields(cls[section])}
+            built[section] = cls[section](**{k: v for k, v in vals.items() if k in known})
+    return Config(**built)
 
 
 def validate(cfg: Config, world_size: int) -> None:

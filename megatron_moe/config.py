@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 
-def opt(default, help: str, flag: Optional[str] = None, choices=None, nargs: Optional[str] = None):
-    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs)."""
-    md = {"help": help}
+def opt(default, help: str, flag: Optional[str] = None, choices=None, nargs: Optional[str] = None, cli: bool = True):
+    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs).
+    cli=False: a setting for tests, benchmarks and ablations, set from Python, with no flag."""
+    md = {"help": help, "cli": cli}
     if flag:
         md["flag"] = flag
     if choices:
@@ -121,36 +122,13 @@ class MoEConfig:
         "MoE layer schedule (Parm): baseline, S1, S2 or cost-model choice",
         choices=["baseline", "s1", "s2", "auto"],
     )
-    moe_s1_local_capacity: bool = opt(False, "S1 with Parm's original per-slice capacity (NOT equivalent)")
+    moe_s1_local_capacity: bool = opt(
+        False, "S1 with Parm's original per-slice capacity (NOT equivalent; an ablation)", cli=False
+    )
     moe_saa: bool = opt(
         True, "S2: overlap return all-to-all with MP all-gather (SAA); --no-moe-saa runs them one after the other (AAS)"
     )
-    moe_kept_only: bool = opt(
-        True,
-        "experts compute only the rows of the capacity-padded buffer that hold a "
-        "kept token; --no-moe-kept-only multiplies the padding too (same values)",
-    )
-    moe_expert_path: str = opt(
-        "auto",
-        "with --moe-kept-only, how the capacity-padded schedules' experts compute: auto (kept rows when one "
-        "rank holds every expert, with no host sync; else the padded buffer, with no host sync), padded, "
-        "kept (rows only; several ranks: one host sync per layer for the counts), overlap (kept rows, "
-        "all-to-alls pipelined by local expert)",
-        choices=["auto", "padded", "kept", "overlap"],
-    )
     comm_profile: Optional[str] = opt(None, "cache file of the fitted alpha-beta collective costs")
-    parm_auto_measure_iters: int = opt(
-        5,
-        "--moe-schedule auto: after the cost model ranks baseline, S1 and S2, time this many forward + backward "
-        "rounds of each on the real layer (after two warm-up rounds) and keep the fastest median, max over ranks "
-        "(0: the cost model's choice)",
-    )
-    parm_auto_force_fastest: Optional[str] = opt(
-        None,
-        "--moe-schedule auto with --parm-auto-measure-iters >= 1: measure, then keep this schedule whatever "
-        "the medians (tests)",
-        choices=["baseline", "s1", "s2"],
-    )
 
     def __post_init__(self) -> None:
         check_fields(
@@ -162,13 +140,8 @@ class MoEConfig:
                 "moe_min_capacity": NON_NEGATIVE,
                 "moe_aux_loss_coeff": NON_NEGATIVE,
                 "moe_z_loss_coeff": NON_NEGATIVE,
-                "parm_auto_measure_iters": NON_NEGATIVE,
             },
         )
-        if self.parm_auto_force_fastest is not None and not (
-            self.moe_schedule == "auto" and self.parm_auto_measure_iters
-        ):
-            raise ValueError("--parm-auto-force-fastest needs --moe-schedule auto and --parm-auto-measure-iters >= 1")
         if self.moe_router_topk < 1:
             raise ValueError(f"--moe-router-topk must be >= 1, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
@@ -204,13 +177,6 @@ class ParallelConfig:
         None, "gloo or nccl (default: nccl on --device cuda, gloo on cpu)", choices=["gloo", "nccl"]
     )
     comm_timeout: float = opt(600.0, "seconds before a stuck collective becomes an error")
-    cpu_allocator: str = opt(
-        "keep",
-        "host memory of a --device cpu run: keep (glibc keeps freed memory in the process, as CUDA's caching "
-        "allocator does: no page faults on every large tensor; megatron_moe/host_memory.py) or system "
-        "(glibc's defaults)",
-        choices=["keep", "system"],
-    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -369,7 +335,6 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = opt(
         None, "write TensorBoard event files here: the log line's scalars and expert-load histograms"
     )
-    timestamps: bool = opt(True, "prefix log lines with [YYYY-MM-DD HH:MM:SS]")
     profile: bool = opt(
         False,
         "record a torch.profiler Chrome trace of iterations "
@@ -406,18 +371,6 @@ class OptimizationsConfig:
     )
     lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
-    lina_max_in_flight: int = opt(4, "Lina: gradient micro-ops in flight at once at most (1: the original Lina)")
-    lina_coalesce: bool = opt(
-        True,
-        "Lina: micro-ops are equal slices of the concatenated gradients of a group "
-        "(small tensors share one micro-op); --no-lina-coalesce: one tensor per micro-op",
-    )
-    lina_drain_ms: float = opt(
-        0.0,
-        "Lina launch budget: micro-ops in flight when an all-to-all starts drain "
-        "within this many ms at the measured link rate (0: a tenth of the "
-        "measured backward all-to-all time)",
-    )
     lina_pipeline_chunks: int = opt(
         1,
         "Lina: split each MoE layer's all-to-alls into this many token-chunk "
@@ -463,32 +416,6 @@ class OptimizationsConfig:
     lancet_group_ms: float = opt(1.0, "Lancet gamma: op group size in ms")
     lancet_max_range: int = opt(8, "Lancet iota: max range in op groups")
     lancet_report: Optional[str] = opt(None, "write Lancet's plan and timings to this JSON file")
-    lancet_force_partitions: int = opt(
-        0,
-        "Lancet: run every MoE block's range in this many parts whatever "
-        "the planner predicts (tests, fixed benchmarks; 0: the planner decides)",
-    )
-    lancet_measure_iters: int = opt(
-        3,
-        "Lancet: before committing to a plan, time the best predicted plans and "
-        "'none' for this many iterations on the real model and keep the fastest "
-        "(0: trust the cost model)",
-    )
-    lancet_measure_warmup: int = opt(
-        4,
-        "Lancet: untimed rounds of the candidates before the --lancet-measure-iters timed ones "
-        "(the first rounds measured slower than steady state, which biased the contention fit)",
-    )
-    lancet_measure_margin: float = opt(
-        0.02,
-        "Lancet: keep the fastest measured plan only if its median time is below 'none''s by more than this "
-        "fraction; 0: any gain",
-    )
-    lancet_candidates: int = opt(
-        2,
-        "Lancet: how many of the best predicted plans --lancet-measure-iters times beside 'none', at the "
-        "--lancet-max-partitions budget and again at half of it",
-    )
     pro_prophet: bool = opt(
         False,
         "Pro-Prophet (needs --moe-dropless): replicate heavy experts on other EP ranks "
@@ -503,7 +430,9 @@ class OptimizationsConfig:
     )
     pro_prophet_interval: int = opt(1, "Pro-Prophet: plan every this many iterations (the plan is kept in between)")
     pro_prophet_no_schedule: bool = opt(
-        False, "Pro-Prophet ablation: Trans/Agg blocking at the point of use instead of overlapped (Algorithm 2)"
+        False,
+        "Pro-Prophet ablation: Trans/Agg blocking at the point of use instead of overlapped (Algorithm 2)",
+        cli=False,
     )
     pro_prophet_force_plan: Optional[str] = opt(
         None,
@@ -538,8 +467,6 @@ class OptimizationsConfig:
             self,
             {
                 "lina_partition_mb": POSITIVE,
-                "lina_max_in_flight": AT_LEAST_ONE,
-                "lina_drain_ms": NON_NEGATIVE,
                 "lina_pipeline_chunks": AT_LEAST_ONE,
                 "lina_max_experts_per_rank": NON_NEGATIVE,
                 "measure_iters": NON_NEGATIVE,
@@ -548,15 +475,11 @@ class OptimizationsConfig:
                 "lancet_max_partitions": AT_LEAST_ONE,
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
-                "lancet_measure_iters": NON_NEGATIVE,
-                "lancet_measure_warmup": NON_NEGATIVE,
-                "lancet_candidates": AT_LEAST_ONE,
                 "pro_prophet_alpha": NON_NEGATIVE,
                 "pro_prophet_n": NON_NEGATIVE,
                 "pro_prophet_interval": AT_LEAST_ONE,
                 "pro_prophet_trial_iters": NON_NEGATIVE,
                 "pro_prophet_trial_settle": NON_NEGATIVE,
-                "lancet_measure_margin": FRACTION,
                 "pro_prophet_trial_margin": FRACTION,
             },
         )

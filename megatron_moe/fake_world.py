@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_moe import choose
 from megatron_moe.opspy import OpSpy
 
 
@@ -37,13 +38,13 @@ class Layout:
     opts: dict = field(default_factory=dict)  # OptimizationsConfig overrides, applied by `optimizations.apply`
     rank: int = 3  # the rank played (Lancet's planner runs on rank 0 and broadcasts its plan: rank 0 there)
     dp_world: bool = False  # MP = EP = ESP = 1 in a world of WORLD ranks (data parallel only)
+    forced: dict = field(default_factory=dict)  # `choose.override` picks, e.g. {"lancet partitions": "2"}
 
 
 WORLD = 8
 LAYOUTS: dict[str, Layout] = {
     "one-process": Layout(),
     "one-process-top1": Layout(moe={"moe_router_topk": 1}),
-    "one-process-padded": Layout(moe={"moe_kept_only": False}),
     "one-process-dropless": Layout(moe={"moe_dropless": True}),
     "DP8": Layout(dp_world=True),
     "MP2": Layout(mp=2),
@@ -58,15 +59,13 @@ LAYOUTS: dict[str, Layout] = {
     "MP2xEP2xESP2": Layout(mp=2, ep=2, esp=2),
     "MP2xEP4-S1": Layout(mp=2, ep=4, moe={"moe_schedule": "s1"}),
     "MP2xEP4-S2": Layout(mp=2, ep=4, moe={"moe_schedule": "s2"}),
-    "EP8-kept": Layout(ep=8, moe={"moe_expert_path": "kept"}),
-    "EP8-overlap": Layout(ep=8, moe={"moe_expert_path": "overlap"}),
     "EP4-dropless": Layout(ep=4, moe={"moe_dropless": True}),
     "MP2xEP4-dropless-S1": Layout(mp=2, ep=4, moe={"moe_dropless": True, "moe_schedule": "s1"}),
     "EP4-lina-chunks": Layout(ep=4, lina_chunks=2),
     "EP4-lancet-parts": Layout(
-        ep=4, opts={"lancet_partition": True, "lancet_force_partitions": 2, "lancet_measure_iters": 0}, rank=0
+        ep=4, opts={"lancet_partition": True, "measure_iters": 0}, forced={"lancet partitions": "2"}, rank=0
     ),
-    "EP4-lancet-wgrad": Layout(ep=4, opts={"lancet_wgrad": True, "lancet_measure_iters": 0}, rank=0),
+    "EP4-lancet-wgrad": Layout(ep=4, opts={"lancet_wgrad": True, "measure_iters": 0}, rank=0),
     "EP4-dropless-pro-prophet": Layout(
         ep=4,
         moe={"moe_dropless": True},
@@ -129,6 +128,8 @@ def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
     par.tensor_model_parallel_size, par.expert_model_parallel_size = lay.mp, lay.ep
     par.expert_sharding_parallel_size = lay.esp
     with contextlib.ExitStack() as stack:
+        for decision, pick in lay.forced.items():
+            stack.enter_context(choose.override(decision, pick=pick))
         if one:
             ps = local_state(device)
         else:

@@ -4,7 +4,7 @@ wandb runs offline unless --wandb-mode says otherwise; nothing secret (an API
 key) is ever put in the logged config. Values logged to JSON lines:
 iteration, loss, lr, grad_norm, ms_per_iter, tokens_per_s, dropped_frac, ...
 and `split` for evaluation lines. Console lines start with a local-time stamp
-`[YYYY-MM-DD HH:MM:SS]` (--no-timestamps drops it).
+`[YYYY-MM-DD HH:MM:SS]`.
 
 TensorBoard (--tensorboard-dir): every numeric value of a record as a scalar
 `<split>/<name>` (split = train, valid or test; e.g. `train/loss`,
@@ -103,7 +103,6 @@ class MetricsLogger:
 
     def __init__(self, cfg, active: bool, config_dict: dict, wandb_run_id: Optional[str] = None):
         self.active = active
-        self.timestamps = cfg.logging.timestamps
         self.json_path: Optional[str] = cfg.logging.log_json if active else None
         self.wandb = None
         self.tensorboard = None
@@ -129,7 +128,7 @@ class MetricsLogger:
 
     def line(self, text: str) -> None:
         if self.active:
-            print(f"{timestamp()} {text}" if self.timestamps else text, flush=True)
+            print(f"{timestamp()} {text}", flush=True)
 
     def record(self, values: dict, step: int, histograms: Optional[dict] = None) -> None:
         if not self.active:

@@ -5,10 +5,10 @@
 
 1. Parm (--moe-schedule auto): Algorithm 1 per MoE layer from collective costs
    profiled on the run's real groups (or the --comm-profile cache) ranks the
-   schedules, then the layer times each on its real groups and keeps the fastest
-   (--parm-auto-measure-iters, `moe.schedule_trial.auto_schedule`), the same
-   choice on every rank; the layer takes the chosen dispatcher
-   (`MoELayer.use_schedule`). Explicit schedules stay.
+   schedules, then the layer times each on its real groups (`choose.measure`,
+   `moe.schedule_trial.auto_schedule`), the same choice on every rank; the layer
+   takes the chosen dispatcher (`MoELayer.use_schedule`). With one MP rank the
+   schedules coincide: baseline, nothing timed. Explicit schedules stay.
 2. Lina (--lina): gradient all-reduce goes to a `LinaScheduler` in micro-ops;
    it listens to the dispatchers of the MoE layers that exchange tokens.
 3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
@@ -71,6 +71,7 @@ class Applied:
     lina: Optional[LinaScheduler] = None
     lancet: Optional[LancetController] = None
     pro_prophet: Optional[ProProphet] = None
+    decisions: list = field(default_factory=list)  # `choose.Decision`s taken while applying
 
 
 def _flag_value(cfg: Config, flag: str):
@@ -94,32 +95,22 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
     """Parm's per-layer choice, then Lina, then Lancet (module docstring). Collective: every rank calls it."""
     check_combination(cfg)
     out = Applied()
-    for layer in model.moe_layers():
-        if layer.requested == "auto" and layer.dropless:
-            out.changes.append(
-                f"layer {layer.layer_idx}: --moe-dropless: auto -> dropless baseline "
-                f"(uneven all-to-all, ragged experts)"
-            )
-        elif layer.requested == "auto" and ps.size("mp") * ps.size("ep") * ps.size("esp") == 1:
-            # one rank: baseline, S1 and S2 are the same computation (no MP split, nothing to send)
+    auto = [layer for layer in model.moe_layers() if layer.requested == "auto"]
+    if auto and auto[0].dropless:
+        out.changes.append("parm: --moe-dropless: auto -> the dropless baseline (uneven all-to-all, ragged experts)")
+    elif auto and ps.size("mp") == 1:  # no MP split: baseline, S1 and S2 are the same computation
+        for layer in auto:
             layer.use_schedule("baseline")
-            out.changes.append(f"layer {layer.layer_idx}: Parm auto -> baseline (one rank: the schedules coincide)")
-        elif layer.requested == "auto":
-            choice = auto_schedule(cfg, ps, layer)  # the model's ranking, confirmed by measurement
-            out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}")
-        else:
-            out.changes.append(
-                f"layer {layer.layer_idx}: --moe-schedule {layer.schedule}" + (" (dropless)" if layer.dropless else "")
-            )
+        out.changes.append("parm: auto -> baseline in every MoE layer (one MP rank: the schedules coincide)")
+    else:
+        for layer in auto:
+            choice, decision = auto_schedule(cfg, ps, layer)  # the model's ranking, confirmed by measurement
+            out.decisions.append(decision)
+            out.changes.append(f"layer {layer.layer_idx}: Parm auto -> {choice.describe()}; {decision.line()}")
     opts = cfg.opts
     if opts.lina:
-        out.lina = LinaScheduler(
-            opts.lina_partition_mb,
-            cfg.parallel.comm_timeout,
-            max_in_flight=opts.lina_max_in_flight,
-            drain_ms=opts.lina_drain_ms,
-            coalesce=opts.lina_coalesce,
-        )
+        # coalesced micro-ops (small tensors share one); 4 in flight, drain bound auto (the scheduler's defaults)
+        out.lina = LinaScheduler(opts.lina_partition_mb, cfg.parallel.comm_timeout, coalesce=True)
         grad_sync.set_scheduler(out.lina, model)
         n = sum(layer.dispatcher.crosses_ranks for layer in model.moe_layers())
         out.changes.append(

@@ -61,7 +61,6 @@ from megatron_moe.distributed.comm_errors import guard
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina_trial import LinaTrial, packing_start
 from megatron_moe.fileio import output_path_problem
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
@@ -81,7 +80,6 @@ def init_distributed(cfg: Config):
     device, backend = device_and_backend(p.device, p.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    keep_freed_memory(device, p.cpu_allocator)  # before the model's tensors (logged with the kernels)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
         if (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size) != (1, 1, 1):
             raise ValueError("parallel sizes > 1 need several processes: launch with torchrun --nproc-per-node N")
@@ -343,7 +341,7 @@ class Trainer:
         self.ps, self.device = init_distributed(cfg)
         if cfg.train.save:  # one writer per --save: rank 0 holds its lock for the run (`checkpointing`)
             self.save_lock = self.lock_save_dir()
-        setup_console(self.ps.global_rank, cfg.logging.timestamps)
+        setup_console(self.ps.global_rank)
         if self.ps.layout.world_size == 1:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
@@ -426,7 +424,6 @@ class Trainer:
             f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})"
         )
         self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
-        self.logger.line(f"> {keep_freed_memory(self.device, cfg.parallel.cpu_allocator)}")
         for change in applied.changes:
             self.logger.line(f"> {change}")
 

@@ -178,7 +178,7 @@ def test_trainer_dropless_ep2_with_lina_matches_one_process(sample_data):
     )
     assert [d for _, d in ref] == [0.0] * 3
     for curve, changes in per_rank:
-        assert any("--moe-dropless: auto -> dropless baseline" in c for c in changes), changes
+        assert any("--moe-dropless: auto -> the dropless baseline" in c for c in changes), changes
         assert any(c.startswith("lina:") and "of 1 MoE layers" in c for c in changes), changes
         assert len(curve) == 3
         for i, ((l_ref, _), (loss, dropped)) in enumerate(zip(ref, curve)):

@@ -9,7 +9,7 @@ One 4-process spawn (EP2: dense DP 4, expert-DP 2; a module fixture) runs
   * a heavy scenario (~10 MB of dense gradients, 1 MB buckets, every
     all-to-all slowed by 20 ms) with plain GradSync, with Lina, and with
     Lina's queue but no priority: from the event log, Lina launches nothing
-    while an all-to-all is in flight and at most --lina-max-in-flight
+    while an all-to-all is in flight and at most `max_in_flight`
     micro-ops overlap any all-to-all, while the plain run and the
     no-priority run do overlap;
   * Parm's S1 and S2 under MP2 x EP2, with and without Lina;
@@ -325,7 +325,7 @@ def test_lina_launches_nothing_while_all_to_all_in_flight(ranks):
             assert facts["n_a2a"] == 2, facts
             assert facts["launched_during"] == 0, f"rank {rank}: launched during an all-to-all: {facts}"
             # what overlaps an all-to-all is what was already on the wire when it started: at most
-            # --lina-max-in-flight micro-ops (the launch budget keeps it lower when one is near)
+            # `max_in_flight` micro-ops (the launch budget keeps it lower when one is near)
             assert facts["max_overlap_ops"] <= MAX_IN_FLIGHT, f"rank {rank}: {facts}"
             assert facts["max_overlap_bytes"] <= MAX_IN_FLIGHT * int(HEAVY_MB * 2**20), f"rank {rank}: {facts}"
     # not vacuous: micro-ops were queued before an all-to-all and waited until it ended

@@ -81,14 +81,6 @@ def test_log_lines_have_timestamps(sample_data, capsys):
     assert all(re.match(stamp, ln) for ln in out if "lm loss" in ln or "> layout:" in ln), out
 
 
-def test_no_timestamps_flag_drops_them(sample_data, capsys):
-    pretrain(parse_args(tiny_args(sample_data, 1, "--log-interval", "1", "--no-timestamps")))
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "lm loss" in ln]
-    assert lines and all(
-        ln.startswith(" iteration ") or ln.startswith(" valid ") or ln.startswith(" test ") for ln in lines
-    ), lines
-
-
 def _offline_run_ids(wandb_root) -> list[str]:
     """Run ids of the offline run directories, oldest first: `offline-run-<YYYYMMDD_HHMMSS>-<id>`, with
     a `-<n>` suffix when a directory of that second and id already exists (a resumed run)."""

@@ -93,7 +93,6 @@ from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.packing import TRIAL_ITERS, ExpertPacking
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
 
 
@@ -152,7 +151,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=4.0,
         help="GradSync bucket size of the no_lina mode (small enough that buckets start during backward)",
     )
-    p.add_argument("--max-in-flight", type=int, default=4, help="--lina-max-in-flight of the partitioned Lina modes")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=4,
+        help="micro-ops in flight at most (LinaScheduler max_in_flight) in the partitioned Lina modes",
+    )
     p.add_argument("--pipeline-chunks", type=int, default=4, help="--lina-pipeline-chunks of lina_pipeline and lina")
     p.add_argument(
         "--max-experts-per-rank",
@@ -548,7 +552,6 @@ def run(a: argparse.Namespace) -> None:
     device, backend = device_and_backend(a.cfg.parallel.device, a.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    keep_freed_memory(device, a.cfg.parallel.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     try:

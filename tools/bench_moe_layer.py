@@ -10,8 +10,8 @@ Run under torchrun (plain localhost or the emulated cluster of scripts/emulate_c
 Flags: the trainer's (model, MoE, parallelism, training groups; `--help` lists them) plus
 --schedules, --iters, --warmup, --json.
 Schedules: baseline, s1, s2, auto (Algorithm 1's ranking from the fitted cost model,
---comm-profile caches the fit, then --parm-auto-measure-iters rounds of each candidate timed on the
-auto layer, the fastest kept; 0: the model's pick) and s2-aas (S2 with SAA off). Iterations are
+--comm-profile caches the fit, then --measure-iters passes of each candidate timed on the
+auto layer by `megatron_moe.choose`; 0: the model's pick) and s2-aas (S2 with SAA off). Iterations are
 interleaved across schedules (round robin) so a slow spell of a shared machine
 hits all of them alike; an iteration's time is the slowest rank's. Bytes are the
 collective observer's "sent" per collective@group, averaged over ranks (S1's uneven
@@ -39,7 +39,6 @@ from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedule_trial import auto_schedule
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 
 KNOWN = ("baseline", "s1", "s2", "s2-aas", "auto")
@@ -126,7 +125,6 @@ def run(args: argparse.Namespace) -> None:
     device, backend = device_and_backend(par.device, par.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    keep_freed_memory(device, par.cpu_allocator)
     init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ps = initialize_model_parallel(

@@ -10,7 +10,7 @@ Here:
   * `submit(kind, flat, group)` splits one gradient tensor (GradSync hands
     over one parameter's gradient at a time) into chunks of `partition_mb` MB
     (the last one shorter) and appends them to a FIFO queue; with `coalesce`
-    (--lina-coalesce, the trainer's default) micro-ops are equal slices of the
+    (the trainer's setting) micro-ops are equal slices of the
     concatenated gradients of one group, as in the paper (a slice may span
     small tensors: they are copied into one buffer and back), so a model of
     many small tensors does not pay one round trip per tensor;
@@ -171,8 +171,10 @@ class LinaScheduler:
     `partition_mb`: micro-op size in MB (2**20 bytes; --lina-partition-mb).
     `timeout_s`: seconds a micro-op may take before `drain()` raises
     CommTimeoutError (--comm-timeout). `max_in_flight`: micro-ops launched and
-    not finished at most (--lina-max-in-flight; 1 is the original Lina).
-    `drain_ms`: the drain bound of the launch budget (--lina-drain-ms; 0: auto).
+    not finished at most (1 is the original Lina).
+    `drain_ms`: the drain bound of the launch budget (0: auto, a tenth of the measured all-to-all time).
+    `coalesce`: micro-ops are equal slices of the concatenated gradients of a group (the trainer's
+    setting: small tensors share one micro-op); False: one tensor per micro-op.
     `prioritize=False` launches micro-ops as soon as they are queued, ignoring
     all-to-alls (an ablation for tests and benchmarks, not Lina). The scheduler
     keeps a CommLog running from construction to `close()` (the last
@@ -198,9 +200,9 @@ class LinaScheduler:
         if not timeout_s > 0:
             raise ValueError(f"--comm-timeout must be positive, got {timeout_s}")
         if int(max_in_flight) < 1:
-            raise ValueError(f"--lina-max-in-flight must be at least 1, got {max_in_flight}")
+            raise ValueError(f"LinaScheduler: max_in_flight must be at least 1, got {max_in_flight}")
         if not drain_ms >= 0:
-            raise ValueError(f"--lina-drain-ms must be >= 0 (0: auto), got {drain_ms}")
+            raise ValueError(f"LinaScheduler: drain_ms must be >= 0 (0: auto), got {drain_ms}")
         self.partition_mb, self.timeout_s, self.prioritize = float(partition_mb), float(timeout_s), prioritize
         self.max_in_flight, self.drain_ms, self.coalesce = int(max_in_flight), float(drain_ms), coalesce
         self.partition_bytes = max(1, int(partition_mb * MB))
@@ -304,7 +306,7 @@ class LinaScheduler:
         )
 
     def drain_s(self) -> float:
-        """The drain bound in seconds: --lina-drain-ms, or a tenth of the measured all-to-all time."""
+        """The drain bound in seconds: `drain_ms`, or a tenth of the measured all-to-all time."""
         if self.drain_ms > 0:
             return self.drain_ms / 1e3
         return 0.0 if self.a2a_ms is None else AUTO_DRAIN_FRACTION * self.a2a_ms / 1e3

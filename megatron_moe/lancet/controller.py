@@ -35,22 +35,22 @@ What `setup` installs (through the modules' own hooks; nothing is replaced):
                       Every op splits along the dims CP-SAT solved for the range
                       (`model_ir.range_axes`); the report lists solved and used dims per op.
 The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
---lancet-measure-iters > 0, from `choose_plan`: the planner's candidates ("none" among
-them) are timed on the real model and the fastest measured is kept (never slower than
-the plain run, up to noise); or it is passed in (`plan=LancetPlan.manual(...)`).
+--measure-iters > 0, from `choose_plan`: the planner's candidates ("none" among them) are
+timed on the real model by `choose.measure` (never slower than the plain run, up to noise);
+or it is passed in (`plan=LancetPlan.manual(...)`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections import deque
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_moe import choose
 from megatron_moe.distributed.collectives import group_size
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import range_axes, token_group_kind
@@ -60,9 +60,9 @@ from megatron_moe.lancet.planner import (
     candidate_plans,
     fit_contention,
     fitted_ms,
+    forced_partitions,
     make_plan,
     overlapped_ms,
-    pick_fastest,
     top_candidates,
 )
 from megatron_moe.lancet.wgrad_runtime import WgradRuntime
@@ -133,7 +133,6 @@ class LancetController:
             1.0 / ps.size("mp") if base else 1.0,
             token_group_kind(ps) if base else "ep_esp",
             counts_group(ps),
-            ragged=layer.kept_only or layer.dropless,  # received rows grouped by expert: no padded buffer
         )
         d.set_dw_queue(self.wgrad)
         return d
@@ -288,50 +287,34 @@ class LancetController:
 
 
 def measure_plans(
-    model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, iters: int, grad_sync=None, warmup: int = 1
-) -> dict:
-    """name -> ms of forward + backward of `model` with each plan installed, one value per timed
-    round (`iters` rounds after `warmup` untimed ones, --lancet-measure-warmup; each the slowest
-    rank's; collective, the same on every rank). The untimed rounds matter for the contention fit: on
-    the emulated cluster the first four or five rounds measured 3-8 % slower than the later ones.
-
-    The plans take turns (round-robin, each round reinstalls them), so load that comes and goes
-    hits all alike. The model is left as it was: gradients None, the routers' call counters and
-    the RNG states restored, `grad_sync`'s hooks held back (`accumulating`) while measuring.
-    """
-    if iters < 1:
-        raise ValueError(f"--lancet-measure-iters must be >= 1 to measure, got {iters}")
-    if warmup < 0:
-        raise ValueError(f"--lancet-measure-warmup must be >= 0, got {warmup}")
+    model: GPT2MoE, ps: ParallelState, opts, plans: dict, names: list, B: int, T: int, iters: int, grad_sync=None
+):
+    """`choose.measure` over `names` (simplest first): each pass installs the plan, runs forward +
+    backward of `model` on fixed token ids and removes it (collective). The model is left as it was:
+    gradients None, the routers' call counters and the RNG states restored, `grad_sync`'s hooks held
+    back (`accumulating`) while measuring."""
     dev = model.wte.weight.device
     g = torch.Generator(device="cpu").manual_seed(4321)  # host draw: the same ids on every rank
-    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
+    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g).to(dev)
+
+    def run(plan: LancetPlan):
+        def one_pass() -> None:
+            ctl = LancetController(model, ps, opts, plan if (plan.ranges or plan.wgrad) else None).install()
+            lm, aux = model(ids[:, :-1], ids[:, 1:])
+            ctl.backward(lm + aux)
+            ctl.remove()
+            model.zero_grad(set_to_none=True)
+
+        return one_pass
+
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
     calls = [layer.router.calls for layer in model.moe_layers()]
     held = grad_sync.accumulating if grad_sync is not None else None
     if grad_sync is not None:
         grad_sync.accumulating = True
-    names = list(plans)
-    samples: dict = {n: [] for n in names}
     try:
-        for it in range(warmup + iters):
-            for j in range(len(names)):
-                name = names[(it + j) % len(names)]
-                plan = plans[name]
-                ctl = LancetController(model, ps, opts, plan if (plan.ranges or plan.wgrad) else None).install()
-                if dist.is_initialized():
-                    dist.barrier()
-                t0 = time.perf_counter()
-                lm, aux = model(ids[:, :-1], ids[:, 1:])
-                ctl.backward(lm + aux)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                ms = 1e3 * (time.perf_counter() - t0)
-                ctl.remove()
-                model.zero_grad(set_to_none=True)
-                if it >= warmup:
-                    samples[name].append(ms)
+        return choose.measure("lancet", {n: run(plans[n]) for n in names}, ps.group("world"), dev, iters)
     finally:
         if grad_sync is not None:
             grad_sync.accumulating = held
@@ -340,57 +323,32 @@ def measure_plans(
             torch.cuda.set_rng_state(cuda_rng, dev)
         for layer, c in zip(model.moe_layers(), calls):
             layer.router.calls = c
-    per_round = torch.tensor([samples[n] for n in names], dtype=torch.float64, device=dev)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)  # each round's slowest rank
-    return {n: row for n, row in zip(names, per_round.cpu().tolist())}
 
 
-def choose_plan(
-    model: GPT2MoE,
-    ps: ParallelState,
-    opts,
-    plans: dict,
-    B: int,
-    T: int,
-    *,
-    grad_sync=None,
-    measured: Optional[dict] = None,
-) -> LancetPlan:
-    """Never slower: measure the top candidates ("none" among them, `planner.top_candidates`) and
-    return the fastest measured (smallest median ratio to "none" over the rounds; "none" unless that
-    ratio is below 1 - --lancet-measure-margin), its `selection`
-    recording every candidate's predicted, measured (median) and contention-fitted ms.
-    `measured` (name -> ms) replaces the measurement of the plans it names (tests; it must be
-    the same on every rank). Ties keep "none"."""
-    names = top_candidates(plans, opts.lancet_candidates)
-    rounds = {n: [float(measured[n])] for n in names if measured is not None and n in measured}
-    todo = {n: plans[n] for n in names if n not in rounds}
-    if todo:
-        iters = max(1, opts.lancet_measure_iters)
-        rounds.update(measure_plans(model, ps, opts, todo, B, T, iters, grad_sync, opts.lancet_measure_warmup))
-    best, table, ratio = pick_fastest({n: rounds[n] for n in names}, opts.lancet_measure_margin)
+def choose_plan(model: GPT2MoE, ps: ParallelState, opts, plans: dict, B: int, T: int, grad_sync=None) -> LancetPlan:
+    """Never slower: `choose.measure` times the top candidates ("none" first, `planner.top_candidates`)
+    and keeps the simplest unless a less simple one is faster by more than `choose.MARGIN`; the kept
+    plan's `selection` records every candidate's predicted, measured (median) and contention-fitted ms."""
+    names = top_candidates(plans)
+    decision = measure_plans(model, ps, opts, plans, names, B, T, max(1, opts.measure_iters), grad_sync)
+    table = decision.medians
     fit = fit_contention([(plans[n].predicted["iteration_ms"], overlapped_ms(plans[n]), table[n]) for n in names])
-    chosen = plans[best]
+    chosen = plans[decision.pick]
     chosen.selection = {
-        "chosen": best,
-        "measure_iters": opts.lancet_measure_iters,
-        "measure_warmup": opts.lancet_measure_warmup,
-        "measure_margin": opts.lancet_measure_margin,
+        "chosen": decision.pick,
+        "decision": decision.as_dict(),
         "candidates": {
             n: {
                 "predicted_ms": plans[n].predicted["iteration_ms"],
                 "measured_ms": table[n],
                 "fitted_ms": fitted_ms(plans[n], fit),
                 "overlapped_ms": overlapped_ms(plans[n]),
-                "ratio_to_none": ratio[n],
-                "source": "given" if n not in todo else "measured",
             }
             for n in names
         },
         "contention": fit,
-        "prediction_error": (chosen.predicted["iteration_ms"] - table[best]) / table[best],
-        "fitted_error": (fitted_ms(chosen, fit) - table[best]) / table[best],
+        "prediction_error": (chosen.predicted["iteration_ms"] - table[decision.pick]) / table[decision.pick],
+        "fitted_error": (fitted_ms(chosen, fit) - table[decision.pick]) / table[decision.pick],
     }
     return chosen
 
@@ -404,24 +362,23 @@ def setup(
     micro_batch: Optional[int] = None,
     seq_length: Optional[int] = None,
     grad_sync=None,
-    measured: Optional[dict] = None,
     **plan_kwargs,
 ) -> LancetController:
     """Plan (unless `plan` is given) and install Lancet on `model` per `opts` (OptimizationsConfig).
 
-    With --lancet-measure-iters > 0 (and no --lancet-force-partitions) the plan is the fastest
-    *measured* of the top candidates and "none" (`choose_plan`; `measured` injects times, and
-    `grad_sync`'s hooks are held back while measuring); with 0 it is `make_plan`'s.
-    micro_batch / seq_length default to the model config's --micro-batch-size / --seq-length.
-    Extra keyword arguments go to the planner (costs=, comm=, profiler=).
+    With --measure-iters > 0 (and no forced part count, `planner.forced_partitions`) the plan is the
+    fastest *measured* of the top candidates and "none" (`choose_plan`; `grad_sync`'s hooks are held
+    back while measuring); with 0 it is `make_plan`'s. micro_batch / seq_length default to the model
+    config's --micro-batch-size / --seq-length. Extra keyword arguments go to the planner (costs=,
+    comm=, profiler=).
     """
     if plan is None and (opts.lancet_wgrad or opts.lancet_partition):
         cfg = model.cfg
         B = micro_batch or cfg.train.micro_batch_size
         T = seq_length or cfg.model.seq_length
-        if (opts.lancet_measure_iters > 0 or measured) and opts.lancet_force_partitions <= 1:
+        if opts.measure_iters > 0 and forced_partitions() <= 1:
             plans = candidate_plans(model, ps, opts, B, T, **plan_kwargs)
-            plan = choose_plan(model, ps, opts, plans, B, T, grad_sync=grad_sync, measured=measured)
+            plan = choose_plan(model, ps, opts, plans, B, T, grad_sync=grad_sync)
         else:
             plan = make_plan(model, ps, opts, B, T, **plan_kwargs)
     return LancetController(model, ps, opts, plan).install()

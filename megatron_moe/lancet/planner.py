@@ -42,12 +42,12 @@ one by hand (tests, benchmarks of fixed configurations).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 
+from megatron_moe import choose
 from megatron_moe.lancet.cost import CommCostModel, OpProfiler
 from megatron_moe.lancet.ir import Graph, Instr
 from megatron_moe.lancet.model_ir import (
@@ -65,8 +65,6 @@ from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange, plan_o
 from megatron_moe.lancet.partitioned_moe import RangeSpec, needs_whole_batch_gate
 from megatron_moe.lancet.simulator import SimOp, sequential_ms, simulate
 from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, schedule_wgrad
-from megatron_moe.moe.dispatcher import PaddedDispatcher
-from megatron_moe.profiling import below
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -162,41 +160,6 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0][1:])
 
 
-def plain_pipelines(model) -> dict[int, tuple[int, bool]]:
-    """MoE layer -> (chunks, forced) for the layers whose unpartitioned forward may pipeline its
-    all-to-alls and experts by local expert (`MoELayer.expert_path` "overlap": a padded baseline
-    dispatcher that `pipelines`, kept rows, no Lina chunks, --moe-expert-path overlap): chunks = local
-    experts; forced (always, since the layer takes that path whenever it can)."""
-    out = {}
-    for layer in model.moe_layers():
-        d = layer.dispatcher
-        if not (isinstance(d, PaddedDispatcher) and d.pipelines and layer.kept_only and layer.pipeline_chunks == 1):
-            continue
-        if layer.path_flag == "overlap" and d.num_local > 1:
-            out[layer.layer_idx] = (d.num_local, True)
-    return out
-
-
-def _pieces(ops: list, pipelined: dict) -> list:
-    """`ops` of an unpartitioned range cut into (ops, layer or None): each pipelining layer's
-    a2a_dispatch, experts, a2a_combine on their own, everything else in the sequential runs between."""
-    out: list = []
-    run: list = []
-    i = 0
-    while i < len(ops):
-        name = ops[i].name
-        l = _layer_of(name) if name.endswith(".moe.a2a_dispatch") else None
-        if l in pipelined and [o.name for o in ops[i : i + 3]] == [
-            f"L{l}.moe.{x}" for x in ("a2a_dispatch", "experts", "a2a_combine")
-        ]:
-            out += [(run, None), (ops[i : i + 3], l)] if run else [(ops[i : i + 3], l)]
-            run, i = [], i + 3
-            continue
-        run.append(ops[i])
-        i += 1
-    return out + [(run, None)] if run else out
-
-
 def _backward_ops(ops: list) -> list:
     """The backward of `ops`: reversed, compute doubled (dX + dW)."""
 
@@ -207,33 +170,18 @@ def _backward_ops(ops: list) -> list:
     return [o if o.kind == "comm" else twice(o) for o in reversed(ops)]
 
 
-def _simulate_ranges(
-    mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float, pipelined: Optional[dict] = None
-) -> dict:
+def _simulate_ranges(mo: ModelOps, dp: PartitionPlan, comm: CommCostModel, overhead_ms: float) -> dict:
     """Forward and backward simulation of every DP range; the backward is the range reversed with
-    compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm.
-    In an unpartitioned range, a layer of `pipelined` (`plain_pipelines`) runs its all-to-alls and
-    experts in `chunks` parts, as its overlap path does (the faster of that and sequential unless
-    forced); its backward exposed comm then goes to `layer_exposed` like a partitioned layer's."""
+    compute doubled (dX + dW). Returns sums and each partitioned layer's backward exposed comm."""
     forward_ms = backward_ms = exposed_ms = 0.0
     layer_exposed: dict[int, float] = {}
-    pipelined = pipelined or {}
     for r in dp.ranges:
         ops = list(mo.sim[r.start : r.end])
-        for piece, layer in [(ops, None)] if r.k > 1 else _pieces(ops, pipelined):
-            f = simulate(piece, r.k, comm, overhead_ms)
-            b = simulate(_backward_ops(piece), r.k, comm, overhead_ms)
-            if layer is not None:  # chunks by local expert, not batch parts: no batch-part costs
-                chunks, forced = pipelined[layer]
-                by_expert = [replace(o, part_ms=None) for o in piece]
-                fp = simulate(by_expert, chunks, comm, overhead_ms)
-                bp = simulate(_backward_ops(by_expert), chunks, comm, overhead_ms)
-                if forced or fp.makespan_ms + bp.makespan_ms < f.makespan_ms + b.makespan_ms:
-                    f, b = fp, bp
-                    layer_exposed[layer] = b.exposed_comm_ms
-            forward_ms += f.makespan_ms
-            backward_ms += b.makespan_ms
-            exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
+        f = simulate(ops, r.k, comm, overhead_ms)
+        b = simulate(_backward_ops(ops), r.k, comm, overhead_ms)
+        forward_ms += f.makespan_ms
+        backward_ms += b.makespan_ms
+        exposed_ms += f.exposed_comm_ms + b.exposed_comm_ms
         if r.k > 1:
             for layer in {_layer_of(o.name) for o in ops if o.kind == "comm"}:
                 layer_exposed[layer] = b.exposed_comm_ms
@@ -311,8 +259,6 @@ def make_plan(
         raise ValueError(f"--lancet-max-partitions must be >= 1, got {opts.lancet_max_partitions}")
     if opts.lancet_group_ms <= 0:
         raise ValueError(f"--lancet-group-ms must be > 0, got {opts.lancet_group_ms}")
-    if opts.lancet_force_partitions < 0:
-        raise ValueError(f"--lancet-force-partitions must be >= 0, got {opts.lancet_force_partitions}")
     if opts.lancet_max_range < 1:
         raise ValueError(f"--lancet-max-range must be >= 1, got {opts.lancet_max_range}")
     sh = model_shapes(model, ps, B, T)
@@ -330,15 +276,14 @@ def make_plan(
         total = sequential_ms(mo.sim, comm)
         dp = PartitionPlan(total, [PlannedRange(0, len(mo.sim), 1, total)])
     ranges = [_range_spec(mo, r) for r in dp.ranges if r.k > 1]
-    if partition and opts.lancet_force_partitions > 1:  # every MoE block, whatever the prediction
+    forced_k = forced_partitions()
+    if partition and forced_k > 1:  # every MoE block, whatever the prediction
         ranges = [
-            RangeSpec(
-                l, "gate" if needs_whole_batch_gate(b.moe) else "attn", "block", min(opts.lancet_force_partitions, B)
-            )
+            RangeSpec(l, "gate" if needs_whole_batch_gate(b.moe) else "attn", "block", min(forced_k, B))
             for l, b in enumerate(model.blocks)
             if b.is_moe and B > 1
         ]
-    sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms, plain_pipelines(model))
+    sims = _simulate_ranges(mo, dp, comm, costs.overhead_ms)
     graph = residual_graph(backward_graph(model, costs, comm.predict(sh.a2a_bytes())), sims["layer_exposed"])
     if wgrad:
         sched = schedule_wgrad(graph)
@@ -356,7 +301,7 @@ def make_plan(
             "gamma_ms": opts.lancet_group_ms,
             "iota": opts.lancet_max_range,
             "overhead_ms": costs.overhead_ms,
-            "forced_k": opts.lancet_force_partitions,
+            "forced_k": forced_k,
         },
         wgrad,
     )
@@ -368,6 +313,16 @@ def make_plan(
 
 
 MODES = {"none": (False, False), "dw": (True, False), "partition": (False, True), "both": (True, True)}
+CANDIDATES = 2  # plans of each part budget `top_candidates` times beside "none"
+
+
+def forced_partitions() -> int:
+    """Parts every MoE block's range runs in whatever the planner predicts (tests: `choose.override`
+    or MMOE_CHOOSE "lancet partitions=K"); 0: the planner decides."""
+    k = choose.forced("lancet partitions")
+    if k is not None and (not k.isdigit() or int(k) < 2):
+        raise ValueError(f"lancet partitions: a forced part count must be an integer >= 2, got {k!r}")
+    return int(k or 0)
 
 
 def candidate_plans(
@@ -413,19 +368,19 @@ def coarse_budget(max_partitions: int) -> Optional[int]:
     return k if k < max_partitions else None
 
 
-def top_candidates(plans: dict, n: int) -> list:
+def top_candidates(plans: dict, n: int = CANDIDATES) -> list:
     """ "none", the n plans of the full part budget other than "none" with the smallest predicted
     iteration time, and the n such plans of the coarse budget ("<mode>@k<K>", `candidate_plans`),
-    ties in the plans' order; plans with nothing to install ("partition" without ranges) are dropped."""
-    if n < 1:
-        raise ValueError(f"--lancet-candidates must be >= 1, got {n}")
+    simplest first for `choose.pick`: "none", then by mode ("dw", "partition", "both"), the coarse
+    budget before the full one; plans with nothing to install ("partition" without ranges) are dropped."""
     if "none" not in plans:
         raise ValueError("the candidate plans must include 'none'")
     order = list(plans)
     rest = [m for m in order if m != "none" and (plans[m].ranges or plans[m].wgrad)]
     rest.sort(key=lambda m: (plans[m].predicted["iteration_ms"], order.index(m)))
     full, coarse = [m for m in rest if "@" not in m], [m for m in rest if "@" in m]
-    return ["none"] + full[:n] + coarse[:n]
+    picked = full[:n] + coarse[:n]
+    return ["none"] + sorted(picked, key=lambda m: (list(MODES).index(m.split("@")[0]), "@" not in m))
 
 
 def overlapped_ms(plan: LancetPlan) -> float:
@@ -464,28 +419,3 @@ def fit_contention(rows) -> dict:
 def fitted_ms(plan: LancetPlan, fit: dict) -> float:
     """The plan's predicted iteration time corrected by a `fit_contention` result."""
     return fit["scale"] * plan.predicted["iteration_ms"] + fit["contention"] * overlapped_ms(plan)
-
-
-def pick_fastest(rounds: dict, margin: float = 0.0) -> tuple:
-    """(fastest name, name -> median ms, name -> ratio to "none") from name -> ms per round, in
-    candidate order ("none" first). Decided on the median over rounds of each plan's time over
-    "none"'s in the same round: the plans of a round run back to back, so load that drifts
-    between rounds on a shared machine cancels. Plans timed a different number of rounds
-    (injected times) compare their medians. Ties keep the earlier name ("none"), and so does a
-    fastest plan whose ratio is not below 1 - `margin` (--lancet-measure-margin: a gain within
-    the measurement's noise is not worth a plan that may lose)."""
-    names = list(rounds)
-    if "none" not in rounds or any(not v for v in rounds.values()):
-        raise ValueError(f"pick_fastest needs 'none' and at least one time per plan, got {rounds}")
-    table = {n: statistics.median(rounds[n]) for n in names}
-    paired = all(len(rounds[n]) == len(rounds["none"]) for n in names)
-    ratio = {
-        n: (
-            statistics.median([a / b for a, b in zip(rounds[n], rounds["none"])])
-            if paired
-            else table[n] / table["none"]
-        )
-        for n in names
-    }
-    best = min(names, key=lambda n: (ratio[n], names.index(n)))
-    return (best if below(ratio[best], 1.0, margin) else "none"), table, ratio

@@ -18,7 +18,7 @@
 the model config, with each schedule's expert compute at the throughput measured
 on this machine (`expert_throughput`, MIN over the world), and logs the choice and
 predicted times on rank 0. `moe.schedule_trial.auto_schedule` then confirms it by timing
-the candidates on the real layer (--parm-auto-measure-iters).
+the candidates on the real layer (`choose.measure`, --measure-iters).
 """
 
 from __future__ import annotations
@@ -390,9 +390,9 @@ def choose_for_layer(cfg: "Config", ps: "ParallelState", layer_idx: int) -> Choi
     if key not in _MEMO:
         _MEMO[key] = expert_throughput(ps, sh)
     flops_per_s = _MEMO[key]
-    choice = choose_schedule(
-        model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s, kept_compute=cfg.moe.moe_kept_only
-    )
+    # one rank holding every expert computes only the kept rows (`moe.dispatcher.local_plan`), several the buffer
+    kept = sh.n_ep * sh.n_esp == 1
+    choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s, kept_compute=kept)
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info(
             "parm: layer %d B=%d L=%d M=%d H=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s "

@@ -39,7 +39,7 @@ S1 on a tie; `auto` also prices the baseline and takes it when it is strictly
 cheaper than both (small layers, where S1/S2's extra collectives' latencies
 dominate). S1 is impossible when N_MP does not divide S. The runtime's `auto` takes this
 as a ranking and keeps the fastest schedule measured on the real layer
-(`moe.schedule_trial`; `Choice.measured`, `Choice.scale`).
+(`moe.schedule_trial` through `choose.measure`).
 `expert_flops` is the compute term (simulator, and `auto` at a measured throughput): the
 baseline runs every token's expert FFN on each of the N_MP ranks, S1 and S2 once; with
 kept=True (the runtime's kept-row experts) only kept rows count, N_ESP min(k S, E C) per
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -273,22 +272,11 @@ class Choice:
     times: dict
     saa_chunks: int
     priced: str = "communication"  # what `times` add up: "communication" or "communication + expert compute"
-    measured: Optional[dict] = None  # median fwd+bwd ms per schedule timed on the real layer (`moe.schedule_trial`)
-    model_pick: str = ""  # the cost model's pick when `measured` decided
-    scale: float = 0.0  # least-squares factor from predicted to measured times (0: not measured)
 
     def describe(self) -> str:
-        """The choice, its predicted times and, when measured, the measured ones (max over ranks)."""
+        """The choice and its predicted times."""
         ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.times.items())
-        text = f"{self.schedule} (predicted fwd+bwd {self.priced}: {ms}; SAA chunks {self.saa_chunks})"
-        if self.measured is None:
-            return text
-        got = ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured.items())
-        fitted = ", ".join(f"{k} {self.times[k] * 1e3 * self.scale:.3f} ms" for k in self.measured if k in self.times)
-        return (
-            f"{text}; measured fwd+bwd layer (max over ranks): {got}; model picked {self.model_pick}; "
-            f"predictions x {self.scale:.3g} (least-squares fit to the measured): {fitted}"
-        )
+        return f"{self.schedule} (predicted fwd+bwd {self.priced}: {ms}; SAA chunks {self.saa_chunks})"
 
 
 def choose_schedule(
