@@ -1,4 +1,4 @@
-"""Multi-process helper for tests and small tools: spawn N gloo ranks on localhost.
+"""Multi-process support for tests and small tools: spawn N gloo ranks on localhost.
 
 `spawn(fn, world_size, *args)` starts `world_size` processes, initializes
 torch.distributed (gloo, free port, one thread per process), calls

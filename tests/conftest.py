@@ -1,7 +1,7 @@
 """Test-session settings and the markers of every test, assigned here in one place.
 
 The package is imported from the checkout (pyproject.toml `[tool.pytest.ini_options] pythonpath`),
-helper modules in tests/ (tiny_run, equivalence, ...) through pytest's import of the test files.
+support modules in tests/ (tiny_run, equivalence, ...) through pytest's import of the test files.
 
 Markers (registered in pyproject.toml): `multiprocess` starts gloo process groups
 (`megatron_moe.testing.spawn`) or a cluster of processes; `slow` takes more than about 20 s on
@@ -42,6 +42,7 @@ EMULATED_CLUSTER = {
 MARKS: dict[str, dict[str, object]] = {
     "multiprocess": {
         "test_bf16.py": {"test_bf16_golden_curve_matches_bf16_one_process"},
+        "test_choose.py": {"test_ranks_agree_on_the_max_of_each_pass_and_on_the_pick"},
         "test_clean_exit.py": ALL,
         "test_steady_memory.py": ALL,
         "test_clipping.py": {

@@ -176,7 +176,7 @@ def run(send_RM: torch.Tensor, op: A2AHandle) -> torch.Tensor:
 
 
 class _OpenAsync(torch.autograd.Function):
-    """Backward (runs first): start the dW of window `name` on the queue's helper thread."""
+    """Backward (runs first): start the dW of window `name` on the queue's worker thread."""
 
     @staticmethod
     def forward(ctx, x, dw, name, box):
@@ -190,7 +190,7 @@ class _OpenAsync(torch.autograd.Function):
 
 
 class _CloseAsync(torch.autograd.Function):
-    """Backward (runs after the wrapped all-to-all's backward): join the helper thread's dW."""
+    """Backward (runs after the wrapped all-to-all's backward): join the worker thread's dW."""
 
     @staticmethod
     def forward(ctx, x, dw, box):
@@ -206,7 +206,7 @@ class _CloseAsync(torch.autograd.Function):
 
 def dw_window(fn, x: torch.Tensor, dw, name: Optional[str]) -> torch.Tensor:
     """y = fn(x) for a synchronous communicating step (S2's all-to-alls), with the dW of window
-    `name` running on a helper thread while its backward communicates."""
+    `name` running on a worker thread while its backward communicates."""
     if dw is None or name is None or not (torch.is_grad_enabled() and x.requires_grad):
         return fn(x)
     box: list = []
