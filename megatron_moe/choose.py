@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed.collectives import max_over_group
+from megatron_moe.distributed.collectives import group_size, max_over_group
 from megatron_moe.profiling import span_ms, stamp
 
 MARGIN = 0.02  # a later (less simple) alternative must be faster by more than this fraction
@@ -98,7 +98,9 @@ def passes(n: int, iters: int, warmup: int = WARMUP, settle: int = 0, turn: int 
     """The order of passes over `n` alternatives: (alternative index, timed). Every alternative gets
     `iters` timed passes rounded up to whole turns."""
     if n < 1 or iters < 1 or warmup < 0 or settle < 0 or turn < 1:
-        raise ValueError(f"passes: need n, iters, turn >= 1 and warmup, settle >= 0, got {n, iters, warmup, settle, turn}")
+        raise ValueError(
+            f"passes: need n, iters, turn >= 1 and warmup, settle >= 0, got {n, iters, warmup, settle, turn}"
+        )
     out = [((r + j) % n, False) for r in range(warmup) for j in range(n)]
     for r in range(-(-iters // turn)):
         for j in range(n):
@@ -145,7 +147,10 @@ class Decision:
 
 def untimed(name: str, alternatives: Sequence[str], chosen: str, reason: str) -> Decision:
     """A decision taken without measuring (one alternative, identical alternatives, measuring off)."""
-    return Decision(name, tuple(alternatives), forced(name) or chosen, reason)
+    want = forced(name)
+    if want is not None and want not in alternatives:
+        raise ValueError(f"{name}: cannot force {want!r}, the alternatives are {', '.join(alternatives)}")
+    return Decision(name, tuple(alternatives), want or chosen, reason)
 
 
 class Trial:
@@ -220,7 +225,10 @@ class Trial:
         chosen, reason = pick(medians, self.alternatives, self.margin), "measured"
         want = forced(self.name)
         if want is not None:
-            chosen, reason = want, f"forced ({ENV} or choose.override), measured {pick(medians, self.alternatives)}"
+            chosen, reason = (
+                want,
+                f"forced ({ENV} or choose.override), measured {pick(medians, self.alternatives, self.margin)}",
+            )
         self.decision = Decision(self.name, self.alternatives, chosen, reason, medians, samples)
         return self.decision
 
@@ -240,7 +248,7 @@ def measure(
     if len(names) == 1:
         return untimed(name, names, names[0], "one alternative")
     trial = Trial(name, names, group, device, iters, warmup, margin=margin)
-    sync = dist.is_initialized() and dist.get_world_size(group) > 1
+    sync = group_size(group) > 1  # LOCAL_GROUP: this rank alone
     decision = None
     while decision is None:
         alt = trial.next()
