@@ -10,13 +10,13 @@ from megatron_moe.testing import spawn
 
 
 def _baseline_records(rank, world, mp, ep, esp, k):
-    res = run_layout(tiny_config(k, moe_expert_path="kept"), mp, ep, esp)  # kept rows: their count exchange
+    res = run_layout(tiny_config(k), mp, ep, esp)
     return [(r.op, r.group, r.sent, r.recv) for r in res["records"]]
 
 
 def test_baseline_bytes_match_formula():
     mp, ep, esp, k = 1, 2, 2, 2
-    cfg = tiny_config(k, moe_expert_path="kept")
+    cfg = tiny_config(k)
     S = MICRO_BATCH * cfg.model.seq_length
     E, M = cfg.moe.num_experts, cfg.model.hidden_size
     C = max(math.ceil(k * cfg.moe.moe_expert_capacity_factor * S / E), cfg.moe.moe_min_capacity)
@@ -35,15 +35,12 @@ def test_baseline_bytes_match_formula():
         assert sent("all_to_all", "ep") == [esp * buf] * (4 * moe_layers)
         # ESP all-reduce of the partial outputs, forward and backward
         assert sent("all_reduce", "esp") == [esp * buf] * (2 * moe_layers)
-        # the kept-row counts of the buffer: one int32 per expert (one routing group), all-gathered
-        assert sent("all_gather", "ep_esp") == [E * 4] * moe_layers
         # and nothing else moves (MP1: no tensor-parallel collectives)
         assert {(o, g) for o, g, _, _ in recs} == {
             ("all_gather", "esp"),
             ("reduce_scatter", "esp"),
             ("all_to_all", "ep"),
             ("all_reduce", "esp"),
-            ("all_gather", "ep_esp"),
         }
 
 

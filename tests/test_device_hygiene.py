@@ -247,12 +247,7 @@ SMALL = [
     "1",
 ]
 BENCH = {  # tool -> (extra flags, key of a row, the rows it must write)
-    # one experts' path (not measured): the two runs make the same collectives
-    "bench_moe_layer.py": (
-        ["--schedules", "baseline,s1,s2", "--moe-expert-path", "kept"],
-        "schedule",
-        ["baseline", "s1", "s2"],
-    ),
+    "bench_moe_layer.py": (["--schedules", "baseline,s1,s2"], "schedule", ["baseline", "s1", "s2"]),
     "bench_lancet.py": (["--timeline"], "mode", ["none", "dw", "partition", "both", "auto"]),
     "bench_lina.py": (["--rounds", "1", "--partitions", "1"], "mode", ["alone", "no_lina", "lina"]),
 }

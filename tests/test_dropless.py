@@ -51,12 +51,12 @@ def test_skewed_gate_drops_nothing_and_plans_every_choice_once(k):
     expect_w = chosen if k == 1 else chosen / chosen.sum(dim=1, keepdim=True)
     assert torch.allclose(r.weight, expect_w)
     assert torch.allclose(r.aux_loss, capped.aux_loss)  # aux loss unchanged
-    plan = UnevenDispatcher(local_state(), E, 0, ragged=True).plan([r])
+    plan = UnevenDispatcher(local_state(), E, 0).plan([r])
     assert sorted(plan.token.tolist()) == sorted(list(range(S)) * k)  # every choice exactly once
     assert plan.expert_rows == r.counts.tolist()  # ragged: no padding rows
     # dispatch then combine: each token's weighted sum of its rows (identity for top-2)
     x = torch.randn(S, 8)
-    d = UnevenDispatcher(local_state(), E, 0, ragged=True)
+    d = UnevenDispatcher(local_state(), E, 0)
     x_in = d.dispatch(x, plan)
     assert x_in.shape == (k * S, 8)
     y = d.combine(x_in, plan)

@@ -6,8 +6,7 @@ process group, `megatron_moe.fake_world`) under bf16 autocast, with a dispatch-l
   forward and two gradients), and none writes into an `out=` tensor (autocast never reaches those);
 - the MoE layers make no host sync at one process and in the padded-buffer layouts, and one per layer
   (the uneven all-to-all's split sizes, read once for the forward and reused by the backward) where
-  tokens travel unevenly; the kept-row paths of several ranks, asked for with --moe-expert-path, pin
-  their own counts;
+  tokens travel unevenly;
 - both checks fail when the hot path is mutated back: an fp32 `out=` expert GEMM, an added `.tolist()`.
 
 The same report runs on CUDA when a GPU is present (there the dtype and the device of every op are real).
@@ -20,13 +19,9 @@ import megatron_moe.moe.dispatcher as dispatcher_mod
 import megatron_moe.moe.grouped as grouped_mod
 from megatron_moe.fake_world import INFERENCE_LAYOUTS, LAYOUTS, UNEVEN, generate_report, step_report
 
-# host syncs in the MoE layers of one forward + backward, per MoE layer: zero unless tokens travel unevenly
-KEPT_PATHS = {"EP8-kept": 5, "EP8-overlap": 4}  # opt-in kept rows on several ranks: the counts' exchange
-
 
 def expected_syncs(name: str) -> int:
-    if name in KEPT_PATHS:
-        return KEPT_PATHS[name]
+    """Host syncs in the MoE layers of one forward + backward, per MoE layer: zero unless tokens travel unevenly."""
     return 1 if name in UNEVEN else 0
 
 

@@ -46,7 +46,7 @@ def test_check_layouts_table_and_json(tmp_path, capsys):
 def test_bench_vs_deepspeed_one_process_bf16_against_the_floor(tmp_path):
     out = tmp_path / "layer.json"
     tiny = ["--micro-batch-size", "1", "--seq-length", "64", "--hidden-size", "64", "--ffn-hidden-size", "128"]
-    for extra, variants in (([], "ours,ours-padded,floor"), (["--moe-dropless"], "ours,floor")):
+    for extra, variants in (([], "ours,floor"), (["--moe-dropless"], "ours,floor")):
         cmd = [
             sys.executable,
             os.path.join(TOOLS, "bench_vs_deepspeed.py"),

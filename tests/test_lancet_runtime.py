@@ -159,7 +159,6 @@ def _cases(layout) -> list[tuple]:
 def _run_case(ps, k: int, policy: str, schedule: str, costs, comm) -> dict:
     cfg = config(k, policy)
     cfg.moe.moe_schedule = schedule
-    cfg.moe.moe_kept_only = False  # deferred dW runs the padded batched GEMMs: bitwise vs the padded plain run
     ref = one_run(cfg, ps, None)
     wg = make_plan(GPT2MoE(cfg, ps), ps, cfg.opts, MICRO, 8, wgrad=True, partition=False, costs=costs, comm=comm)
     plans = {

@@ -255,44 +255,6 @@ def test_groups_never_span_a_cut():
     assert group_ops([1, 1, 1, 1], 2.0, cuts={1, 3}) == [(0, 1), (1, 3), (3, 4)]
 
 
-def test_plain_layer_overlap_path_is_priced_as_a_pipeline_by_local_expert():
-    """An unpartitioned MoE layer that can pipeline its all-to-alls by local expert (the overlap path)
-    is simulated in that many parts when that is faster (or forced), sequentially otherwise; its
-    backward exposure then sizes Algorithm 1's windows (`layer_exposed`)."""
-    from megatron_moe.lancet.cost import CommCostModel
-    from megatron_moe.lancet.partition_dp import PartitionPlan, PlannedRange
-    from megatron_moe.lancet.planner import _simulate_ranges
-    from megatron_moe.lancet.simulator import SimOp, sequential_ms
-
-    class Ops:  # what `_simulate_ranges` reads of a ModelOps
-        def __init__(self, sim):
-            self.sim = sim
-
-    sim = [
-        SimOp("L0.mlp.fc1", "compute", 3.0),
-        SimOp("L1.moe.gate", "compute", 1.0),
-        SimOp("L1.moe.a2a_dispatch", "comm", 0.0, 4096.0),
-        SimOp("L1.moe.experts", "compute", 8.0),
-        SimOp("L1.moe.a2a_combine", "comm", 0.0, 4096.0),
-        SimOp("L1.moe.combine", "compute", 1.0),
-    ]
-    linear = CommCostModel([(1024.0, 1.0), (4096.0, 4.0)])  # 1 ms per KB: chunks cost no more in total
-    latency = CommCostModel([(1024.0, 4.0), (4096.0, 4.0)])  # 4 ms whatever the size: chunks cost 4x
-    mo = Ops(sim)
-    total = sequential_ms(sim, linear)
-    dp = PartitionPlan(total, [PlannedRange(0, len(sim), 1, total)])
-    plain = _simulate_ranges(mo, dp, linear, 0.0)
-    assert plain["forward_ms"] == total and plain["layer_exposed"] == {}
-    piped = _simulate_ranges(mo, dp, linear, 0.0, {1: (4, False)})
-    assert piped["forward_ms"] < total and 1 in piped["layer_exposed"]
-    assert piped["exposed_ms"] < plain["exposed_ms"]
-    # per-message latency makes 4 chunks slower: the layer's trial keeps kept rows, and so does the price
-    slow = _simulate_ranges(mo, dp, latency, 0.0, {1: (4, False)})
-    assert slow["forward_ms"] == sequential_ms(sim, latency) and slow["layer_exposed"] == {}
-    forced = _simulate_ranges(mo, dp, latency, 0.0, {1: (4, True)})  # --moe-expert-path overlap
-    assert forced["forward_ms"] > slow["forward_ms"] and 1 in forced["layer_exposed"]
-
-
 def test_parts_are_priced_at_their_measured_batch():
     from megatron_moe.lancet.model_ir import profile_costs
     from megatron_moe.lancet.simulator import SimOp, op_cost, simulate

@@ -192,9 +192,8 @@ def _four_ranks(rank, world):
     ps = initialize_model_parallel(1, 2, 1)
     try:
         out = {}
-        # one experts' path (kept rows), not the measured choice: the all-to-alls are counted below
-        cfg = tiny_config(k=1, moe_expert_path="kept")
-        cfg4 = tiny_config(k=1, moe_expert_path="kept")
+        cfg = tiny_config(k=1)
+        cfg4 = tiny_config(k=1)
         cfg4.model.num_layers = 4  # MoE blocks 1 and 3
         out["notifications"] = notifications(cfg4, ps)
         out["plain"] = train(cfg, ps, None, ITERS)[:3]

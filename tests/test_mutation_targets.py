@@ -72,11 +72,14 @@ def test_gate_logits_are_fp32_under_bf16_autocast():
 
 
 def test_two_routing_groups_equal_two_separate_calls():
-    """Routing groups side by side in one buffer give what each group gives on its own (the padded buffer:
-    the one-rank kept-row plan gathers each token straight into its expert's rows, whatever its slot)."""
-    cfg = tiny_config(k=2, moe_kept_only=False)
+    """Routing groups side by side in one padded buffer (`padded_plan`, what several ranks send) give what each
+    group gives on its own (the one-rank plan gathers each token straight into its expert's rows, whatever
+    its slot: there the groups could not collide)."""
+    cfg = tiny_config(k=2)
     ids, labels = global_batch(2)
     both = GPT2MoE(cfg, local_state(), routing_groups=2)
+    for layer in both.moe_layers():
+        layer.dispatcher.plan = layer.dispatcher.padded_plan
     loss2 = _loss_and_grads(both, ids, labels)
     dropped2 = both.moe_layers()[0].last_stats["dropped"]
     one = GPT2MoE(cfg, local_state(), routing_groups=1)

@@ -25,8 +25,7 @@ SCHEDS = {"s1": {"schedule": "s1"}, "s2": {"schedule": "s2"}, "s2-aas": {"schedu
 
 
 def cfg_of(k, policy="position", sched="s1", **extra):
-    # kept rows (not auto's padded at this capacity factor): the byte formulas count their exchange
-    return tiny_config(k, policy, **{**SCHEDS.get(sched, {"schedule": sched}), "moe_expert_path": "kept", **extra})
+    return tiny_config(k, policy, **{**SCHEDS.get(sched, {"schedule": sched}), **extra})
 
 
 # ----------------------------------------------------------------------------- in the spawned ranks
@@ -130,11 +129,6 @@ def reference_routes(cfg, dp):
         ]
 
 
-def header_bytes(E_l: int, M: int) -> int:
-    """Bytes of the header rows that carry E_l kept-row counts after one destination's slots (fp32 rows of M)."""
-    return -(-E_l // M) * M * 4
-
-
 def expected_bytes(cfg, sched, layout, rank, world):
     """Bytes one rank sends per (op, group) in forward + backward of one MoE layer, fp32."""
     mp, ep, esp = layout
@@ -154,16 +148,11 @@ def expected_bytes(cfg, sched, layout, rank, world):
         add("reduce_scatter", "esp", esp * buf, esp)
         add("all_to_all", "ep", 4 * esp * buf, ep)
         add("all_reduce", "esp", 2 * esp * buf, esp)
-        if esp == 1:  # kept-row counts ride the dispatch all-to-all: ceil(E_l / M) header rows per destination
-            add("all_to_all", "ep", 4 * ep * header_bytes(E_l, M), ep)
-        else:
-            add("all_gather", "ep_esp", E * 4, ep * esp)  # kept-row counts (int32 per expert)
     elif sched == "s2":
         # Parm's S2: all-to-all of N_ESP * E * C/N_MP * M each way, both directions;
         # MP all-gather of E * C/N_MP * M forward (SAA) and backward (dispatch gradient)
         add("all_to_all", "ep_esp", 4 * esp * E * C_mp * M * 4, ep * esp)
         add("all_gather", "mp", 2 * E * C_mp * M * 4, mp)
-        add("all_gather", "ep_esp", E * 4, ep * esp)  # kept-row counts (int32 per expert)
     else:
         # S1 sends only kept tokens: N_ESP copies of this slice's kept choices out, and
         # back the rows its experts received; the same again in backward
@@ -229,11 +218,8 @@ def _check_bytes(cases, results, world):
         mine = results[0]["bytes"][i]["bytes"]
         base = results[0]["bytes"][next(j for j, c in enumerate(cases) if c == (lay, k, "baseline"))]["bytes"]
         assert not any(g in ("esp", "ep") for _, g in mine)
-        if sched == "s2" and lay[1] > 1:  # the baseline's slots, without its header rows (ESP1)
-            header = (
-                4 * lay[1] * header_bytes(cfg.moe.num_experts // lay[1], cfg.model.hidden_size) if lay[2] == 1 else 0
-            )
-            assert mine[("all_to_all", "ep_esp")] * lay[0] == base[("all_to_all", "ep")] - header
+        if sched == "s2" and lay[1] > 1:
+            assert mine[("all_to_all", "ep_esp")] * lay[0] == base[("all_to_all", "ep")]
 
 
 def test_parm_schedules_p4():

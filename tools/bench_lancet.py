@@ -15,7 +15,7 @@ the same in every mode and are left out). Per iteration it measures:
   a2a_ms           time some all-to-all was in flight (union of [launch, finish]),
   a2a_exposed_ms   time the main thread was blocked on an all-to-all (a synchronous
                    call, or `wait()` on an asynchronous one) minus the part of it in
-                   which the dW helper thread was computing,
+                   which the dW worker thread was computing,
   remote_bytes     bytes this rank's all-to-alls sent to other ranks (the link's load; with
                    --link-mbit R the table adds "wire ms" = the slowest rank's remote bytes at R Mbit/s:
                    the least time any schedule of these messages keeps the link busy),
@@ -56,7 +56,6 @@ from megatron_moe.fileio import atomic_write_json
 from megatron_moe.lancet.model_ir import model_shapes, profile_a2a_model, profile_costs
 from megatron_moe.lancet.planner import candidate_plans, fitted_ms, make_plan
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 from megatron_moe.profiling import paired_ratio
 
@@ -239,11 +238,6 @@ def run_modes(modes: list[str], args, cfg: Config, ps, costs, comm, ids, labels)
                 "predicted_a2a_exposed_ms": round(plan.predicted["a2a_exposed_ms"], 3),
                 "ranges": [f"L{r.layer}:{r.start}->{r.end} k={r.k}" for r in plan.ranges],
                 "dw_assigned": sum(len(v) for v in plan.assignment.values()),
-                # how each MoE layer's experts ran last (`MoELayer.expert_path`; "" under a partitioned range)
-                "expert_paths": [
-                    "range" if layer.layer_idx in {r.layer for r in plan.ranges} else layer.path_last
-                    for layer in model.moe_layers()
-                ],
                 "chosen": plan.selection.get("chosen"),
                 "selection": plan.selection or None,
             }
@@ -290,7 +284,6 @@ def print_table(rows: list[dict], head: dict, iters: int) -> None:
             + f"{r['predicted_ms']:>13.1f} {err:>+9.0%} {ferr} {base['iter_ms_median'] / r['iter_ms_median']:>7.2f}x "
             f"{base['iter_ms_min'] / r['iter_ms_min']:>5.2f}x {paired_text(r['speedup_paired']):>20}  "
             f"{', '.join(r['ranges']) or '-'}{chosen}"
-            f"  paths {'/'.join(p or '-' for p in r['expert_paths'])}"
         )
     sel = next((r["selection"] for r in rows if r["selection"]), None)
     if sel:
@@ -318,7 +311,6 @@ def run(args: argparse.Namespace) -> None:
     device, backend = device_and_backend(args.cfg.parallel.device, args.cfg.parallel.distributed_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    keep_freed_memory(device, args.cfg.parallel.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = dist.get_world_size()

@@ -359,8 +359,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     warmup = a.warmup if packing is None else max(a.warmup, packing.start)
     it = 0
     while len(steps) < a.iters:
-        # the same on every rank: the warm-up, the Lina trial, a packing trial, the experts' path trial
-        # (`MoELayer.expert_path`)
+        # the same on every rank: the warm-up, the Lina trial, a packing trial
         in_trial = trial is not None and trial.running
         warming = it < warmup or in_trial or (packing is not None and packing.busy)
         packing_now = packing is not None and warming and not in_trial  # packing sees no trial step

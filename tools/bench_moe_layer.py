@@ -16,10 +16,9 @@ interleaved across schedules (round robin) so a slow spell of a shared machine
 hits all of them alike; an iteration's time is the slowest rank's. Bytes are the
 collective observer's "sent" per collective@group, averaged over ranks (S1's uneven
 all-to-all sends differ per rank). Prints a table on rank 0; --json writes a
-list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen, experts_path} and, with auto
+list of {schedule, ms_median, ms_p90, bytes, speedup_vs_baseline, chosen} and, with auto
 and any of baseline/s1/s2, a last {summary: auto_vs_fastest, auto_picked, auto_ms, fastest, fastest_ms,
-auto_over_fastest}. Layers with a padded dispatcher warm up until their experts' path
-(`MoELayer.expert_path`) is fixed.
+auto_over_fastest}.
 """
 
 from __future__ import annotations
@@ -176,7 +175,6 @@ def run(args: argparse.Namespace) -> None:
     base = next((r["ms_median"] for r in rows if r["schedule"] == "baseline"), None)
     for r in rows:
         r["speedup_vs_baseline"] = None if base is None else base / r["ms_median"]
-        r["experts_path"] = layers[r["schedule"]].path_last or None
     summary = auto_vs_fastest(rows)
     if summary is not None:  # the auto row carries the comparison (the JSON stays one object per schedule)
         auto_row = next(r for r in rows if r["schedule"] == "auto")

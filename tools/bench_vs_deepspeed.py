@@ -9,19 +9,11 @@ Defaults: E=4, top-2, 512 tokens per rank (--micro-batch-size 2 x --seq-length 2
 H=1024, baseline schedule (flags are the trainer's; `--help` lists them). Variants, timed
 round robin so a slow spell of a shared machine hits them alike, each round starting one variant
 later than the last so that none always runs first (an iteration's time is the slowest rank's):
-  ours         our MoE layer as a run gets it (--moe-kept-only, --moe-expert-path auto, the
-               defaults): kept rows on one rank, the padded buffer on several
-               (`MoELayer.expert_path`; the table prints it)
-  ours-kept    the same layer held on kept rows
-  ours-overlap the same layer held on kept rows with the pipelined all-to-alls (several EP ranks)
-  ours-padded  the same layer multiplying the whole capacity-padded buffer (--no-moe-kept-only)
+  ours         our MoE layer (baseline schedule): kept rows on one rank, the padded buffer on several
   deepspeed    deepspeed.moe.layer.MoE with the same E, k, capacity factor, min capacity and
                EP size (its expert: Linear -> tanh-GELU -> Linear, our experts' function); skipped with a message when
                DeepSpeed is not installed (a benchmark peer, never a dependency of the library);
                its GELU is PyTorch's (`nn.GELU`), what a DeepSpeed user's expert gets
-  deepspeed-cgelu  the same DeepSpeed layer with our activation (`layers.fused.gelu_tanh`: on CPU
-               float32 the C kernel of `kernels/cpu_gelu.py`), to show how much of the gap to
-               DeepSpeed is that kernel and how much the layer
   floor        forward + backward of the expert GEMMs alone on the rows our layer keeps
                (this rank's local experts and their kept counts; no routing, no communication)
 --profile N: afterwards, every rank profiles N iterations of each variant with torch.profiler
@@ -30,8 +22,7 @@ median wall and thread-CPU time too: wall - CPU is the time a rank spends off th
 inside collectives, or preempted by other jobs). Prints a table on rank 0; --json writes
 {config, rows: [{variant, ms_median, ms_p90, round_ms, ratio_vs_deepspeed, paired_ratio_vs_deepspeed (median over
 rounds of the round's ratio), paired_ci_vs_deepspeed ([low, high]: its 95 % bootstrap interval,
-`profiling.paired_ratio`), ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows,
-ours_path}.
+`profiling.paired_ratio`), ratio_vs_floor, rank_wall_ms, rank_cpu_ms}], kept_rows, padded_rows}.
 """
 
 from __future__ import annotations
@@ -50,14 +41,12 @@ import torch.nn as nn
 from megatron_moe.arguments import add_config_flags, config_from_args
 from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
-from megatron_moe.host_memory import keep_freed_memory
-from megatron_moe.layers.fused import gelu_tanh
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.parallel_state import initialize_model_parallel, resolve_device, shutdown
 from megatron_moe.profiling import paired_ratio
 
-VARIANTS = ("ours", "ours-kept", "ours-overlap", "ours-padded", "deepspeed", "deepspeed-cgelu", "floor")
+VARIANTS = ("ours", "deepspeed", "floor")
 
 
 def bench_defaults() -> Config:
@@ -101,21 +90,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             "(DeepSpeed's MoE layer has expert parallelism only)"
         )
     if args.cfg.moe.moe_dropless:  # DeepSpeed's MoE layer has a capacity: ours and the floor only
-        args.variant_list = [v for v in args.variant_list if v in ("ours", "ours-padded", "floor")]
+        args.variant_list = [v for v in args.variant_list if v in ("ours", "floor")]
         if not args.variant_list:
-            p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; choose among ours, ours-padded, floor")
+            p.error("--moe-dropless: DeepSpeed's MoE layer has a capacity; choose among ours, floor")
     try:
         args.device = resolve_device(args.cfg.parallel.device).type
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-class GeluTanh(nn.Module):
-    """Our experts' activation as a module (DeepSpeed's expert is a module)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_tanh(x)
 
 
 def deepspeed_layer(cfg: Config, ep: int, activation: nn.Module):
@@ -158,16 +140,13 @@ class Floor:
         x_GSM = x.detach().reshape(1, -1, x.size(-1))
         d = layer.dispatcher
         with torch.no_grad():
-            routes, _, tokens = layer.route(x_GSM, split=False)
-            if d.local_only:  # one rank holds every expert: its kept rows are the router's counts
-                self.counts = torch.stack([r.counts for r in routes]).sum(0).tolist()
-                G, Cs = len(routes), d.slots_per_group(routes[0].capacity)
-            else:
-                plan = d.plan(routes, "kept")  # collective: every rank takes part
-                d.dispatch(tokens, plan)  # the counts may travel with the tokens
-                assert plan.kept is not None
-                self.counts, G, Cs = plan.kept.counts, plan.groups, plan.slots
-        self.padded = d.num_local * d.n_ep * G * Cs
+            routes, _, _ = layer.route(x_GSM, split=False)
+        counts = torch.stack([r.counts for r in routes]).sum(0)
+        if ps.size("ep") > 1:  # this rank's local experts get every EP rank's kept rows of them (collective)
+            dist.all_reduce(counts, group=ps.group("ep"))
+            counts = counts.view(ps.size("ep"), -1)[ps.rank("ep")]
+        self.counts = counts.tolist()
+        self.padded = d.num_local * d.n_ep * len(routes) * routes[0].capacity
         self.offs = torch.tensor(list(itertools.accumulate(self.counts)), dtype=torch.int32).to(device)
         m = cfg.model
         self.experts = Experts(
@@ -187,43 +166,37 @@ class Floor:
 def make_steps(args, ps, x, gy, device) -> tuple[dict, dict]:
     """One callable per variant (a forward + backward), and what the floor keeps."""
     steps, info = {}, {}
-    fixed = {"ours-kept": "kept", "ours-overlap": "overlap"}
-    for name, kept in (("ours", True), ("ours-kept", True), ("ours-overlap", True), ("ours-padded", False)):
-        if name not in args.variant_list and not (name == "ours" and "floor" in args.variant_list):
-            continue
+    if "ours" in args.variant_list or "floor" in args.variant_list:
         cfg = copy.deepcopy(args.cfg)
-        cfg.moe.moe_schedule, cfg.moe.moe_kept_only = "baseline", kept
-        cfg.moe.moe_expert_path = fixed.get(name, cfg.moe.moe_expert_path)  # held on one path: no trial
+        cfg.moe.moe_schedule = "baseline"
         layer = MoELayer(cfg, ps, cfg.train.seed, "bench.moe", 1, device=device)
-        if name == "ours":
-            info["layer"] = layer
 
-        def ours(layer=layer):
+        def ours():
             y, aux = layer(x)
             ((y * gy).sum() + aux).backward()
             layer.zero_grad(set_to_none=True)
 
-        if name in args.variant_list:
-            steps[name] = ours
-        if name == "ours" and "floor" in args.variant_list:
+        if "ours" in args.variant_list:
+            steps["ours"] = ours
+        if "floor" in args.variant_list:
             floor = Floor(layer, args.cfg, x, ps, device)
             steps["floor"] = floor.step
             info.update(kept_rows=floor.counts, padded_rows=floor.padded)
-    for name, activation in (("deepspeed", nn.GELU(approximate="tanh")), ("deepspeed-cgelu", GeluTanh())):
-        if name not in args.variant_list:
-            continue
-        ds = deepspeed_layer(args.cfg, ps.size("ep"), activation)
-        if ds is None:
-            break
+    ds = (
+        deepspeed_layer(args.cfg, ps.size("ep"), nn.GELU(approximate="tanh"))
+        if "deepspeed" in args.variant_list
+        else None
+    )
+    if ds is not None:
         ds = ds.to(device)
         xs = x.detach().reshape(-1, x.size(-1)).requires_grad_()
 
-        def deepspeed_step(ds=ds):
+        def deepspeed_step():
             y, aux, _ = ds(xs)
             ((y * gy.reshape(y.shape)).sum() + aux).backward()
             ds.zero_grad(set_to_none=True)
 
-        steps[name] = deepspeed_step
+        steps["deepspeed"] = deepspeed_step
     return {v: steps[v] for v in VARIANTS if v in steps}, info
 
 
@@ -268,7 +241,6 @@ def run(args: argparse.Namespace) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-        keep_freed_memory(device, par.cpu_allocator)  # as the trainer does (--cpu-allocator); both layers alike
     dist.init_process_group(backend)
     ps = initialize_model_parallel(1, par.expert_model_parallel_size, 1, backend, device=device)
     m, t = cfg.model, cfg.train
@@ -279,12 +251,9 @@ def run(args: argparse.Namespace) -> None:
     steps, info = make_steps(args, ps, x, gy, device)
     if args.bf16:  # every variant under the same autocast
         steps = {v: (lambda step=step: _autocast(step, device)) for v, step in steps.items()}
-    layer = info.pop("layer", None)
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    if layer is not None:
-        info["ours_path"] = layer.path_last
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in steps}
     order = list(steps.items())
     for it in range(args.iters):  # each iteration starts one variant later: every variant in every position
@@ -329,7 +298,6 @@ def run(args: argparse.Namespace) -> None:
                 "rows": rows,
                 "kept_rows": [i.get("kept_rows") for i in every],
                 "padded_rows": [i.get("padded_rows") for i in every],
-                "ours_path": every[0].get("ours_path"),
             }
             tmp = f"{args.json}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
@@ -357,8 +325,6 @@ def describe(args) -> str:
 
 def print_table(args, rows: list, info: list) -> None:
     print(f"MoE layer fwd+bwd: {describe(args)}")
-    if info[0].get("ours_path"):
-        print(f"ours: experts' path {info[0]['ours_path']}")
     kept = [sum(i["kept_rows"]) for i in info if i.get("kept_rows")]
     if kept:
         print(f"expert rows per rank: kept {kept} of padded {[i['padded_rows'] for i in info]}")

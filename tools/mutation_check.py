@@ -160,10 +160,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     M(
         "groups_share_slots",
-        "PaddedDispatcher.plan puts every routing group at the same slots of the buffer (groups overwrite each other)",
+        "PaddedDispatcher.padded_plan puts every routing group at the same slots of the buffer (groups overwrite "
+        "each other)",
         "megatron_moe/moe/dispatcher.py",
-        "dispatch_index(r, G * Cs, g * Cs, every_choice=padded)",
-        "dispatch_index(r, G * Cs, 0, every_choice=padded)",
+        "dispatch_index(r, G * Cs, g * Cs, every_choice=True)",
+        "dispatch_index(r, G * Cs, 0, every_choice=True)",
         (T + "test_two_routing_groups_equal_two_separate_calls",),
     ),
     M(

@@ -169,11 +169,13 @@ def _ops_of_block(block, sh: Shapes, batch: int) -> dict:
     buf = torch.randn(sh.E * C, M, device=dev)
     ops["moe.gate"] = lambda: layer.router.route(tok, 0)
     ops["moe.dispatch"] = lambda: dispatch(tok, idx, sh.E * C)
-    if layer.kept_only:  # the kept rows, grouped by local expert: every source's expected tokens, at most C
+    if layer.schedule != "s2" or layer.dispatcher.local_only:
+        # the parts' uneven dispatcher (`LancetController.part_dispatcher`), or one rank: the kept rows grouped
+        # by local expert, every source's expected tokens, at most C
         rows = sh.D * min(C, -(-S * sh.K // sh.E))
         x_kept = torch.randn(sh.E_l * rows, M, device=dev)
-        ops["moe.experts"] = lambda: layer.experts(x_kept, counts=[rows] * sh.E_l)
-    else:  # the padded buffer
+        ops["moe.experts"] = lambda: layer.experts.forward_ragged(x_kept, [rows] * sh.E_l)
+    else:  # S2's parts run the layer's padded buffer
         x_in = torch.randn(sh.E_l, sh.D * C, M, device=dev)
         ops["moe.experts"] = lambda: layer.experts(x_in)
     ops["moe.combine"] = lambda: x + combine(buf, idx, S).view(batch, T, M)

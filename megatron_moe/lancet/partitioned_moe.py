@@ -368,7 +368,7 @@ class PartitionedRange:
             for op in ("ln1", "attn.qkv", "attn.core", "attn.proj"):
                 self._check(f"L{self.attn_next[0]}.{op}", dname)
         side_end: list = []  # the side stream's point after the last part's experts (see _finish)
-        ys = self._finish(started, M, x.device, side_end)
+        ys = self._finish(started, x.device, side_end)
         if split:  # S1: this rank's slice -> every token
             whole = gather_from_group(torch.cat(list(ys))[None], layer.ps.group("mp"), dim=1)[0]
             ys = iter(_split(whole.view(B, T, M), k, d))
@@ -410,10 +410,11 @@ class PartitionedRange:
             with annotate("moe/dispatch"):
                 padded = d.plan([route])
                 x_in = d.dispatch(tok_sM, padded)
-            started.append((padded, route, d.combine(self.block.moe.experts(x_in, grad_scale=d.grad_scale), padded)))
+            y = self.block.moe.compute_experts(x_in, padded, d.grad_scale)
+            started.append((padded, route, d.combine(y, padded)))
         return started
 
-    def _finish(self, started: list, M: int, device: torch.device, side_end: list):
+    def _finish(self, started: list, device: torch.device, side_end: list):
         """Experts of each part as its tokens arrive (launching the returns), then each part's
         combine, yielded in part order (the caller's post-ops of part i overlap later returns).
 
@@ -433,11 +434,11 @@ class PartitionedRange:
         cur, side = sx.current_stream(device), sx.side_stream(device, "lancet-parts")
         sx.wait_stream(side, cur)
         with sx.use(side):
-            for plan, _, _ in started:  # Experts.forward is the "moe/experts" range
+            for plan, _, _ in started:
                 sx.record_stream(plan.in_flight, side)  # the received tokens, allocated at launch: read here
-                # kept rows only: the ragged received rows, each expert's rows together (`part_dispatcher`)
-                x_in = d.dispatch_finish(plan, M)
-                d.combine_start(experts(x_in, grad_scale=d.grad_scale, counts=plan.expert_rows), plan)
+                with annotate("moe/experts"):  # the received rows, each expert's rows together
+                    y = experts.forward_ragged(d.dispatch_finish(plan), plan.expert_rows, d.grad_scale)
+                d.combine_start(y, plan)
         side_end.append(sx.record_event(side))
         for plan, _, _ in started:
             sx.record_stream(plan.in_flight, cur)  # the returned rows, allocated on the side stream: read here

@@ -7,13 +7,11 @@ the rest of backward) and dW = g^T x (needed only by gradient sync and the
 optimizer). The modules that own the weights take the runtime as their dW queue
 (`set_dw_queue` of ColumnParallelLinear / RowParallelLinear, which then call
 `WgradRuntime.linear(name)`, and of Experts, whose padded batched GEMMs call
-`.bmm(name)` and whose kept-row paths (the grouped MLP, and the exchanged MLP
-that pipelines the all-to-alls by local expert) take `.experts(prefix, ...)`);
+`.bmm(name)` and whose grouped GEMMs (rows grouped by expert) take `.experts(prefix, ...)`);
 those GEMMs compute dX and the bias gradient in autograd and hand the dW GEMM
 to the runtime under its instruction name (e.g. "L1.moe.expert.fc2.dW", the
 names of `wgrad_schedule.build_gpt_moe_backward`), as a closure and, for the
-linears and kept-row experts, as row operands (g, x). The exchanged MLP runs its
-own all-to-alls, so its backward opens their dW windows itself (`ExpertDW.window`).
+linears and grouped experts, as row operands (g, x).
 
 Partitioned ranges use a weight k times. With row operands the runtime holds
 each use's (g, x) until the weight's last use is reached and then runs each use's
@@ -68,7 +66,7 @@ overlapping it. They go to the "lancet-dw" `Lane`: on CUDA a side stream
 (which waits for the caller's stream, where g and x were produced; the caller's
 stream waits on it in `finish_window_async`, and the dW results are
 record_stream-ed there; the closures keep their inputs alive until then), on
-the CPU one helper thread (gloo calls release the GIL). `window_ms` on CUDA is
+the CPU one worker thread (gloo calls release the GIL). `window_ms` on CUDA is
 the host time to enqueue them, not GPU time.
 """
 
@@ -220,11 +218,10 @@ class _DeferredBmm(torch.autograd.Function):
 
 
 class ExpertDW:
-    """One forward use of an expert MLP's two weights whose dW GEMMs the runtime runs (the grouped and
-    the exchanged kept-row paths of `moe.experts`): `submit(fc2, fc1)` queues the closures, each
-    returning the [E_l, ...] gradient in the GEMMs' dtype (cast to the parameter's and scaled here, as
-    the plain backward's cast and `scale_grad` do); `window(name)` opens all-to-all `name`'s window and
-    runs what is runnable, for paths that run their all-to-alls themselves."""
+    """One forward use of an expert MLP's two weights whose dW GEMMs the runtime runs (the grouped GEMMs
+    of `moe.experts`): `submit(fc2, fc1)` queues the closures, each returning the [E_l, ...] gradient in
+    the GEMMs' dtype (cast to the parameter's and scaled here, as the plain backward's cast and
+    `scale_grad` do)."""
 
     def __init__(
         self, runtime: "WgradRuntime", prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float
@@ -240,10 +237,6 @@ class ExpertDW:
         rt = self.runtime
         rt.submit(self._item(self.prefix + "fc2.dW", self.proj_w, proj_rows))
         rt.submit(self._item(self.prefix + "fc1.dW", self.fc_w, fc_rows))
-
-    def window(self, a2a: str) -> None:
-        """All-to-all `a2a` was launched: run every dW runnable now, before waiting for it."""
-        self.runtime.run_window(a2a)
 
 
 class _Handover(torch.autograd.Function):
@@ -281,7 +274,7 @@ class WgradRuntime:
         self._held_scale: dict[torch.nn.Parameter, float] = {}
         self._flushing = False
         self._callback_queued = False
-        self._lane: Optional[streams.Lane] = None  # where S2-window dW runs (side stream / helper thread)
+        self._lane: Optional[streams.Lane] = None  # where S2-window dW runs (side stream / worker thread)
 
     # ------------------------------------------------------------------ forward side
     def linear(self, name: str) -> Callable:
@@ -308,7 +301,7 @@ class WgradRuntime:
         return fn
 
     def experts(self, prefix: str, fc_w: torch.nn.Parameter, proj_w: torch.nn.Parameter, scale: float) -> ExpertDW:
-        """A forward use of kept-row experts (`moe.experts`) whose dW GEMMs this runtime runs under
+        """A forward use of grouped experts (`moe.experts`) whose dW GEMMs this runtime runs under
         `prefix` + "fc1.dW" / "fc2.dW" (call only when backward will reach them)."""
         self._uses[fc_w] += 1
         self._uses[proj_w] += 1
@@ -418,7 +411,7 @@ class WgradRuntime:
         return sum(len(v) for v in self._queue.values()) + len(self._pool)
 
     def close(self) -> None:
-        """Stop the dW lane's helper thread (if one was started)."""
+        """Stop the dW lane's worker thread (if one was started)."""
         if self._lane is not None:
             self._lane.close()
             self._lane = None

@@ -7,12 +7,13 @@ N_ESP ranks of the EP x ESP group, N rows per local expert in the expert input.
 
 Every dispatcher has the same three steps (`MoELayer.forward` calls them in order):
   plan(routes)       -> a plan (index maps; the uneven one also exchanges counts)
-  dispatch(x, plan)  -> expert input [E_l, N, M]
+  dispatch(x, plan)  -> expert input (padded [E_l, N, M], or rows grouped by local expert [R, M])
   combine(y, plan)   -> y [T, M], the weighted sum of each token's expert outputs
 and `grad_scale`, the factor of the experts' weight gradients (1/N_MP when the N_MP
 ranks of an MP group push identical tokens through the experts).
 
-PaddedDispatcher (capacity-padded buffer [E, G*C', M], index dispatch/combine):
+PaddedDispatcher (capacity-padded buffer [E, G*C', M], index dispatch/combine; with one rank holding
+every expert no buffer at all: `local_plan` gathers the tokens by expert, device offsets, no host sync):
   "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather of the buffer, EP
       all-to-all, experts on their H/N_ESP slice, ESP all-reduce of the partial
       outputs, EP all-to-all back, ESP split.
@@ -22,30 +23,15 @@ PaddedDispatcher (capacity-padded buffer [E, G*C', M], index dispatch/combine):
       combine (sum of the N_ESP partials) and MP all-gather, overlapped chunk by
       chunk (SAA, `distributed.saa`) unless --no-moe-saa. The backward of the
       dispatch is the same all-to-all -> ESP sum -> MP all-gather, so SAA serves there too.
-UnevenDispatcher (only kept tokens travel; Parm S1, Lancet's parts): kept choices
-  sorted by (expert, group, slot), a count exchange tells receivers the split sizes,
-  local dump, uneven all-to-all into a zero-padded [E_l, N, M] input (padding rows get
-  zero gradient and are never sent back), return all-to-all, local combine.
-  `dispatch_start` / `dispatch_finish` and `combine_start` / `combine_finish` return
-  and take handles, so a pipeline starts part i+1 while part i is in flight.
-  `ragged=True` (dropless MoE): no padding at all; the expert input is [R, M], the
-  R received rows grouped by local expert (`UnevenPlan.expert_rows` rows each), and
-  the experts compute exactly those rows. A Pro-Prophet placement (`set_placement`,
-  `moe.placement`) changes where a token goes: to a replica on this rank's EP rank
-  instead of the expert's owner; the receiver's rows are then grouped by the experts it
-  computes (owned and replicas, `UnevenPlan.expert_rows` rows each).
-Kept rows (`moe.kept`): `PaddedDispatcher.plan(routes, path)` with path "kept" or "overlap"
-carries `plan.kept`, the rows of the expert input that hold a kept token (every source's
-per-expert counts: one small all-gather launched in `plan`, waited for once the tokens are on
-the wire; with several EP ranks and one ESP rank the counts ride the baseline's dispatch
-all-to-all as header rows instead, and `dispatch` sets `plan.kept`). With the header, the experts
-compute the kept rows where they lie in the received buffer (`plan.expert_segments`, row ranges per
-local expert) and write their outputs into the same rows of the buffer that returns: no gather, no
-scatter. Otherwise the dispatch gathers only those rows (a ragged expert input, `plan.expert_rows`
-per local expert; with one rank holding every expert straight from the tokens, no buffer at all)
-and the combine scatters them back. "overlap" (baseline, several EP ranks, one ESP rank) runs
-the two all-to-alls and the experts as one pipeline by local expert (`PaddedDispatcher.exchange`,
-`Experts.forward_exchange`). S1's zero-padded input carries `plan.kept` for `Experts.forward_kept`.
+UnevenDispatcher (only kept tokens travel; dropless, Parm S1, Lancet's parts): kept choices
+  sorted by (expert, group, slot), a count exchange tells receivers the split sizes, local
+  dump, uneven all-to-all; the expert input is [R, M], the R received rows grouped by local
+  expert (`UnevenPlan.expert_rows` rows each: no padding, the experts compute exactly those
+  rows); return all-to-all, local combine. `dispatch_start` / `dispatch_finish` and
+  `combine_start` / `combine_finish` return and take handles, so a pipeline starts part i+1
+  while part i is in flight. A Pro-Prophet placement (`set_placement`, `moe.placement`) changes
+  where a token goes: to a replica on this rank's EP rank instead of the expert's owner; the
+  receiver's rows are then grouped by the experts it computes (owned and replicas).
 
 The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
 a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
@@ -63,25 +49,10 @@ import torch
 
 from megatron_moe import kernels
 from megatron_moe.distributed import observer
-from megatron_moe.kernels import cpu_gelu
 from megatron_moe.distributed.collectives import all_gather, all_reduce, all_to_all_raw
 from megatron_moe.distributed.saa import SAA_CHUNKS, a2a_combine_gather
 from megatron_moe.moe import a2a
-from megatron_moe.moe.kept import (
-    PATHS,
-    KeptRows,
-    exchange_sent_rows,
-    header_int,
-    header_rows,
-    padded_kept_rows_later,
-    read_header,
-    received_kept_rows,
-    sent_rows,
-    uneven_kept_rows,
-    write_header,
-)
 from megatron_moe.moe.router import RouteResult, count_per_expert
-from megatron_moe.profiling import annotate
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -136,34 +107,23 @@ def dispatch(x_SM: torch.Tensor, idx: DispatchIndex, num_rows: int) -> torch.Ten
     return buf[:num_rows] if idx.dropped else buf
 
 
-def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int, zero_rest: bool = True) -> torch.Tensor:
-    """y [S, M] = weighted sum of each token's kept rows of buf [R, M]. `zero_rest=False`: the gradient of
-    buf is left unwritten in the rows no kept choice reads (for a buffer whose other rows nothing reads).
-    A dropped choice (`DispatchIndex.dropped`) reads row 0 with weight 0: it adds nothing."""
+def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
+    """y [S, M] = weighted sum of each token's kept rows of buf [R, M]. A dropped choice
+    (`DispatchIndex.dropped`) reads row 0 with weight 0: it adds nothing."""
     row = torch.where(idx.row >= 0, idx.row, 0) if idx.dropped else idx.row
-    if idx.dropped and not zero_rest:
-        raise ValueError("an index with dropped choices reads row 0 for them: its other rows need zero gradients")
     if kernels.use_triton(buf_RM):  # CUDA + triton: the fused unpermute (kernels/permute.py)
         return kernels.unpermute(buf_RM, idx.token, row, idx.weight, num_tokens)
-    return _Combine.apply(buf_RM, row, idx.token, idx.weight, num_tokens, zero_rest, idx.dropped)
+    return _Combine.apply(buf_RM, row, idx.token, idx.weight, num_tokens)
 
 
 class _Combine(torch.autograd.Function):
     """`combine` with a hand-written backward: one node instead of autograd's gather, multiply and scatter
-    nodes, the same values (the buffer's gradient in the read rows, the weights' gradient). `row` None: choice
-    i reads buffer row i (`combine_rows`). On contiguous CPU float32 tensors both directions are one C loop
-    each (`kernels.cpu_gelu.combine_forward` / `combine_backward`: the same forward bits, the weights'
-    gradient summed in another order); aten's index ops otherwise."""
+    nodes, the same values (the buffer's gradient in the read rows, zeros in the others; the weights'
+    gradient). `row` None: choice i reads buffer row i (`combine_rows`)."""
 
     @staticmethod
-    def forward(ctx, buf_RM, row, token, weight, num_tokens, zero_rest, repeats=False):
-        ctx.buf_shape, ctx.zero_rest = buf_RM.shape, zero_rest
-        # the C backward writes (not adds) each row's gradient: only for distinct rows (`repeats`: dropped
-        # choices all read row 0)
-        ctx.fused = not repeats and cpu_gelu.combine_applies(buf_RM, weight, row, token)
-        if ctx.fused:  # the buffer itself is kept for the weights' gradient: no gathered copy
-            ctx.save_for_backward(buf_RM, row, token, weight)
-            return cpu_gelu.combine_forward(buf_RM, row, token, weight, num_tokens)
+    def forward(ctx, buf_RM, row, token, weight, num_tokens):
+        ctx.buf_shape = buf_RM.shape
         picked = buf_RM if row is None else buf_RM.index_select(0, row)
         rows = picked * weight[:, None].to(buf_RM.dtype)
         ctx.save_for_backward(picked, row, token, weight)
@@ -171,45 +131,16 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_SM):
-        saved, row, token, weight = ctx.saved_tensors
-        g_SM = g_SM.contiguous()
-        if ctx.fused and cpu_gelu.combine_applies(g_SM, weight):
-            fresh = g_SM.new_zeros if ctx.zero_rest and row is not None else g_SM.new_empty
-            d_buf = fresh(ctx.buf_shape)
-            d_weight = cpu_gelu.combine_backward(g_SM, saved, row, token, weight, d_buf)
-            return d_buf, None, None, d_weight if ctx.needs_input_grad[3] else None, None, None, None
-        picked = saved if not ctx.fused or row is None else saved.index_select(0, row)
-        g_KM = g_SM.index_select(0, token)
+        picked, row, token, weight = ctx.saved_tensors
+        g_KM = g_SM.contiguous().index_select(0, token)
         d_buf = d_weight = None
         if ctx.needs_input_grad[0]:
-            d_rows = g_KM * weight[:, None].to(g_KM.dtype)
-            if row is None:  # choice i is buffer row i
-                d_buf = d_rows
-            elif ctx.zero_rest:  # the rows no choice reads get zeros (what autograd's index_select backward gives)
-                d_buf = g_KM.new_zeros(ctx.buf_shape).index_add_(0, row, d_rows)
-            else:  # rows are distinct: a copy writes the same values; the other rows stay unwritten
-                d_buf = g_KM.new_empty(ctx.buf_shape).index_copy_(0, row, d_rows)
+            d_buf = g_KM * weight[:, None].to(g_KM.dtype)
+            if row is not None:  # the rows no choice reads get zeros (what autograd's index_select backward gives)
+                d_buf = g_KM.new_zeros(ctx.buf_shape).index_add_(0, row, d_buf)
         if ctx.needs_input_grad[3]:
             d_weight = (g_KM * picked).sum(1, keepdim=True).to(weight.dtype).squeeze(1)
-        return d_buf, None, None, d_weight, None, None, None
-
-
-class _PackRows(torch.autograd.Function):
-    """send [R, M] = x[src] in one gather (each row's token; rows that hold no kept token copy some token and
-    are never read); backward sums the gradient of the kept rows only (`row[i]` holds `token[i]`), as
-    autograd's scatter-into-zeros dispatch gives."""
-
-    @staticmethod
-    def forward(ctx, x_TM, src, token, row):
-        ctx.save_for_backward(token, row)
-        ctx.num_tokens = x_TM.size(0)
-        return x_TM.index_select(0, src)
-
-    @staticmethod
-    def backward(ctx, g_RM):
-        token, row = ctx.saved_tensors
-        g_KM = g_RM.index_select(0, row)
-        return g_KM.new_zeros(ctx.num_tokens, g_KM.size(1)).index_add_(0, token, g_KM), None, None, None
+        return d_buf, None, None, d_weight, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -230,7 +161,7 @@ class _PermuteRows(torch.autograd.Function):
 
 def combine_rows(y_KM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.Tensor:
     """y [S, M] = weighted sum of each token's rows of y [K, M], row i belonging to kept choice i of `idx`."""
-    return _Combine.apply(y_KM, None, idx.token, idx.weight, num_tokens, True)
+    return _Combine.apply(y_KM, None, idx.token, idx.weight, num_tokens)
 
 
 class _Notify(torch.autograd.Function):
@@ -281,11 +212,11 @@ class TokenDispatcher:
 
     def set_placement(self, placement) -> None:
         """Replicas for the next forwards (a `moe.placement.PlacedLayer`; None: every expert at its
-        owner). Only the ragged (dropless) UnevenDispatcher uses it."""
+        owner). Only the dropless UnevenDispatcher uses it."""
         self.placement = placement
 
     def set_counts_sink(self, sink) -> None:
-        """Pro-Prophet (`moe.placement.ProProphet`): the ragged UnevenDispatcher appends this rank's routed
+        """Pro-Prophet (`moe.placement.ProProphet`, dropless): the UnevenDispatcher appends this rank's routed
         counts [E] to every row of its count exchange and hands `sink.add_counts(layer, counts [D, E])`
         every rank's (an all-gather riding on the exchange), then calls `sink.dispatch_in_flight(layer)`
         while the token all-to-all is in flight. None: off."""
@@ -327,42 +258,15 @@ class TokenDispatcher:
 
 @dataclass
 class PaddedPlan:
-    """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2);
-    kept: the rows of the expert input that hold a token (None: the experts get the padded input);
-    direct: one rank holds every expert and the buffer never travels, so the kept rows are gathered
-    from the tokens themselves (`idx` sorted by row, grouped by expert); exchange: the baseline's
-    all-to-alls and the experts run as one pipeline by local expert (`PaddedDispatcher.exchange`;
-    `idx` rows in its layout [E_l, N_EP, G*Cs]); sent: this rank's `moe.kept.sent_rows` [G, E] when the
-    counts ride the dispatch all-to-all (`PaddedDispatcher.header_mode`): `kept` and the buffer rows of
-    `idx` are then set by `dispatch`."""
+    """Index of kept choices into the buffer [E, G*Cs]; Cs = slots per group (C, or N_MP*C_mp in S2).
+    offs: one rank holds every expert (`local_plan`): no buffer, `idx` lists every choice sorted by buffer
+    row and each local expert's rows end at offs[e] ([E] int32, on the device); None: the padded buffer."""
 
     idx: DispatchIndex
     groups: int
     slots: int
     tokens: int
-    kept: Optional[KeptRows] = None
-    direct: bool = False
-    exchange: bool = False
-    sent: Optional[torch.Tensor] = None
-    header: int = 0  # rows of counts after each destination's block of the buffer (set by `dispatch`)
-    offs: Optional[torch.Tensor] = None  # direct: every local expert's row end [E] int32, on the device
-    # header mode: the kept slots of every (group, expert) block are its leading rows (the router's prefix), so
-    # the rows a receiver computes are exactly the rows the sender filled: the rest of the buffers that travel
-    # (and of their gradients) is never read and is left unwritten instead of zero-filled
-    dense: bool = False
-
-    @property
-    def expert_rows(self) -> Optional[list[int]]:
-        """Rows of each local expert in the ragged expert input (kept rows), or None (padded input,
-        `expert_segments`, or `offs`)."""
-        return None if self.kept is None or self.header else self.kept.counts
-
-    @property
-    def expert_segments(self) -> Optional[list[list[tuple[int, int]]]]:
-        """With the counts in the dispatch all-to-all (`header`): per local expert, the row ranges of the
-        received buffer (the expert input) that hold its kept tokens; the experts compute them where they lie
-        and their outputs return in the same rows (`Experts.forward_segments`). None otherwise."""
-        return self.kept.segments if self.header and self.kept is not None else None
+    offs: Optional[torch.Tensor] = None
 
 
 def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPlan:
@@ -386,18 +290,13 @@ def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPl
     counts = torch.stack([r.counts for r in routes]).sum(0)
     idx = DispatchIndex(token, key.index_select(0, order), torch.cat(weights).index_select(0, order))
     offs = torch.cumsum(counts, 0, dtype=torch.int32).to(dev)
-    return PaddedPlan(idx, G, Cs, G * S, direct=True, offs=offs)
+    return PaddedPlan(idx, G, Cs, G * S, offs)
 
 
 class PaddedDispatcher(TokenDispatcher):
-    """Capacity-padded dispatch: "baseline" or "s2" (module docstring).
-
-    `plan(routes, kept=True)` makes the expert input ragged: only the rows that hold a kept
-    token, grouped by local expert (`PaddedPlan.expert_rows` each); `combine` then takes the
-    experts' output on those rows. The pack and scatter are the dispatch's own index ops:
-    one gather from the received buffer (baseline: in its all-to-all layout; one rank
-    holding every expert: from the tokens, no buffer at all), one scatter into the return
-    buffer. Otherwise the expert input is the padded [E_l, N, M]."""
+    """Capacity-padded dispatch: "baseline" or "s2" (module docstring). The expert input is the padded
+    [E_l, N, M]; with one rank holding every expert (`local_only`) the tokens themselves, grouped by expert
+    (`local_plan`)."""
 
     def __init__(
         self,
@@ -419,181 +318,60 @@ class PaddedDispatcher(TokenDispatcher):
 
     @property
     def local_only(self) -> bool:
-        """True when the buffer is the expert input itself (one rank holds every expert, no MP split)."""
+        """True when one rank holds every expert and the tokens are not split over MP: nothing travels, and
+        the tokens go to the experts grouped by expert with no buffer (`local_plan`)."""
         return self.n_ep * self.n_esp == 1 and (self.mode == "baseline" or self.n_mp == 1)
 
-    def plan(self, routes: list[RouteResult], path: str = "padded") -> PaddedPlan:
-        """One index over the buffer holding every group side by side. `path` (`moe.kept.PATHS`):
-        "padded" expert input, "kept" rows only (ragged), or "overlap": kept rows with the all-to-alls
-        pipelined by local expert (`exchange`; needs `pipelines`, else as "kept")."""
-        if path not in PATHS:
-            raise ValueError(f"unknown expert path {path!r}; one of {PATHS}")
+    def plan(self, routes: list[RouteResult]) -> PaddedPlan:
+        """`local_plan` when one rank holds every expert, else `padded_plan`."""
+        if self.local_only:
+            return local_plan(routes, self.num_experts, self.slots_per_group(routes[0].capacity))
+        return self.padded_plan(routes)
+
+    def padded_plan(self, routes: list[RouteResult]) -> PaddedPlan:
+        """One index over the buffer holding every group side by side; every choice listed (a dropped one
+        reads a zero row at weight 0), so no host sync."""
         G, S = len(routes), routes[0].slot.size(0)
         Cs = self.slots_per_group(routes[0].capacity)
-        if path != "padded" and self.local_only:
-            return local_plan(routes, self.num_experts, Cs)
-        padded = path == "padded"  # every buffer row is computed: dropped choices may read any row, at weight 0
-        idxs = [dispatch_index(r, G * Cs, g * Cs, every_choice=padded) for g, r in enumerate(routes)]
-        idx = (
-            idxs[0]
-            if G == 1
-            else DispatchIndex(
-                torch.cat([i.token + g * S for g, i in enumerate(idxs)]),
-                torch.cat([i.row for i in idxs]),
-                torch.cat([i.weight for i in idxs]),
-                padded,
-            )
-        )
-        if path == "padded":
-            return PaddedPlan(idx, G, Cs, G * S)
-        if (
-            path == "overlap" and self.pipelines
-        ):  # buffer rows by local expert, then destination: row (e_l*N_EP + ep)*GC + ...
-            GC, E_l = G * Cs, self.num_local
-            e, rest = idx.row // GC, idx.row % GC
-            row = ((e % E_l) * self.n_ep + e // E_l) * GC + rest
-            return PaddedPlan(
-                DispatchIndex(idx.token, row, idx.weight),
-                G,
-                Cs,
-                G * S,
-                self.kept_rows(routes, Cs, False),
-                exchange=True,
-            )
-        if self.header_mode:  # the counts travel in the dispatch all-to-all: `dispatch` resolves the rows
-            sent = sent_rows(routes)
-            dense = int(sent.sum()) == idx.row.numel()  # every block's kept slots are its leading rows
-            return PaddedPlan(idx, G, Cs, G * S, sent=sent, dense=dense)
-        return PaddedPlan(idx, G, Cs, G * S, self.kept_rows(routes, Cs))
-
-    @property
-    def header_mode(self) -> bool:
-        """True when the kept rows' counts ride the baseline's dispatch all-to-all as header rows (several EP
-        ranks, one ESP rank): no count exchange of their own (`moe.kept.write_header`)."""
-        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1
-
-    @property
-    def pipelines(self) -> bool:
-        """True when the kept-rows baseline runs its all-to-alls and experts as one pipeline by local
-        expert (`exchange`): several EP ranks, one ESP rank (a deferred-dW queue runs its windows there)."""
-        return self.mode == "baseline" and self.n_ep > 1 and self.n_esp == 1
-
-    def kept_rows(self, routes: list[RouteResult], Cs: int, received_layout: bool = True) -> KeptRows:
-        """Rows of this rank's expert input that hold a kept token (`moe.kept`; baseline: of the received
-        buffer as the all-to-all lays it out; S2 blocks: C_mp slots from r*C_mp of each source's MP rank r)."""
-        s2 = self.mode == "s2"
-        width = Cs // self.n_mp if s2 else Cs
-        lo = self.ps.rank("mp") * width if s2 else 0
-        wait = exchange_sent_rows(sent_rows(routes, lo, width), self.ps.group("ep_esp"))  # in flight until used
-        dev = routes[0].slot.device
-        n_esp = self.n_esp if received_layout and not s2 else None
-        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, width, dev, n_esp)
-
-    def exchange(self, x_TM: torch.Tensor, plan: PaddedPlan, experts) -> torch.Tensor:
-        """dispatch -> experts -> combine of an `exchange` plan: y [T, M]. The all-to-alls go one local
-        expert at a time and overlap the experts (`Experts.forward_exchange`)."""
-        E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
-        with annotate("moe/dispatch"):
-            buf = dispatch(x_TM, plan.idx, E * GC).view(self.num_local, self.n_ep * GC, M)
-        assert plan.kept is not None
-        names = (self.a2a_name("combine"), self.a2a_name("dispatch"))  # dW windows of its backward
-        out = experts.forward_exchange(buf, plan.kept, self.ps.group("ep"), self.grad_scale, names)
-        with annotate("moe/combine"):
-            return combine(out.view(E * GC, M), plan.idx, plan.tokens)
+        idxs = [dispatch_index(r, G * Cs, g * Cs, every_choice=True) for g, r in enumerate(routes)]
+        if G == 1:
+            return PaddedPlan(idxs[0], G, Cs, G * S)
+        token = torch.cat([i.token + g * S for g, i in enumerate(idxs)])
+        idx = DispatchIndex(token, torch.cat([i.row for i in idxs]), torch.cat([i.weight for i in idxs]), True)
+        return PaddedPlan(idx, G, Cs, G * S)
 
     def dispatch(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
-        """Expert input: padded [E_l, N, M], or the kept rows [K, M] (grouped by local expert)."""
-        if plan.direct:
+        """Expert input: padded [E_l, N, M], or the tokens grouped by expert [G*S*k, M] (`local_plan`)."""
+        if plan.offs is not None:
             return x_TM.index_select(0, plan.idx.token)
-        if self.mode != "s2" and plan.sent is not None:  # builds its own send buffer
-            return self._dispatch_with_header(x_TM, plan)
         E, M, GC = self.num_experts, x_TM.size(1), plan.groups * plan.slots
         buf = dispatch(x_TM, plan.idx, E * GC)
         if self.mode == "s2":
             ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
             buf = buf.view(E, plan.groups, self.n_mp, ctx.C_mp, M)
-            x_in = a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
-            return x_in if plan.kept is None else x_in.reshape(-1, M).index_select(0, plan.kept.rows)
+            return a2a.dw_window(lambda b: _S2Dispatch.apply(b, ctx), buf, self.dw, self.a2a_name("dispatch"))
         E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
         gathered = all_gather(buf.view(1, E, GC, M), self.ps.group("esp"), dim=0)  # [N_ESP, E, GC, M]
         send = gathered.transpose(0, 1).reshape(n_ep, E_l, n_esp, GC, M)  # by destination EP rank
-        op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
-        recv = a2a.start(send, op)
-        if plan.kept is not None:  # the kept rows straight from the received layout [N_EP, E_l, N_ESP, GC, M]
-            rows = plan.kept.rows  # waits for the count exchange while the tokens travel
-            return a2a.finish(recv, op).reshape(-1, M).index_select(0, rows)
-        return a2a.finish(recv, op).permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
-
-    def _dispatch_with_header(self, x_TM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
-        """Baseline kept rows, one ESP rank: the send buffer [N_EP, E_l*GC + h, M] holds each destination's
-        slots and then h header rows with this rank's counts of that destination's experts; the receiver
-        reads every source's counts from them and gathers the kept rows (`plan.kept`). Without an integer
-        type of the tokens' size (`header_int`) the counts take the all-gather instead (same on every rank)."""
-        assert plan.sent is not None
-        E_l, n_ep, M, G, Cs = self.num_local, self.n_ep, x_TM.size(1), plan.groups, plan.slots
-        body, itype = E_l * G * Cs, header_int(x_TM.dtype, Cs)
-        if itype is None:
-            plan.kept, plan.sent = self.kept_rows_of(plan.sent, Cs), None
-            return self.dispatch(x_TM, plan)
-        h = header_rows(G * E_l, M)
-        row = plan.idx.row + (plan.idx.row // body) * h  # destination blocks of body + h rows
-        plan.idx, plan.header = DispatchIndex(plan.idx.token, row, plan.idx.weight), h
-        counts = plan.sent.view(G, n_ep, E_l).transpose(0, 1).reshape(n_ep, G * E_l)  # [N_EP, G*E_l]
-        if plan.dense:  # one gather: every row its token (unread rows: token 0), then the counts over the header
-            src = torch.zeros(n_ep * (body + h), dtype=torch.int64, device=row.device).index_put_(
-                (row,), plan.idx.token
-            )
-            packed = _PackRows.apply(x_TM, src, plan.idx.token, row)
-            # in place, through a detached alias, before any view of `packed` exists: a view taken before
-            # would get an as_strided backward (a zero-filled copy of the buffer); the gather's backward
-            # never reads the header rows
-            write_header(packed.detach().view(n_ep, body + h, M), counts, body, itype)
-            send = packed.view(n_ep, body + h, M)
-        else:
-            buf = x_TM.new_zeros(n_ep, body + h, M)
-            write_header(buf, counts, body, itype)
-            send = buf.view(-1, M).index_copy_(0, row, x_TM.index_select(0, plan.idx.token)).view(n_ep, body + h, M)
-        op = a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw)
-        recv = a2a.finish(a2a.start(send, op), op)
-        rows_DGL = read_header(recv, body, G * E_l, itype).view(n_ep, G, E_l)
-        plan.kept = received_kept_rows(rows_DGL, Cs, body + h, x_TM.device)
-        return recv.reshape(-1, M)  # the experts compute the kept rows where they lie (`plan.expert_segments`)
-
-    def kept_rows_of(self, sent_GE: torch.Tensor, Cs: int) -> KeptRows:
-        """`kept_rows` from this rank's `sent_rows` [G, E], exchanged now (baseline layout)."""
-        wait = exchange_sent_rows(sent_GE, self.ps.group("ep_esp"))
-        return padded_kept_rows_later(wait, self.ps.rank("ep"), self.num_local, Cs, sent_GE.device, self.n_esp)
+        recv = a2a.run(send, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("dispatch"), dw=self.dw))
+        return recv.permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * GC, M)
 
     def combine(self, y_LNM: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
-        """y [T, M] from the experts' output (padded [E_l, N, M], or on the kept rows [K, M])."""
-        if plan.direct:
+        """y [T, M] from the experts' output (padded [E_l, N, M], or the `local_plan` rows)."""
+        if plan.offs is not None:
             return combine_rows(y_LNM, plan.idx, plan.tokens)
-        if plan.header:  # the experts' output lies in the dispatch's layout: the kept rows, the rest unwritten
-            # (the sender reads only its kept rows). Dense: the experts' ranges are exactly those rows, so the
-            # gradient of the others is never read; else the ranges hold holes, whose gradient must be zero
-            ret = a2a.run(y_LNM, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
-            return combine(ret, plan.idx, plan.tokens, zero_rest=not plan.dense)
         E, M, GC = self.num_experts, y_LNM.size(-1), plan.groups * plan.slots
-        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
-        if plan.kept is not None:  # scatter the kept rows into the padded layout of the next step
-            N = n_ep * n_esp * (GC if self.mode == "baseline" else plan.groups * (plan.slots // self.n_mp))
-            y_LNM = y_LNM.new_zeros(E_l * N, M).index_copy(0, plan.kept.rows, y_LNM)
         if self.mode == "s2":
             ctx = _S2Ctx(self, plan.groups, plan.slots // self.n_mp)
-            y_s2 = y_LNM.view(E_l, -1, M)
-            out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_s2, self.dw, self.a2a_name("combine"))
+            out = a2a.dw_window(lambda y: _S2Return.apply(y, ctx), y_LNM, self.dw, self.a2a_name("combine"))
             return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
-        if plan.kept is not None:
-            back = y_LNM.view(n_ep, E_l, n_esp, GC, M)  # already in the return layout
-            back = all_reduce(back, self.ps.group("esp"))  # sum of the H slices
-        else:
-            full = all_reduce(y_LNM, self.ps.group("esp"))  # sum of the H slices
-            back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
+        E_l, n_ep, n_esp = self.num_local, self.n_ep, self.n_esp
+        full = all_reduce(y_LNM, self.ps.group("esp"))  # sum of the H slices
+        back = full.reshape(E_l, n_ep, n_esp, GC, M).permute(1, 0, 2, 3, 4).contiguous()
         ret = a2a.run(back, a2a.A2AHandle(self.ps.group("ep"), name=self.a2a_name("combine"), dw=self.dw))
-        if n_esp == 1:
-            return combine(ret.reshape(E * GC, M), plan.idx, plan.tokens)
-        out = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]  # ESP split: our buffer
-        return combine(out.reshape(E * GC, M), plan.idx, plan.tokens)
+        if n_esp > 1:
+            ret = ret.reshape(E, n_esp, GC, M)[:, self.ps.rank("esp")]  # ESP split: our buffer
+        return combine(ret.reshape(E * GC, M), plan.idx, plan.tokens)
 
 
 class _S2Ctx:
@@ -673,23 +451,20 @@ def _host_counts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[l
 @dataclass
 class UnevenPlan:
     """Kept choices sorted by (expert, group, slot): token row [K], weight [K]; dump [R_send] (kept row
-    of each send row, once per ESP shard); recv_row [R_recv] (row of each received token in the
-    padded expert input [E_l * N, M], or in the ragged one [R_recv, M]: there a permutation, and
-    recv_order its inverse); expert_rows: rows of each local expert in the ragged input (None:
-    padded); the handles of the two all-to-alls once started."""
+    of each send row, once per ESP shard); recv_row [R_recv] (row of each received token in the expert
+    input [R_recv, M], a permutation) and recv_order its inverse; expert_rows: rows of each local (or,
+    with a placement, compute) expert in that input; the handles of the two all-to-alls once started."""
 
     token: torch.Tensor
     weight: torch.Tensor
     dump: torch.Tensor
     recv_row: torch.Tensor
-    rows_per_expert: int
+    recv_order: torch.Tensor
+    expert_rows: list[int]
     tokens: int
     out: a2a.A2AHandle
     back: a2a.A2AHandle
     in_flight: Optional[torch.Tensor] = field(default=None, repr=False)
-    expert_rows: Optional[list[int]] = None
-    kept: Optional[KeptRows] = None
-    recv_order: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -707,10 +482,7 @@ class _LocalPlan:
 
 class UnevenDispatcher(TokenDispatcher):
     """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
-    `counts_group`: where the per-expert counts are exchanged (default that group); `ragged`: the
-    expert input holds only the received rows, grouped by local expert (dropless, and Lancet's parts
-    when the experts compute kept rows only: there every received row holds a kept token, so the
-    ragged input is exactly the padded input's kept rows, in the same order).
+    `counts_group`: where the per-expert counts are exchanged (default that group).
 
     The all-to-all's split sizes must be on the host, so a plan reads the sent and received counts
     there once (one device-to-host copy per layer forward, as Megatron-Core's and torchtitan's uneven
@@ -724,17 +496,15 @@ class UnevenDispatcher(TokenDispatcher):
         grad_scale: float = 1.0,
         group_kind: str = "ep_esp",
         counts_group=None,
-        ragged: bool = False,
     ):
         super().__init__(ps, num_experts, layer_idx, grad_scale)
         self.group = ps.group(group_kind)
         self.counts_group = self.group if counts_group is None else counts_group
-        self.ragged = ragged
 
     @property
     def sinks_counts(self) -> bool:
         """True when the routed counts go to Pro-Prophet's counts sink with the count exchange (dropless)."""
-        return self.counts_sink is not None and self.ragged
+        return self.counts_sink is not None
 
     def plan(self, routes: list[RouteResult]) -> UnevenPlan:
         """Sort the kept choices of every route (one per group of s tokens) and exchange counts (collective)."""
@@ -767,7 +537,7 @@ class UnevenDispatcher(TokenDispatcher):
         # (no placement: the owner, X = E_l, column = expert); a placement may send to a replica
         col, X = (
             (torch.arange(E, device=dev), self.num_local)
-            if self.placement is None or not self.ragged
+            if self.placement is None
             else self.placement.columns(self.ps.rank("ep"), dev)
         )
         cols = self.n_ep * X
@@ -808,10 +578,9 @@ class UnevenDispatcher(TokenDispatcher):
         )
         recv = recv.to(device=dev, dtype=torch.int64)
         per_expert_h = [sum(r[x] for r in got_h) for x in range(X)]  # rows received per column, on the host
-        total, N = sum(per_expert_h), max(1, max(per_expert_h))
+        total = sum(per_expert_h)
         per_expert = recv.sum(dim=0)
-        # first row of each local expert: e * N (padded), or after the rows of experts < e (ragged)
-        expert_base = per_expert.cumsum(0) - per_expert if self.ragged else torch.arange(X, device=dev) * N
+        expert_base = per_expert.cumsum(0) - per_expert  # first row of each local expert: after experts < e
         flat = recv.reshape(-1)  # (source, expert) blocks
         block_pos = (recv.cumsum(dim=0) - recv).reshape(-1)  # rows of earlier sources
 
@@ -832,36 +601,25 @@ class UnevenDispatcher(TokenDispatcher):
             lp.weight[:K],
             dump,
             row,
-            N,
+            torch.argsort(row),
+            per_expert_h if self.placement is None else self.placement.expert_rows(per_expert_h),
             lp.tokens,
             out,
             out.reverse(self.a2a_name("combine")),
-            expert_rows=(per_expert_h if self.placement is None else self.placement.expert_rows(per_expert_h))
-            if self.ragged
-            else None,
-            kept=None if self.ragged else uneven_kept_rows(row, per_expert_h),
-            recv_order=torch.argsort(row) if self.ragged else None,
         )
 
     def dispatch_start(self, x_TM: torch.Tensor, plan: UnevenPlan) -> None:
         """Local dump of the kept tokens and launch of the all-to-all."""
         plan.in_flight = a2a.start(x_TM.index_select(0, plan.token.index_select(0, plan.dump)), plan.out)
 
-    def dispatch_finish(self, plan: UnevenPlan, M: int) -> torch.Tensor:
-        """Wait for the tokens; the zero-padded expert input [E_l, N, M] (ragged: [R, M] by expert)."""
+    def dispatch_finish(self, plan: UnevenPlan) -> torch.Tensor:
+        """Wait for the tokens; the expert input [R, M]: the received rows regrouped by expert (a permutation)."""
         recv, plan.in_flight = a2a.finish(plan.in_flight, plan.out), None
-        if plan.recv_order is not None:  # ragged: the received rows regrouped by expert, a permutation
-            return _PermuteRows.apply(recv, plan.recv_order, plan.recv_row)
-        x_in = recv.new_zeros(self.num_local * plan.rows_per_expert, M).index_copy(0, plan.recv_row, recv)
-        return x_in.view(self.num_local, plan.rows_per_expert, M)
+        return _PermuteRows.apply(recv, plan.recv_order, plan.recv_row)
 
-    def combine_start(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> None:
-        """Launch the return all-to-all of the rows that were received (y [E_l, N, M] or ragged [R, M])."""
-        y_RM = y_LNM.reshape(-1, y_LNM.size(-1))
-        if plan.recv_order is not None:  # ragged: back to the received order, the inverse permutation
-            plan.in_flight = a2a.start(_PermuteRows.apply(y_RM, plan.recv_row, plan.recv_order), plan.back)
-        else:
-            plan.in_flight = a2a.start(y_RM.index_select(0, plan.recv_row), plan.back)
+    def combine_start(self, y_RM: torch.Tensor, plan: UnevenPlan) -> None:
+        """Launch the return all-to-all of the experts' rows y [R, M], back in the received order."""
+        plan.in_flight = a2a.start(_PermuteRows.apply(y_RM, plan.recv_row, plan.recv_order), plan.back)
 
     def combine_finish(self, plan: UnevenPlan) -> torch.Tensor:
         """Wait for the outputs; local combine of the N_ESP partials, then the weighted sum y [T, M]."""
@@ -874,8 +632,8 @@ class UnevenDispatcher(TokenDispatcher):
         self.dispatch_start(x_TM, plan)
         if self.sinks_counts:  # Pro-Prophet plans under the all-to-all
             self.counts_sink.dispatch_in_flight(self.layer_idx)
-        return self.dispatch_finish(plan, x_TM.size(1))
+        return self.dispatch_finish(plan)
 
-    def combine(self, y_LNM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
-        self.combine_start(y_LNM, plan)
+    def combine(self, y_RM: torch.Tensor, plan: UnevenPlan) -> torch.Tensor:
+        self.combine_start(y_RM, plan)
         return self.combine_finish(plan)

@@ -178,14 +178,6 @@ class _GroupedMLP(torch.autograd.Function):
         return dx, None, wgrad(fc1), d_fc_b, wgrad(fc2), d_bias, None, None
 
 
-def stack_rows(per_expert: list[GroupedRows]) -> GroupedRows:
-    """One `GroupedRows` of several one-expert ones (expert e's rows after expert e-1's)."""
-    if len(per_expert) == 1:
-        return per_expert[0]
-    ends = torch.cat([r.offs[-1:] for r in per_expert]).cumsum(0, dtype=torch.int32)
-    return GroupedRows(torch.cat([r.g for r in per_expert]), torch.cat([r.x for r in per_expert]), ends)
-
-
 def grouped_mlp(
     x_RM: torch.Tensor,
     offs: torch.Tensor,

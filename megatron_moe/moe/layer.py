@@ -20,6 +20,11 @@ the UnevenDispatcher with a ragged expert input (only real tokens travel, expert
 compute only them). baseline: every MP rank routes and sends all tokens (expert
 weight gradients scaled by 1/N_MP); s1: as above; auto resolves to the dropless
 baseline; s2 (a padded buffer by construction) is refused.
+
+The experts' input follows from the dispatcher's plan: one rank holding every expert, the tokens
+grouped by expert with device offsets (`moe.dispatcher.local_plan`, no host sync); several ranks,
+the capacity-padded buffer (no host sync); the UnevenDispatcher (dropless, S1, Lancet's parts),
+the received rows grouped by expert (one host read of the counts per layer).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch.nn as nn
 from megatron_moe.config import DROPLESS_S2_ERROR
 from megatron_moe.distributed.collectives import gather_from_group, scatter_to_group
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher, UnevenPlan
+from megatron_moe.moe.dispatcher import PaddedDispatcher, PaddedPlan, TokenDispatcher, UnevenDispatcher
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.parm import route_s1
 from megatron_moe.moe.pipelined import DROPLESS_ERROR, pipelined_moe
@@ -82,13 +87,8 @@ class MoELayer(nn.Module):
             device=device,
         )
         self.saa, self.s1_local_capacity = moe.moe_saa, moe.moe_s1_local_capacity
-        self.requested, self.dropless, self.kept_only = moe.moe_schedule, moe.moe_dropless, moe.moe_kept_only
+        self.requested, self.dropless = moe.moe_schedule, moe.moe_dropless
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
-        self.path_flag = moe.moe_expert_path  # the experts' path (`expert_path`): auto or a fixed one
-        self.path_last = ""  # the path of the last forward with a padded dispatcher
-        self._s2_fallback: Optional[tuple] = (
-            None  # ((SAA chunks, dispatcher id), the S2 dispatcher) of `dispatcher_for`
-        )
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
         # dropless with every expert on this rank and no replicas: nothing travels, so the one-rank plan
         # (`moe.dispatcher.local_plan`: no host sync) serves it; Pro-Prophet's replicas need the uneven one
@@ -106,19 +106,19 @@ class MoELayer(nn.Module):
         self.schedule, self.schedule_choice = schedule, choice
         old = getattr(self, "dispatcher", None)
         self.dispatcher: TokenDispatcher
-        if self.dropless_local and schedule == "baseline":
-            self.dispatcher = PaddedDispatcher(
-                self.ps, self.num_experts, self.layer_idx, "baseline", self.saa, saa_chunks
-            )
-        elif self.dropless:
+        if self.dropless and not (self.dropless_local and schedule == "baseline"):
             scale = 1.0 / self.ps.size("mp") if schedule == "baseline" else 1.0
-            self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale, ragged=True)
+            self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx, scale)
         elif schedule == "s1":
             self.dispatcher = UnevenDispatcher(self.ps, self.num_experts, self.layer_idx)
         else:
             self.dispatcher = PaddedDispatcher(
                 self.ps, self.num_experts, self.layer_idx, schedule, self.saa, saa_chunks
             )
+        # auto's S1 on tokens that do not split evenly over MP runs S2 (`dispatcher_for`)
+        self.s2_fallback = None
+        if schedule == "s1" and choice is not None:
+            self.s2_fallback = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa, saa_chunks)
         if old is not None:  # keep what optimizations attached to the dispatcher
             self.dispatcher.set_dw_queue(old.dw)
             self.dispatcher.set_placement(old.placement if self.dropless else None)
@@ -133,21 +133,6 @@ class MoELayer(nn.Module):
         if chunks > 1 and self.dropless:
             raise ValueError(DROPLESS_ERROR)
         self.pipeline_chunks = chunks
-
-    def expert_path(self, d: PaddedDispatcher) -> str:
-        """How the padded dispatcher `d`'s experts compute (`moe.kept.PATHS`; --moe-kept-only,
-        --moe-expert-path). auto: with one rank holding every expert, kept rows (`moe.dispatcher.local_plan`:
-        the tokens go straight to a grouped GEMM over their experts' rows, no buffer and no host sync);
-        with several, the padded buffer: one batched GEMM per expert weight in the compute dtype and no
-        host sync, where kept rows need every source's counts on the host (one sync per layer) to skip
-        the empty slots. Dropless on one rank (`dropless_local`) is the kept-rows plan with nothing dropped."""
-        if self.dropless:
-            return "kept"
-        if not self.kept_only:
-            return "padded"
-        if self.path_flag != "auto":
-            return self.path_flag
-        return "kept" if d.local_only else "padded"
 
     @property
     def last_stats(self) -> dict:
@@ -183,25 +168,19 @@ class MoELayer(nn.Module):
             return routes, torch.stack([self.router.aux(r) for r in routes]).mean(), x_GSM.reshape(G * S, M)
 
     def forward(self, x_BTM: torch.Tensor):
-        """The stages in order: enter (routing groups, Pro-Prophet's Trans), route, plan, dispatch,
-        experts, combine, leave. Lina's chunks and the overlap path run dispatch -> experts -> combine
-        as one pipeline instead."""
-        B, T, M = x_BTM.shape
+        """enter (routing groups, Pro-Prophet's Trans), route, dispatch, experts, combine, leave. Lina's
+        chunks run dispatch -> experts -> combine as one pipeline instead."""
         x_GSM, placed = self.enter(x_BTM)
         split = self.splits_tokens(x_GSM.size(1))
         d = self.dispatcher_for(split)
         routes, aux, tokens = self.route(x_GSM, split)
         if self.pipeline_chunks > 1:  # Lina: all-to-all micro-ops pipelined with the experts
-            return self.leave(pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks), split, B, T), aux
-        plan = self.plan(d, routes)
-        if isinstance(plan, PaddedPlan) and plan.exchange:  # all-to-alls and experts pipelined by local expert
-            return self.leave(d.exchange(tokens, plan, self.experts), False, B, T), aux
-        with annotate("moe/dispatch"):  # one range per forward (the plan is routing metadata, before it)
-            x_in = d.dispatch(tokens, plan)
-        y_partial = self.compute_experts(x_in, plan, d.grad_scale, placed)
-        with annotate("moe/combine"):
-            y = d.combine(y_partial, plan)
-        return self.leave(y, split, B, T), aux
+            y = pipelined_moe(d, self.experts, tokens, routes, self.pipeline_chunks)
+        else:
+            plan = d.plan(routes)  # routing metadata, before the dispatch range
+            x_in = self.dispatch(d, tokens, plan)
+            y = self.combine(d, self.compute_experts(x_in, plan, d.grad_scale, placed), plan)
+        return self.leave(y, split, x_BTM.shape), aux
 
     def enter(self, x_BTM: torch.Tensor):
         """(tokens [G, S, M] by routing group, Pro-Prophet's placed layer or None); with replicas their
@@ -217,47 +196,40 @@ class MoELayer(nn.Module):
 
     def dispatcher_for(self, split: bool) -> TokenDispatcher:
         """This forward's dispatcher: the schedule's, or, under auto's S1 when the tokens do not split
-        evenly over MP, an S2 dispatcher made once and kept (it holds the same dW queue)."""
-        if self.schedule != "s1" or split:
+        evenly over MP, the S2 dispatcher made in `use_schedule` (with the same dW queue)."""
+        if split or self.s2_fallback is None:  # a fixed s1 that cannot split raised in `splits_tokens`
             return self.dispatcher
-        assert self.schedule_choice is not None  # a fixed s1 that cannot split raised in `splits_tokens`
-        key = (self.schedule_choice.saa_chunks, id(self.dispatcher))
-        if self._s2_fallback is None or self._s2_fallback[0] != key:
-            d = PaddedDispatcher(self.ps, self.num_experts, self.layer_idx, "s2", self.saa, key[0])
-            self._s2_fallback = (key, d)
-        d = self._s2_fallback[1]
-        d.set_dw_queue(self.dispatcher.dw)
-        return d
+        self.s2_fallback.set_dw_queue(self.dispatcher.dw)
+        return self.s2_fallback
 
-    def plan(self, d: TokenDispatcher, routes):
-        """The dispatcher's plan of these routes (a padded dispatcher's on the layer's expert path)."""
-        if isinstance(d, PaddedDispatcher):
-            self.path_last = self.expert_path(d)
-            return d.plan(routes, self.path_last)
-        self.path_last = ""
-        return d.plan(routes)
+    @staticmethod
+    def dispatch(d: TokenDispatcher, tokens: torch.Tensor, plan) -> torch.Tensor:
+        """The experts' input, as the dispatcher's plan lays it out."""
+        with annotate("moe/dispatch"):
+            return d.dispatch(tokens, plan)
 
-    def compute_experts(self, x_in: torch.Tensor, plan, grad_scale: float, placed) -> torch.Tensor:
-        """The experts on the dispatched input, as the plan lays it out: one rank's grouped rows (device
-        offsets), owned experts and replicas (Pro-Prophet), rows grouped by expert (host counts: dropless
-        and kept rows), kept rows where they lie in the received buffer, S1's zero-padded input with its
-        kept rows, or the padded buffer."""
-        if isinstance(plan, PaddedPlan) and plan.offs is not None:  # one rank, every expert: no host sync
-            return self.experts.forward_offsets(x_in, plan.offs, grad_scale, tail=True)
+    def compute_experts(self, x_in: torch.Tensor, plan, grad_scale: float, placed=None) -> torch.Tensor:
+        """The experts on the dispatched input: one rank's rows grouped by expert with device offsets, the
+        padded buffer, or the uneven dispatcher's rows grouped by expert (with Pro-Prophet's replicas)."""
+        if isinstance(plan, PaddedPlan):
+            if plan.offs is not None:
+                return self.experts.forward_offsets(x_in, plan.offs, grad_scale)
+            return self.experts(x_in, grad_scale)
         if placed is not None:
             return placed.run_experts(x_in, plan.expert_rows, grad_scale)
-        if plan.expert_rows is not None:
+        with annotate("moe/experts"):
             return self.experts.forward_ragged(x_in, plan.expert_rows, grad_scale)
-        if isinstance(plan, PaddedPlan) and plan.expert_segments is not None:
-            return self.experts.forward_segments(x_in, plan.expert_segments, grad_scale)
-        if isinstance(plan, UnevenPlan) and self.kept_only and plan.kept is not None:
-            return self.experts.forward_kept(x_in, plan.kept, grad_scale)
-        return self.experts(x_in, grad_scale=grad_scale)
 
-    def leave(self, y: torch.Tensor, split: bool, B: int, T: int) -> torch.Tensor:
+    @staticmethod
+    def combine(d: TokenDispatcher, y_partial: torch.Tensor, plan) -> torch.Tensor:
+        """y [T, M]: each token's expert outputs, weighted and summed."""
+        with annotate("moe/combine"):
+            return d.combine(y_partial, plan)
+
+    def leave(self, y: torch.Tensor, split: bool, shape: torch.Size) -> torch.Tensor:
         """y [G*S', M] -> [B, T, M]: S1's MP slices gathered back, and the layer's output marked for the
         listeners of its backward (Lina)."""
         M = y.size(-1)
         if split:
             y = gather_from_group(y.view(self.routing_groups, -1, M), self.ps.group("mp"), dim=1)
-        return self.dispatcher.track_output(y.reshape(B, T, M))
+        return self.dispatcher.track_output(y.reshape(shape))

@@ -23,11 +23,13 @@ another order), and routing (hence dropped tokens) is done once, before the spli
       per chunk own MP slots (`scatter_to_group`), local dump, EP x ESP all-to-all,
       experts, return all-to-all, local combine (sum of the N_ESP partials), MP
       all-gather (`gather_from_group`). SAA's chunking is replaced by this one.
-  s1 / uneven (UnevenDispatcher, padded expert input): chunk j keeps the choices
+  s1 / uneven (UnevenDispatcher, rows grouped by expert): chunk j keeps the choices
       with slot in its range (the others count as dropped *for that chunk only*);
       each chunk has its own plan (a count exchange) and handles; the layer output
       is the sum of the chunks' combines (a token's k choices may sit in different chunks).
-The dropless (ragged) dispatcher and Lancet's deferred dW are refused (`check_supported`).
+One rank holding every expert sends nothing: its chunks are the padded buffer's column ranges
+(`PaddedDispatcher.padded_plan`). Dropless (`MoELayer.set_pipeline_chunks`) and Lancet's deferred dW
+(`check_supported`) are refused.
 """
 
 from __future__ import annotations
@@ -55,9 +57,7 @@ def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def check_supported(d: TokenDispatcher) -> None:
-    """Raise ValueError naming the flags when the dispatcher cannot be pipelined."""
-    if isinstance(d, UnevenDispatcher) and d.ragged:
-        raise ValueError(DROPLESS_ERROR)
+    """Raise ValueError naming the flag when the dispatcher cannot be pipelined."""
     if d.dw is not None:
         raise ValueError(DW_ERROR)
 
@@ -80,7 +80,7 @@ def pipelined_moe(
 def _baseline(
     d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
 ) -> torch.Tensor:
-    plan = d.plan(routes)
+    plan = d.padded_plan(routes)
     E, M, GC = d.num_experts, x_TM.size(1), plan.groups * plan.slots
     E_l, n_ep, n_esp = d.num_local, d.n_ep, d.n_esp
     esp, ep = d.ps.group("esp"), d.ps.group("ep")
@@ -97,7 +97,7 @@ def _baseline(
     back = []
     for recv, op, w in sent:  # experts on chunk i while chunk i+1 travels
         x_in = a2a.finish(recv, op).permute(1, 0, 2, 3, 4).reshape(E_l, n_ep * n_esp * w, M)
-        y = all_reduce(experts(x_in, grad_scale=d.grad_scale), esp)  # sum of the H slices
+        y = all_reduce(experts(x_in, d.grad_scale), esp)  # sum of the H slices
         ret = y.reshape(E_l, n_ep, n_esp, w, M).permute(1, 0, 2, 3, 4).contiguous()
         rop = a2a.A2AHandle(ep)
         back.append((a2a.start(ret, rop), rop, w))
@@ -110,7 +110,7 @@ def _baseline(
 def _s2(
     d: PaddedDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
 ) -> torch.Tensor:
-    plan = d.plan(routes)
+    plan = d.padded_plan(routes)
     E, M, G = d.num_experts, x_TM.size(1), plan.groups
     E_l, n_ep, n_esp, n_mp = d.num_local, d.n_ep, d.n_esp, d.n_mp
     C_mp = plan.slots // n_mp
@@ -127,7 +127,7 @@ def _s2(
     back = []
     for recv, op, w in sent:
         x_in = a2a.finish(recv, op).permute(1, 0, 2, 3).reshape(E_l, -1, M)  # [E_l, D*G*w, M]
-        y = experts(x_in, grad_scale=d.grad_scale)
+        y = experts(x_in, d.grad_scale)
         ret = y.reshape(E_l, n_ep * n_esp, G * w, M).permute(1, 0, 2, 3).contiguous()
         rop = a2a.A2AHandle(group)
         back.append((a2a.start(ret, rop), rop, w))
@@ -143,7 +143,6 @@ def _s2(
 def _uneven(
     d: UnevenDispatcher, experts: Experts, x_TM: torch.Tensor, routes: list[RouteResult], chunks: int
 ) -> torch.Tensor:
-    M = x_TM.size(1)
     with annotate("moe/dispatch"):
         plans = []
         for lo, hi in chunk_bounds(routes[0].capacity, chunks):  # slot ranges; one plan (count exchange) each
@@ -155,7 +154,8 @@ def _uneven(
         for plan in plans:
             d.dispatch_start(x_TM, plan)
     for plan in plans:
-        d.combine_start(experts(d.dispatch_finish(plan, M), grad_scale=d.grad_scale), plan)
+        with annotate("moe/experts"):
+            d.combine_start(experts.forward_ragged(d.dispatch_finish(plan), plan.expert_rows, d.grad_scale), plan)
     with annotate("moe/combine"):
         y = d.combine_finish(plans[0])
         for plan in plans[1:]:
