@@ -17,14 +17,17 @@ torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -54,10 +57,10 @@ from megatron_moe.data.paths import (
     wikitext_cache_prefix,
     wikitext_source,
 )
-from megatron_moe.data.preprocess import prepare_sample_data, prepare_wikitext_data
+from megatron_moe.data.preprocess import SAMPLE_CORPUS_DIR, prepare_sample_data, prepare_wikitext_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
-from megatron_moe.distributed.comm_errors import guard
+from megatron_moe.distributed.comm_errors import CommTimeoutError, guard
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina_trial import LinaTrial, packing_start
 from megatron_moe.fileio import output_path_problem
@@ -103,10 +106,32 @@ def init_distributed(cfg: Config):
 T = TypeVar("T")
 
 
-def _on_rank0(ps, work: Callable[[], T]) -> T:
+_RANK0_CALLS = itertools.count()  # names the store key of each `_on_rank0` call (all ranks make the same calls)
+# Rank 0 preprocesses a raw corpus while the other ranks wait. Measured: 0.78 MB/s in one process on
+# 2 CPU cores (a BPE of 8192 ids trained, then 26 MB encoded); the wait allows 100 kB/s, 8x slower,
+# plus 10 minutes (importing `datasets`, a busy file system), and never less than --comm-timeout.
+WAIT_FIXED_S, WAIT_BYTES_PER_S = 600.0, 100e3
+HUB_CORPUS_BYTES = 540e6  # a hub dataset's size is unknown before the download: WikiText-103's
+
+
+def preprocess_wait_s(directory, comm_timeout: float) -> float:
+    """How long the other ranks wait for rank 0 to preprocess the wiki.* files of `directory`
+    (None: a hub dataset)."""
+    try:
+        size = sum(f.stat().st_size for f in Path(directory).iterdir() if f.name.startswith("wiki."))
+    except (OSError, TypeError):  # None, or a directory this rank cannot see
+        size = HUB_CORPUS_BYTES
+    return max(comm_timeout, WAIT_FIXED_S + size / WAIT_BYTES_PER_S)
+
+
+def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = None) -> T:
     """`work()` on global rank 0 only, its result shared with every rank; an error raised there
     is raised on every rank with the same type (ValueError or FileNotFoundError) and text, so
-    no rank waits forever for a rank that gave up."""
+    no rank waits forever for a rank that gave up.
+
+    `waiting` = (what, seconds), for work that takes longer than a step (preprocessing a corpus):
+    the other ranks wait for the result in the store up to that bound, and say what they waited
+    for when it passes, instead of in a collective that --comm-timeout would end first."""
     box: list = [None, None]  # [result, (error type name, message) or None]
     if ps.global_rank == 0:
         try:
@@ -115,8 +140,25 @@ def _on_rank0(ps, work: Callable[[], T]) -> T:
             if ps.layout.world_size == 1:
                 raise
             box[1] = (type(e).__name__, str(e))
-    if ps.layout.world_size > 1:
+    key = f"megatron_moe/rank0/{next(_RANK0_CALLS)}"
+    if ps.layout.world_size > 1 and waiting is None:
         dist.broadcast_object_list(box, src=0, group=ps.group("world"))
+    elif ps.layout.world_size > 1:
+        store = dist.distributed_c10d._get_default_store()
+        if ps.global_rank == 0:
+            store.set(key, pickle.dumps(box))
+        else:
+            what, bound_s = waiting
+            try:
+                store.wait([key], timedelta(seconds=bound_s))
+            except RuntimeError as e:  # the bound passed, or rank 0 (the store's host) is gone
+                raise CommTimeoutError(
+                    f"waiting for rank 0 to preprocess {what}: no result within {bound_s:.0f} s (10 min + 10 s "
+                    f"per MB of corpus, or --comm-timeout if longer): rank 0 is stuck, dead or far slower than "
+                    f"expected; preprocess once with tools/preprocess_data.py and pass --data-path PREFIX "
+                    f"(store said: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                ) from None
+            box = pickle.loads(store.get(key))
     if box[1] is not None:
         raise (FileNotFoundError if box[1][0] == "FileNotFoundError" else ValueError)(box[1][1])
     return box[0]
@@ -131,7 +173,8 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
     tokenizer (`paths.wikitext_cache_prefix`), and read from there."""
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
-        _on_rank0(ps, lambda: prepare_sample_data(prefix))
+        wait = (f"the sample corpus into {prefix}", preprocess_wait_s(SAMPLE_CORPUS_DIR, cfg.parallel.comm_timeout))
+        _on_rank0(ps, lambda: prepare_sample_data(prefix), wait)
         cfg.data.data_path = prefix
     words = [cfg.data.data_path] if isinstance(cfg.data.data_path, str) else list(cfg.data.data_path)
     sources = [wikitext_source(w) for w in words]
@@ -157,7 +200,8 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
             )
             return res.vocab_size
 
-        tok_vocab = _on_rank0(ps, work)
+        wait_s = preprocess_wait_s(source.directory, cfg.parallel.comm_timeout)
+        tok_vocab = _on_rank0(ps, work, (f"{source.word} ({source.label()}) into {prefix}", wait_s))
         cfg.data.data_path = prefix
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = tok_vocab

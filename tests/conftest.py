@@ -116,6 +116,10 @@ MARKS: dict[str, dict[str, object]] = {
             "test_eval_loss_and_perplexity_under_dp_equal_one_process",
             "test_default_auto_schedule_through_the_trainer_equals_the_baseline_curve",
             "test_lancet_with_esp2_equals_the_plain_run",
+        "test_reliability_data.py": {
+            "test_ranks_wait_for_rank0s_preprocessing_past_the_comm_timeout",
+            "test_a_rank_that_waits_past_its_bound_says_what_it_waited_for",
+        },
             "test_dropout_under_mp2_equals_one_process_and_masks_agree_across_mp_ranks",
         },
         "test_parm_cost_fit.py": {"test_profile_saa_fits_the_same_numbers_on_every_rank"},

@@ -70,7 +70,7 @@ def test_deferred_linear_is_bitwise_autograd_and_hook_fires_once_when_final():
 
 
 def test_expert_dw_of_several_parts_accumulates_into_one_gradient_per_weight():
-    """Kept-row experts used by 3 parts (a partitioned range; one expert gets no row in a part): the
+    """Grouped experts used by 3 parts (a partitioned range; one expert gets no row in a part): the
     queue holds each part's row operands until the weight's last use and accumulates their GEMMs into
     one gradient per weight, handed to AccumulateGrad without a copy, with the gradients of plain
     autograd (which sums 3 full-size per-part gradients)."""
@@ -83,7 +83,7 @@ def test_expert_dw_of_several_parts_accumulates_into_one_gradient_per_weight():
         g = torch.Generator().manual_seed(1)
         counts = [[2, 1, 0, 4], [1, 1, 2, 1], [3, 3, 1, 2]]
         xs = [torch.randn(sum(c), 32, generator=g, requires_grad=True) for c in counts]
-        sum((ex(x, grad_scale=0.5, counts=c) ** 2).sum() for x, c in zip(xs, counts)).backward()
+        sum((ex.forward_ragged(x, c, 0.5) ** 2).sum() for x, c in zip(xs, counts)).backward()
         grads.append([x.grad for x in xs] + [p.grad for p in ex.parameters()])
         stats.append(rt.stats)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))

@@ -13,8 +13,7 @@ CHUNKS = SAA_CHUNKS  # the slot dim (8 slots per expert and MP rank here) splits
 
 
 def _overlapped(log: CommLog) -> tuple[int, int]:
-    """(MP all-gathers launched while an all-to-all was in flight, MP all-gathers); the EP x ESP
-    all-gather of the kept-row counts is not part of SAA."""
+    """(MP all-gathers launched while an all-to-all was in flight, MP all-gathers)."""
     gathers, a2as = [g for g in log.of("all_gather") if g.group == "mp"], log.of("all_to_all")
     return len(observer.launched_during(gathers, a2as)), len(gathers)
 

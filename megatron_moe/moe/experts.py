@@ -118,9 +118,7 @@ class Experts(nn.Module):
             fc_w, proj_w = scale_grad(self.fc_w, grad_scale), scale_grad(self.proj_w, grad_scale)
             h = gelu_tanh(torch.baddbmm(fc_b[:, None, :].to(x_ENM.dtype), x_ENM, fc_w.transpose(1, 2).to(x_ENM.dtype)))
             y = torch.bmm(h, proj_w.transpose(1, 2).to(h.dtype))
-        M, m_l = y.size(-1), proj_b.size(1)
-        bias = F.pad(proj_b, (self.m_lo, M - self.m_lo - m_l))  # [E_l, M], zeros off our columns
-        return y + bias[:, None, :].to(y.dtype)
+        return y + self._bias(proj_b, y.size(-1))[:, None, :].to(y.dtype)
 
     def forward_ragged(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
         """x [R, M], rows grouped by local expert (`counts` [E_l], sum R) -> partial y [R, M]."""

@@ -5,7 +5,7 @@ replicas), M model dim, H ffn hidden dim of this ESP rank.
 
 The rows are grouped by expert: expert e owns rows [offs[e-1], offs[e]) (offs [X] int32, cumulative,
 on the device: nothing about the split reaches the host). Rows at and after offs[X-1] belong to no
-expert (a fixed-size buffer whose tail holds dropped choices, `moe.dispatcher.LocalPlan`): their
+expert (a fixed-size buffer whose tail holds dropped choices, `moe.dispatcher.local_plan`): their
 outputs and input gradients are zero.
 
     y = gelu_tanh(x W1_e^T + b1_e) W2_e^T + b2_e        for the rows of expert e
