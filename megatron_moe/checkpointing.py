@@ -65,7 +65,7 @@ from safetensors.torch import save as save_bytes
 from megatron_moe.data.paths import tokenizer_dir_for
 from megatron_moe.arguments import config_to_dict
 from megatron_moe.config import Config
-from megatron_moe.fileio import refuse_link, remove_tree, replace_no_link, write_new_file
+from megatron_moe.fileio import pid_alive, refuse_link, remove_tree, replace_no_link, write_new_file
 
 FORMAT_VERSION = 1
 FAULT_ENV = "MEGATRON_MOE_CKPT_FAULT"
@@ -379,7 +379,7 @@ def _clean_leftovers(root: str, own_tmp: str) -> None:
         m = _TMP_RE.match(name)
         if m and path != own_tmp:
             pid = int(m.group(1))
-            if pid != os.getpid() and _pid_alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 continue  # another live process may be writing it
             _drop(path)
             continue
@@ -398,16 +398,6 @@ def _drop(path: str) -> None:
     """Remove a leftover directory, never through a link (refused, naming it)."""
     refuse_link(path, "directory")
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _retain(root: str, keep_last: int, keep: int) -> list:

@@ -1,5 +1,6 @@
 """File writes shared by the library and the tools: atomic (a reader never sees a half-written
-file), and never through a symbolic link inside an output directory."""
+file), and never through a symbolic link inside an output directory; text input read as UTF-8 with
+errors naming the line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 def atomic_write_json(path: str, obj: Any, sort_keys: bool = True) -> None:
@@ -24,6 +25,36 @@ def atomic_write_json(path: str, obj: Any, sort_keys: bool = True) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_lines(path) -> Iterator[str]:
+    """The lines of the UTF-8 text file `path`, newlines kept; a ValueError naming the file, the
+    line and the byte that is not UTF-8 (the decoder's own error gives an offset into its buffer)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield from f
+    except UnicodeDecodeError:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{path}: line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        f"save it as UTF-8"
+                    ) from None
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (a leftover temporary file of a dead one may go)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 # ----------------------------------------------------------------------------- output directories

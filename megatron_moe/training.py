@@ -18,6 +18,7 @@ torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
@@ -146,7 +147,7 @@ def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = 
     elif ps.layout.world_size > 1:
         store = dist.distributed_c10d._get_default_store()
         if ps.global_rank == 0:
-            store.set(key, pickle.dumps(box))
+            store.set(key, json.dumps(box))  # a vocabulary size or None, and the error
         else:
             what, bound_s = waiting
             try:
@@ -158,7 +159,7 @@ def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = 
                     f"expected; preprocess once with tools/preprocess_data.py and pass --data-path PREFIX "
                     f"(store said: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
                 ) from None
-            box = pickle.loads(store.get(key))
+            box = json.loads(store.get(key))
     if box[1] is not None:
         raise (FileNotFoundError if box[1][0] == "FileNotFoundError" else ValueError)(box[1][1])
     return box[0]

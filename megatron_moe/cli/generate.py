@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.arguments import HelpFormatter
+from megatron_moe.fileio import read_lines
 from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
 from megatron_moe.inference.fallback import use_lina
@@ -93,19 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompts(args, tok) -> list[tuple[str, list[int]]]:
-    """(text, ids) of every prompt; an empty text starts from the end-of-document token."""
+def _prompts(args) -> list[str]:
+    """Every prompt's text (read before the checkpoint is loaded); an empty text starts from the
+    end-of-document token."""
     texts = list(args.prompt or [])
     if args.prompts_file:
         if not os.path.isfile(args.prompts_file):
             raise FileNotFoundError(f"--prompts-file {args.prompts_file} does not exist")
-        with open(args.prompts_file, encoding="utf-8") as f:
-            texts += [ln.rstrip("\n") for ln in f if ln.strip()]
+        texts += [ln.rstrip("\n") for ln in read_lines(args.prompts_file) if ln.strip()]
         if not texts:
             raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
     if args.prompt is None and not args.prompts_file:
         texts = [""]
-    return [(t, tok.encode(t) if t else [tok.eod]) for t in texts]
+    return texts
 
 
 def _one_process_capacity(model, args, temperature: float, requests, eod) -> list[list[int]]:
@@ -131,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
                 "and not with --lina-inference"
             )
+        texts = _prompts(args)
         device = resolve_device(args.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -158,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         tok = load_tokenizer(
             tokenizer_path(cfg, args.tokenizer_name_or_path, carried_tokenizer(args.load, args.iteration))
         )
-        prompts = _prompts(args, tok)
+        prompts = [(t, tok.encode(t) if t else [tok.eod]) for t in texts]
         requests = [(ids, args.seed + s) for _, ids in prompts for s in range(args.num_samples)]
         eod = None if args.no_stop_at_eod else tok.eod
         if engine is None:

@@ -17,8 +17,8 @@ The trainer's `--data-path wikitext-2` / `wikitext-103` / `DIR` goes through
 `prepare_wikitext_data` (preprocessed once into a cache keyed by source and tokenizer).
 
 Nothing is written until every input is checked; all files go to a temporary directory beside
-the output and are renamed into place only when every split has been written, so a failure
-leaves no partial output.
+the output (`.NAME.tmp-HOST-PID`; one of a killed run is removed at the next start) and are renamed
+into place only when every split has been written, so a failure leaves no partial output.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from ..fileio import pid_alive, read_lines
 from .indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset, best_dtype
 from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from .tokenizer import train_tokenizer as train_bpe
@@ -86,27 +88,25 @@ def split_wikitext_documents(lines: Iterable[str]) -> Iterator[str]:
 
 def _wikitext_file(path: Path) -> Records:
     def records() -> Iterator[dict[str, str]]:
-        with open(path, encoding="utf-8") as f:
-            for doc in split_wikitext_documents(f):
-                yield {"text": doc}
+        for doc in split_wikitext_documents(read_lines(path)):
+            yield {"text": doc}
 
     return records
 
 
 def _jsonl_file(path: Path, keys: Sequence[str]) -> Records:
     def records() -> Iterator[dict[str, str]]:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-                missing = [k for k in keys if not isinstance(obj.get(k), str)]
-                if missing:
-                    raise ValueError(f"{path}:{n}: no text field {missing} (--json-keys)")
-                yield {k: obj[k] for k in keys}
+        for n, line in enumerate(read_lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            missing = [k for k in keys if not isinstance(obj.get(k), str)]
+            if missing:
+                raise ValueError(f"{path}:{n}: no text field {missing} (--json-keys)")
+            yield {k: obj[k] for k in keys}
 
     return records
 
@@ -307,7 +307,8 @@ def preprocess(
     out = Path(output_prefix)
     created = not out.parent.exists()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
+    _remove_leftovers(out)
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -352,6 +353,17 @@ def preprocess(
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary directories of killed preprocessings of `out` (SIGKILL, a lost node:
+    no `finally` ran): `.NAME.tmp-HOST-PID` of this host whose process is gone. Another host's are
+    kept: its process ids cannot be checked from here."""
+    name = re.compile(re.escape(f".{out.name}.tmp-{socket.gethostname()}-") + r"(\d+)")
+    for p in out.parent.iterdir():
+        m = name.fullmatch(p.name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_split(
