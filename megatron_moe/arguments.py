@@ -117,8 +117,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     """
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    cfg = config_from_namespace(ns)
-    cfg.explicit_flags = frozenset(vars(build_parser(with_defaults=False).parse_args(argv)))
+    explicit = frozenset(vars(build_parser(with_defaults=False).parse_args(argv)))
+    load = ns["train.load"] if ns["train.use_checkpoint_args"] else None
+    if load:  # merged before validation: errors quote the checkpoint's values, never the defaults
+        from megatron_moe.checkpointing import checkpoint_args, read_metadata, resolve
+
+        path = resolve(load)
+        ns.update(checkpoint_args(read_metadata(path)["config"], explicit))
+    try:
+        cfg = config_from_namespace(ns)
+    except ValueError as e:
+        if not load:
+            raise
+        raise ValueError(f"{e} (--use-checkpoint-args: the model and MoE flags not given are {path}'s)") from None
+    cfg.explicit_flags = explicit
     return cfg
 
 

@@ -760,19 +760,29 @@ CHECKPOINT_ARGS = {
 }
 
 
-def apply_checkpoint_args(cfg, meta: dict) -> list:
-    """--use-checkpoint-args: set every model field and the MoE routing fields (and the tokenizer)
-    from the checkpoint's config, except flags given on the command line (`cfg.explicit_flags`),
-    as Megatron does. The sections are rebuilt so their validation runs. Returns the fields set."""
-    explicit: frozenset[str] = getattr(cfg, "explicit_flags", frozenset())
-    saved, changed = meta["config"], []
+def checkpoint_args(saved: dict, explicit: frozenset) -> dict:
+    """{"section.field": value} that --use-checkpoint-args takes from the checkpoint's config
+    `saved`: every model field and the MoE routing fields, except flags given on the command line
+    (`explicit`), as Megatron does."""
+    out = {}
     for section, names in CHECKPOINT_ARGS.items():
+        for name in names or [f.name for f in fields(getattr(Config(), section))]:
+            if f"{section}.{name}" not in explicit and name in saved.get(section, {}):
+                out[f"{section}.{name}"] = saved[section][name]
+    return out
+
+
+def apply_checkpoint_args(cfg, meta: dict) -> list:
+    """--use-checkpoint-args on a built config: the fields of `checkpoint_args` (and the tokenizer)
+    from the checkpoint's config. The sections are rebuilt so their validation runs. Returns the
+    fields set."""
+    explicit: frozenset[str] = getattr(cfg, "explicit_flags", frozenset())
+    saved, taken = meta["config"], checkpoint_args(meta["config"], explicit)
+    changed = list(taken)
+    for section in CHECKPOINT_ARGS:
         sub = getattr(cfg, section)
         values = {f.name: getattr(sub, f.name) for f in fields(sub)}
-        for name in names or values:
-            if f"{section}.{name}" not in explicit and name in saved.get(section, {}):
-                values[name] = saved[section][name]
-                changed.append(f"{section}.{name}")
+        values.update({k.split(".", 1)[1]: v for k, v in taken.items() if k.split(".", 1)[0] == section})
         setattr(cfg, section, type(sub)(**values))
     if "data.tokenizer_name_or_path" not in explicit:
         path = resolve(cfg.train.load)

@@ -339,3 +339,32 @@ def test_another_optimizer_may_start_from_a_checkpoint_without_optimizer_state(t
     ck.load_checkpoint(root, model2, opt2, local_state(), cfg2)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
     assert not opt2.state
+
+
+# ----------------------------------------------------------------------------- --use-checkpoint-args: merged values
+@pytest.mark.parametrize(
+    "ckpt_flags, flags, message",
+    [
+        # the default --hidden-size is 128 (128 % 4 == 0): the message must quote the checkpoint's 32
+        ([], ["--num-attention-heads", "3"], "--hidden-size 32 must be divisible by --num-attention-heads 3"),
+        # the default --num-experts is 4: the checkpoint's 8 is what the run would use
+        (["--num-experts", "8"], ["--moe-router-topk", "9"], "--moe-router-topk 9 exceeds --num-experts 8"),
+        (["--num-experts", "8"], ["--moe-router-topk", "6"], None),  # valid with the checkpoint's 8 experts
+    ],
+    ids=["heads-vs-hidden", "topk-vs-experts", "topk-fits"],
+)
+def test_use_checkpoint_args_validates_and_quotes_the_checkpoints_values(tmp_path, capsys, ckpt_flags, flags, message):
+    from megatron_moe.cli.pretrain import main
+
+    cfg, model, opt = tiny(*ckpt_flags)
+    root = str(tmp_path / "run")
+    save(root, 1, cfg, model, opt)
+    argv = ["--load", root, "--use-checkpoint-args", "--vocab-size", "512", *flags]
+    if message is None:
+        got = parse_args(argv)
+        assert (got.moe.num_experts, got.moe.moe_router_topk, got.model.hidden_size) == (8, 6, 32)
+        return
+    assert main([*argv, "--save", str(tmp_path / "out")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and not os.path.exists(tmp_path / "out")
+    assert f"error: {message} (--use-checkpoint-args: " in cap.err and root in cap.err, cap.err
