@@ -2,20 +2,16 @@
 
 One 4-process spawn (a module fixture) runs the tiny trainer model (4 experts, top-2 with drops, Adam) for 20
 iterations with EP4 (one expert per rank), then the same run with all of Lina (4 KiB micro-ops,
-all-to-alls in 2 pipelined chunks) and packing forced (--lina-packing-force; --lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once and no
-further), saving after packing (iteration 15, in the packed layout). That checkpoint is resharded
-to EP4 with the conversion tool and a third run continues from it in the original layout.
-Lina's own trial (--lina-trial-iters 1: a warm-up of 2 iterations, then 1 with Lina and 1 without:
-iterations 1-4) runs first, so the 3 iterations a pack's trial compares before it follow the Lina trial
-(`lina_trial.packing_start`), and packing is first due at iteration 10 (its first iteration packed).
-The pack's trial (3 iterations timed before and after it) is forced to find the packed layout
-faster (--lina-packing-force-outcome faster), so it is kept. A fourth run packs at 10 too but its
-trial is forced to find it slower: the experts go back to EP4 after iteration 13 and no pack is
-tried again.
-Checks: the packed and the reverted curves equal the unpacked one within 1e-5 (parameters *and*
-Adam state were moved, both ways: a wrong move shows in the next iterations), the layout changed
-exactly at iterations 10 (and 13), every rank decided on the same measured times and logged the
-same lines, and the resumed run continues the same curve.
+all-to-alls in 2 pipelined chunks) and packing (--lina-max-experts-per-rank 2, so EP4 -> EP2 x expert-DP2 once
+and no further), --measure-iters 1. Lina's own trial runs first (2 warm-up rounds and 1 timed round of plain and
+Lina: iterations 1-6); packing is due at iteration 10, where Lina's rule is forced to pack ("lina-packing-rule");
+the pack is then measured: iteration 11 at EP4, iteration 12 at EP2, and the decision ("lina-packing") is forced
+to keep it (saving after iteration 15, in the packed layout; that checkpoint is resharded to EP4 with the
+conversion tool and a third run continues from it in the original layout) or, in a fourth run, to move back:
+EP4 again from iteration 13 and no pack tried again.
+Checks: the packed and the reverted curves equal the unpacked one within 1e-5 (parameters *and* Adam state were
+moved, both ways: a wrong move shows in the next iterations), the layout of every iteration, every rank decided
+on the same measured times and logged the same lines, and the resumed run continues the same curve.
 
 The same spawn then packs EP2 x ESP2 to EP1 x ESP2 x expert-DP2 directly (`ExpertPacking.relayout`)
 and checks every rank's expert slices and Adam moments against the slices of the full tensors
@@ -28,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_moe import optimizations
+from megatron_moe import choose, optimizations
 from megatron_moe.arguments import parse_args, validate
 from megatron_moe.checkpointing import read_metadata
 from megatron_moe.cli.convert import main as convert_main
@@ -36,7 +32,7 @@ from equivalence import MICRO_BATCH, global_batch, tiny_config
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.layers.sharding import assemble, coords_key, local_pieces, rank_coords, shard_spec, shard_tensor
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.packing import ExpertPacking, keep_packed, next_ep, packing_due, should_pack
+from megatron_moe.moe.packing import RULE, TRIAL, ExpertPacking, next_ep, packing_due, should_pack
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel, local_state
 from megatron_moe.testing import spawn
 from megatron_moe.training import Trainer
@@ -44,29 +40,30 @@ from tiny_run import tiny_args
 
 ITERS = 20
 EP4 = ("--expert-model-parallel-size", "4")  # AdamW (the default)
-PACK = ("--lina-packing", "--lina-packing-force", "--lina-max-experts-per-rank", "2")
-KEEP, REVERT = ("--lina-packing-force-outcome", "faster"), ("--lina-packing-force-outcome", "slower")
-LINA = ("--lina", "--lina-partition-mb", "0.004", "--lina-pipeline-chunks", "2", "--lina-trial-iters", "1")
+PACK = ("--lina-packing", "--lina-max-experts-per-rank", "2", "--measure-iters", "1")
+LINA = ("--lina", "--lina-partition-mb", "0.004", "--lina-pipeline-chunks", "2")
 
 
-def _train(args) -> tuple[list, list, int, int, int | None]:
-    """(history, packing decisions, EP and expert-DP at the end, the iteration after which the Lina trial
-    decided or None) of one trainer run."""
-    trainer = Trainer(parse_args(args))
-    try:
-        hist = trainer.train()
-    finally:
-        trainer.stop.restore()
+def _train(args, pick=None) -> tuple[list, list, int, int, bool]:
+    """(history, packing decisions, EP and expert-DP at the end, whether Lina's trial decided) of one trainer
+    run; `pick`: the packing trial's forced pick, after a rule forced to pack."""
+    with choose.override(RULE, pick="pack" if pick else None), choose.override(TRIAL, pick=pick):
+        trainer = Trainer(parse_args(args))
+        try:
+            hist = trainer.train()
+        finally:
+            trainer.stop.restore()
     decisions = trainer.packing.decisions if trainer.packing is not None else []
-    trial = trainer.lina_trial
-    decided = trial.steps if trial is not None and trial.decision is not None else None
-    return hist, decisions, trainer.ps.size("ep"), trainer.ps.size("expert_dp"), decided
+    lina = trainer.lina_trial is not None and trainer.lina_trial.decided
+    return hist, decisions, trainer.ps.size("ep"), trainer.ps.size("expert_dp"), lina
 
 
 def _runs(rank, world, data, ckpt, converted):
     out = {"plain": _train(tiny_args(data, ITERS, *EP4))}
-    out["packed"] = _train(tiny_args(data, ITERS, *EP4, *PACK, *KEEP, *LINA, "--save", ckpt, "--save-interval", "15"))
-    out["reverted"] = _train(tiny_args(data, ITERS, *EP4, *PACK, *REVERT, *LINA))
+    out["packed"] = _train(
+        tiny_args(data, ITERS, *EP4, *PACK, *LINA, "--save", ckpt, "--save-interval", "15"), "packed"
+    )
+    out["reverted"] = _train(tiny_args(data, ITERS, *EP4, *PACK, *LINA), "unpacked")
     if rank == 0:
         out["layout_saved"] = read_metadata(os.path.join(ckpt, "iter_0000015"))["layout"]
         code = convert_main(
@@ -87,25 +84,28 @@ def per_rank(sample_data, tmp_path_factory) -> list:
     return spawn(_runs, 4, sample_data, str(tmp / "ckpt"), str(tmp / "ckpt_ep4"), timeout=600)
 
 
-def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout(per_rank):
+def _same_curve(plain: list, hist: list, rank: int) -> None:
+    for i, (a, b) in enumerate(zip(plain, hist)):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, f"rank {rank} iteration {i + 1}: {b['loss']} vs {a['loss']}"
+        assert a["dropped_frac"] == b["dropped_frac"]
+
+
+def test_a_kept_pack_keeps_the_curve_and_its_checkpoint_resumes_in_the_original_layout(per_rank):
     plain = per_rank[0]["plain"][0]
     assert len(plain) == ITERS and any(h["dropped_frac"] > 0 for h in plain), "tokens must be dropped"
     assert per_rank[0]["layout_saved"]["expert_model_parallel_size"] == 2  # saved after packing
     for rank, runs in enumerate(per_rank):
-        assert runs["plain"][2:] == (4, 1, None)
+        assert runs["plain"][2:] == (4, 1, False)
         hist, decisions, ep, edp, lina_decided = runs["packed"]
-        assert (ep, edp) == (2, 2), f"rank {rank}: EP {ep} x expert-DP {edp} after packing"
-        assert [h["experts_per_rank"] for h in hist] == [1] * 9 + [2] * 11
-        assert [(d["kind"], d["iteration"], d["ep_before"], d["ep"]) for d in decisions] == [
-            ("pack", 10, 4, 2),
-            ("trial", 13, 2, 2),
+        assert (ep, edp) == (2, 2) and lina_decided, f"rank {rank}: EP {ep} x expert-DP {edp} after packing"
+        assert [h["experts_per_rank"] for h in hist] == [1] * 11 + [2] * 9
+        assert [(d["kind"], d["iteration"], d["pick"]) for d in decisions] == [
+            ("rule", 10, "pack"),
+            ("trial", 12, "packed"),
         ]
-        assert lina_decided == 4  # the Lina trial decided before packing's window (7-9) began
         assert decisions[0]["ffn_ms"] > 0 and decisions[0]["a2a_ms"] > 0  # both were measured
-        assert "forced faster (--lina-packing-force-outcome): kept EP 2" in decisions[1]["line"]
-        for i, (a, b) in enumerate(zip(plain, hist)):
-            assert abs(a["loss"] - b["loss"]) < 1e-5, f"rank {rank} iteration {i + 1}: {b['loss']} vs {a['loss']}"
-            assert a["dropped_frac"] == b["dropped_frac"]
+        assert "lina-packing: median of 1 passes" in decisions[1]["line"] and "kept EP 2" in decisions[1]["line"]
+        _same_curve(plain, hist, rank)
         resumed = runs["resumed"][0]
         assert [h["iteration"] for h in resumed] == list(range(16, ITERS + 1))
         for a, b in zip(plain[15:], resumed):
@@ -115,33 +115,19 @@ def test_packing_at_step_10_keeps_the_curve_and_its_checkpoint_resumes_in_the_or
         assert all(r[run][1] == per_rank[0][run][1] for r in per_rank), [r[run][1] for r in per_rank]
 
 
-def test_a_pack_whose_trial_is_slower_goes_back_to_ep4_on_the_same_curve(per_rank):
+def test_the_packing_decision_is_applied_unpacked_goes_back_to_ep4_on_the_same_curve(per_rank):
     plain = per_rank[0]["plain"][0]
     for rank, runs in enumerate(per_rank):
-        hist, decisions, ep, edp, lina_decided = runs["reverted"]
-        assert lina_decided == 4
+        hist, decisions, ep, edp, _ = runs["reverted"]
         assert (ep, edp) == (4, 1), f"rank {rank}: EP {ep} x expert-DP {edp} after the trial"
-        assert [h["experts_per_rank"] for h in hist] == [1] * 9 + [2] * 3 + [1] * 8
-        assert [(d["kind"], d["iteration"], d["ep_before"], d["ep"]) for d in decisions] == [
-            ("pack", 10, 4, 2),
-            ("trial", 13, 2, 4),
-        ]  # and no pack at 14 or 18: packing stopped
-        trial = decisions[1]
-        assert trial["step_ms_before"] > 0 and trial["step_ms_after"] > 0  # both medians were measured
-        assert "forced slower (--lina-packing-force-outcome): back to EP 4, expert-DP 1" in trial["line"]
-        assert f"{trial['step_ms_after']:.1f} ms over the 3 iterations at EP 2" in trial["line"]
-        for i, (a, b) in enumerate(zip(plain, hist)):
-            assert abs(a["loss"] - b["loss"]) < 1e-5, f"rank {rank} iteration {i + 1}: {b['loss']} vs {a['loss']}"
-            assert a["dropped_frac"] == b["dropped_frac"]
-
-
-def test_trial_keeps_a_pack_only_when_the_median_step_is_faster():
-    assert keep_packed([10.0, 30.0, 20.0], [19.0, 50.0, 1.0])  # medians 20 -> 19
-    assert not keep_packed([10.0, 20.0, 30.0], [20.0, 20.0, 20.0])  # equal: back
-    assert not keep_packed([10.0, 10.0, 100.0], [11.0, 11.0, 11.0])  # the mean would keep it; the median does not
-    assert keep_packed([100.0, 100.0, 5.0], [50.0, 200.0, 60.0])  # one slow iteration after does not undo it
-    with pytest.raises(ValueError, match="keep_packed needs step times before and after the pack"):
-        keep_packed([1.0], [])
+        assert [h["experts_per_rank"] for h in hist] == [1] * 11 + [2] + [1] * 8
+        # and no pack at 14 or 18: packing stopped
+        assert [(d["kind"], d["iteration"], d["pick"]) for d in decisions] == [
+            ("rule", 10, "pack"),
+            ("trial", 12, "unpacked"),
+        ]
+        assert decisions[1]["line"].endswith("back to EP 4, expert-DP 1; no more packing in this run")
+        _same_curve(plain, hist, rank)
 
 
 def test_packing_schedule_and_rule():
@@ -152,17 +138,8 @@ def test_packing_schedule_and_rule():
 
 
 def test_packing_flag_errors_name_the_flags():
-    with pytest.raises(ValueError, match="--lina-packing-force needs --lina-packing"):
-        parse_args(["--lina-packing-force"])
     with pytest.raises(ValueError, match="--lina-max-experts-per-rank must be >= 0"):
         parse_args(["--lina-max-experts-per-rank", "-1"])
-    with pytest.raises(ValueError, match="--lina-packing-trial-iters must be >= 0"):
-        parse_args(["--lina-packing", "--lina-packing-trial-iters", "-1"])
-    for without in (["--lina-packing-force-outcome", "slower"], ["--lina-packing", "--lina-packing-trial-iters", "0"]):
-        with pytest.raises(
-            ValueError, match="--lina-packing-force-outcome needs --lina-packing and --lina-packing-tri"
-        ):
-            parse_args([*without, "--lina-packing-force-outcome", "slower"])
     cfg = parse_args(["--num-experts", "8", "--expert-model-parallel-size", "2", "--lina-packing"])
     cfg.opts.lina_max_experts_per_rank = 2
     with pytest.raises(ValueError, match="--lina-max-experts-per-rank 2 is below the 4 experts per rank"):

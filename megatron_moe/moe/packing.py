@@ -9,20 +9,18 @@ micro-op (the collective observer's events on the token all-to-all groups) of th
 finished, reduces both with an all-reduce MAX over the world (so every rank decides on the same
 numbers, never on its own timing), and when the FFN is shorter it packs: EP = N -> N/2 with
 expert-DP doubled, as long as N is even and the experts per rank stay within
---lina-max-experts-per-rank (0: no bound). --lina-packing-force packs at the due iterations
-whatever the times (tests, fixed benchmarks). The decision and the times are logged.
+--lina-max-experts-per-rank (0: no bound). That rule is the untimed decision RULE ("keep" /
+"pack"; `choose.override` or MMOE_CHOOSE force it, e.g. a test that needs a pack).
 
 Lina's rule ignores what a pack costs: each rank then computes twice the experts and all-reduces
 their gradients over the new (larger) expert-DP group, so a pack can make steps slower. A pack is
-therefore a trial (--lina-packing-trial-iters K, default TRIAL_ITERS; 0: trust the rule): the
-step times (`StepClock`: step_begins -> step_done) of the K iterations before it and the K after
-it, each the MAX over the world (one all-reduce at each decision, so every rank decides on the
-same numbers), are compared by `keep_packed`; unless the packed layout's median is lower the
-experts are moved back to the previous EP (the same exact, collective relayout) and packing is
-not tried again in the run. A due iteration with fewer than K iterations measured in the current
-layout (a run resumed just before it) is skipped; due iterations during a trial are skipped.
---lina-packing-force-outcome faster|slower decides the trial whatever the medians (tests: the
-real medians are still measured and logged). Both decisions and their times are logged.
+therefore measured (`choose.Trial` TRIAL over ("unpacked", "packed"), --measure-iters K; 0: trust
+the rule): K iterations in the layout the rule would leave, then K packed (one block each, `turn`
+= K: every switch moves experts between ranks; no warm-up rounds: the iterations before ran the old
+layout, and the first packed one is timed like the rest of its block). Unless "packed" is picked the
+experts go back to the previous EP (the same exact, collective relayout) and packing is not tried
+again in the run. The trainer runs this trial last (`training.TRIALS`): the rule is asked only
+once the trials before it decided.
 
 Packing is a change of layout only, and every layout already equals the one-process run, so the
 training curve does not change (tests/test_lina_packing.py), reverted or not. Legend: E experts, N = N_EP.
@@ -42,15 +40,15 @@ reshard` brings it back to the original one.
 
 from __future__ import annotations
 
-import statistics
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_moe import choose
 from megatron_moe.distributed.collectives import all_gather_raw, max_over_group
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.distributed.saa import SAA_CHUNKS
-from megatron_moe.profiling import median_below, span_ms, stamp, trial_verdict
+from megatron_moe.profiling import span_ms, stamp
 from megatron_moe.layers.sharding import ShardSpec, coords_of, shard_spec, shard_tensor, unshard_tensor
 from megatron_moe.moe.placement import PARAMS
 
@@ -60,8 +58,7 @@ if TYPE_CHECKING:
 
 PACK_START = 10  # first iteration (counted as iterations done) at which packing is considered
 PACK_EVERY = 4  # then every this many iterations
-TRIAL_ITERS = 3  # iterations timed before and after a pack (--lina-packing-trial-iters)
-OUTCOMES = ("faster", "slower")  # --lina-packing-force-outcome
+RULE, TRIAL = "lina-packing-rule", "lina-packing"  # the decisions' names (`choose.override`, MMOE_CHOOSE)
 A2A_GROUPS = ("ep", "ep_esp")  # the groups of the token all-to-alls
 
 
@@ -85,12 +82,6 @@ def should_pack(ffn_ms: float, a2a_ms: float) -> bool:
     return ffn_ms < a2a_ms
 
 
-def keep_packed(before_ms: list[float], after_ms: list[float]) -> bool:
-    """The trial's rule: keep a pack only when the median step time of the iterations after it is
-    below the median of those before it (equal or slower: move back)."""
-    return median_below(after_ms, before_ms, "keep_packed needs step times before and after the pack")
-
-
 def ep_only(spec: ShardSpec) -> ShardSpec:
     """The part of a parameter's split that runs over EP (the ESP split stays where it is)."""
     return ShardSpec(tuple(d for d in spec.dims if d[1] == "ep"), expert=spec.expert)
@@ -103,38 +94,6 @@ def regroup(t: torch.Tensor, spec: ShardSpec, old_ep_group, new_ep_coord: tuple[
     gathered = all_gather_raw(t.detach().unsqueeze(0), old_ep_group, dim=0)  # [N_old, ...]
     full = unshard_tensor({(("ep", j),): gathered[j] for j in range(gathered.size(0))}, ep_spec)
     return shard_tensor(full, ep_spec, {"ep": new_ep_coord})
-
-
-class StepClock:
-    """Wall time of the last `keep` training iterations, `begin` (step_begins) -> `end` (step_done).
-    CPU: perf_counter; ops run synchronously and the step's gloo collectives are waited for before
-    the optimizer step, so the end is the step's completion. CUDA: events recorded on the current
-    stream at both ends (after the optimizer step, which waits for the gradient collectives), read
-    after a synchronize when a decision needs them: never host time around an enqueue."""
-
-    def __init__(self, device: torch.device, keep: int):
-        self.cuda, self.keep = device.type == "cuda", keep
-        self._start = None
-        self._spans: list = []
-
-    def begin(self) -> None:
-        self._start = stamp(self.cuda)
-
-    def end(self) -> None:
-        if self._start is None:
-            raise RuntimeError("ExpertPacking.step_done without step_begins: the iteration was not timed")
-        self._spans = (self._spans + [(self._start, stamp(self.cuda))])[-self.keep :]
-        self._start = None
-
-    def __len__(self) -> int:
-        return len(self._spans)
-
-    def durations_ms(self) -> list[float]:
-        return span_ms(self._spans, self.cuda)
-
-    def reset(self) -> None:
-        """Forget the iterations timed so far (the layout changed)."""
-        self._spans.clear()
 
 
 class FFNClock:
@@ -178,9 +137,10 @@ class ExpertPacking:
     """The packing stage of a run (module docstring). Every rank calls `step_begins()` before each
     training iteration and `step_done(iteration)` after its optimizer step; `step_done` returns the
     log lines of the decisions taken (none most of the time); `decisions` keeps them as dicts.
-    `start` / `every`: the due iterations (the trainer keeps PACK_START / PACK_EVERY; a benchmark
-    packs during its warm-up). `trial_iters`: K of the trial (0: no trial); `force_outcome`:
-    "faster" / "slower" decides every trial whatever the medians (tests)."""
+    `iters`: K of the trial (0: trust the rule). `start` / `every`: the due iterations (the trainer
+    keeps PACK_START / PACK_EVERY; a benchmark packs during its warm-up)."""
+
+    turn = True  # `training.take_turns`: False while an earlier in-training trial measures
 
     def __init__(
         self,
@@ -189,34 +149,22 @@ class ExpertPacking:
         ps: "ParallelState",
         num_experts: int,
         max_per_rank: int = 0,
-        force: bool = False,
+        iters: int = 0,
         start: int = PACK_START,
         every: int = PACK_EVERY,
-        trial_iters: int = TRIAL_ITERS,
-        force_outcome: Optional[str] = None,
     ):
-        if trial_iters < 0:
-            raise ValueError(f"--lina-packing-trial-iters must be >= 0, got {trial_iters}")
-        if force_outcome is not None and (force_outcome not in OUTCOMES or not trial_iters):
-            raise ValueError(
-                f"--lina-packing-force-outcome must be one of {', '.join(OUTCOMES)} and needs "
-                f"--lina-packing-trial-iters >= 1, got {force_outcome!r} with {trial_iters}"
-            )
         self.model, self.optimizer, self.ps = model, optimizer, ps
+        self.num_experts, self.max_per_rank, self.iters = num_experts, max_per_rank, iters
         self.start, self.every = start, every
-        self.num_experts, self.max_per_rank, self.force = num_experts, max_per_rank, force
-        self.trial_iters, self.force_outcome = trial_iters, force_outcome
         self.decisions: list[dict] = []
         self.log: Optional[CommLog] = None
         self.clock: Optional[FFNClock] = None
-        self.steps: Optional[StepClock] = None
-        self.trial: Optional[dict] = None  # the pack on trial: iteration, ep_before, before_ms
-        self.backed_off = False  # a trial moved the experts back: no more packing in this run
+        self.trial: Optional[choose.Trial] = None  # a pack being measured
+        self.layouts = (0, 0)  # the trial's EP unpacked and packed
+        self.backed_off = False  # a trial kept the unpacked layout: no more packing in this run
         if self.can_pack:
             self.log = CommLog(max_events=20_000).start()
             self.clock = FFNClock(model, ps.device)
-            if trial_iters:
-                self.steps = StepClock(ps.device, trial_iters)
 
     @property
     def experts_per_rank(self) -> int:
@@ -228,12 +176,13 @@ class ExpertPacking:
 
     @property
     def busy(self) -> bool:
-        """A pack is on trial (its K iterations after are still running)."""
+        """A pack is being measured."""
         return self.trial is not None
 
-    def max_over_world(self, values: list[float]) -> list[float]:
-        """`values` reduced element-wise with MAX over the world (every rank passes as many)."""
-        return max_over_group(values, self.ps.group("world"), self.ps.device, "packing all_reduce")
+    @property
+    def decided(self) -> bool:
+        """Nothing left to try: no pack measured and none possible."""
+        return self.trial is None and (self.backed_off or not self.can_pack)
 
     def micro_op_ms(self) -> tuple[float, float]:
         """(FFN micro-op ms, forward all-to-all micro-op ms): this rank's means of the last iteration."""
@@ -246,106 +195,78 @@ class ExpertPacking:
         return mean(self.clock.durations_ms()), mean(a2a)
 
     def step_begins(self) -> None:
-        """A training iteration starts: what is measured from here on is its own (not an evaluation's)."""
+        """A training iteration starts: what is measured from here on is its own (not an evaluation's);
+        a trial's pass gets its layout."""
         if self.log is not None and self.clock is not None:
             self.log.clear()
             self.clock.clear()
-        if self.steps is not None:
-            self.steps.begin()
+        if self.trial is not None:
+            ep = self.layouts[self.trial.next() == "packed"]
+            if ep != self.ps.size("ep"):
+                self.relayout(ep)
+            self.trial.start()
 
     def step_done(self, iteration: int) -> list[str]:
-        """After iteration `iteration`: end a trial that has its K iterations, then at a due
-        iteration apply Lina's rule (module docstring). The log lines of what was decided."""
+        """After iteration `iteration`: end a trial's pass (deciding after the last), else at a due
+        iteration with the turn apply Lina's rule (module docstring). The log lines of what was decided."""
         lines: list[str] = []
-        if self.steps is not None:
-            self.steps.end()
-        if self.trial is not None and self.steps is not None and len(self.steps) >= self.trial_iters:
-            lines.append(self.end_trial(iteration))
-        if self.log is not None and self.trial is None and packing_due(iteration, self.start, self.every):
+        if self.trial is not None:
+            decision = self.trial.stop()  # collective on the pass that decides
+            if decision is not None:
+                lines.append(self.end_trial(decision, iteration))
+        elif self.turn and self.log is not None and packing_due(iteration, self.start, self.every):
             lines.append(self.consider(iteration))
         if self.backed_off or not self.can_pack:
-            self.stop_rule_timing()  # Lina's rule is asked no more
-            if self.trial is None:
-                self.close()
+            self.close()  # Lina's rule is asked no more
         if self.log is not None and self.clock is not None:
             self.log.clear()  # nothing kept until the next iteration (step_begins clears it too)
             self.clock.clear()
         return lines
 
     def consider(self, iteration: int) -> str:
-        """Lina's rule at a due iteration; packs (and starts a trial when K > 0) if it says so."""
+        """Lina's rule at a due iteration; packs (or starts a trial of the pack when K > 0) if it says so."""
         old = self.ps.size("ep")
-        head = f"lina packing at iteration {iteration}"
-        if self.steps is not None and len(self.steps) < self.trial_iters:  # same count on every rank
-            done = len(self.steps)
-            return f"{head}: {done} of the {self.trial_iters} iterations a trial compares timed at EP {old}: not yet"
-        before = self.steps.durations_ms() if self.steps is not None else []
-        ffn, comm, *before = self.max_over_world([*self.micro_op_ms(), *before])
-        pack = self.force or should_pack(ffn, comm)
+        ffn, comm = max_over_group(
+            list(self.micro_op_ms()), self.ps.group("world"), self.ps.device, f"{RULE} all_reduce"
+        )
+        pack = should_pack(ffn, comm)
+        why = f"FFN micro-op {ffn:.3f} ms {'<' if pack else '>='} all-to-all micro-op {comm:.3f} ms, max over ranks"
+        if choose.forced(RULE) is not None:
+            why += f"; forced ({choose.ENV} or choose.override)"
+        rule = choose.untimed(RULE, ("keep", "pack"), "pack" if pack else "keep", why)
         new = next_ep(old, self.num_experts, self.max_per_rank)
-        why = "forced (--lina-packing-force)" if self.force else ("<" if pack else ">=")
-        line = f"{head}: FFN micro-op {ffn:.3f} ms, all-to-all micro-op {comm:.3f} ms (max over ranks)"
-        if pack and new is not None:
+        line = f"iteration {iteration}: {rule.line()}"
+        if rule.pick == "pack" and new is not None and self.iters:
+            self.layouts = (old, new)
+            self.trial = choose.Trial(
+                TRIAL, ("unpacked", "packed"), self.ps.group("world"), self.ps.device, self.iters, 0, turn=self.iters
+            )
+            line += f": measured first, {self.iters} iterations at EP {old}, then {self.iters} at EP {new}"
+        elif rule.pick == "pack" and new is not None:
             self.relayout(new)
             line += (
-                f", {why}: EP {old} -> {new}, expert-DP {self.ps.layout.world_size // (old * self.ps.size('esp'))} -> "
-                f"{self.ps.size('expert_dp')}, {self.experts_per_rank} experts per rank"
+                f": EP {old} -> {new}, {self.experts_per_rank} experts per rank, expert-DP {self.ps.size('expert_dp')}"
             )
-            if self.steps is not None:
-                self.trial = {"iteration": iteration, "ep_before": old, "before_ms": before}
-                self.steps.reset()
-                line += (
-                    f"; on trial: kept if the median step of the next {self.trial_iters} iterations is below "
-                    f"{statistics.median(before):.1f} ms (the median of the {self.trial_iters} before, max over ranks)"
-                )
         else:
             line += f": kept EP {old}"
         self.decisions.append(
-            {
-                "kind": "pack",
-                "iteration": iteration,
-                "ffn_ms": ffn,
-                "a2a_ms": comm,
-                "ep_before": old,
-                "ep": self.ps.size("ep"),
-                "line": line,
-            }
+            {"kind": "rule", "iteration": iteration, "pick": rule.pick, "ffn_ms": ffn, "a2a_ms": comm, "line": line}
         )
         return line
 
-    def end_trial(self, iteration: int) -> str:
-        """Compare the K step times after the pack on trial with the K before it (both MAX over the
-        world); keep the packed layout only if faster, else move the experts back and stop packing."""
-        assert self.trial is not None and self.steps is not None
-        before = self.trial["before_ms"]
-        after = self.max_over_world(self.steps.durations_ms())
-        b, a = statistics.median(before), statistics.median(after)
-        faster, why = trial_verdict(keep_packed(before, after), self.force_outcome, "--lina-packing-force-outcome")
-        packed, back = self.ps.size("ep"), self.trial["ep_before"]
-        line = (
-            f"lina packing trial at iteration {iteration}: median step {a:.1f} ms over the {len(after)} "
-            f"iterations at EP {packed} vs {b:.1f} ms over the {len(before)} before at EP {back} (max over ranks), "
-            f"{why}: "
+    def end_trial(self, decision: choose.Decision, iteration: int) -> str:
+        """The trial's pick applied: the packed layout kept, or the experts moved back and packing stopped."""
+        unpacked, packed = self.layouts
+        ep = packed if decision.pick == "packed" else unpacked
+        if ep != self.ps.size("ep"):
+            self.relayout(ep)
+        self.trial, self.backed_off = None, decision.pick == "unpacked"
+        line = f"iteration {iteration}: {decision.line()}: " + (
+            f"kept EP {ep}"
+            if ep == packed
+            else f"back to EP {ep}, expert-DP {self.ps.size('expert_dp')}; no more packing in this run"
         )
-        if faster:
-            line += f"kept EP {packed}"
-        else:
-            self.relayout(back)
-            self.backed_off = True
-            line += f"back to EP {back}, expert-DP {self.ps.size('expert_dp')}; no more packing in this run"
-        self.decisions.append(
-            {
-                "kind": "trial",
-                "iteration": iteration,
-                "step_ms_before": b,
-                "step_ms_after": a,
-                "ep_before": packed,
-                "ep": self.ps.size("ep"),
-                "line": line,
-            }
-        )
-        self.trial = None
-        self.steps.reset()
+        self.decisions.append({"kind": "trial", "iteration": iteration, "pick": decision.pick, "ep": ep, "line": line})
         return line
 
     def relayout(self, new_ep: int) -> None:
@@ -378,16 +299,11 @@ class ExpertPacking:
             chunks = getattr(layer.dispatcher, "saa_chunks", SAA_CHUNKS)
             layer.use_schedule(layer.schedule, chunks, layer.schedule_choice)  # the dispatcher on the new groups
 
-    def stop_rule_timing(self) -> None:
-        """Stop timing micro-ops (Lina's rule will not be asked again)."""
+    def close(self) -> None:
+        """Stop timing micro-ops (Lina's rule will not be asked again, or the run ends)."""
         if self.log is not None:
             self.log.stop()
             self.log = None
         if self.clock is not None:
             self.clock.remove()
             self.clock = None
-
-    def close(self) -> None:
-        """Stop measuring (no packing step and no trial is left, or the run ends)."""
-        self.stop_rule_timing()
-        self.steps = None
