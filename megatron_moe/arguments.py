@@ -14,7 +14,6 @@ import typing
 from typing import Optional, Sequence
 
 from megatron_moe.config import Config
-from megatron_moe.moe.placement import parse_plan
 from megatron_moe.parallel_state import validate_degrees
 
 GROUPS = {
@@ -209,7 +208,7 @@ def validate_lina_packing(cfg: Config) -> None:
 
 
 def validate_pro_prophet(cfg: Config) -> None:
-    """--pro-prophet needs dropless MoE and an EP group of 2+; a forced plan must fit the layout."""
+    """--pro-prophet needs dropless MoE and an EP group of 2+."""
     o, moe, ep = cfg.opts, cfg.moe, cfg.parallel.expert_model_parallel_size
     if not o.pro_prophet:
         return
@@ -227,5 +226,3 @@ def validate_pro_prophet(cfg: Config) -> None:
         raise ValueError(
             f"--pro-prophet-n must be in [0, {ep - 2}] for --expert-model-parallel-size {ep}, got {o.pro_prophet_n}"
         )
-    if o.pro_prophet_force_plan is not None:
-        parse_plan(o.pro_prophet_force_plan, moe.num_experts, ep)  # an error naming the flag

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ class Layout:
     rank: int = 3  # the rank played (Lancet's planner runs on rank 0 and broadcasts its plan: rank 0 there)
     dp_world: bool = False  # MP = EP = ESP = 1 in a world of WORLD ranks (data parallel only)
     forced: dict = field(default_factory=dict)  # `choose.override` picks, e.g. {"lancet partitions": "2"}
+    plan: Optional[dict] = None  # Pro-Prophet's fixed placement {expert: EP ranks} (`optimizations.apply`)
 
 
 WORLD = 8
@@ -69,7 +70,8 @@ LAYOUTS: dict[str, Layout] = {
     "EP4-dropless-pro-prophet": Layout(
         ep=4,
         moe={"moe_dropless": True},
-        opts={"pro_prophet": True, "pro_prophet_force_plan": "0:1;2:2;4:3;6:0", "pro_prophet_trial_iters": 0},
+        opts={"pro_prophet": True},
+        plan={0: [1], 2: [2], 4: [3], 6: [0]},
     ),
 }
 # uneven all-to-alls need their split sizes on the host: one read per layer forward, none in backward
@@ -138,7 +140,7 @@ def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
         model = GPT2MoE(cfg, ps).to(device)
         for layer in model.moe_layers():
             layer.set_pipeline_chunks(lay.lina_chunks)
-        applied = apply(model, ps, cfg, GradSync(model, ps)) if lay.opts else None
+        applied = apply(model, ps, cfg, GradSync(model, ps), lay.plan) if lay.opts else None
         lancet = applied.lancet if applied is not None else None
         B, T = 2, cfg.model.seq_length
         g = torch.Generator().manual_seed(0)

@@ -15,12 +15,13 @@
    through the modules' own hooks (`lancet.controller.setup`); partitioned
    layers keep the schedule step 1 left them (S1 / S2 inside the parts).
 4. Pro-Prophet (--pro-prophet, dropless only): the replica runtime
-   (`moe.placement.ProProphet`) on the MoE layers, with a forced plan
-   (--pro-prophet-force-plan) or Algorithm 1 (`pro_prophet.planner.plan`) on a
+   (`moe.placement.ProProphet`) on the MoE layers, with a fixed plan (`apply`'s
+   `pro_prophet_plan`: tests, fixed benchmarks) or Algorithm 1 (`pro_prophet.planner.plan`) on a
    performance model whose constants are measured on the real EP group
    (`pro_prophet.perf_model.measure_constants`) and calibrated on the first
    iterations' measured layer times (`pro_prophet.calibration`); the counts ride
-   the dispatchers' count exchange and it plans the next iteration.
+   the dispatchers' count exchange and it plans the next iteration; the placement
+   is kept only if measured faster (--measure-iters, the trainer's trial).
 
 Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
 the trainer logs the lines. A combination the code cannot run stops here with
@@ -36,14 +37,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_moe import choose
 from megatron_moe.config import Config
 from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina import LinaScheduler
-from megatron_moe.distributed.lina_trial import max_trial_length
 from megatron_moe.lancet.controller import LancetController, setup as lancet_setup
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.arguments import validate_pro_prophet
-from megatron_moe.moe.placement import ProProphet, parse_plan
+from megatron_moe.moe.placement import Placement, ProProphet
 from megatron_moe.moe.schedule_trial import auto_schedule
 from megatron_moe.parallel_state import ParallelState
 from megatron_moe.pro_prophet.calibration import Calibrator
@@ -91,8 +92,12 @@ def check_combination(cfg: Config, unsupported: tuple = UNSUPPORTED) -> None:
             )
 
 
-def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -> Applied:
-    """Parm's per-layer choice, then Lina, then Lancet (module docstring). Collective: every rank calls it."""
+def apply(
+    model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync, pro_prophet_plan: Optional[dict] = None
+) -> Applied:
+    """Parm's per-layer choice, then Lina, then Lancet, then Pro-Prophet (module docstring). Collective: every
+    rank calls it. `pro_prophet_plan` ({expert: EP ranks holding a replica}): the placement in every MoE
+    layer and iteration instead of planning (tests, fixed benchmarks)."""
     check_combination(cfg)
     out = Applied()
     auto = [layer for layer in model.moe_layers() if layer.requested == "auto"]
@@ -144,21 +149,23 @@ def apply(model: GPT2MoE, ps: ParallelState, cfg: Config, grad_sync: GradSync) -
         if opts.lancet_partition and not plan.ranges:
             out.changes.append("lancet: the planner partitioned no range (not predicted or not measured faster)")
     if opts.pro_prophet:
-        out.pro_prophet = pro_prophet_setup(model, ps, cfg, out.changes)
+        out.pro_prophet = pro_prophet_setup(model, ps, cfg, out.changes, pro_prophet_plan)
     return out
 
 
-def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: list[str]) -> ProProphet:
-    """The replica runtime with a forced plan, or with Algorithm 1 on measured constants (collective)."""
+def pro_prophet_setup(
+    model: GPT2MoE, ps: ParallelState, cfg: Config, changes: list[str], plan: Optional[dict] = None
+) -> ProProphet:
+    """The replica runtime with a fixed `plan`, or with Algorithm 1 on measured constants (collective)."""
     opts, m, moe = cfg.opts, cfg.model, cfg.moe
     validate_pro_prophet(cfg)
     layers = model.moe_layers()
     mode = "blocking Trans/Agg" if opts.pro_prophet_no_schedule else "Trans/Agg overlapped (Algorithm 2)"
-    if opts.pro_prophet_force_plan is not None:
+    if plan is not None:
         runtime = ProProphet(layers, ps, schedule=not opts.pro_prophet_no_schedule, anchor=model.wte)
-        forced = parse_plan(opts.pro_prophet_force_plan, moe.num_experts, ps.size("ep"))
-        runtime.set_plans({layer.layer_idx: forced for layer in layers})
-        changes.append(f"pro-prophet: forced plan in every MoE layer: {forced.describe()}; {mode}")
+        fixed = Placement.of(moe.num_experts, ps.size("ep"), plan)
+        runtime.set_plans({layer.layer_idx: fixed for layer in layers})
+        changes.append(f"pro-prophet: fixed plan in every MoE layer: {fixed.describe()}; {mode}")
         return runtime
     M, H = m.hidden_size, m.ffn_hidden_size
     esp = ps.size("esp")
@@ -173,27 +180,20 @@ def pro_prophet_setup(model: GPT2MoE, ps: ParallelState, cfg: Config, changes: l
         ps,
         schedule=not opts.pro_prophet_no_schedule,
         planner=lambda counts: plan_placement(counts, calib.model, alpha, n).replicas,
-        # the trial's third arm: one more move of the same greedy order (kept if measured fastest)
+        # the trial's third alternative: one more move of the same greedy order (kept if measured fastest)
         wider=lambda counts: plan_placement(counts, calib.model, alpha, n, extra=1).replicas,
         interval=opts.pro_prophet_interval,
         calibrator=calib,
-        trial_iters=opts.pro_prophet_trial_iters,  # placement kept only if measured faster (pro_prophet.trial)
-        trial_force_outcome=opts.pro_prophet_trial_force_outcome,
-        trial_settle=opts.pro_prophet_trial_settle,
-        trial_margin=opts.pro_prophet_trial_margin,
+        measure_iters=opts.measure_iters,  # placement kept only if measured faster (`moe.placement`)
         anchor=model.wte,  # the first MoE layer's Trans starts, and its Agg is waited, at the embedding
-        # after Lina's trial (`distributed.lina_trial`), whose arms would alternate in step with these
-        trial_not_before=max_trial_length(opts.lina_trial_iters) if opts.lina and opts.lina_trial_iters else 0,
     )
-    k, s = opts.pro_prophet_trial_iters, opts.pro_prophet_trial_settle + 1
-    after = "the calibration" + (" and Lina's trial" if opts.lina and opts.lina_trial_iters else "")
     changes.append(
         f"pro-prophet: Algorithm 1 every {opts.pro_prophet_interval} iteration(s) from the last "
         f"iteration's counts (alpha {alpha:g}, n {n}); {mode}"
         + (
-            f"; trial of {k} + {k} + {k} timed iterations (placed, wider, plain; turns of {s}) after {after}, "
-            f"a placement kept only if faster by more than {opts.pro_prophet_trial_margin:.1%}"
-            if k
+            f"; after the calibration, {opts.measure_iters} timed iterations each of plain, placed and one more "
+            f"expert moved (turns of 2), the placement kept only if faster by more than {choose.MARGIN:.0%}"
+            if opts.measure_iters
             else ""
         )
     )

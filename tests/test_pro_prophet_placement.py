@@ -1,4 +1,4 @@
-"""Pro-Prophet's lightweight expert placement (moe.placement): with a forced plan the loss, every
+"""Pro-Prophet's lightweight expert placement (moe.placement): with a fixed plan the loss, every
 gradient (the owner's, after Agg), the optimizer step, the bytes of Trans / Agg and the trainer's
 curve equal the run without placement.
 
@@ -19,7 +19,7 @@ from megatron_moe.distributed.grad_sync import sync_gradients
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.layers.sharding import local_pieces
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, parse_plan, routed_counts
+from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, routed_counts
 from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_moe.pro_prophet.planner import heaviest_to_all
 from megatron_moe.testing import live_cpu_tensors, spawn
@@ -58,18 +58,6 @@ def test_placement_columns_and_computed_tokens():
     counts = [[5, 1, 2, 7], [6, 3, 4, 1]]
     assert p.computed_tokens(counts) == [5 + 1 + 7 + 3, 2 + 6 + 4 + 1]
     assert Placement.of(4, 2, {}).computed_tokens(counts) == [5 + 1 + 6 + 3, 2 + 7 + 4 + 1]
-
-
-def test_forced_plan_errors_name_the_flag():
-    assert parse_plan("0:1;3:0", 4, 2) == Placement.of(4, 2, {0: [1], 3: [0]})
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan must look like"):
-        parse_plan("0-1", 4, 2)
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan '1:0'.*EP rank 0 owns it"):
-        parse_plan("1:0", 4, 2)
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan '0:2'.*in \\[0, 2\\)"):
-        parse_plan("0:2", 4, 2)
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan '4:1'.*expert 4 out of range"):
-        parse_plan("4:1", 4, 2)
 
 
 # ----------------------------------------------------------------------------- equivalence (spawned)
@@ -189,7 +177,7 @@ def test_forced_plan_equals_no_placement(world):
 # ----------------------------------------------------------------------------- the trainer
 
 EP2 = ("--moe-dropless", "--expert-model-parallel-size", "2")
-FORCED = ("--pro-prophet", "--pro-prophet-force-plan", "0:1;3:0")
+FIXED = {0: [1], 3: [0]}  # the trainer's Pro-Prophet plan instead of planning (`optimizations.apply`)
 
 
 def _live_after_steps(rank, world):
@@ -237,17 +225,21 @@ def _curves(rank, world, data, ckpt):
     """Straight runs without and with a forced plan (scheduled, blocking), the planner's run, and a
     run saved with replicas active then resumed without --pro-prophet."""
 
-    def run(iters, *extra):
-        return pretrain(parse_args(tiny_args(data, iters, *EP2, *extra)))
+    def run(iters, *extra, plan=None, blocking=False):
+        cfg = parse_args(tiny_args(data, iters, *EP2, *extra))
+        cfg.opts.pro_prophet_no_schedule = blocking  # the ablation (no flag)
+        return pretrain(cfg, plan)
 
     out = {
         "plain": run(8),
-        "forced": run(8, *FORCED),
-        "blocking": run(8, *FORCED, "--pro-prophet-no-schedule"),
+        "forced": run(8, "--pro-prophet", plan=FIXED),
+        "blocking": run(8, "--pro-prophet", plan=FIXED, blocking=True),
         "planned": run(8, "--pro-prophet", "--pro-prophet-alpha", "0"),
-        "lina": run(8, *FORCED, "--lina"),
+        "lina": run(8, "--pro-prophet", "--lina", plan=FIXED),
     }
-    out["resumed"] = run(8, *FORCED, "--save", ckpt, "--exit-interval", "4") + run(8, "--load", ckpt)
+    out["resumed"] = run(8, "--pro-prophet", "--save", ckpt, "--exit-interval", "4", plan=FIXED) + run(
+        8, "--load", ckpt
+    )
     return out
 
 
@@ -287,10 +279,6 @@ def test_flag_errors_name_the_flags():
         validate(parse_args(["--num-experts", "4", "--moe-dropless", "--pro-prophet"]), 1)
     with pytest.raises(ValueError, match="--pro-prophet-n must be in \\[0, 0\\]"):
         validate(parse_args([*base, "--moe-dropless", "--pro-prophet", "--pro-prophet-n", "1"]), 2)
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan needs --pro-prophet"):
-        parse_args([*base, "--pro-prophet-force-plan", "0:1"])
-    with pytest.raises(ValueError, match="--pro-prophet-force-plan '2:1'.*EP rank 1 owns it"):
-        validate(parse_args([*base, "--moe-dropless", "--pro-prophet", "--pro-prophet-force-plan", "2:1"]), 2)
     with pytest.raises(ValueError, match="--pro-prophet-interval must be >= 1"):
         parse_args(["--pro-prophet-interval", "0"])
 

@@ -13,10 +13,11 @@ from tiny_run import tiny_args
 
 ITERS = 12
 STEADY = 4  # the last iterations, whose live tensors must not grow
+PLAN = {0: [1], 3: [0]}  # Pro-Prophet's fixed placement (every rank holds a replica)
 TRANSIENT = 16 * 1024  # bytes that may come and go (a 4 KB tensor in flight was seen at some iterations)
 FEATURES = {
-    "pro_prophet": ["--moe-dropless", "--pro-prophet", "--pro-prophet-force-plan", "0:1;3:0"],
-    "lina": ["--lina", "--lina-trial-iters", "0"],
+    "pro_prophet": ["--moe-dropless", "--pro-prophet"],  # with PLAN
+    "lina": ["--lina", "--measure-iters", "0"],
     "lancet": ["--lancet-wgrad", "--lancet-partition"],
     "s1": ["--moe-schedule", "s1"],
 }
@@ -25,8 +26,8 @@ FEATURES = {
 class CountingTrainer(Trainer):
     """The trainer, recording the live tensors after every training step."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, pro_prophet_plan=None):
+        super().__init__(cfg, pro_prophet_plan)
         self.live: list[tuple[int, int]] = []
 
     def train_step(self, batches) -> dict:
@@ -38,7 +39,8 @@ class CountingTrainer(Trainer):
 def _live_per_feature(rank, world, data):
     out = {}
     for name, extra in FEATURES.items():
-        trainer = CountingTrainer(parse_args(tiny_args(data, ITERS, "--expert-model-parallel-size", "2", *extra)))
+        cfg = parse_args(tiny_args(data, ITERS, "--expert-model-parallel-size", "2", *extra))
+        trainer = CountingTrainer(cfg, PLAN if name == "pro_prophet" else None)
         try:
             trainer.train()
         finally:

@@ -60,16 +60,15 @@ Modes (the same weights and batches in each):
                          (the paper's comparison), Trans/Agg overlapped
   pro_prophet_plan_only  Algorithm 1 (`pro_prophet.planner.plan`, eq. (6)), Trans/Agg blocking
   pro_prophet            Algorithm 1 with eq. (8) and the block-wise scheduler (Algorithm 2), and the
-                         trainer's runtime trial (`pro_prophet.trial`, --trial-iters K): after the
-                         calibration, K iterations with the plan, K with the plan plus the next move of
-                         Algorithm 1's greedy order ("wider", `plan(extra=1)`) and K with the empty plan,
-                         alternating in turns of --trial-settle + 1 iterations whose last is timed,
-                         step times MAX over ranks; the arm with the lowest median is kept (the empty
-                         plan, the plain graph, unless a placing arm was faster by more than
-                         --trial-margin; the wider arm only if it moved more experts than the plan and
-                         beat it by that margin). The trial's iterations are added
-                         to this mode's warm-up (outside the medians); the row reports the kept arm and
-                         the trial's own medians.
+                         trainer's runtime trial (`moe.placement`, --trial-iters K): after the
+                         calibration, K timed passes each of the empty plan ("plain"), the plan
+                         ("placed") and the plan plus the next move of Algorithm 1's greedy order
+                         ("wider", `plan(extra=1)`), in turns of a settling and a timed iteration,
+                         step times MAX over ranks, picked by `choose` (a less simple alternative must
+                         be faster by more than 2 %; "wider" only if it moved more experts than the
+                         plan; MMOE_CHOOSE="pro-prophet=placed" forces a pick). The trial's iterations
+                         are added to this mode's warm-up (outside the medians); the row reports the
+                         pick and the trial's own medians.
 The scheduled modes (heaviest_to_all, pro_prophet) give the runtime the first LayerNorm as its anchor:
 the first MoE layer's Trans starts when the forward starts and its Agg is waited when the backward
 reaches that norm (the dense block in between hides both), as the trainer does with the embedding.
@@ -108,10 +107,8 @@ model_error = predicted / measured MoE ms - 1, calibration_scale, calibration_co
 calibration_overhead_ms: the measured fixed cost of a layer with replicas, breakdown_ms: --breakdown,
 plan_ms: the median per iteration of the milliseconds the planner ran (every layer's plan; under the
 last dispatch all-to-all or at the iteration's end; rank 0's), trial: mode pro_prophet's trial
-decision or null: keep, kept ("placed" / "wider" / "off": the arm kept), placed_ms / wider_ms /
-plain_ms (the arms' medians, MAX over ranks), placed_steps_ms, wider_steps_ms, plain_steps_ms,
-trial_ms_total, moved, wider_moved (the wider arm moved more experts than the planner would have),
-line), speedup_vs_none_paired / speedup_vs_heaviest_to_all_paired ([median, low, high]: that mode's
+decision or null: pick ("plain" / "placed" / "wider"), reason, plain_ms / placed_ms / wider_ms (the
+medians, MAX over ranks; null when not timed), samples_ms, line), speedup_vs_none_paired / speedup_vs_heaviest_to_all_paired ([median, low, high]: that mode's
 step time over this mode's, iteration by iteration of the round-robin, and its 95 % bootstrap
 interval, `profiling.paired_ratio`; null when that mode did not run), printed under the table.
 """
@@ -140,14 +137,11 @@ from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.placement import Placement, ProProphet, gather_counts, routed_counts
-from megatron_moe.host_memory import CHOICES as HOST_MEMORY
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown
 from megatron_moe.profiling import paired_ratio
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.perf_model import Calibration, PerfModel, measure_constants
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
-from megatron_moe.pro_prophet.trial import OUTCOMES as TRIAL_OUTCOMES
 
 MODES = ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
 # --model presets: (hidden size M, expert hidden size H, tokens per rank); explicit flags override
@@ -198,38 +192,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--trial-iters",
         type=int,
-        default=Config().opts.pro_prophet_trial_iters,
-        help="mode pro_prophet: the trainer's trial (--pro-prophet-trial-iters): after the calibration this many "
-        "iterations with the plan, as many with one more expert moved and as many without, alternating; the "
-        "fastest arm is kept (0: no trial)",
-    )
-    p.add_argument(
-        "--trial-settle",
-        type=int,
-        default=Config().opts.pro_prophet_trial_settle,
-        help="mode pro_prophet: iterations each turn of a trial arm runs before its timed one "
-        "(--pro-prophet-trial-settle)",
-    )
-    p.add_argument(
-        "--trial-margin",
-        type=float,
-        default=Config().opts.pro_prophet_trial_margin,
-        help="mode pro_prophet: a placing arm must beat the simpler one by more than this fraction "
-        "(--pro-prophet-trial-margin)",
-    )
-    p.add_argument(
-        "--trial-force-outcome",
-        choices=list(TRIAL_OUTCOMES),
-        default=None,
-        help="mode pro_prophet: the trial decides this whatever the medians (--pro-prophet-trial-force-outcome)",
+        default=Config().opts.measure_iters,
+        help="mode pro_prophet: the trainer's trial (--measure-iters): after the calibration this many timed "
+        "iterations each without placement, with the plan and with one more expert moved (0: no trial)",
     )
     p.add_argument("--comm-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
-    p.add_argument(
-        "--cpu-allocator",
-        choices=list(HOST_MEMORY),
-        default=Config().parallel.cpu_allocator,
-        help="host memory on CPU (the trainer's --cpu-allocator; megatron_moe/host_memory.py)",
-    )
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     p.add_argument(
         "--breakdown", action="store_true", help="profile one extra iteration per mode: the step's parts per rank"
@@ -257,12 +224,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if a.trial_iters < 0:
         p.error("--trial-iters must be >= 0 (0: mode pro_prophet runs without the trial)")
-    if a.trial_settle < 0:
-        p.error("--trial-settle must be >= 0")
-    if not 0.0 <= a.trial_margin < 1.0:
-        p.error(f"--trial-margin must be in [0, 1), got {a.trial_margin}")
-    if a.trial_force_outcome is not None and a.trial_iters < 1:
-        p.error("--trial-force-outcome needs --trial-iters >= 1")
     if any(s < 0 for s in a.skew):
         p.error("--skew values must be >= 0")
     if a.counts_records < 1:
@@ -469,21 +430,18 @@ def make_runtime(model: BenchModel, ps, mode: str, perf: dict, a, spent: list) -
         ps,
         schedule=mode == "pro_prophet",
         planner=timed(lambda c: plan(c, calib.model, a.alpha, a.n).replicas, spent),
-        # the trial's "wider" arm: one more move of Algorithm 1's greedy order (`pro_prophet.trial`)
+        # the trial's "wider" alternative: one more move of Algorithm 1's greedy order (`moe.placement`)
         wider=timed(lambda c: plan(c, calib.model, a.alpha, a.n, extra=1).replicas, spent)
         if trial_iters(a, mode)
         else None,
         calibrator=calib,
-        trial_iters=trial_iters(a, mode),
-        trial_force_outcome=a.trial_force_outcome,
-        trial_settle=a.trial_settle,
-        trial_margin=a.trial_margin,
+        measure_iters=trial_iters(a, mode),
         anchor=model.norms[0],  # scheduled: the first MoE layer's Trans starts, and its Agg waits, here
     )
 
 
 def trial_iters(a, mode: str) -> int:
-    """K of the mode's trial (`pro_prophet.trial`): mode pro_prophet only (the others are fixed rows)."""
+    """K of the mode's trial (`moe.placement`): mode pro_prophet only (the others are fixed rows)."""
     return a.trial_iters if mode == "pro_prophet" else 0
 
 
@@ -524,8 +482,8 @@ class ModeRun:
         }
         self.rows["breakdown"] = None
         self.total: Optional[torch.Tensor] = None
-        self.trial = self.runtime.trial if self.runtime is not None else None
-        self.warmup = a.warmup + (self.trial.length if self.trial is not None else 0)  # the trial's: unmeasured
+        trial = self.runtime.trial if self.runtime is not None else None
+        self.warmup = a.warmup + (trial.length if trial is not None else 0)  # the trial's: unmeasured
         self.it = 0  # iterations run
 
     def step(self, profiled: bool = False) -> None:
@@ -577,7 +535,7 @@ class ModeRun:
 
     def result(self) -> dict:
         """The per-iteration lists (collective: every rank then holds the same numbers)."""
-        rows, ps, runtime, trial = self.rows, self.ps, self.runtime, self.trial
+        rows, ps, runtime = self.rows, self.ps, self.runtime
         t = torch.tensor([rows["step"], rows["moe"]], dtype=torch.float64, device=ps.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         b = torch.tensor([rows["trans"], rows["agg"]], dtype=torch.float64, device=ps.device)
@@ -592,7 +550,9 @@ class ModeRun:
             if self.total is not None
             else None
         )
-        rows["trial"] = dict(trial.decision) if trial is not None and trial.decision is not None else None
+        d = runtime.decision if runtime is not None else None
+        medians = {f"{k}_ms": (d.medians.get(k) if d is not None else None) for k in ("plain", "placed", "wider")}
+        rows["trial"] = None if d is None else {**d.as_dict(), **medians, "line": d.line()}
         return rows
 
 
@@ -705,12 +665,12 @@ def speedup_lines(rows: list[dict]) -> str:
 
 
 def trial_text(trial: Optional[dict]) -> str:
-    """The table's trial column: the kept arm ("placed" / "wider" / "off") and the arms' medians
-    (placed / wider / plain ms; wider "-" without that arm), or "-" (no trial)."""
+    """The table's trial column: the pick and the medians (placed / wider / plain ms; "-" where not
+    timed), or "-" (no trial)."""
     if trial is None:
         return "-"
-    wider = "-" if trial.get("wider_ms") is None else f"{trial['wider_ms']:.1f}"
-    return f"{trial['kept']} ({trial['placed_ms']:.1f} / {wider} / {trial['plain_ms']:.1f})"
+    ms = ["-" if trial.get(k) is None else f"{trial[k]:.1f}" for k in ("placed_ms", "wider_ms", "plain_ms")]
+    return f"{trial['pick']} ({' / '.join(ms)})"
 
 
 def main(argv=None) -> None:
@@ -731,7 +691,6 @@ def run(a: argparse.Namespace) -> None:
     device, backend = device_and_backend("auto", None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    memory = keep_freed_memory(device, a.cpu_allocator)
     dist.init_process_group(backend, timeout=timedelta(seconds=a.comm_timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
@@ -756,7 +715,7 @@ def run(a: argparse.Namespace) -> None:
             f"{a.tokens} tokens/rank, M {a.hidden_size}, H {a.ffn_hidden_size}; constants: a2a "
             f"{c.a2a_alpha * 1e3:.3f} ms + {c.a2a_beta * 1e9:.3f} ns/elem, trans {c.bcast_alpha * 1e3:.3f} ms + "
             f"{c.bcast_beta * 1e9:.3f} ns/elem, expert {c.expert_alpha * 1e3:.3f} ms + "
-            f"{c.expert_beta * 1e6:.3f} us/token; {memory}",
+            f"{c.expert_beta * 1e6:.3f} us/token",
             flush=True,
         )
     results = []

@@ -38,37 +38,44 @@ Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
              of use, Agg launched and waited inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
 
-Trial (`ProProphet(trial_iters=K)`, `pro_prophet.trial`): after the calibration, K iterations with
-the planner's placement and K with the empty plan, alternating; the placement stays only if its
-median step (MAX over ranks) was faster, else the run goes on with the empty plan (the plain graph).
-With a `wider` planner (Algorithm 1 keeping one more greedy move, `planner.plan(extra=1)`), a third
-arm of K iterations runs it (placed / wider / plain); the fastest arm is kept, and after a "wider"
-verdict every later plan is the wider planner's (the model's ranking corrected by measurement).
-With `trial_settle` S each turn of an arm runs S iterations before its timed one.
+Trial (`ProProphet(measure_iters=K)`, the `choose.Trial` "pro-prophet"): the model decides which
+experts to move, but a plan it predicts near break-even can measure a loss (a 4 MB expert moved at
+skew 0 on the emulated cluster: 10 % slower). So after the calibration the alternatives "plain" (the
+empty plan: the plain run's graph and collectives), "placed" (the planner's) and, with a `wider`
+planner (Algorithm 1 keeping one more greedy move, `planner.plan(extra=1)`), "wider" take turns over
+training iterations, each turn one settling iteration and one timed (the first iteration after
+switching placement measured 10-40 % slow on the emulated cluster, 2 nodes x 1 process, skew 1.2:
+memory the other arm had not used is touched again); no warm-up rounds: the calibration's iterations
+already ran the plan and the empty plan. A pass is the span between two `end_iteration` calls (the
+plan for an iteration is made at the end of the one before, so each arm pays its own planning).
+Rules that are not timing rules: if the planner moved no expert in any placed iteration, both arms
+ran the same graph and the pick is "plain" untimed; "wider" is a candidate only if, on the counts it
+planned from, it moved more experts than the planner would have. After a "plain" pick every later
+iteration runs the empty plan; after "wider" every later plan is the wider planner's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_moe import choose
 from megatron_moe.distributed import comm_errors, observer, streams
-from megatron_moe.distributed.collectives import all_gather_raw, max_over_group, scale_grad
+from megatron_moe.distributed.collectives import all_gather_raw, scale_grad
 from megatron_moe.moe.experts import Experts
-from megatron_moe.profiling import annotate, span_ms, stamp
+from megatron_moe.profiling import annotate
 from megatron_moe.pro_prophet.calibration import Calibrator
 from megatron_moe.pro_prophet.clock import LayerClock
-from megatron_moe.pro_prophet.trial import PlacementTrial
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
 
 PARAMS = ("fc_w", "fc_b", "proj_w", "proj_b")
 PARTS = (("fc_w", "fc_b"), ("proj_w", "proj_b"))  # Trans in two parts (Algorithm 2)
-FORCE_FLAG = "--pro-prophet-force-plan"
+TRIAL = "pro-prophet"  # the trial's name (`choose.override`, MMOE_CHOOSE)
 
 
 # ----------------------------------------------------------------------------- the placement
@@ -156,22 +163,6 @@ class Placement:
         if not moved:
             return "no replicas"
         return ", ".join(f"expert {e} -> EP {','.join(map(str, self.replicas[e]))}" for e in moved)
-
-
-def parse_plan(text: str, num_experts: int, n_ep: int) -> Placement:
-    """--pro-prophet-force-plan "E:R[,R...];E:R..." (expert: EP ranks holding a replica) -> Placement,
-    or a ValueError naming the flag."""
-    mapping: dict[int, list[int]] = {}
-    try:
-        for item in filter(None, (p.strip() for p in text.split(";"))):
-            e, ranks = item.split(":")
-            mapping[int(e)] = [int(q) for q in ranks.split(",") if q.strip()]
-    except ValueError:
-        raise ValueError(f"{FORCE_FLAG} must look like '0:1;3:0,2' (expert:EP ranks;...), got {text!r}") from None
-    try:
-        return Placement.of(num_experts, n_ep, mapping)
-    except ValueError as e:
-        raise ValueError(f"{FORCE_FLAG} {text!r}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- Trans and Agg
@@ -477,20 +468,13 @@ class ProProphet:
     gradient: the whole non-expert backward in between hides it; the anchor's backward is the last
     before the optimizer step).
 
-    `trial_iters` > 0 (with a planner): after the calibration (or after iteration 1 without one),
-    `pro_prophet.trial.PlacementTrial` times that many iterations with the planner's placement and
-    as many with the empty plan, alternating, and keeps placing only if it measured faster (the
-    spans between `end_iteration` calls, MAX over the world); otherwise the rest of the run has the
-    empty plan. `trial_force_outcome` decides it whatever the times. While the trial runs, plans
-    are made at the end of the iteration, not under the all-to-all (each arm then pays its own).
-    `trial_not_before`: the trial's first iteration comes after this one (the trainer: after Lina's
-    own trial, whose arms would otherwise alternate in step with these).
-    `wider` (optional, with a trial): the planner keeping one more move of Algorithm 1's greedy order
-    (`planner.plan(extra=1)`); the trial then has a third arm running it, and if that arm wins, every
-    later plan is `wider`'s (`pro_prophet.trial`). Deterministic like `planner`.
-    `trial_settle` S: every turn of an arm is S unmeasured iterations and one timed (the first
-    iteration after a switch measured slow: `pro_prophet.trial`). `trial_margin`: the fraction by
-    which a placing arm must beat the simpler one (`pro_prophet.trial`; 0: strictly faster)."""
+    `measure_iters` K > 0 (with a planner): the trial (module docstring) measures K timed passes of
+    each alternative, from the first iteration after the calibration at which it has the turn (`turn`,
+    `training.take_turns`); `decision` holds its pick. While it runs, plans are made at the end of the
+    iteration, not under the all-to-all. `wider` (optional, with a trial): the third alternative's
+    planner, deterministic like `planner`."""
+
+    turn = True  # `training.take_turns`: False while another in-training trial measures
 
     def __init__(
         self,
@@ -501,13 +485,9 @@ class ProProphet:
         interval: int = 1,
         calibrator: Optional[Calibrator] = None,
         plan_in_flight: bool = True,
-        trial_iters: int = 0,
-        trial_force_outcome: Optional[str] = None,
+        measure_iters: int = 0,
         anchor: Optional[torch.nn.Module] = None,
-        trial_not_before: int = 0,
         wider: Optional[Planner] = None,
-        trial_settle: int = 0,
-        trial_margin: float = 0.0,
     ):
         self.layers = sorted(layers, key=lambda layer: layer.layer_idx)
         self.ps, self.schedule, self.planner, self.interval = ps, schedule, planner, interval
@@ -528,22 +508,16 @@ class ProProphet:
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
         for layer in self.layers:
             layer.dispatcher.set_counts_sink(self)
-        self.trial: Optional[PlacementTrial] = None
-        if planner is not None and trial_iters > 0:
-            start = max(calibrator.last if calibrator is not None and calibrator.last else 1, trial_not_before)
-            self.trial = PlacementTrial(
-                trial_iters,
-                start,
-                trial_force_outcome,
-                wider=wider is not None,
-                settle=trial_settle,
-                margin=trial_margin,
-            )
+        self.trial: Optional[choose.Trial] = None
+        if planner is not None and measure_iters > 0:
+            arms = ("plain", "placed", "wider") if wider is not None else ("plain", "placed")
+            self.trial = choose.Trial(TRIAL, arms, ps.group("world"), ps.device, measure_iters, warmup=0, settle=1)
             if calibrator is not None:  # the trial's iterations (and any before it) refine the fit
-                calibrator.sample_more(self.trial.end - calibrator.last)
-        self.cuda = ps.device.type == "cuda"
-        self.last_stamp = None  # the start of the last `end_iteration` (the trial's step spans)
-        self.trial_line: Optional[str] = None  # the trial's verdict, until `take_trial_line`
+                calibrator.sample_more(None)
+        self.trial_from: Optional[int] = None  # iterations ended under this runtime before the trial's first
+        self.trial_moved = False  # a placed iteration of the trial had replicas
+        self.decision: Optional[choose.Decision] = None  # the trial's
+        self.trial_line: Optional[str] = None  # the decision's log line, until `take_trial_line`
         self.wider_log: list[tuple[list, Placement]] = []  # the wider arm's (counts, plan) per layer plan
         # scheduled Agg: layer l's is waited after the non-expert backward between layers l-1 and l
         self.boxes: dict[int, AggBox] = {}
@@ -594,8 +568,8 @@ class ProProphet:
         for this iteration are complete and `end_iteration` will plan with the current model."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
-        if self.trial is not None and not self.trial.decided and self.ended + 1 >= self.trial.start:
-            return  # trial iterations (and the one before them) plan at their end: each arm pays its own
+        if self._trial_at(self.ended + 1):
+            return  # the trial's iterations (and the one before them) plan at their end: each arm pays its own
         if (
             self.forwards[layer_idx] != self.forwards_per_iteration
             or self._action(self.running, self.ended + 1) != "plan"
@@ -603,39 +577,94 @@ class ProProphet:
             return
         if self.calibrator is not None and self.calibrator.fit_due(self.ended + 1):
             return  # the model changes at the end of this iteration
-        self.early[layer_idx] = (
-            self.forwards[layer_idx],
-            self._plan(self.counts[layer_idx], self._wide(self.ended + 2)),
-        )
+        self.early[layer_idx] = (self.forwards[layer_idx], self._plan(self.counts[layer_idx], self._wide()))
 
     def collected_counts(self) -> torch.Tensor:
         """This iteration's counts [L, N_EP, E] (layers in order), identical on every rank of the group."""
         return torch.stack([self.counts[la.layer_idx] for la in self.layers])
 
+    # -- the trial -------------------------------------------------------------------------------
+    @property
+    def decided(self) -> bool:
+        """No trial, or it decided."""
+        return self.trial is None or self.trial.done
+
+    def _trial_at(self, local: int) -> bool:
+        """Whether the end of the `local`-th iteration under this runtime belongs to the trial: it runs,
+        or begins there (its turn, the calibration over)."""
+        if self.decided:
+            return False
+        cal = self.calibrator
+        return self.trial_from is not None or (self.turn and local >= max(cal.last if cal is not None else 0, 1))
+
+    def _arm(self) -> Optional[str]:
+        """The trial's alternative for the next iteration (None outside the trial)."""
+        return self.trial.next() if self.trial is not None and self.trial_from is not None else None
+
+    def _trial_step(self) -> None:
+        """At an iteration's end: end the trial's pass (deciding after the last), or begin the trial; then
+        start the next pass."""
+        trial, cal = self.trial, self.calibrator
+        if trial is None or trial.done:
+            return
+        if self.trial_from is not None:
+            self.trial_moved |= trial.next() == "placed" and any(p.moved for p in self.plans.values())
+            decision = trial.stop()  # collective on the pass that decides
+            if decision is not None:
+                self._decide(decision)
+                return
+        elif self._trial_at(self.ended):
+            self.trial_from = self.ended
+            if cal is not None:  # sampled up to the decision, then refitted
+                cal.sample_more(self.ended + trial.length - cal.last)
+        else:
+            return
+        trial.start()
+
+    def _decide(self, d: choose.Decision) -> None:
+        """The rules that are not timing rules, then the pick from the next iteration on."""
+        arms = d.alternatives
+        if not self.trial_moved:  # both arms ran the plain graph: nothing to keep
+            d = choose.untimed(TRIAL, arms, "plain", "the planner moved no expert in a placed iteration")
+        elif "wider" in arms and choose.forced(TRIAL) is None and not self._wider_moved_more():
+            d = replace(d, pick=choose.pick(d.medians, arms[:2]), reason="measured; the wider plans were the planner's")
+        self.decision, self.trial_line, self.wider_log = d, d.line(), []
+
+    def _kept_passes(self, iterations) -> list[bool]:
+        """For each of `iterations` (under this runtime): whether it was a timed pass of the trial's pick."""
+        assert self.trial is not None and self.decision is not None and self.trial_from is not None
+        order, want = self.trial.order, (self.trial.alternatives.index(self.decision.pick), True)
+        return [
+            0 <= i - self.trial_from - 1 < len(order) and order[i - self.trial_from - 1] == want for i in iterations
+        ]
+
+    def take_trial_line(self) -> Optional[str]:
+        """The trial's decision line, once (None before the decision and after it was taken)."""
+        line, self.trial_line = self.trial_line, None
+        return line
+
     # -- the end of an iteration ---------------------------------------------------------------
     def _action(self, iteration: int, local: int) -> str:
         """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
         iteration without placement) or "keep"."""
-        cal, trial = self.calibrator, self.trial
+        cal = self.calibrator
         if self.planner is None:
             return "keep"
-        if trial is not None and trial.decided and not trial.keep:
-            return "keep" if local > trial.end else "off"  # the empty plan from the decision on
+        if self.decision is not None and self.decision.pick == "plain":
+            return "off"  # the empty plan for the rest of the run
         if cal is not None and cal.placement_off(local + 1):
             return "off"
-        if trial is not None and trial.arm(local + 1) is not None:
-            return "off" if trial.arm(local + 1) == "plain" else "plan"
+        arm = self._arm()
+        if arm is not None:
+            return "off" if arm == "plain" else "plan"
         if cal is not None and cal.calibrating(local):
             return "plan"
         return "keep" if iteration % self.interval else "plan"
 
-    def _wide(self, local: int) -> bool:
-        """Whether the plan for the `local`-th iteration under this runtime is the wider planner's: its
-        trial arm, or every plan after a "wider" verdict."""
-        trial = self.trial
-        if self.wider is None or trial is None:
-            return False
-        return trial.kept == "wider" if trial.decided else trial.arm(local) == "wider"
+    def _wide(self) -> bool:
+        """Whether the next plans are the wider planner's: its trial passes, and every plan after a "wider" pick."""
+        pick = self.decision.pick if self.decision is not None else None
+        return self.wider is not None and (self._arm() or pick) == "wider"
 
     def _plan(self, counts_DE: torch.Tensor, wide: bool = False) -> Placement:
         planner = self.wider if wide else self.planner
@@ -644,42 +673,31 @@ class ProProphet:
         return Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in planner(counts_DE.tolist())))
 
     def _wider_moved_more(self) -> bool:
-        """Whether a wider-arm plan of the trial moved more experts than the planner would have on the same
-        counts (with the same model: called before the trial's refit), i.e. the wider arm was a distinct arm."""
+        """Whether a wider-pass plan of the trial moved more experts than the planner would have on the same
+        counts (with the same model: called before the trial's refit), i.e. "wider" was a distinct alternative."""
         return any(
             len(p.moved) > len(self._plan(torch.tensor(c, dtype=torch.int64, device="cpu")).moved)
             for c, p in self.wider_log
         )
 
     def end_iteration(self, iteration: int, counts_LDE: Optional[torch.Tensor] = None) -> bool:
-        """After iteration `iteration` (1-based): calibrate when due, then plan the next iteration every
-        `interval` iterations from this one's counts [L, N_EP, E] (default: `collected_counts`). True
-        when it planned."""
-        now = stamp(self.cuda)
+        """After iteration `iteration` (1-based): the trial's pass, calibrate when due, then plan the next
+        iteration every `interval` iterations from this one's counts [L, N_EP, E] (default:
+        `collected_counts`). True when it planned."""
         counts = self.collected_counts() if counts_LDE is None else counts_LDE
         cal = self.calibrator
         self.ended += 1
-        if self.trial is not None and self.last_stamp is not None:
-            moved = any(p.moved for p in self.plans.values())
-            self.trial.record(self.ended, (self.last_stamp, now), moved)
-        self.last_stamp = now
-        trial = self.trial
+        self._trial_step()  # before the refit: it fits on the picked alternative's passes
         if cal is not None and self.clock is not None:
             used = [self.placement_of(la.layer_idx).replicas for la in self.layers]
             cal.record(self.ended, counts.tolist(), used, self.clock.take())
-        if trial is not None and not trial.decided and self.ended == trial.end:
-            if self.wider is not None:  # before any refit: the model the arm planned with
-                trial.wider_moved = self._wider_moved_more()
-                self.wider_log = []
-            self.decide_trial()  # before the refit: it fits on the kept arm's iterations
-        if cal is not None and self.clock is not None:
             if cal.fit_due(self.ended):
                 times = torch.tensor(cal.measured, dtype=torch.float64, device=self.ps.device)
                 if dist.is_initialized():
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the same samples on every rank
                 kept = None
-                if trial is not None and trial.decided and cal.fits:  # the refit after the trial
-                    kept = trial.kept_iterations(range(cal.last + 1, cal.refit_at + 1))
+                if self.decision is not None and cal.fits:  # the refit after the trial
+                    kept = self._kept_passes(range(cal.last + 1, self.ended + 1))
                 cal.fit(times.cpu().tolist(), kept)
             if not cal.sampling(self.ended + 1):
                 self.clock.remove()
@@ -697,8 +715,8 @@ class ProProphet:
         if action == "keep":
             return False
         plans = {}
-        wide = self._wide(self.ended + 1)
-        arm_wider = wide and trial is not None and not trial.decided
+        wide = self._wide()
+        arm_wider = self._arm() == "wider"
         for i, la in enumerate(self.layers):
             seen, p = early.get(la.layer_idx, (-1, None))
             if p is not None and seen == fresh[la.layer_idx] and counts_LDE is None:
@@ -706,28 +724,10 @@ class ProProphet:
                 self.planned_in_flight += 1
             else:
                 plans[la.layer_idx] = self._plan(counts[i], wide)
-            if arm_wider:  # the trial asks later whether the planner would have moved fewer
+            if arm_wider:  # the trial asks at its decision whether the planner would have moved fewer
                 self.wider_log.append((counts[i].tolist(), plans[la.layer_idx]))
         self.set_plans(plans)
         return True
-
-    def decide_trial(self) -> None:
-        """The trial's arms are timed: MAX-reduce the spans over the world (one all-reduce) and decide."""
-        trial = self.trial
-        assert trial is not None
-        placed = span_ms(trial.spans["placed"], self.cuda)
-        plain = span_ms(trial.spans["plain"], self.cuda)
-        wider = span_ms(trial.spans["wider"], self.cuda) if "wider" in trial.spans else []
-        every = placed + plain + wider
-        if dist.is_initialized():
-            every = max_over_group(every, self.ps.group("world"), self.ps.device, "pro-prophet trial all_reduce")
-        a, b = len(placed), len(placed) + len(plain)
-        self.trial_line = trial.decide(every[:a], every[a:b], every[b:] if "wider" in trial.spans else None)
-
-    def take_trial_line(self) -> Optional[str]:
-        """The trial's verdict line, once (None before the decision and after it was taken)."""
-        line, self.trial_line = self.trial_line, None
-        return line
 
     def placement_of(self, layer_idx: int) -> Placement:
         """The placement layer `layer_idx` uses now (no replicas when none was set)."""

@@ -43,10 +43,9 @@ contention fit (`lancet.planner.fit_contention`), the model only learns what the
   transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
   samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
   after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
-  With `sample_more(n)` (the runtime's trial: n = 2K or 3K iterations alternating the fitted
-  model's plan, with a wider arm that plan plus one more greedy move, and the empty plan, from the
-  iteration after the calibration) those n iterations are sampled too
-  and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
+  With `sample_more(n)` (the runtime's trial, alternating the fitted model's plan, with a wider arm
+  that plan plus one more greedy move, and the empty plan, up to n iterations after the calibration)
+  those n iterations are sampled too and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
   on them alone (`contention`): the layer times drift after the calibration (the replicas' plan
   running every other iteration, other work on the machine), and these samples are the run's own
   layer times closest to those the model then predicts, like Lancet's contention term fitted on
@@ -62,6 +61,7 @@ identical on every rank (a MAX all-reduce, once) and hands them in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -191,23 +191,24 @@ class Calibrator:
         if skip < 0 or iters < 0:
             raise ValueError(f"Calibrator: skip and iters must be >= 0, got {skip}, {iters}")
         self.model, self.skip, self.iters = model, skip, iters
-        self.extra = 0  # iterations after `last` sampled too (`sample_more`), refitted at `refit_at`
+        self.extra: float = 0  # iterations after `last` sampled too (`sample_more`), refitted at `refit_at`
         self.terms: list[list[LayerTerms]] = []
         self.measured: list[float] = []
         self.fitted: Calibration | None = None
         self.fits = 0  # fits made
 
-    def sample_more(self, iterations: int) -> None:
+    def sample_more(self, iterations: Optional[int]) -> None:
         """Also sample the `iterations` iterations after the calibration (the runtime's trial, which
         runs the fitted model's plan(s) and the empty plan) and refit on every sample after the last of
         them: the plans after it are made, and the run's later layer times predicted, by a fit that saw
-        the plan the run keeps and times closer to the ones it predicts."""
-        if iterations < 0:
+        the plan the run keeps and times closer to the ones it predicts. None: sample on until a later
+        call gives the number (the trial has not begun: another trial of the run measures first)."""
+        if iterations is not None and iterations < 0:
             raise ValueError(f"Calibrator.sample_more: iterations must be >= 0, got {iterations}")
-        self.extra = iterations if self.iters else 0
+        self.extra = (math.inf if iterations is None else iterations) if self.iters else 0
 
     @property
-    def refit_at(self) -> int:
+    def refit_at(self) -> float:
         """The iteration after which the last fit is made (`last` without `sample_more`)."""
         return self.last + self.extra if self.iters else 0
 

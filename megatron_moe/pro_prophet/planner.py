@@ -18,7 +18,7 @@ Algorithm 1 (`plan`), as in the paper with ties made explicit:
            only add Trans/Agg volume); append x to L
       T <- T'(placement of L); if T < T_best: T_best, cnt <- T, |L|
   return the placement of L[:cnt]
-`extra` (the runtime trial's "wider" arm, `pro_prophet.trial`) keeps L[:min(cnt + extra, |L|)]
+`extra` (the runtime trial's "wider" alternative, `moe.placement`) keeps L[:min(cnt + extra, |L|)]
 instead: the model's best prefix and the next `extra` moves of the same greedy order (0: Algorithm 1).
 T' is the model's calibrated time: a layer with replicas also pays the measured fixed overhead
 (`perf_model.Calibration.overhead`), so a plan whose modelled gain is below it is never kept and
