@@ -369,7 +369,11 @@ class OptimizationsConfig:
         "rank. 0: measure nothing (Parm keeps the cost model's schedule, Lancet the planner's plan, Lina, "
         "packing and Pro-Prophet stay on)",
     )
-    lina: bool = opt(False, "Lina: gradient all-reduce in micro-ops that yield to all-to-all")
+    lina: bool = opt(
+        False,
+        "Lina: gradient all-reduce in micro-ops that yield to all-to-all, kept only when measured faster than "
+        "the plain all-reduce (--measure-iters training iterations each, from the first; 0: always Lina)",
+    )
     lina_partition_mb: float = opt(30.0, "Lina micro-op size in MB")
     lina_pipeline_chunks: int = opt(
         1,
@@ -380,35 +384,11 @@ class OptimizationsConfig:
         False,
         "Lina expert packing: from iteration 10, every 4 iterations, when an FFN micro-op is "
         "shorter than an all-to-all micro-op (max over ranks) halve EP and double expert-DP "
-        "(more experts per rank), kept only when the next steps are measured faster "
-        "(--lina-packing-trial-iters); the same training curve",
+        "(more experts per rank), kept only when measured faster (--measure-iters iterations in each "
+        "layout, after Lina's and Pro-Prophet's measurements; 0: the rule decides); the same training curve",
     )
     lina_max_experts_per_rank: int = opt(
         0, "Lina expert packing: never pack beyond this many experts per rank (0: no bound)"
-    )
-    lina_packing_force: bool = opt(
-        False, "Lina expert packing: pack at every due iteration whatever the times (tests, fixed benchmarks)"
-    )
-    lina_packing_trial_iters: int = opt(
-        3,
-        "Lina expert packing: time this many iterations before and after a pack and move the experts "
-        "back (no more packing in the run) unless the packed median step is faster (0: trust the rule)",
-    )
-    lina_packing_force_outcome: Optional[str] = opt(
-        None,
-        "Lina expert packing: decide every trial as if the packed layout were faster / slower "
-        "whatever the medians (tests)",
-        choices=["faster", "slower"],
-    )
-    lina_trial_iters: int = opt(
-        3,
-        "Lina: after a warm-up, time this many iterations with Lina and as many with the plain bucketed "
-        "gradient all-reduce (alternating) and keep Lina only if its median step is faster (0: always Lina)",
-    )
-    lina_trial_force_outcome: Optional[str] = opt(
-        None,
-        "Lina trial: decide as if Lina were faster / slower whatever the medians (tests)",
-        choices=["faster", "slower"],
     )
     lancet_wgrad: bool = opt(False, "Lancet: defer weight-gradient GEMMs under all-to-alls")
     lancet_partition: bool = opt(False, "Lancet: batch-partitioned pipelining around MoE layers")
@@ -420,7 +400,8 @@ class OptimizationsConfig:
         False,
         "Pro-Prophet (needs --moe-dropless): replicate heavy experts on other EP ranks "
         "for one iteration, planned from the last iteration's token counts; Trans/Agg of "
-        "their weights/gradients overlapped with compute",
+        "their weights/gradients overlapped with compute; after the calibration, kept only when measured "
+        "faster than no placement (--measure-iters iterations each, after Lina's measurement; 0: always place)",
     )
     pro_prophet_alpha: float = opt(
         0.25, "Pro-Prophet: balanced when max - min computed tokens per EP rank < alpha x tokens / experts (eq. (7))"
@@ -434,33 +415,6 @@ class OptimizationsConfig:
         "Pro-Prophet ablation: Trans/Agg blocking at the point of use instead of overlapped (Algorithm 2)",
         cli=False,
     )
-    pro_prophet_force_plan: Optional[str] = opt(
-        None,
-        "Pro-Prophet: use this placement in every MoE layer and "
-        "iteration instead of planning, 'E:R[,R];E:R' = expert E "
-        "replicated on EP ranks R (tests, fixed benchmarks)",
-    )
-    pro_prophet_trial_iters: int = opt(
-        5,
-        "Pro-Prophet: after the calibration, time this many iterations with the planner's placement, as many "
-        "with one more expert of its greedy order moved and as many without (alternating), and keep the arm "
-        "with the fastest median step (0: always place)",
-    )
-    pro_prophet_trial_settle: int = opt(
-        1,
-        "Pro-Prophet trial: iterations each turn of an arm runs before its timed one (the first iteration after "
-        "switching between placements measures slow)",
-    )
-    pro_prophet_trial_margin: float = opt(
-        0.02,
-        "Pro-Prophet trial: keep a placement only if its median step beats the plain one's by more than this "
-        "fraction (and one more expert moved only if it beats the planner's by as much); 0: any gain",
-    )
-    pro_prophet_trial_force_outcome: Optional[str] = opt(
-        None,
-        "Pro-Prophet trial: decide as if the placement were faster / slower whatever the medians (tests)",
-        choices=["faster", "slower"],
-    )
 
     def __post_init__(self) -> None:
         check_fields(
@@ -470,34 +424,14 @@ class OptimizationsConfig:
                 "lina_pipeline_chunks": AT_LEAST_ONE,
                 "lina_max_experts_per_rank": NON_NEGATIVE,
                 "measure_iters": NON_NEGATIVE,
-                "lina_packing_trial_iters": NON_NEGATIVE,
-                "lina_trial_iters": NON_NEGATIVE,
                 "lancet_max_partitions": AT_LEAST_ONE,
                 "lancet_group_ms": POSITIVE,
                 "lancet_max_range": AT_LEAST_ONE,
                 "pro_prophet_alpha": NON_NEGATIVE,
                 "pro_prophet_n": NON_NEGATIVE,
                 "pro_prophet_interval": AT_LEAST_ONE,
-                "pro_prophet_trial_iters": NON_NEGATIVE,
-                "pro_prophet_trial_settle": NON_NEGATIVE,
-                "pro_prophet_trial_margin": FRACTION,
             },
         )
-        if self.pro_prophet_force_plan is not None and not self.pro_prophet:
-            raise ValueError("--pro-prophet-force-plan needs --pro-prophet")
-        if self.pro_prophet_trial_force_outcome is not None and not (
-            self.pro_prophet and self.pro_prophet_trial_iters and self.pro_prophet_force_plan is None
-        ):
-            raise ValueError(
-                "--pro-prophet-trial-force-outcome needs --pro-prophet, --pro-prophet-trial-iters >= 1 and no "
-                "--pro-prophet-force-plan (a forced plan is not tried)"
-            )
-        if self.lina_packing_force and not self.lina_packing:
-            raise ValueError("--lina-packing-force needs --lina-packing")
-        if self.lina_packing_force_outcome is not None and not (self.lina_packing and self.lina_packing_trial_iters):
-            raise ValueError("--lina-packing-force-outcome needs --lina-packing and --lina-packing-trial-iters >= 1")
-        if self.lina_trial_force_outcome is not None and not (self.lina and self.lina_trial_iters):
-            raise ValueError("--lina-trial-force-outcome needs --lina and --lina-trial-iters >= 1")
 
 
 @dataclass

@@ -156,22 +156,6 @@ def span_ms(spans: list, cuda: bool) -> list[float]:
     return [1e3 * (b - a) for a, b in spans]
 
 
-def median_below(candidate_ms: list[float], reference_ms: list[float], needs: str, margin: float = 0.0) -> bool:
-    """The runtime trials' rule: the candidate's median step time is strictly below the reference's,
-    by more than `margin` (a fraction of the reference's median; 0: any amount; a tie keeps the
-    reference). `needs`: the ValueError's text when either list is empty."""
-    if not candidate_ms or not reference_ms:
-        raise ValueError(needs)
-    return below(statistics.median(candidate_ms), statistics.median(reference_ms), margin)
-
-
-def below(candidate_ms: float, reference_ms: float, margin: float = 0.0) -> bool:
-    """`candidate_ms` < `reference_ms` * (1 - `margin`): faster by more than the fraction `margin`."""
-    if not 0.0 <= margin < 1.0:
-        raise ValueError(f"a trial's margin must be in [0, 1), got {margin}")
-    return candidate_ms < reference_ms * (1.0 - margin)
-
-
 def paired_ratio(
     candidate_ms: Sequence[float],
     reference_ms: Sequence[float],
@@ -198,11 +182,3 @@ def paired_ratio(
     lo = medians[min(resamples - 1, int(tail * resamples))]
     hi = medians[max(0, min(resamples - 1, int((1.0 - tail) * resamples) - 1))]
     return statistics.median(ratios), lo, hi
-
-
-def trial_verdict(measured_faster: bool, force_outcome: Optional[str], flag: str) -> tuple[bool, str]:
-    """A runtime trial's verdict and its reason for the log: the measurement's ("<" / ">="), unless
-    `force_outcome` ("faster" / "slower", given by `flag`, for tests) decides whatever the times."""
-    if force_outcome is None:
-        return measured_faster, "<" if measured_faster else ">="
-    return force_outcome == "faster", f"forced {force_outcome} ({flag})"

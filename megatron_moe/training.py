@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -63,12 +62,12 @@ from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import CommTimeoutError, guard
 from megatron_moe.distributed.grad_sync import GradSync
-from megatron_moe.distributed.lina_trial import LinaTrial, packing_start
+from megatron_moe.distributed.lina_trial import LinaTrial
 from megatron_moe.fileio import output_path_problem
 from megatron_moe.layers.fused import kernel_report
 from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.packing import PACK_START, ExpertPacking
+from megatron_moe.moe.packing import ExpertPacking
 from megatron_moe.moe.placement import Placement, gather_counts, routed_counts
 from megatron_moe.optim import build_optimizer, clip_gradients, lr_at
 from megatron_moe.parallel_state import ParallelState, device_and_backend, initialize_model_parallel, local_state
@@ -350,13 +349,30 @@ def check_output_paths(cfg) -> None:
         raise ValueError(problem)
 
 
+# The trials that measure during training, at most one at a time, in this order, each from the first
+# iteration after the one before it decided: Lina's first (its plain alternative changes every step's
+# gradient sync under the others' times), then Pro-Prophet's (after its calibration), then Lina's
+# packing (at its due iterations; never in a run with Pro-Prophet).
+TRIALS = ("lina", "pro-prophet", "lina-packing")
+
+
+def take_turns(trials: dict) -> None:
+    """Before a training iteration: of `trials` (name in TRIALS -> an object with `decided` and `turn`) the
+    first in TRIALS order not decided gets the turn, the others wait. Every rank takes the same turns: each
+    decision comes from times MAX-reduced over the world."""
+    first = next((name for name in TRIALS if name in trials and not trials[name].decided), None)
+    for name, trial in trials.items():
+        trial.turn = name == first
+
+
 class Trainer:
     """Holds everything of one run; `train()` runs it."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, pro_prophet_plan: Optional[dict] = None):
+        """`pro_prophet_plan`: Pro-Prophet's fixed placement instead of planning (`optimizations.apply`)."""
         self.save_lock: Optional[SaveDirLock] = None
         try:
-            self._init(cfg)
+            self._init(cfg, pro_prophet_plan)
         except BaseException:
             self.release_save_dir()  # a failed start leaves --save unlocked
             raise
@@ -376,7 +392,7 @@ class Trainer:
         if self.save_lock is not None:
             self.save_lock.release()
 
-    def _init(self, cfg: Config) -> None:
+    def _init(self, cfg: Config, pro_prophet_plan: Optional[dict]) -> None:
         self.cfg = cfg
         if cfg.train.load and cfg.train.use_checkpoint_args:
             apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
@@ -397,7 +413,7 @@ class Trainer:
         self.model = GPT2MoE(cfg, self.ps, device=self.device)
         self.optimizer, opt_name = build_optimizer(self.model, cfg.optim, self.device)
         self.grad_sync = GradSync(self.model, self.ps)
-        self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync)
+        self.applied = applied = optimizations.apply(self.model, self.ps, cfg, self.grad_sync, pro_prophet_plan)
         self.lancet = applied.lancet
         if cfg.train.compile:  # after Parm measured its schedules eagerly
             self.model.compile_blocks()
@@ -414,34 +430,21 @@ class Trainer:
                 self.grad_sync,
                 applied.lina,
                 self.ps,
-                o.lina_trial_iters,
-                o.lina_trial_force_outcome,
-                pipeline=self.set_lina_pipeline if o.lina_pipeline_chunks > 1 else None,
+                o.measure_iters,
+                self.set_lina_pipeline if o.lina_pipeline_chunks > 1 else None,
             )
-            if applied.lina is not None and o.lina_trial_iters
+            if applied.lina is not None and o.measure_iters
             else None
         )
         self.packing = (  # Lina's expert packing: a layout change between iterations (`moe.packing`)
             ExpertPacking(
-                self.model,
-                self.optimizer,
-                self.ps,
-                cfg.moe.num_experts,
-                o.lina_max_experts_per_rank,
-                o.lina_packing_force,
-                # first due after the Lina trial and the K steps a packing decision compares (`lina_trial`)
-                start=packing_start(
-                    self.iteration,
-                    0 if self.lina_trial is None else self.lina_trial.length,
-                    o.lina_packing_trial_iters,
-                    PACK_START,
-                ),
-                trial_iters=o.lina_packing_trial_iters,
-                force_outcome=o.lina_packing_force_outcome,
+                self.model, self.optimizer, self.ps, cfg.moe.num_experts, o.lina_max_experts_per_rank, o.measure_iters
             )
             if o.lina_packing
             else None
         )
+        parts = (self.lina_trial, applied.pro_prophet, self.packing)
+        self.trials = {name: part for name, part in zip(TRIALS, parts) if part is not None}
         self.is_logger = self.ps.global_rank == self.ps.layout.world_size - 1
         self.wandb_run_id = self.choose_wandb_run_id()
         self.logger = MetricsLogger(cfg, self.is_logger, config_to_dict(cfg), wandb_run_id=self.wandb_run_id)
@@ -649,12 +652,11 @@ class Trainer:
         start_iter = self.iteration
         while self.iteration < t.train_iters:
             self.profiler.before_step(self.iteration)
-            # packing sees no step of the Lina trial (`lina_trial.packing_start`): the trial runs first
-            packing = self.packing if self.lina_trial is None or not self.lina_trial.running else None
+            take_turns(self.trials)  # at most one in-training trial measures, in TRIALS order
             if self.lina_trial is not None:
-                self.lina_trial.before_step()  # Lina or the plain sync for this step (between iterations only)
-            if packing is not None:
-                packing.step_begins()  # times this step; drops what an evaluation recorded
+                self.lina_trial.before_step()  # Lina or the plain sync for this step, while its trial runs
+            if self.packing is not None:
+                self.packing.step_begins()  # this step's layout; drops what an evaluation recorded
             t0 = time.perf_counter()
             with annotate("train/step"):
                 rec = self.train_step([next(it) for _ in range(self.num_micro)])
@@ -669,18 +671,16 @@ class Trainer:
                 tokens_per_s=tokens_per_iter / dt,
                 tflops=flops_per_iter / dt / 1e12 / self.ps.layout.world_size,
             )
-            if self.lina_trial is not None:
-                verdict = self.lina_trial.after_step()
-                if verdict is not None:
-                    self.logger.line(f"> {verdict}")
-            prophet_line = self.applied.pro_prophet.take_trial_line() if self.applied.pro_prophet else None
-            if prophet_line is not None:  # Pro-Prophet's trial decided (`pro_prophet.trial`)
-                self.logger.line(f"> {prophet_line}")
-            if packing is not None:
-                for decision in packing.step_done(self.iteration):
-                    self.logger.line(f"> {decision}")
             if self.packing is not None:
-                rec["experts_per_rank"] = self.packing.experts_per_rank
+                rec["experts_per_rank"] = self.packing.experts_per_rank  # the layout this step ran in
+            prophet = self.applied.pro_prophet
+            lines = [
+                self.lina_trial.after_step() if self.lina_trial is not None else None,
+                prophet.take_trial_line() if prophet is not None else None,
+                *(self.packing.step_done(self.iteration) if self.packing is not None else []),
+            ]
+            for line in filter(None, lines):  # the trials' decisions (the same on every rank)
+                self.logger.line(f"> {line}")
             history.append(rec)
             if bar is not None:
                 bar.update(1)
@@ -765,12 +765,12 @@ def balance_text(rec: dict) -> str:
     return text
 
 
-def pretrain(cfg: Config) -> list[dict]:
+def pretrain(cfg: Config, pro_prophet_plan: Optional[dict] = None) -> list[dict]:
     """Build a Trainer and run it; returns the per-iteration records of this rank.
 
     When training raises (bad data, a NaN stop, ...) the SIGUSR1 handler of the caller is put back
     before the error propagates, so a process that goes on (a test, a notebook) is left as it was."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, pro_prophet_plan)
     try:
         return trainer.train()
     finally:

@@ -20,7 +20,7 @@ from megatron_moe.testing import free_port, run_command
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, script: str, *args: str, choose: str = "") -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -32,7 +32,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProces
         os.path.join(ROOT, "tools", script),
         *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMOE_CHOOSE=choose)  # forced picks
     return run_command(cmd, cwd=ROOT, env=env, timeout=300)
 
 
@@ -102,20 +102,19 @@ def test_bench_lina_with_its_launcher_thread_exits_0(tmp_path):
         "0.001",
         "--modes",
         "no_lina,lina",
-        "--lina-trial-iters",
+        "--measure-iters",
         "1",
-        "--lina-trial-force-outcome",
-        "slower",
         "--json",
         str(out),
+        choose="lina=plain",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "terminate called" not in run.stderr
     rows = json.loads(out.read_text())
     assert [(r["mode"], r["partition_mb"]) for r in rows] == [("no_lina", None), ("lina", 0.001)]
-    # mode lina went through the trainer's Lina trial (forced to find Lina slower: measured on the plain sync)
+    # mode lina went through the trainer's Lina trial (forced to pick the plain sync, both measured)
     lina = rows[1]
     assert (lina["lina_kept"], lina["lina_kept_rounds"], rows[0]["lina_kept"]) == (False, [False], None)
     assert lina["trial_lina_ms_median"] > 0 and lina["trial_plain_ms_median"] > 0
     assert lina["trial_ms_total"] == lina["trial_lina_ms_median"] + lina["trial_plain_ms_median"]  # K = 1
-    assert "forced slower (--lina-trial-force-outcome): Lina off" in lina["lina_trial"][0]["line"]
+    assert "-> plain (forced" in lina["lina_trial"][0]["line"]

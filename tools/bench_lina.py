@@ -17,18 +17,18 @@ Modes (the same model, batches and weights in each; Lina section 6, Figure 14):
                   flight under the link-rate launch budget;
   lina_pipeline   + all-to-alls in --pipeline-chunks micro-ops pipelined with the experts;
   lina            the full system as the trainer runs it: lina_pipeline, then the trainer's
-                  Lina trial (`distributed.lina_trial`, the same code): after --warmup
-                  iterations, --lina-trial-iters K with Lina and K with the plain bucketed sync
-                  (no_lina's), alternating, MAX over ranks; Lina stays only if its median step is
-                  lower, else the mode goes on (and is measured) with the plain sync. Then
-                  expert packing (`moe.packing`) with its trial, its window after the Lina
-                  trial (`lina_trial.packing_start`): Lina's rule is asked
-                  (FFN vs all-to-all micro-op time, MAX over ranks; --force-packing packs
-                  whatever the times); a pack is kept only if the median step of the K
-                  iterations after it (K = --packing-trial-iters) is below that of the K
-                  before (MAX over ranks), else the experts go back and packing stops; a kept
-                  pack is followed by the next one (up to --max-experts-per-rank). Those
-                  iterations are the mode's warm-up; the measured ones run in the final layout.
+                  Lina trial (`distributed.lina_trial`, the same code): warm-up rounds, then
+                  --measure-iters K timed iterations each with the plain bucketed sync
+                  (no_lina's) and with Lina, taking turns, MAX over ranks; Lina stays only if
+                  faster by more than 2 % (`choose`), else the mode goes on (and is measured)
+                  with the plain sync. Then, after --warmup iterations and the Lina trial (the
+                  trainer's order, `training.take_turns`), expert packing (`moe.packing`): Lina's
+                  rule is asked (FFN vs all-to-all micro-op time, MAX over ranks); a pack is
+                  measured (K iterations unpacked, K packed) and kept only if faster, else the
+                  experts go back and packing stops; a kept pack is followed by the next one (up
+                  to --max-experts-per-rank). MMOE_CHOOSE forces picks ("lina=plain",
+                  "lina-packing-rule=pack", "lina-packing=packed"). Those iterations are the
+                  mode's warm-up; the measured ones run in the final layout.
 The modes take turns, --rounds times; each turn builds the model, runs
 --warmup iterations (mode lina: until its Lina trial and its packing are decided),
 then --iters measured ones (mode lina's medians exclude the trial's steps, as the
@@ -88,12 +88,13 @@ from megatron_moe.config import Config
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.distributed.grad_sync import GradSync, grad_group_kind, sync_gradients
 from megatron_moe.distributed.lina import LinaScheduler
-from megatron_moe.distributed.lina_trial import OUTCOMES as TRIAL_OUTCOMES, LinaTrial, packing_start
+from megatron_moe.distributed.lina_trial import LinaTrial
 from megatron_moe.distributed import observer
 from megatron_moe.distributed.observer import CommLog
 from megatron_moe.model.gpt2 import GPT2MoE
-from megatron_moe.moe.packing import TRIAL_ITERS, ExpertPacking
+from megatron_moe.moe.packing import ExpertPacking
 from megatron_moe.parallel_state import device_and_backend, initialize_model_parallel, shutdown, validate_degrees
+from megatron_moe.training import take_turns
 
 
 MODELS = ("representative", "heavy_allreduce")
@@ -165,28 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="--lina-max-experts-per-rank of mode lina's expert packing (0: no bound)",
     )
     p.add_argument(
-        "--force-packing",
-        action="store_true",
-        help="mode lina packs whatever the micro-op times (--lina-packing-force); the trial still decides",
-    )
-    p.add_argument(
-        "--packing-trial-iters",
+        "--measure-iters",
         type=int,
-        default=TRIAL_ITERS,
-        help="mode lina: iterations timed before and after a pack; kept only when faster (--lina-packing-trial-iters)",
-    )
-    p.add_argument(
-        "--lina-trial-iters",
-        type=int,
-        default=Config().opts.lina_trial_iters,
-        help="mode lina: the trainer's Lina trial (--lina-trial-iters): after --warmup iterations, this many with "
-        "Lina and as many with the plain bucketed sync, alternating; Lina kept only if faster (0: no trial)",
-    )
-    p.add_argument(
-        "--lina-trial-force-outcome",
-        default=None,
-        choices=TRIAL_OUTCOMES,
-        help="mode lina: the trial decides this whatever the medians (--lina-trial-force-outcome; checks)",
+        default=Config().opts.measure_iters,
+        help="mode lina: the trainer's --measure-iters: timed iterations of each alternative of the Lina trial "
+        "and of a pack's trial (0: no trial: Lina stays, packing follows Lina's rule)",
     )
     p.add_argument(
         "--modes",
@@ -219,12 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-in-flight and --pipeline-chunks must be >= 1")
     if a.max_experts_per_rank < 0:
         p.error("--max-experts-per-rank must be >= 0")
-    if a.lina_trial_iters < 0:
-        p.error("--lina-trial-iters must be >= 0 (0: mode lina runs without the trial)")
-    if a.lina_trial_force_outcome is not None and a.lina_trial_iters < 1:
-        p.error("--lina-trial-force-outcome needs --lina-trial-iters >= 1")
-    if a.packing_trial_iters < 1:
-        p.error("--packing-trial-iters must be >= 1 (mode lina keeps a pack only when measured faster)")
+    if a.measure_iters < 0:
+        p.error("--measure-iters must be >= 0 (0: mode lina runs without the trials)")
     return a
 
 
@@ -254,46 +234,28 @@ def mode_settings(a: argparse.Namespace, mode: str, partition_mb) -> tuple[Optio
 def trial_for(
     a: argparse.Namespace, mode: str, sync: Optional[GradSync], sched, ps, model, chunks: int
 ) -> Optional[LinaTrial]:
-    """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): --warmup iterations with Lina (unpipelined,
-    and longer while the MoE layers time their expert path), then
-    --lina-trial-iters with Lina and as many with the plain run (no_lina's bucketed sync, all-to-alls not
-    pipelined), alternating; the rest of the mode runs with whatever it kept. None for the other modes or
-    with --lina-trial-iters 0."""
-    if mode != "lina" or not a.lina_trial_iters or sync is None or sched is None:
+    """Mode lina's Lina trial, the trainer's (`distributed.lina_trial`): the plain run (no_lina's bucketed
+    sync, all-to-alls not pipelined) and Lina take turns over the first iterations; the rest of the mode
+    runs with the pick. None for the other modes or with --measure-iters 0."""
+    if mode != "lina" or not a.measure_iters or sync is None or sched is None:
         return None
-
-    return LinaTrial(
-        sync,
-        sched,
-        ps,
-        a.lina_trial_iters,
-        a.lina_trial_force_outcome,
-        warmup=a.warmup,
-        pipeline=(lambda on: model.set_pipeline_chunks(chunks if on else 1)) if chunks > 1 else None,
-    )
+    pipeline = (lambda on: model.set_pipeline_chunks(chunks if on else 1)) if chunks > 1 else None
+    return LinaTrial(sync, sched, ps, a.measure_iters, pipeline)
 
 
-def packing_for(
-    a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int, trial: Optional[LinaTrial]
-) -> Optional[ExpertPacking]:
-    """Mode lina's expert packing: first due after max(--warmup, K + 1) iterations (the K before
-    a pack leave the first, slow, iteration out) and after the Lina trial and K more iterations
-    (`lina_trial.packing_start`, as in the trainer: no packing window holds a trial step), then every
-    K, so a kept pack's trial ends where the next pack is due; `run_mode` warms up until nothing is on trial."""
+def packing_for(a: argparse.Namespace, mode: str, model, opt, ps, num_experts: int) -> Optional[ExpertPacking]:
+    """Mode lina's expert packing: Lina's rule is asked at every iteration from max(--warmup, 1) on once the
+    Lina trial decided (`training.take_turns`), a pack measured as in the trainer (`packing_pending`)."""
     if mode != "lina":
         return None
-    k = a.packing_trial_iters
-    return ExpertPacking(
-        model,
-        opt,
-        ps,
-        num_experts,
-        a.max_experts_per_rank,
-        a.force_packing,
-        start=packing_start(0, 0 if trial is None else trial.length, k, max(a.warmup, k + 1)),
-        every=k,
-        trial_iters=k,
-    )
+    return ExpertPacking(model, opt, ps, num_experts, a.max_experts_per_rank, a.measure_iters, max(a.warmup, 1), 1)
+
+
+def packing_pending(packing: ExpertPacking) -> bool:
+    """Mode lina warms up while packing has something to do: a pack is measured, Lina's rule was not asked
+    yet, or the last decision packed and another pack is possible (asked at the next iteration)."""
+    d = packing.decisions
+    return packing.busy or not d or (d[-1]["pick"] in ("pack", "packed") and not packing.decided)
 
 
 class ExpertClock:
@@ -349,20 +311,21 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     ep_before = ps.size("ep")
     trial = trial_for(a, mode, sync, sched, ps, model, chunks)
-    packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts, trial)
+    packing = packing_for(a, mode, model, opt, ps, cfg.moe.num_experts)
+    trials = {name: t for name, t in (("lina", trial), ("lina-packing", packing)) if t is not None}
     gen = torch.Generator(device="cpu").manual_seed(1234 + ps.rank("dp"))  # host draws: same ids on every device
     log = CommLog().start()
     # the expert clock's full backward hooks keep the last call's graph (and so the parameters' gradient
     # accumulators, with their shapes) alive until the next call: it starts once packing is over
     clock: Optional[ExpertClock] = None
     steps, a2a_calls, a2a_all, overlap, eff, syncs, bwd_union = [], [], [], [], [], [], []
-    warmup = a.warmup if packing is None else max(a.warmup, packing.start)
     it = 0
     while len(steps) < a.iters:
-        # the same on every rank: the warm-up, the Lina trial, a packing trial
-        in_trial = trial is not None and trial.running
-        warming = it < warmup or in_trial or (packing is not None and packing.busy)
-        packing_now = packing is not None and warming and not in_trial  # packing sees no trial step
+        # the same on every rank: the warm-up, the Lina trial, then packing (`training.take_turns`)
+        take_turns(trials)
+        warming = it < a.warmup or (trial is not None and not trial.decided)
+        warming = warming or (packing is not None and packing_pending(packing))
+        packing_now = packing is not None and warming
         ids = torch.randint(
             0, cfg.model.vocab_size, (a.micro_batch_size, cfg.model.seq_length + 1), generator=gen, device="cpu"
         ).to(ps.device)
@@ -374,8 +337,8 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             clock = ExpertClock(model)
         if clock is not None:
             clock.intervals.clear()
-        if trial is not None and in_trial:
-            trial.before_step()  # Lina or the plain sync for this step; starts the trial's clock
+        if trial is not None:
+            trial.before_step()  # while the trial runs: Lina or the plain sync for this step; starts its clock
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         lm, aux = model(ids[:, :-1], ids[:, 1:])
@@ -390,7 +353,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
         step = time.perf_counter() - t0
         del lm, aux  # their graph holds the parameters' gradient accumulators: none may outlive a step
         it += 1
-        if trial is not None and in_trial:
+        if trial is not None:
             verdict = trial.after_step()  # at the trial's last step: the decision (collective), between steps
             if verdict is not None and ps.global_rank == 0:
                 print(f"    {mode}: {verdict}", flush=True)
@@ -398,7 +361,7 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
             for decision in packing.step_done(it):
                 if ps.global_rank == 0:
                     print(f"    {mode}: {decision}", flush=True)
-            if it >= warmup and not packing.busy:
+            if not packing_pending(packing):
                 packing.close()  # no packing (and no timing hooks) in the measured iterations
         if not warming:
             steps.append(1e3 * step)
@@ -422,14 +385,14 @@ def run_mode(cfg: Config, ps, a: argparse.Namespace, mode: str, partition_mb) ->
     experts_per_rank = cfg.moe.num_experts // ps.size("ep")
     decisions = [] if packing is None else packing.decisions
     trial_info = None
-    if trial is not None and trial.decision is not None:  # the same numbers on every rank (MAX over the world)
-        d = trial.decision
+    d = trial.trial.decision if trial is not None else None
+    if d is not None:  # the same numbers on every rank (MAX over the world)
         trial_info = {
-            "lina_kept": d["keep"],
-            "lina_ms_median": d["lina_ms"],
-            "plain_ms_median": d["plain_ms"],
-            "trial_ms_total": d["trial_ms_total"],
-            "line": d["line"],
+            "lina_kept": d.pick == "lina",
+            "lina_ms_median": d.medians["lina"],
+            "plain_ms_median": d.medians["plain"],
+            "trial_ms_total": sum(sum(v) for v in d.samples.values()),
+            "line": d.line(),
         }
     if packing is not None:
         packing.close()
@@ -479,7 +442,7 @@ def trial_summary(rounds: list[Optional[dict]]) -> dict:
     """Mode lina's trial over the rounds (one trial per round, `run_mode`'s lina_trial): whether Lina was
     kept (True / False when every round agreed, else None; per round in lina_kept_rounds), the medians
     over the rounds of the trial's own medians (ms, MAX over ranks), and the trial's cost: its 2K timed
-    steps summed (trial_ms_total, mean over the rounds). No trial (--lina-trial-iters 0): all None."""
+    steps summed (trial_ms_total, mean over the rounds). No trial (--measure-iters 0): all None."""
     done = [r for r in rounds if r is not None]
     if not done:
         return {
