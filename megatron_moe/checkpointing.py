@@ -433,20 +433,25 @@ def save_checkpoint(
     if problem:  # before anything is written, on every rank
         raise ValueError(problem)
     tmp = _broadcast_str(f"{final}.tmp-{os.getpid()}", ps)
-    if ps.global_rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _clean_leftovers(root, tmp)
-        _drop(tmp)
-        os.makedirs(tmp)
-    _barrier(ps)
-    name = shard_name(ps.global_rank)
-    data = save_bytes(tensors)
-    _write_durably(os.path.join(tmp, name), data)
-    checksums = dict(_gather((name, hashlib.sha256(data).hexdigest()), ps))
-    del data
-    _fault_point("after_shards")
-    if ps.global_rank == 0:
-        _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg, ps, checksums, extra)
+    try:
+        if ps.global_rank == 0:
+            os.makedirs(root, exist_ok=True)
+            _clean_leftovers(root, tmp)
+            _drop(tmp)
+            os.makedirs(tmp)
+        _barrier(ps)
+        name = shard_name(ps.global_rank)
+        data = save_bytes(tensors)
+        _write_durably(os.path.join(tmp, name), data)
+        checksums = dict(_gather((name, hashlib.sha256(data).hexdigest()), ps))
+        del data
+        _fault_point("after_shards")
+        if ps.global_rank == 0:
+            _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg, ps, checksums, extra)
+    except KeyboardInterrupt:  # Ctrl-C leaves no half-written iteration (a crash's goes at the next save)
+        if ps.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never follows a link
+        raise
     _barrier(ps)
     return final
 

@@ -2,12 +2,19 @@
 --save, --tensorboard-dir, --wandb-save-dir, --log-json, --lancet-report and --profile-dir must be
 creatable, writable and of the right kind (directory or file); a bad one ends the trainer with one
 `error:` line naming the flag and the path, exit status 2. One writer per --save: a lock held
-for the run, and a run without --load refuses a --save that already holds checkpoints."""
+for the run, and a run without --load refuses a --save that already holds checkpoints. Ctrl-C
+(SIGINT) ends a run with one line and exit status 130, no traceback and no temporary checkpoint."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
+from megatron_moe import checkpointing as ck
 from megatron_moe.cli.pretrain import main as pretrain_main
 from tiny_run import tiny_args
 
@@ -194,3 +201,68 @@ def test_a_fresh_run_on_a_save_holding_checkpoints_is_refused_and_resuming_works
     assert code == 0, err
     assert " iteration      5/6" in stdout or "iteration      6/6" in stdout
     assert sorted(os.listdir(save)) == ["iter_0000004", "iter_0000006", "latest"]
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INTERRUPTED = (
+    "pretrain_gpt_moe.py: interrupted (SIGINT): stopped without saving; the checkpoints in --save are complete "
+    "(to save and stop, send SIGUSR1 to a run started with --exit-signal-handler)"
+)
+
+
+@pytest.mark.parametrize("point", ["after_shards", "after_metadata"])
+def test_an_interrupted_save_removes_its_temporary_directory(sample_data, tmp_path, monkeypatch, point):
+    from megatron_moe.arguments import parse_args, validate
+    from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.optim import build_optimizer
+    from megatron_moe.parallel_state import local_state
+
+    cfg = parse_args(tiny_args(sample_data, 2, "--vocab-size", "512"))
+    validate(cfg, 1)
+    model = GPT2MoE(cfg, local_state())
+    opt, _ = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    root = str(tmp_path / "ckpt")
+    ck.save_checkpoint(root, 1, 8, model, opt, cfg, local_state())
+
+    def fault(name):
+        if name == point:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "_fault_point", fault)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(root, 2, 16, model, opt, cfg, local_state())
+    assert sorted(os.listdir(root)) == ["iter_0000001", "latest"]
+    assert ck.resolve(root).endswith("iter_0000001")
+
+
+def test_sigint_during_training_exits_130_with_one_line_and_no_temporary_checkpoint(sample_data, tmp_path):
+    save = tmp_path / "ckpt"
+    args = tiny_args(sample_data, 2000, "--save", str(save), "--save-interval", "1")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # even under a runner that ignores it
+        env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"),
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (save / "latest").exists():  # the first iteration was trained and saved
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == INTERRUPTED, err[-3000:]
+    assert err.count("interrupted") == 1
+    left = sorted(os.listdir(save))
+    assert not [n for n in left if n.startswith(".") or "." in n], left  # no .tmp-/.old- copy, the lock released
+    assert ck.incomplete_reason(ck.resolve(str(save))) is None

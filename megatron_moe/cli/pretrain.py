@@ -7,7 +7,9 @@ Installed as `mmoe-pretrain`; `python pretrain_gpt_moe.py` in the repository run
       --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
 
 Bad input (a flag, a data file, a checkpoint) ends with one `error: ...` line and exit status 2;
-a NaN/inf loss or gradient norm ends with one `error: ...` line and exit status 1.
+a NaN/inf loss or gradient norm ends with one `error: ...` line and exit status 1; Ctrl-C (SIGINT)
+ends with one line and exit status 130, no traceback, no temporary checkpoint left (SIGUSR1 with
+--exit-signal-handler saves, then exits 0).
 """
 
 import os
@@ -73,6 +75,16 @@ def main(argv=None) -> int:
         if first_to_report():
             print(f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, NonFiniteError) else 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, 128 + SIGINT as shells report it
+        if first_to_report():
+            print(
+                f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: interrupted (SIGINT): stopped without saving; "
+                "the checkpoints in --save are complete (to save and stop, send SIGUSR1 to a run started with "
+                "--exit-signal-handler)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 130
     finally:
         if dist.is_initialized():  # an error left the groups up
             shutdown(barrier=False)
