@@ -62,11 +62,14 @@ def override(
     try:
         yield
     finally:
-        for table, value in ((_forced, old[0]), (_times, old[1])):
-            if value is None:
-                table.pop(name, None)
-            else:
-                table[name] = value
+        if old[0] is None:
+            _forced.pop(name, None)
+        else:
+            _forced[name] = old[0]
+        if old[1] is None:
+            _times.pop(name, None)
+        else:
+            _times[name] = old[1]
 
 
 def forced(name: str) -> Optional[str]:
@@ -252,6 +255,7 @@ def measure(
     decision = None
     while decision is None:
         alt = trial.next()
+        assert alt is not None  # undecided: a next pass
         if sync:
             dist.barrier(group=group)
         trial.start()
