@@ -91,7 +91,7 @@ one() {
 one layouts "$PYTHON" tools/check_layouts.py --device cuda
 LAYER=(--device cuda --bf16 --expert-model-parallel-size 1 --num-experts 8 --moe-router-topk 2
        --moe-expert-capacity-factor 1.25 "${LAYER_ARGS[@]}" --iters 20 --warmup 5)
-one moe_layer "$PYTHON" tools/bench_vs_deepspeed.py "${LAYER[@]}" --variants ours,ours-padded,deepspeed,floor
+one moe_layer "$PYTHON" tools/bench_vs_deepspeed.py "${LAYER[@]}" --variants ours,deepspeed,floor
 one moe_layer_dropless "$PYTHON" tools/bench_vs_deepspeed.py "${LAYER[@]}" --moe-dropless --variants ours,floor
 for size in "${GPT2_SIZES[@]}"; do
     case $size in
