@@ -50,16 +50,40 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
+GIVEN = "flags_given"  # namespace attribute: {dest: the option string that set it}
+
+
+class _Once(argparse.Action):
+    """A flag given a second time (`--lr 1e-3 --lr 2e-3`, `--bf16 --no-bf16`) is an error naming
+    it: argparse would silently keep the last value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault(GIVEN, {})
+        if self.dest in given:
+            first = given[self.dest]
+            also = f" (as {first} and {option_string})" if first != option_string else ""
+            parser.error(f"{option_string} given twice{also}")
+        given[self.dest] = option_string
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _BoolOnce(_Once, argparse.BooleanOptionalAction):
+    pass
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser,
     sections: Sequence[str] = tuple(GROUPS),
     defaults: Optional[Config] = None,
-    with_defaults: bool = True,
 ) -> None:
     """Add the trainer's flags of the config `sections` to `parser` (one group each), with the
     values of `defaults` (a Config; the dataclass defaults when None). Tools use it so their
     flags are the trainer's; `config_from_args` turns the parsed namespace back into a Config.
-    `with_defaults=False`: unset flags stay absent from the namespace."""
+    Each flag may be given once; the namespace's `GIVEN` names those given."""
     defaults = defaults or Config()
     for section in sections:
         group = parser.add_argument_group(GROUPS[section])
@@ -71,13 +95,11 @@ def add_config_flags(
             dest = f"{section}.{f.name}"
             derived = f.name in ("ffn_hidden_size", "max_position_embeddings")  # from the others when None
             default = None if derived else getattr(sub, f.name)
-            if not with_defaults:
-                default = argparse.SUPPRESS
             if tp is bool:
                 group.add_argument(
                     flag,
                     dest=dest,
-                    action=argparse.BooleanOptionalAction,
+                    action=_BoolOnce,
                     default=default,
                     help=f.metadata.get("help", ""),
                 )
@@ -85,6 +107,7 @@ def add_config_flags(
                 group.add_argument(
                     flag,
                     dest=dest,
+                    action=_StoreOnce,
                     type=tp,
                     default=default,
                     choices=f.metadata.get("choices"),
@@ -94,12 +117,12 @@ def add_config_flags(
                 )
 
 
-def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
-    """One argument group per config dataclass (`with_defaults=False`: unset flags stay absent)."""
+def build_parser() -> argparse.ArgumentParser:
+    """One argument group per config dataclass."""
     parser = argparse.ArgumentParser(
         description="Pretrain a GPT-2 Mixture-of-Experts model.", formatter_class=HelpFormatter
     )
-    add_config_flags(parser, with_defaults=with_defaults)
+    add_config_flags(parser)
     return parser
 
 
@@ -116,7 +139,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     """
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    explicit = frozenset(vars(build_parser(with_defaults=False).parse_args(argv)))
+    explicit = frozenset(ns.pop(GIVEN, {}))
     load = ns["train.load"] if ns["train.use_checkpoint_args"] else None
     if load:  # merged before validation: errors quote the checkpoint's values, never the defaults
         from megatron_moe.checkpointing import checkpoint_args, read_metadata, resolve

@@ -4,6 +4,7 @@
 #   mm_preset NAME             default model/batch sizes: tiny, gpt2-s, gpt2-l
 #   mm_build_args WORLD        fill MODEL_ARGS MOE_ARGS DATA_ARGS TRAINING_ARGS
 #                              LOGGING_ARGS from environment overrides
+#   mm_drop_given FLAGS...     drop from those arrays the flags FLAGS give again
 #   mm_export_comm_env         NCCL / wandb / threads defaults (only if unset)
 #   mm_expand_hostlist EXPR    Slurm hostlist -> one host per line, no scontrol
 #   mm_job_hosts               this job's hosts (scontrol, else the parser)
@@ -260,6 +261,30 @@ mm_build_args() {
     fi
 }
 
+# mm_drop_given FLAGS...: remove from the five flag arrays of mm_build_args each
+# flag (with its values) that FLAGS gives again (`--x` and `--no-x` are one flag):
+# the trainer refuses a flag given twice, and a launcher's extra flags replace
+# its defaults.
+mm_drop_given() {
+    local given=" " w name arr ref kept skip
+    for w in "$@"; do
+        [[ $w != --* ]] || { name=${w#--}; name=${name%%=*}; given+="${name#no-} "; }
+    done
+    for arr in MODEL_ARGS MOE_ARGS DATA_ARGS TRAINING_ARGS LOGGING_ARGS; do
+        ref="${arr}[@]"
+        kept=() skip=0
+        for w in "${!ref}"; do
+            if [[ $w == --* ]]; then
+                name=${w#--}
+                skip=0
+                [[ $given != *" ${name#no-} "* ]] || skip=1
+            fi
+            ((skip)) || kept+=("$w")
+        done
+        eval "$arr=(\"\${kept[@]}\")"
+    done
+}
+
 # ---------------------------------------------------------------- Slurm
 
 # mm_abs PATH: PATH when absolute, else REPO_DIR/PATH (the job runs from REPO_DIR).
@@ -336,6 +361,7 @@ mm_slurm_pretrain() {
     SIGNAL_ARGS=(bash -c 'source "$0" && mm_usr1_to_workers "$@"' "$REPO_DIR/scripts/common.sh")
     LAUNCH_ARGS=(torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/pretrain_gpt_moe.py")
     EXTRA_ARGS=("$@")
+    mm_drop_given "$@"
 
     echo "# $RUN_NAME: $NNODES nodes x $GPUS_PER_NODE GPUs, TP=$TP EP=$EP ESP=$ESP, $NUM_EXPERTS experts"
     echo "# save: ${SAVE_DIR:-none}; load: ${LOAD_DIR:-none (no checkpoint there yet)}"

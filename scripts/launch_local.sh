@@ -6,8 +6,8 @@
 #   DRY_RUN=1 NPROC=4 scripts/launch_local.sh      # print, do not run
 #
 # MODEL picks the size defaults (tiny, the default here, gpt2-s or gpt2-l);
-# every setting has an environment override (docs/CLUSTER.md), and extra
-# flags come last, so they override anything set before them. Without
+# every setting has an environment override (docs/CLUSTER.md), and an extra
+# flag replaces the launcher's value of the same flag. Without
 # DATA_PATH the trainer uses the bundled sample corpus.
 set -euo pipefail
 
@@ -20,6 +20,7 @@ mm_require_uint NPROC "$NPROC"
 mm_preset "${MODEL:-tiny}"
 mm_export_comm_env
 mm_build_args "$NPROC"
+mm_drop_given "$@"
 
 # --standalone: a private c10d rendezvous on a free local port.
 DISTRIBUTED_ARGS=(--standalone --nnodes 1 --nproc-per-node "$NPROC")

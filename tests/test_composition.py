@@ -52,11 +52,11 @@ def _observed(trainer: Trainer) -> dict:
 def _matrix_on_rank(rank, world, data):
     # the planner predicts no gain for this tiny model: partition its MoE range in 2 parts anyway
     os.environ[choose.ENV] = "lancet partitions=2"
-    base = tiny_args(data, 10, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+    layout = ("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
     out = {}
     for combo in COMBOS:
         try:
-            trainer = Trainer(parse_args(base + flags(*combo)))
+            trainer = Trainer(parse_args(tiny_args(data, 10, *layout, *flags(*combo))))
         except ValueError as e:
             out[combo] = {"refused": str(e)}
             continue

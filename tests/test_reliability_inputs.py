@@ -247,3 +247,37 @@ def test_a_split_weight_must_be_finite():
 
     with pytest.raises(ValueError, match="--split must be three non-negative weights"):
         parse_split("inf,1,1")
+
+
+# ----------------------------------------------------------------------------- a flag given twice
+TWICE = [
+    (["--lr", "1e-3", "--lr", "2e-3"], "--lr given twice"),
+    (["--lr", "1e-3", "--lr", "1e-3"], "--lr given twice"),  # even with the same value
+    (["--bf16", "--no-bf16"], "--no-bf16 given twice (as --bf16 and --no-bf16)"),
+    (["--data-path", "a", "--data-path", "0.5", "b", "0.5", "c"], "--data-path given twice"),
+]
+
+
+@pytest.mark.parametrize("argv,message", TWICE, ids=["lr", "lr-same", "bool-pair", "nargs"])
+def test_a_flag_given_twice_is_refused_naming_it(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+def test_a_flag_given_once_with_several_values_still_parses():
+    cfg = parse_args(["--data-path", "0.3", "a", "0.7", "b", "--bf16"])
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b"] and cfg.optim.bf16 is True
+    assert {"data.data_path", "optim.bf16"} <= cfg.explicit_flags and "optim.lr" not in cfg.explicit_flags
+
+
+def test_the_trainer_and_a_tool_refuse_a_flag_given_twice(tmp_path, capsys):
+    from tool_modules import load_tool
+
+    out = run_trainer(["--lr", "1e-3", "--lr", "2e-3"], tmp_path)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "pretrain_gpt_moe.py: error: --lr given twice"
+    with pytest.raises(SystemExit) as e:
+        load_tool("bench_moe_layer").parse_args(["--num-experts", "4", "--num-experts", "8"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith("error: --num-experts given twice")

@@ -272,7 +272,24 @@ def test_launch_local_dry_run() -> None:
         "--wandb-project": None,
     }
     assert {k: trainer.get(k) for k in expected} == expected
-    assert tokens[-2:] == ["--train-iters", "3"]
+    assert tokens[-2:] == ["--train-iters", "3"] and tokens.count("--train-iters") == 1  # the default dropped
+
+
+def test_extra_flags_replace_the_launchers_values_of_the_same_flags() -> None:
+    """The trainer refuses a flag given twice: an extra flag drops the launcher's (--no-x drops --x)."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DRY_RUN": "1", "NPROC": "2"}
+    extra = ["--no-bf16", "--lr=1e-3", "--data-path", "0.5", "a", "0.5", "b", "--log-interval", "1"]
+    result = _run(LOCAL, dict(env, DATA_PATH="x"), *extra)
+    assert result.returncode == 0, result.stderr
+    tokens = _launch_line(result.stdout, "torchrun")[3]
+    assert tokens[-len(extra) :] == extra and "--bf16" not in tokens and "x" not in tokens
+    assert [tokens.count(f) for f in ("--lr", "--data-path", "--log-interval")] == [0, 1, 1]
+    assert tokens.count("--min-lr") == 1  # other flags stay
+    sbatch = _run(SBATCH["s"], _fake_slurm_env(), "--train-iters", "5", "--lr", "1e-3")
+    assert sbatch.returncode == 0, sbatch.stderr
+    words = _launch_line(sbatch.stdout, "srun")[3]
+    assert words[-4:] == ["--train-iters", "5", "--lr", "1e-3"] and words.count("--train-iters") == 1
+    assert words.count("--lr") == 1
 
 
 def test_launch_local_rejects_tp_that_does_not_divide() -> None:

@@ -81,11 +81,7 @@ def test_main_job_smoke_with_wandb_offline_and_json_log(sample_data, tmp_path):
     cmd = [
         sys.executable,
         os.path.join(ROOT, "pretrain_gpt_moe.py"),
-        *tiny_args(sample_data, 6),
-        "--log-interval",
-        "2",
-        "--eval-interval",
-        "3",
+        *tiny_args(sample_data, 6, "--log-interval", "2", "--eval-interval", "3"),
         "--log-json",
         str(log_json),
         "--wandb-project",
@@ -126,14 +122,14 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(sample_dat
 
 def test_every_optimization_switch_keeps_the_training_curve(sample_data):
     """Trainer-level: Parm S1/S2, Lina and Lancet (dW + partition) on MP2xEP2 give the plain curve."""
-    base = tiny_args(sample_data, 10, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
-    plain = spawn(_train_on_rank, 4, base, timeout=600)[0]
+    layout = ("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+    plain = spawn(_train_on_rank, 4, tiny_args(sample_data, 10, *layout), timeout=600)[0]
     for extra in (
         ["--moe-schedule", "s1", "--lina"],
         ["--moe-schedule", "s2", "--lancet-wgrad"],
         ["--lancet-partition", "--lancet-wgrad", "--lina"],
     ):
-        curve = spawn(_train_on_rank, 4, base + extra, timeout=600)[0]
+        curve = spawn(_train_on_rank, 4, tiny_args(sample_data, 10, *layout, *extra), timeout=600)[0]
         for i, ((l0, n0, d0), (l1, n1, d1)) in enumerate(zip(plain, curve)):
             assert abs(l1 - l0) < 1e-4, f"{extra} iteration {i + 1}: loss {l1} vs {l0}"
             assert d1 == d0, f"{extra} iteration {i + 1}: dropped {d1} vs {d0}"

@@ -2,8 +2,9 @@
 
 
 def tiny_args(data, iters, *extra):
-    """A 2-layer MoE (4 experts, top-2, capacity 0.75 so tokens drop) on the sample corpus."""
-    return [
+    """A 2-layer MoE (4 experts, top-2, capacity 0.75 so tokens drop) on the sample corpus; a flag
+    of `extra` replaces the one below (the trainer refuses a flag given twice)."""
+    base = [
         "--data-path",
         data,
         "--num-layers",
@@ -42,5 +43,6 @@ def tiny_args(data, iters, *extra):
         "11",
         "--moe-schedule",
         "baseline",
-        *extra,
     ]
+    pairs = [base[i : i + 2] for i in range(0, len(base), 2)]  # every flag here takes one value
+    return [word for pair in pairs if pair[0] not in extra for word in pair] + list(extra)
