@@ -341,6 +341,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "pass",
         (T + "test_checkpoint_restores_optimizer_state_rng_and_routing_draws",),
     ),
+    M(
+        "save_follows_links",
+        "writes into a checkpoint directory no longer refuse a symbolic link (a planted `latest.tmp` link "
+        "would receive the iteration number wherever it points)",
+        "megatron_moe/fileio.py",
+        "    if os.path.islink(path):\n        raise ValueError(",
+        "    if False:\n        raise ValueError(",
+        ("tests/test_reliability_links.py::test_a_latest_tmp_link_is_refused_and_its_target_is_untouched",),
+    ),
+    M(
+        "save_lock_shared",
+        "the one-writer lock on --save is taken shared: a second trainer on the same directory is not refused",
+        "megatron_moe/checkpointing.py",
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+        "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+        (
+            "tests/test_reliability_outputs.py::"
+            "test_a_second_trainer_on_the_same_save_is_refused_naming_the_directory_and_the_holder",
+        ),
+    ),
     # ------------------------------------------------------------------ data sampler
     M(
         "sampler_same_shard_everywhere",
