@@ -295,7 +295,7 @@ def measure_plans(
     back (`accumulating`) while measuring."""
     dev = model.wte.weight.device
     g = torch.Generator(device="cpu").manual_seed(4321)  # host draw: the same ids on every rank
-    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g).to(dev)
+    ids = torch.randint(0, model.vocab_size, (B, T + 1), generator=g, device="cpu").to(dev)
 
     def run(plan: LancetPlan):
         def one_pass() -> None:

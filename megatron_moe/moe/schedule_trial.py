@@ -44,8 +44,12 @@ def measure_schedules(
     if micro_batch % G:
         raise ValueError(f"--micro-batch-size {micro_batch} is not divisible into {G} routing groups")
     g = torch.Generator(device="cpu").manual_seed(INPUT_SEED)  # the same tokens on every rank
-    x = torch.randn(micro_batch, seq_length, M, generator=g).to(device=dev, dtype=w.dtype).requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(device=dev, dtype=w.dtype)
+    x = (
+        torch.randn(micro_batch, seq_length, M, generator=g, device="cpu")
+        .to(device=dev, dtype=w.dtype)
+        .requires_grad_()
+    )
+    gy = torch.randn(x.shape, generator=g, device="cpu").to(device=dev, dtype=w.dtype)
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def run(schedule: str):
