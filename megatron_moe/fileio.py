@@ -58,10 +58,9 @@ def pid_alive(pid: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- output directories
-# Inside an output directory (a checkpoint root) a symbolic link is never followed for a write, a
-# rename or a deletion: `open(path, "w")` on a planted `latest.tmp` link writes into whatever file
-# it names anywhere on disk, and `shutil.rmtree` on a linked `iter_*` fails after the commit (or,
-# with other tools, deletes the target's contents). The output directory itself may be a link.
+# Inside an output directory (a checkpoint root; it may itself be a link) a symbolic link is never
+# followed for a write, a rename or a deletion: `open(path, "w")` on a planted `latest.tmp` link
+# writes into whatever file it names, and `shutil.rmtree` on a linked `iter_*` fails after the commit.
 
 
 def refuse_link(path: str, expected: str) -> None:
@@ -131,10 +130,9 @@ def _cannot_write_in(directory: str) -> Optional[str]:
 
 def output_path_problem(path: str, kind: str) -> Optional[str]:
     """Why `path` cannot be written as a `kind` ("directory" or "file"), in words that follow the
-    path ("exists and is not a directory", ...); None when it can. A missing path must be creatable:
-    its nearest existing ancestor a writable directory. An existing directory must be writable, an
-    existing regular file openable for appending (its bytes are not touched); other existing files
-    (/dev/stdout, a FIFO) are left to the writer."""
+    path ("exists and is not a directory", ...); None when it can. A missing path needs a writable
+    nearest existing ancestor; an existing directory must be writable, a regular file openable for
+    appending (bytes untouched); other files (/dev/stdout, a FIFO) are left to the writer."""
     if os.path.lexists(path):
         if kind == "directory":
             if not os.path.isdir(path):

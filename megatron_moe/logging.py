@@ -1,20 +1,12 @@
 """Console, JSON-lines, TensorBoard and wandb logging, from one rank (the last, as Megatron does).
 
-wandb runs offline unless --wandb-mode says otherwise; nothing secret (an API
-key) is ever put in the logged config. Values logged to JSON lines:
-iteration, loss, lr, grad_norm, ms_per_iter, tokens_per_s, dropped_frac, ...
-and `split` for evaluation lines. Console lines start with a local-time stamp
-`[YYYY-MM-DD HH:MM:SS]`.
-
-TensorBoard (--tensorboard-dir): every numeric value of a record as a scalar
-`<split>/<name>` (split = train, valid or test; e.g. `train/loss`,
-`valid/ppl`) at the record's iteration, and `train/expert_load` as a
-histogram whose bucket e holds the tokens routed to expert e (summed over the
-MoE layers and micro-batches of the iteration).
-
-wandb: the run id is chosen by the trainer (a new one, or the one stored in
-the checkpoint it resumes) and passed with `resume="allow"`, so a resumed job
-continues the same wandb run.
+JSON lines: iteration, loss, lr, grad_norm, ms_per_iter, tokens_per_s, dropped_frac, ... and
+`split` for evaluation lines. Console lines start with a local-time stamp `[YYYY-MM-DD HH:MM:SS]`.
+TensorBoard (--tensorboard-dir): every numeric value as a scalar `<split>/<name>` (`train/loss`,
+`valid/ppl`) at the record's iteration, and `train/expert_load` as a histogram whose bucket e holds
+the tokens routed to expert e in the iteration. wandb: offline unless --wandb-mode says otherwise,
+no secret in the logged config; the trainer passes the run id (new, or the resumed checkpoint's)
+with `resume="allow"`, so a resumed job continues the same run.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """What a GPU would show, seen on any device: the dtype of every GEMM and the host syncs of a region.
 
-`OpSpy` is a TorchDispatchMode (it sits below autocast, so it sees the dtypes a GEMM really runs
-in) that also wraps the Tensor methods which copy device data to the host. Inside `with OpSpy() as
-spy:` it records
+`OpSpy` is a TorchDispatchMode (below autocast, so it sees the dtypes a GEMM really runs in) that
+also wraps the Tensor methods which copy device data to the host. Inside `with OpSpy() as spy:`:
 
-- `gemms`: (op, input dtypes, output dtype, shapes) of every matrix multiply (mm, addmm, bmm,
-  baddbmm, grouped_mm) and whether it wrote into an `out=` tensor (autocast never reaches those);
-- `syncs`: every operation that makes the host wait for the device on CUDA: reading a value
-  (`item`, `tolist`, `int(t)`, `bool(t)`: aten's `_local_scalar_dense`), copying to the host
-  (`.cpu()`, `.numpy()`, `.to("cpu")`), and the ops whose output size depends on the data
-  (`nonzero`, boolean-mask indexing, `masked_select`, `unique`, `bincount`, `repeat_interleave`
-  without `output_size`).
+- `gemms`: (op, input dtypes, output dtype, shapes) of every matrix multiply and whether it wrote
+  into an `out=` tensor (autocast never reaches those);
+- `syncs`: every op that makes the host wait for the device on CUDA: reading a value (`item`,
+  `tolist`, `int(t)`: aten's `_local_scalar_dense`), copying to the host (`.cpu()`, `.numpy()`,
+  `.to("cpu")`), and ops whose output size depends on the data (`nonzero`, boolean-mask
+  indexing, `unique`, `bincount`, `repeat_interleave` without `output_size`, ...).
 
-On a CPU tensor none of these waits for anything, which is why the spy counts them by name: the
-same call on a CUDA tensor is a `cudaStreamSynchronize`. Each record carries the innermost
-`megatron_moe` frame that made it, so a test failure names the line to fix. On CUDA,
-`torch.cuda.set_sync_debug_mode` confirms the count against the driver (`scripts/gpu_check.sh`).
+On the CPU none of these waits, so the spy counts them by name; each record carries the innermost
+`megatron_moe` frame that made it. On CUDA, `torch.cuda.set_sync_debug_mode` confirms the count
+(`scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@ Layout (docs/DESIGN.md "Ranks and groups"), world size P:
   dense part:  r = mp + N_MP * dp                      (MP groups are consecutive ranks)
   expert part: r = esp + N_ESP * (ep + N_EP * edp)     (ESP fastest, then EP, then expert-DP)
 
-`rank_layout` is a pure function: it returns every group as a list of rank
-lists and never touches torch.distributed, so it is tested against brute
-force for many world sizes. `initialize_model_parallel` turns a layout into
-torch.distributed groups held by one `ParallelState` object; model code gets
-that object passed in (or asks `get_parallel_state()`), never module globals.
+`rank_layout` is pure (rank lists, no torch.distributed). `initialize_model_parallel` turns a
+layout into the groups of one `ParallelState`, which model code gets passed in.
 """
 
 from __future__ import annotations
@@ -130,8 +127,7 @@ class ParallelState:
 
     `group(kind)` returns the ProcessGroup of this rank for kind in GROUP_KINDS
     ('world' is the default group); `rank(kind)` / `size(kind)` its rank and
-    size in that group; `ranks(kind)` its global ranks. Named getters mirror
-    Megatron's (`get_tensor_model_parallel_group()` -> `mp_group`, ...).
+    size in that group; `ranks(kind)` its global ranks.
     """
 
     layout: RankLayout
@@ -169,14 +165,10 @@ class ParallelState:
 
     def relayout_experts(self, ep: int) -> RankLayout:
         """Switch the expert part of the layout to EP = `ep` (MP, ESP and the world unchanged, so
-        expert-DP becomes P / (ep * N_ESP)): Lina's expert packing (`moe.packing`).
-
-        Collective: every rank calls it with the same `ep`; the new ep, ep_esp and expert_dp groups
-        are created on every rank in the same order (`new_groups`), and so are groups made with
-        `new_groups` over the same ranks under a derived name ("lina_expert_dp": a second
-        communicator over the expert-DP ranks). The esp groups keep their ranks
-        (ESP is the fastest coordinate) and stay. The old groups are kept aside until
-        `destroy_model_parallel` (a caller may still hold them) and the new layout is returned."""
+        expert-DP becomes P / (ep * N_ESP)); returns the new layout. Collective (same `ep` on every
+        rank): the ep, ep_esp and expert_dp groups and those `derived_from` them are remade; the
+        esp groups keep their ranks. Old groups are kept for `destroy_model_parallel` (a caller may
+        still hold them)."""
         lay = self.layout
         new = rank_layout(lay.world_size, lay.mp, ep, lay.esp)
         kinds = [(k, base) for k in sorted(self._groups) for base in EXPERT_REGROUPED if derived_from(k, base)]
@@ -207,70 +199,6 @@ class ParallelState:
 
     def rank(self, kind: str) -> int:
         return self.ranks(kind).index(self.global_rank)
-
-    # Megatron-style names for the common ones
-    @property
-    def mp_group(self):
-        return self.group("mp")
-
-    @property
-    def dp_group(self):
-        return self.group("dp")
-
-    @property
-    def ep_group(self):
-        return self.group("ep")
-
-    @property
-    def esp_group(self):
-        return self.group("esp")
-
-    @property
-    def ep_esp_group(self):
-        return self.group("ep_esp")
-
-    @property
-    def expert_dp_group(self):
-        return self.group("expert_dp")
-
-    @property
-    def mp_rank(self) -> int:
-        return self.rank("mp")
-
-    @property
-    def mp_size(self) -> int:
-        return self.layout.mp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank("ep")
-
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep
-
-    @property
-    def esp_rank(self) -> int:
-        return self.rank("esp")
-
-    @property
-    def esp_size(self) -> int:
-        return self.layout.esp
-
-    def group_name(self, group) -> str:
-        """The kind of a group this state created ('mp', 'ep', ...), for the collective observer."""
-        for k, g in self._groups.items():
-            if g is group:
-                return k
-        return "other"
 
 
 def local_state(device: torch.device | None = None) -> ParallelState:
@@ -308,14 +236,10 @@ def initialize_model_parallel(
     timeout_s: Optional[float] = None,
     device: torch.device | None = None,
 ) -> ParallelState:
-    """Create the process groups of the layout on an initialized default group.
-
-    Every rank creates every group in the same order (torch.distributed
-    requires it) and keeps its own. Every group gets `timeout_s` seconds
-    (--comm-timeout; None: the default group's timeout), so a collective on
-    any of them whose peer stalls fails instead of waiting torch's 30 minutes.
-    `device` (default: `backend_device(backend)`) is where this rank's tensors
-    live. Returns the state and makes it current.
+    """Create the process groups of the layout on an initialized default group (collective: every
+    rank, same order) and return this rank's state. Every group gets `timeout_s` seconds
+    (--comm-timeout; None: the default group's), so a stalled peer fails a collective instead of
+    waiting torch's 30 minutes. `device` (default `backend_device(backend)`): this rank's tensors.
     """
     global _STATE
     if not dist.is_initialized():
@@ -337,28 +261,12 @@ def initialize_model_parallel(
     return state
 
 
-def get_parallel_state() -> ParallelState:
-    """The current state (Megatron-style accessor); error if none was initialized."""
-    if _STATE is None:
-        raise RuntimeError("model parallel state is not initialized: call initialize_model_parallel")
-    return _STATE
-
-
-def model_parallel_is_initialized() -> bool:
-    return _STATE is not None
-
-
 def destroy_model_parallel() -> None:
     """Forget the current state and destroy its groups (not the default group)."""
     global _STATE
     if _STATE is not None:
-        for kind, g in _STATE._groups.items():
-            if kind != "world" and g is not None:
-                try:
-                    dist.destroy_process_group(g)
-                except Exception:
-                    pass
-        for g in _STATE.retired_groups:
+        groups = [g for kind, g in _STATE._groups.items() if kind != "world"] + _STATE.retired_groups
+        for g in groups:
             if g is not None:
                 try:
                     dist.destroy_process_group(g)
@@ -368,17 +276,13 @@ def destroy_model_parallel() -> None:
 
 
 def shutdown(barrier: bool = True) -> None:
-    """End this process's communication cleanly: the one teardown of the trainer, tools and tests.
+    """End this process's communication: the one teardown of the trainer, tools and tests.
 
-    Call it once the code that used the groups has returned and closed its helpers (Lina's
-    `close()` joins its launcher thread), on every rank. `barrier=True` (a successful run) first
-    waits on WORLD until every rank got here, so every rank has issued and waited for its last
-    collective and none tears down a connection a peer still reads. Then every group of the
-    layout and the default group are destroyed, the current state is forgotten and garbage is
-    collected, so each gloo backend's destructor (which drains its queued work and joins its
-    worker threads) runs now. Left to interpreter exit, a worker thread still releasing a finished
-    work needs the GIL while the interpreter is being finalized, and the process aborts with
-    "terminate called without an active exception" after a successful run.
+    Every rank calls it after closing its helpers (Lina's threads). `barrier=True` (a successful
+    run) first waits on WORLD, so no rank tears down a connection a peer still reads. Then every
+    group and the default group are destroyed and garbage is collected, so the gloo backends'
+    destructors join their worker threads now: left to interpreter exit, one that needs the GIL
+    aborts the process with "terminate called without an active exception".
     """
     if dist.is_initialized():
         if barrier and dist.get_world_size() > 1:
@@ -422,8 +326,3 @@ def default_backend(device: torch.device) -> str:
 def backend_device(backend: str) -> torch.device:
     """The device tensors of `backend`'s collectives live on (NCCL: this rank's GPU; else CPU)."""
     return resolve_device("cuda") if backend == "nccl" else torch.device("cpu")
-
-
-def default_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is present, else CPU (`resolve_device('auto')`)."""
-    return resolve_device("auto")

@@ -1,23 +1,13 @@
 """Named timeline ranges and the torch.profiler window of a run.
 
-`annotate(name)` is the one place where ranges get their names: a
-`torch.profiler.record_function` (it shows up in torch.profiler / Chrome
-traces) plus, when CUDA is available, an NVTX range of the same name (it
-shows up in Nsight Systems). It works as a context manager and as a function
-decorator, so call sites stay one line:
+`annotate(name)` names every range: a `torch.profiler.record_function` (torch.profiler / Chrome
+traces) plus, when CUDA is available, an NVTX range (Nsight Systems); a context manager or a
+decorator (`@annotate("moe/dispatch")`). Range names (docs/PROFILING.md explains each):
+moe/router, moe/dispatch, moe/all_to_all, moe/experts, moe/combine, lina/micro_op, lancet/part,
+train/step, train/forward_backward, train/optimizer.
 
-    @annotate("moe/dispatch")
-    def dispatch(...): ...
-
-    with annotate("lina/micro_op"):
-        ...
-
-Range names used in the library (docs/PROFILING.md explains each):
-moe/router, moe/dispatch, moe/all_to_all, moe/experts, moe/combine,
-lina/micro_op, lancet/part, train/step, train/forward_backward, train/optimizer.
-
-`StepProfiler` runs torch.profiler on the iterations [start, end) of the
-chosen ranks and writes one Chrome trace per rank.
+`StepProfiler` runs torch.profiler on the iterations [start, end) of the chosen ranks and writes one
+Chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -82,10 +72,9 @@ def trace_path(profile_dir: str, rank: int, start: int, end: int) -> str:
 class StepProfiler:
     """torch.profiler over the iterations [start, end) of this rank when it is in `ranks`.
 
-    Call `before_step(iteration)` before each iteration (iteration = iterations
-    already done) and `after_step(iteration)` after it; `close()` at the end
-    writes a trace cut short by an early exit. The trace is written to a
-    temporary name and renamed, so a reader never sees half a file.
+    `before_step(iteration)` / `after_step(iteration)` around each iteration (iteration = iterations
+    done); `close()` writes a trace cut short by an early exit. Written to a temporary name and
+    renamed, so a reader never sees half a file.
     """
 
     def __init__(

@@ -1,12 +1,9 @@
 """Multi-process support for tests and small tools: spawn N gloo ranks on localhost.
 
-`spawn(fn, world_size, *args)` starts `world_size` processes, initializes
-torch.distributed (gloo, free port, one thread per process), calls
-`fn(rank, world_size, *args)` in each (`backend="nccl"`: NCCL, rank r on GPU r,
-for tests/gpu/), and returns the list of the values the
-ranks returned (rank order). An exception in any child is re-raised in the
-parent with the child's traceback; a run that exceeds `timeout` seconds is
-killed and reported as a TimeoutError.
+`spawn(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` processes with
+torch.distributed initialized (gloo, a free port, one thread each; `backend="nccl"`: rank r on GPU
+r) and returns their results in rank order. A child's exception is re-raised in the parent with its
+traceback; a run past `timeout` seconds is killed and reported as a TimeoutError.
 """
 
 from __future__ import annotations
@@ -76,10 +73,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo") -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results.
-
-    `fn` must be a module-level function (it is pickled to the children).
-    """
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results (`fn`: a
+    module-level function, pickled to the children)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

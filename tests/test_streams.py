@@ -70,30 +70,6 @@ def test_lane_consumer_sees_the_complete_result_after_wait():
         lane.close()
 
 
-def test_a_lane_waits_for_another_lanes_marker():
-    cpu = torch.device("cpu")
-    a, b = streams.Lane(cpu, "lane-a"), streams.Lane(cpu, "lane-b")
-    try:
-        order: list = []
-        gate = threading.Event()
-        first = a.submit(lambda: (gate.wait(), order.append("a"))[1])
-        b.after(first.marker)  # b's next work starts after a's
-        second = b.submit(lambda: order.append("b"))
-        gate.set()
-        second.wait()
-        assert order == ["a", "b"]
-    finally:
-        a.close()
-        b.close()
-
-
-def test_synchronous_lane_runs_on_the_calling_thread_in_order():
-    lane = streams.Lane(torch.device("cpu"), "sync", cpu_thread=False)
-    seen = []
-    p = lane.submit(lambda: seen.append(threading.current_thread().name) or 5)
-    assert p.wait() == 5 and seen == [threading.current_thread().name]
-
-
 def _collective_on_lane(rank, world):
     """An all-to-all run on a lane, then a consumer's all-gather of its output after `wait()`:
     the observer sees the all-to-all finished before the all-gather is launched."""

@@ -93,12 +93,8 @@ def all_gather_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
 
 
 def reduce_scatter_raw(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Sum `t` over the group and keep this rank's 1/n chunk along `dim`.
-
-    NCCL has a native reduce-scatter; gloo does not, so on gloo it is an
-    all-reduce followed by a local split (recorded as a reduce_scatter with
-    reduce-scatter byte counts, plus nothing else).
-    """
+    """Sum `t` over the group and keep this rank's 1/n chunk along `dim` (gloo has no reduce-scatter:
+    an all-reduce and a local split there, observed as one reduce_scatter)."""
     n = group_size(group)
     if n == 1:
         return t
@@ -128,11 +124,9 @@ def all_to_all_raw(
     async_op: bool = False,
     zeros: bool = False,
 ):
-    """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j.
-
-    Returns the output [sum(out_splits), ...] (and the work handle if async_op), allocated empty
-    (`zeros`: zero-filled). Even splits when both are None.
-    """
+    """All-to-all along dim 0: chunk j of `t` (size in_splits[j]) goes to rank j. Returns the output
+    [sum(out_splits), ...] (and the work handle if async_op), allocated empty (`zeros`: zero-filled).
+    Even splits when both are None."""
     n = group_size(group)
     if n == 1:
         return (t, None) if async_op else t
@@ -180,11 +174,8 @@ def _own_chunk(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 class _Collective(torch.autograd.Function):
-    """fwd(x, group, dim) forward and bwd(grad, group, dim) backward, both given as functions.
-
-    Every collective below except the all-to-all (whose autograd node name Lancet's hooks look
-    for) is one (fwd, bwd) pair of the raw functions above.
-    """
+    """fwd(x, group, dim) forward, bwd(grad, group, dim) backward: every collective below but the
+    all-to-all (whose autograd node name Lancet's hooks look for)."""
 
     @staticmethod
     def forward(ctx, x, group, dim, fwd, bwd):
@@ -249,12 +240,8 @@ def all_to_all(
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum of partial results over `group`; backward sums the gradients as well.
-
-    Use it when the ranks go on to use *different* parts of the sum (e.g. ESP
-    all-reduce followed by ESP split); use `reduce_from_group` when every rank
-    uses all of it identically (Megatron's row-parallel output).
-    """
+    """Sum over `group`, backward sums the gradients too: for ranks that go on to use *different*
+    parts of the sum (ESP all-reduce, then split); `reduce_from_group` when all use all of it."""
     return x if group_size(group) == 1 else _Collective.apply(x, group, 0, _summed, _summed)
 
 

@@ -1,22 +1,17 @@
 """A stuck or broken collective becomes one clear error naming the collective, the group and the flag.
 
-Every process group is created with `--comm-timeout` (`parallel_state`), so a
-collective whose peer stalls (SIGSTOP, a hang, ranks that issued collectives
-in different orders) or died fails on each surviving rank instead of hanging.
+Every process group is created with `--comm-timeout` (`parallel_state`), so a collective whose peer
+stalled or died (or ranks that issued collectives in different orders) fails instead of hanging.
 gloo reports that as a RuntimeError whose text is an internal file:line:
 
   "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
   "Application timeout caused pair closure"        (a later op on a timed-out pair)
   "[.../pair.cc:553] Connection closed by peer ..." (the peer process exited)
 
-`guard(collective, group)` (around a blocking call) and `wait(work, collective,
-group)` (for an async handle) translate those into `CommTimeoutError` /
-`CommPeerLostError`; any other exception passes through unchanged. The
-collectives of `megatron_moe.distributed` use them, so model code and helper
-threads (Lina's launcher) raise the same error. Entry points wrap their body
-in `exit_on_comm_error()`: the error is printed once per rank as
-`error: ...` and the process exits with status 1 right away (no traceback,
-no teardown that could block on a dead peer).
+`guard(collective, group)` (around a blocking call) and `wait(work, collective, group)` translate
+those into `CommTimeoutError` / `CommPeerLostError`; other exceptions pass unchanged. Entry points
+wrap their body in `exit_on_comm_error()`: `error: ...` once per rank, exit status 1 at once (no
+traceback, no teardown that could block on a dead peer).
 """
 
 from __future__ import annotations

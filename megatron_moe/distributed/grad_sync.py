@@ -1,29 +1,18 @@
 """Gradient synchronization: dense parameters over DP, expert parameters over expert-DP.
 
-Each data-parallel rank's loss is the mean over its own micro-batch, and the
-global loss is the mean over data-parallel ranks, so every gradient is
-(1/DP) * sum over ranks. Dense parameters: all-reduce over the DP group
-(size P/N_MP). Expert parameters: every rank of an EP x ESP group already
-accumulated the tokens of all routing groups of that group, so the sum runs
-over expert-DP (size P/(N_EP*N_ESP)) and is still divided by DP.
+Every gradient becomes (1/DP) * its sum over ranks (each rank's loss is the mean over its
+micro-batch, the global loss the mean over DP). Expert parameters: every rank of an EP x ESP group
+already accumulated the tokens of all its routing groups, so the sum runs over expert-DP
+(P/(N_EP*N_ESP) ranks) and is still divided by DP.
 
-`GradSync` starts bucketed all-reduces asynchronously from grad-ready hooks
-(`register_post_accumulate_grad_hook`) so they overlap the rest of backward;
-`finish()` waits and scales. `sync_gradients` is the blocking version.
+`GradSync` starts bucketed async all-reduces from grad-ready hooks, so they overlap the rest of
+backward; `finish()` waits and scales. `sync_gradients` is the blocking version.
 
-With a scheduler (Lina, `megatron_moe.distributed.lina`) there are no
-buckets: each parameter's gradient is handed over on its own (so micro-ops
-never mix two tensors) and reduced in place, in one fixed order on every rank
-(reverse registration order, dp and expert-dp interleaved): a gradient that
-is ready early waits until every gradient before it in that order was handed
-over, so the collectives of every group are issued in the same order on all
-ranks whatever the hook timing. Code that writes a gradient outside autograd
-(deferred weight gradients) calls `mark_ready(p)` when it is final. The
-scheduler's collectives go over Lina's dedicated communicators
-(`make_lina_groups` / `lina_group`): one more process group per group kind, over the same ranks,
-that no other collective uses (NCCL requires every rank to issue a
-communicator's operations in one order; the launcher thread's order and the
-main thread's cannot interleave the same way on every rank).
+With a scheduler (Lina, `lina.py`) there are no buckets: each parameter's gradient is handed over
+on its own, reduced in place, in one fixed order on every rank (reverse registration order, dp and
+expert-dp interleaved; a gradient ready early waits for those before it), over Lina's dedicated
+communicators (`make_lina_groups`): NCCL needs every rank to issue a communicator's operations in
+one order, which the launcher thread and the main thread sharing a group would not guarantee.
 """
 
 from __future__ import annotations
@@ -78,24 +67,14 @@ def sync_gradients(model: torch.nn.Module, ps: "ParallelState") -> None:
 class GradSync:
     """Bucketed asynchronous gradient all-reduce started from grad-ready hooks.
 
-    Parameters are bucketed in reverse registration order (the order backward
-    produces them) per group kind, up to `bucket_mb` MB. A bucket is flattened
-    and all-reduced as soon as all its gradients are ready. Call `finish()`
-    after backward (and before clipping / the optimizer step).
-    `scheduler` (Lina) takes over launching: it gets (kind, one parameter's flat
-    gradient, Lina's communicator of that kind) per parameter in a fixed order
-    (module docstring), is attached to the model (`scheduler.attach(model)`) and
+    Parameters are bucketed per group kind in reverse registration order (the order backward
+    produces them), up to `bucket_mb` MB; a bucket is all-reduced once all its gradients are ready.
+    Call `finish()` after backward, before clipping and the optimizer step. A `scheduler` (Lina) is
+    attached to the model, gets each parameter's flat gradient in the fixed order instead, and is
     drained in `finish()`.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        ps: "ParallelState",
-        bucket_mb: float = 25.0,
-        scheduler=None,
-        enabled_hooks: bool = True,
-    ):
+    def __init__(self, model: torch.nn.Module, ps: "ParallelState", bucket_mb: float = 25.0, scheduler=None):
         self.ps, self.dp = ps, ps.size("dp")
         self.scheduler = scheduler
         if scheduler is not None:
@@ -124,10 +103,7 @@ class GradSync:
         self._position = {p: i for i, (p, _) in enumerate(self._order)}
         if scheduler is not None and hasattr(scheduler, "attach"):
             scheduler.attach(model)
-        self._hooks = []
-        if enabled_hooks:
-            for p in params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.accumulating = False  # True on micro-batches that only accumulate
         self.reset()
 
@@ -154,10 +130,6 @@ class GradSync:
         self._param_ready = [False] * len(self._order)
         self._next = 0  # first parameter not handed over yet
         self._submitted: list[tuple] = []  # (param, flat reduced in place, handle)
-
-    def mark_ready(self, p: torch.nn.Parameter) -> None:
-        """`p.grad` is final for this iteration (what the grad-ready hook calls)."""
-        self._on_grad_ready(p)
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.accumulating:

@@ -1,81 +1,45 @@
 """Lina: gradient all-reduce in fixed-size micro-ops that never start during an all-to-all.
 
-Lina (Li et al., USENIX ATC 2023) observed that backward all-to-alls slow down
-badly when they share the network with the data-parallel all-reduce, and
-fixed it by (1) splitting the all-reduce into small equal micro-ops and
-(2) a priority queue in which all-to-all always goes first: a micro-op is
-launched only when no all-to-all is queued or in flight.
+Lina (Li et al., USENIX ATC 2023): backward all-to-alls slow down when they share the network with
+the data-parallel all-reduce, so the all-reduce is split into small equal micro-ops and an
+all-to-all always goes first: a micro-op is launched only when no all-to-all is queued or in flight.
 
-Here:
-  * `submit(kind, flat, group)` splits one gradient tensor (GradSync hands
-    over one parameter's gradient at a time) into chunks of `partition_mb` MB
-    (the last one shorter) and appends them to a FIFO queue; with `coalesce`
-    (the trainer's setting) micro-ops are equal slices of the
-    concatenated gradients of one group, as in the paper (a slice may span
-    small tensors: they are copied into one buffer and back), so a model of
-    many small tensors does not pay one round trip per tensor;
-  * the queue head is launched (async all-reduce) whenever the gate is open
-    and the launch budget allows it: directly by `submit` (the grad-ready
-    hook) when it may go at once, else by a launcher thread that sleeps until
-    something opens the gate or frees budget (an all-to-all's end, a layer's
-    backward done, a micro-op finished, `drain`): no polling on the CPU and
-    no wake-up that cannot launch, so the threads take little from the
-    ranks' compute on a busy host; a reaper thread waits for the launched
-    micro-ops in launch order. Several micro-ops may be in flight (up to
-    `max_in_flight`), so a micro-op no longer costs a round trip of idle link;
-  * the gate (the priority rule): closed while an all-to-all of this rank is
-    in flight (the `a2a_start`/`a2a_end` notifications of the collective
-    observer) or imminent (`a2a_imminent()`, which every MoE layer's
-    dispatcher calls once `attach(model)` registered the scheduler, when
-    backward reaches the combine step); the gate check and the launch happen
-    under the lock `a2a_start` takes, so no micro-op is ever launched between
-    an all-to-all's start and its end on this rank (whichever thread launches,
-    every launch takes the queue head under that lock);
-  * the launch budget (`launch_budget`): bytes in flight must drain, at the
-    measured link rate (EWMA of micro-op service times), within the time to
-    this rank's next all-to-all plus a drain bound `drain_ms` (0: a tenth of
-    the measured backward all-to-all time). The time to the next all-to-all
-    comes from this rank's own schedule: the all-to-alls of the last
-    iterations started at fixed offsets after the first gradient was handed
-    over (the earliest seen is used); past the last one (the first MoE layer's
-    backward is over) nothing more is coming and the budget is `max_in_flight`
-    micro-ops. One micro-op may always be in flight while the gate is open
-    (what the original Lina allows); before anything is measured only one;
-  * the queue order is the submission order, and GradSync submits in a fixed
-    parameter order on every rank, so every rank issues its micro-ops in the
-    same order whatever the timing (gloo requires it): the gate and the budget
-    only delay the head of the queue, never reorder it;
-  * `drain()` (GradSync.finish, before the optimizer step) opens the gate and
-    waits until every micro-op has finished;
-  * a watchdog: each micro-op is waited for with `timeout_s`
-    (--comm-timeout); a micro-op that does not finish in time (a stalled or
-    dead peer, or ranks that issued collectives in different orders) becomes
-    a `CommTimeoutError` raised by `drain()` instead of a silent hang.
+  * `submit(kind, flat, group)` splits one gradient into chunks of `partition_mb` MB (the last one
+    shorter) and appends them to a FIFO queue; with `coalesce` (the trainer's setting) micro-ops
+    are equal slices of the concatenated gradients of one group, as in the paper (small tensors are
+    copied into one buffer and back), so many small tensors do not pay one round trip each;
+  * the queue head is launched (async all-reduce) when the gate is open and the launch budget
+    allows: by `submit` itself when it may go at once, else by a launcher thread that sleeps until
+    something opens the gate or frees budget (no CPU polling, except while a CUDA all-to-all's end
+    event is awaited); a reaper thread waits for launched micro-ops in launch order. Up to
+    `max_in_flight` may be in flight;
+  * the gate: closed while an all-to-all of this rank is in flight (`a2a_start` / `a2a_end` from
+    the observer; on CUDA until its end event completed) or imminent (`a2a_imminent()`, called by
+    each dispatcher `attach` registered with when backward reaches its combine step). The gate check
+    and the launch happen under the lock `a2a_start` takes, so no micro-op is ever launched
+    between an all-to-all's start and its end on this rank;
+  * the launch budget (`launch_budget`): bytes in flight must drain, at the measured link rate
+    (EWMA of micro-op service times), within the time to this rank's next all-to-all plus
+    `drain_ms` (0: a tenth of the measured backward all-to-all time). The next all-to-all is
+    predicted from the last iterations' offsets after their first submit (the earliest seen);
+    past the last one the budget is `max_in_flight` micro-ops. One micro-op may always be in flight
+    while the gate is open (the original Lina); before anything is measured, only one;
+  * the queue is never reordered, and GradSync submits in one parameter order on every rank, so
+    every rank issues its micro-ops in the same order whatever the timing (gloo and NCCL need it);
+  * `drain()` (GradSync.finish) opens the gate and waits for every micro-op; one that does not
+    finish within `timeout_s` (--comm-timeout) becomes a `CommTimeoutError` instead of a hang.
 
-Communicators and streams (CUDA; on the CPU the stream calls are no-ops):
-  * GradSync hands over each group's gradients with Lina's dedicated
-    communicator of that group (`grad_sync.lina_group`: "lina_dp",
-    "lina_expert_dp", a second process group over the same ranks that nothing
-    else uses), issued in queue order under the scheduler's lock (by `submit`
-    or the launcher thread, one launch at a time);
-  * each communicator has its side stream ("lina-dp", "lina-expert_dp"). A
-    micro-op records, when it is queued, a marker on the submitter's current
-    stream (its gradient, or the coalesced copy, is produced there); the
-    launching thread makes the side stream wait for that marker and issues the
-    all-reduce under `streams.use(side)`, and `record_stream`s the chunk on it;
-  * the reaper waits for the all-reduce on the side stream (`work.wait()` under
-    `use(side)`: the GPU waits, the host does not), copies a coalesced buffer
-    back there, records the micro-op's `done` marker and blocks (itself, not
-    the caller) until that marker completed, so in-flight counts and the link
-    rate are completion times, not enqueue times;
-  * `drain()` ends with the consumer's stream waiting for the last `done`
-    marker of every side stream, so the scaling and the optimizer step read
-    the reduced gradients.
+Streams (no-ops on the CPU): each dedicated communicator (`grad_sync.lina_group`) has its side
+stream ("lina-dp", "lina-expert_dp"). A micro-op records a marker on the submitter's stream when
+queued; the launcher makes the side stream wait for it, issues the all-reduce under
+`streams.use(side)` and `record_stream`s the chunk there. The reaper waits for the work on the side
+stream, copies a coalesced buffer back there, records the `done` marker and blocks (itself) until
+it completed, so in-flight counts and the link rate are completion times. `drain()` ends with the
+consumer's stream waiting for the last `done` marker of every side stream.
 
-Every launch and finish goes into the collective observer (`observer.py`); `summary()`
-returns the all-to-all time in backward and how long gradient all-reduce
-overlapped an all-to-all. Micro-ops do not change any value: each element is
-summed over the same ranks as in a bucketed all-reduce.
+Every launch and finish goes into the collective observer; `summary()` returns the backward
+all-to-all time and how long gradient all-reduce overlapped an all-to-all. Values are those of a
+bucketed all-reduce: each element is summed over the same ranks.
 """
 
 from __future__ import annotations
@@ -168,19 +132,13 @@ class GradHandle:
 class LinaScheduler:
     """Lina's gradient all-reduce scheduler (see the module docstring).
 
-    `partition_mb`: micro-op size in MB (2**20 bytes; --lina-partition-mb).
-    `timeout_s`: seconds a micro-op may take before `drain()` raises
-    CommTimeoutError (--comm-timeout). `max_in_flight`: micro-ops launched and
-    not finished at most (1 is the original Lina).
-    `drain_ms`: the drain bound of the launch budget (0: auto, a tenth of the measured all-to-all time).
-    `coalesce`: micro-ops are equal slices of the concatenated gradients of a group (the trainer's
-    setting: small tensors share one micro-op); False: one tensor per micro-op.
-    `prioritize=False` launches micro-ops as soon as they are queued, ignoring
-    all-to-alls (an ablation for tests and benchmarks, not Lina). The scheduler
-    keeps a CommLog running from construction to `close()` (the last
-    `max_events` events, for tests and benchmarks) and folds each iteration's
-    events into running totals at `drain()`; `summary()` returns those totals,
-    `close()` logs them.
+    `partition_mb`: micro-op size in MB (2**20 bytes; --lina-partition-mb). `timeout_s`: seconds a
+    micro-op may take before `drain()` raises CommTimeoutError (--comm-timeout). `max_in_flight`:
+    micro-ops launched and not finished at most (1: the original Lina). `drain_ms`: the budget's
+    drain bound (0: auto). `coalesce`: micro-ops slice the concatenated gradients of a group; False:
+    one tensor per micro-op. `prioritize=False` ignores all-to-alls (an ablation, not Lina). A
+    CommLog (`log_events`, or its own) runs until `close()`; each `drain()` folds its events into
+    the totals `summary()` returns and `close()` logs.
     """
 
     def __init__(
@@ -440,19 +398,9 @@ class LinaScheduler:
     def _launch(self, op: MicroOp) -> bool:
         """Launch `op` (the queue head just taken, under the lock); False (and the error kept for drain)
         when the launch failed."""
+        info = {"queued": op.queued, "index": op.index, "part": op.part, "parts": op.parts, "pieces": len(op.pieces)}
         try:
-            with (
-                annotate("lina/micro_op"),
-                observer.tagged(
-                    "lina",
-                    queued=op.queued,
-                    index=op.index,
-                    part=op.part,
-                    parts=op.parts,
-                    pieces=len(op.pieces),
-                    self_timed=True,
-                ),
-            ):
+            with annotate("lina/micro_op"), observer.tagged("lina", self_timed=True, **info):
                 op.launched = time.perf_counter()
                 side = self.side(op)
                 # the side stream starts after the gradient was produced (rule 2 of streams.py);

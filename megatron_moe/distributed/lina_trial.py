@@ -1,13 +1,10 @@
 """Lina kept only where measured faster than the plain gradient sync: the `choose.Trial` "lina".
 
-Lina's micro-ops compute exactly the plain all-reduce's values, but whether they are faster depends on
-the model and the link: where the gradient all-reduce is heavy, or on localhost, holding micro-ops back
-can cost more than it saves. So the alternatives ("plain", "lina") take turns over training iterations
-(one pass each, `choose` warm-up rounds first): before each iteration the one `next()` names is put in
-place (GradSync with or without the scheduler; with --lina-pipeline-chunks > 1 the all-to-all
-pipelining on with Lina and off without, so "plain" is exactly the run without Lina). The decision
-keeps Lina, or puts the plain sync back for the rest of the run and closes the scheduler (its threads
-are idle: every iteration drains it). The trainer runs it first (`training.TRIALS`).
+Lina computes exactly the plain all-reduce's values, but where the gradient all-reduce is heavy, or
+on localhost, holding micro-ops back can cost more than it saves. So "plain" and "lina" take turns
+over training iterations (`choose` warm-up rounds first); with --lina-pipeline-chunks > 1 the
+all-to-all pipelining is on with Lina and off without, so "plain" is exactly the run without Lina.
+Picking "plain" closes the scheduler for the rest of the run.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The observer of collectives: what every collective of this process moved, and when.
 
-Every collective in `megatron_moe.distributed` (and the dispatchers' all-to-all
-handles) calls `begin(op, group, sent, recv, remote_sent)` before it launches
-and `end(token)` when it finishes (a synchronous call: when it returns; an
-asynchronous one: at `wait()` of its `Work`, or when its future completes).
-While a `CommLog` is started (``with CommLog() as log:``) each collective
-becomes one `CommEvent` in it: op, group name, bytes, tag, phase, launch and
-finish times. Tests count bytes (`totals`), Lina and the benchmarks read times
-(`summarize`). With no log and no listener, `begin` costs one global read.
+Every collective in `megatron_moe.distributed` (and the dispatchers' all-to-all handles) calls
+`begin(op, group, sent, recv, remote_sent)` before it launches and `end(token)` when it finishes
+(synchronous: when it returns; asynchronous: at `wait()` of its `Work`, or when its future
+completes). While a `CommLog` is started (``with CommLog() as log:``) each collective becomes one
+`CommEvent` in it. With no log and no listener, `begin` costs one global read.
 
 Byte convention (what tests compute from formulas):
   all_reduce      sent = recv = numel * itemsize
@@ -16,48 +13,25 @@ Byte convention (what tests compute from formulas):
   all_to_all      sent = input buffer, recv = output buffer,
                   remote_sent = the bytes that leave this rank
 
-An event's interval is [launch, finish] in `time.perf_counter()` seconds. For
-all-to-alls, listeners (Lina's scheduler) are told `a2a_start(group)` before
-the launch is stamped and `a2a_end(group)` after the finish is, so a listener
-that refuses to launch between the two sees exactly the logged intervals.
-`a2a_queued()` (the dispatcher's combine step in backward: an all-to-all is
-about to be issued) stamps the `queued` time of the next all-to-all.
+An event's interval is [launch, finish] in `time.perf_counter()` seconds. All-to-all listeners
+(Lina's scheduler) get `a2a_start(group)` before the launch is stamped and `a2a_end(group, event)`
+after the finish is, so a listener that launches nothing between the two sees exactly the logged
+intervals. `a2a_queued()` stamps the `queued` time of the next all-to-all.
 
-Completion, not enqueue (CUDA). An NCCL collective "returns" when it is
-enqueued; its bytes move later, on NCCL's stream. For a collective on an NCCL
-group, `begin` records a timed CUDA event on the caller's stream (the
-collective cannot start before it: NCCL's stream waits for the caller's stream
-at launch), and its completion is a timed event recorded on a per-group
-observer side stream after that stream waited on the collective's work
-(`work.wait()` under `streams.use(side)`: the GPU waits, the host does not;
-a synchronous collective: on the caller's stream, which already waited on it).
-Such an event's `launch` is its enqueue time and its `finish` stays None (in
-flight) until the end event has completed; `resolve` (called by `snapshot`,
-and after a `torch.cuda.synchronize()` by `CommLog.finish_step()`, at the end
-of a step) then sets `launch` / `finish` from the events' `elapsed_time` to an
-anchor event taken once after a synchronize, on the `perf_counter` timeline.
-`completed(event)` asks without blocking: Lina's gate uses it (listeners' `a2a_end`
-gets the event; an all-to-all whose end event has not completed keeps the gate closed).
-Under TORCH_NCCL_BLOCKING_WAIT=1 (`wait()` blocks the host) the end event of an
-asynchronous collective is recorded at the caller's `Work.wait()` instead, and
-an asynchronous all-reduce ended by its future stays unresolved.
-On the CPU (gloo) an event finishes when its `Work` completes, as described
-above. Listeners (`a2a_end(group, event)`) are told at the host-side end on
-both devices, with the event whose completion they can then read.
+Completion, not enqueue (CUDA): an NCCL collective returns when enqueued. `begin` records a timed
+CUDA event on the caller's stream (NCCL's stream waits for it at launch); the end event is recorded
+on a per-group observer side stream after it waited on the work (`work.wait()` under
+`streams.use(side)`: the GPU waits, not the host; a synchronous collective: on the caller's
+stream). Until that end event completed, `finish` is None; `resolve` (run by `snapshot`, and after
+a synchronize by `CommLog.finish_step()`) then sets `launch` / `finish` from the events' elapsed
+times to an anchor event, on the `perf_counter` timeline. `completed(event)` asks without blocking
+(Lina's gate). Under TORCH_NCCL_BLOCKING_WAIT=1 the end event of an async collective is recorded at
+the caller's `Work.wait()` instead, and an async all-reduce ended by its future stays unresolved.
+On gloo an event finishes when its `Work` completes. Listeners are told at the host-side end on
+both devices, with the event whose completion they can read.
 
-Lina's communicators (the rule its scheduler follows): every Lina micro-op of
-a group (dp, expert-dp) goes through ONE dedicated communicator per group, a
-second process group over the same ranks that nothing else uses
-(`ps.new_groups("lina_dp", ps.layout.dp_groups)`, idem "lina_expert_dp",
-created on every rank in the same order), issued by one thread in the queue's
-submission order, which is the same on every rank. NCCL requires every rank to
-issue the operations of a communicator in the same order; sharing the dp group
-with GradSync or with the main thread would let timing interleave two issuers
-differently on different ranks (a hang), and one communicator per group keeps
-the micro-ops of dp and expert-dp from queuing behind each other.
-
-Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync
-bucket), '' (anything else). A thread sets them with `with tagged('lina', ...)`.
+Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync bucket), '' (anything
+else); a thread sets them with `with tagged('lina', ...)`.
 """
 
 from __future__ import annotations
@@ -132,10 +106,8 @@ class CommEvent:
 
 
 class CommLog:
-    """Collects CommEvents while started; several logs may be active, each gets every event.
-
-    Keeps the last `max_events` events, so a long run cannot grow it without bound.
-    """
+    """Collects CommEvents while started (the last `max_events`); several logs may be active, each
+    gets every event."""
 
     def __init__(self, max_events: int = 200_000):
         self.events: deque[CommEvent] = deque(maxlen=max_events)
@@ -188,16 +160,8 @@ class CommLog:
     ) -> list[CommEvent]:
         """Events matching op, any of `tags` and phase (None matches all), in launch order."""
         tags = None if tags is None else tuple(tags)
-        return sorted(
-            (
-                e
-                for e in self.snapshot()
-                if (op is None or e.op == op)
-                and (tags is None or e.tag in tags)
-                and (phase is None or e.phase == phase)
-            ),
-            key=lambda e: e.seq,
-        )
+        evs = [e for e in self.snapshot() if (op is None or e.op == op) and (phase is None or e.phase == phase)]
+        return sorted((e for e in evs if tags is None or e.tag in tags), key=lambda e: e.seq)
 
     def totals(self, key: str = "sent") -> dict[tuple[str, str], int]:
         """Sum of `key` bytes per (op, group)."""
@@ -205,9 +169,6 @@ class CommLog:
         for e in self.snapshot():
             out[(e.op, e.group)] += getattr(e, key)
         return dict(out)
-
-    def count(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
-        return sum(1 for e in self.snapshot() if (op is None or e.op == op) and (group is None or e.group == group))
 
     def by_kind(self) -> dict[str, int]:
         """Bytes sent per 'op@group' string (for benchmark JSON)."""

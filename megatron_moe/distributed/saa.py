@@ -1,39 +1,28 @@
 """SAA: Parm's overlapped "all-to-all, then all-gather" (S2's return path).
 
-Legend: D = N_EP * N_ESP all-to-all peers (ranks of the EP x ESP group, ESP
-fastest), E_l local experts, E = N_EP * E_l experts, N slots per expert held by
-this rank, M model dim, N_MP size of the MP group.
+Legend: D = N_EP * N_ESP all-to-all peers (ranks of the EP x ESP group, ESP fastest), E_l local
+experts, E = N_EP * E_l experts, N slots per expert held by this rank, M model dim, N_MP size of
+the MP group.
 
-`a2a_combine_gather(send [D, E_l, N, M])` computes, for the rank's buffer of
-partial expert outputs addressed to its D peers:
+`a2a_combine_gather(send [D, E_l, N, M])`, the rank's partial expert outputs by destination:
 
-  1. the return all-to-all over the EP x ESP group: block d goes to peer d and
-     this rank receives, from every peer (ep, j), the partial outputs [E_l, N, M]
-     that ESP shard j of EP rank ep computed for this rank's tokens;
+  1. the return all-to-all over the EP x ESP group: block d goes to peer d; from every peer
+     (ep, j) this rank receives the partials [E_l, N, M] ESP shard j of EP rank ep computed;
   2. the local combine: the sum of the N_ESP partials of each expert -> [E, N, M];
   3. the MP all-gather of that buffer -> [N_MP, E, N, M] (rank order).
 
-With `overlap=True` (SAA) the slot dim N is cut into chunks; the all-to-all of
-chunk i+1 is in flight while chunk i, already received and combined, is
-forwarded to the MP peers, so the inter-node all-to-all and the intra-node
-all-gather share the time instead of adding up. With `overlap=False` (AAS) one
-all-to-all runs, then one all-gather. Both give bit-identical results (the
-same sums of the same numbers) and move the same bytes.
+`overlap=True` (SAA) cuts the slot dim N into chunks: chunk i+1's all-to-all is in flight while
+chunk i is combined and all-gathered, so the inter-node all-to-all and the intra-node all-gather
+share the time. `overlap=False` (AAS): one all-to-all, then one all-gather. Both give bit-identical
+results and move the same bytes.
 
-How the two operations run at once:
-  CPU (gloo): asynchronous collectives on two process groups; each gloo group
-    has its own worker thread and its own connections.
-  CUDA (NCCL): the all-to-all chunk is a batch of isend/irecv (NCCL runs it on
-    its point-to-point stream), the all-gather is an asynchronous collective on
-    the MP group's stream. The whole chunk pipeline (piece copies, `work.wait()`
-    of each all-to-all, the local combine, the all-gathers, the assembly) is
-    issued on the side stream "saa" (`streams.on_side`), which first waits for
-    the caller's stream (the send buffer is produced there); the caller's stream
-    waits on the side stream once, at the end, instead of at every chunk, so no
-    chunk's wait stalls compute queued behind it. Tensors allocated inside live
-    and die on the side stream (stream-ordered reuse); `out` is allocated on the
-    caller's stream and read there only after that final wait.
-`p2p=True` forces the isend/irecv form on CPU too (tests use it to check it).
+CPU (gloo): async collectives on two process groups (each with its own worker thread). CUDA: the
+all-to-all chunk is a batch of isend/irecv (NCCL's point-to-point stream), the all-gather an async
+collective; the whole pipeline is issued on the side stream "saa" (`streams.on_side`, which first
+waits for the caller's stream), and the caller's stream waits on it once at the end rather than at
+every chunk, so no chunk's wait stalls compute. Tensors allocated inside live and die on the side
+stream; `out` (allocated on the caller's stream) is read only after that final wait. `p2p=True`
+forces isend/irecv on CPU too.
 """
 
 from __future__ import annotations

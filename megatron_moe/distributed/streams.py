@@ -1,93 +1,32 @@
 """Streams and events: one API that orders work across lanes, on CUDA and on CPU.
 
-On a GPU, work that should overlap runs on separate CUDA streams; the points
-where one stream's result is used by another are `wait_stream` / events, and a
-tensor allocated on one stream and used on another is `record_stream`-ed so the
-caching allocator does not hand its memory out again while the other stream
-still reads it. On the CPU every tensor op runs synchronously on the issuing
-thread, in program order, so the same calls are no-ops there: an event is
-complete as soon as it is recorded and waiting on it never reorders anything.
+On a GPU, work that should overlap runs on separate CUDA streams, ordered by `wait_stream` and
+events; a tensor used on a stream other than its allocation's is `record_stream`-ed so the caching
+allocator does not reuse its memory too early. On the CPU every op runs synchronously in program
+order, so the same calls are no-ops: an event is complete when recorded.
 
-Two levels:
+  * the stream calls (`side_stream`, `current_stream`, `use`, `wait_stream`, `record_event`,
+    `wait_event`, `record_stream`) take `None` for "no CUDA stream" (what `side_stream` /
+    `current_stream` return on the CPU) and then do nothing, so one code path serves both devices;
+  * a `Lane` is an ordered side lane: `submit(fn)` returns a `Pending` whose `wait()` orders the
+    caller after `fn` and returns its result. CUDA: `fn` is enqueued on the lane's side stream after
+    it waited for the caller's stream; CPU: it runs on the lane's one worker thread.
 
-  * the stream calls (`side_stream`, `current_stream`, `use`, `wait_stream`,
-    `record_event`, `wait_event`, `record_stream`) take `None` for "no CUDA
-    stream" (what `side_stream` / `current_stream` return on the CPU) and then
-    do nothing, so one code path serves both devices;
-  * a `Lane` is an ordered side lane of work: `submit(fn)` returns a `Pending`
-    whose `wait()` orders the caller after `fn` and returns its result. On CUDA
-    `fn` is enqueued on the lane's side stream by the calling thread (after the
-    side stream waited for the caller's stream, so `fn` sees its inputs); on the
-    CPU it runs on the lane's one worker thread (gloo calls and large GEMMs
-    release the GIL), which is the ordering-preserving CPU equivalent: `wait()`
-    returns only once `fn` has finished.
+Rules for code that claims overlap:
 
-Rules for code that claims overlap (the library's users of this module):
-
-  1. Anything enqueued on the caller's stream *before* a NCCL collective is
-     launched delays that collective (NCCL's stream waits for the caller's
-     stream at launch). Work meant to overlap a collective either is enqueued
-     after the launch, or goes to a side stream (`Lane`).
-  2. Work on a side stream starts with `wait_stream(side, current)` (it reads
-     tensors the caller produced); its results are used only after
+  1. Anything enqueued on the caller's stream before a NCCL collective is launched delays it
+     (NCCL's stream waits for the caller's stream at launch): work meant to overlap a collective
+     is enqueued after the launch, or goes to a side stream.
+  2. Work on a side stream starts with `wait_stream(side, current)` (or `wait_event` on a marker
+     recorded where its inputs were produced); its results are used only after
      `wait_event(current, marker)` (`Pending.wait()` does both).
-  3. Tensors produced on a side stream and used (or freed) on another get
-     `record_stream(t, other)`; inputs read on a side stream are either kept
-     alive by the caller until `wait()` returned, or `record_stream`-ed too.
-  4. Whatever runs on a lane must not decide anything every rank must agree
-     on from timing (grad-ready order, collective order): the lane only moves
-     *when* kernels run, never *which* or in what order they are issued.
+  3. Tensors produced on a side stream and used or freed on another get `record_stream(t, other)`;
+     inputs read on a side stream are kept alive by the caller until `wait()`, or recorded too.
+  4. Nothing on a lane decides from timing what every rank must agree on (grad-ready order,
+     collective order): a lane moves *when* kernels run, never *which* or in what order.
 
-Who uses it and how:
-  * SAA (`saa.py`): each chunk's local combine and its MP all-gather run on the
-    "saa" side stream, which waits on the chunk's all-to-all (its `work.wait()`
-    issued under `use(side)`), so the compute stream is never blocked by it;
-    the caller's stream waits on the side stream once, before the results are
-    assembled.
-  * Lancet's deferred dW (`lancet/wgrad_runtime.py`): the dW GEMMs of a window
-    that opens before its all-to-all is launched (S2's synchronous
-    all-to-alls) run on the "lancet-dw" lane, never on the caller's stream
-    ahead of the all-to-all (rule 1); windows opened after the launch (the
-    dispatcher's async handles) enqueue dW on the caller's stream, which is
-    after the launch by construction.
-  * Lina (`lina.py`, `grad_sync.py`): the launcher issues every micro-op of a
-    group on ONE dedicated communicator (`grad_sync.make_lina_groups`: a second
-    process group over the same ranks, `ps.new_groups("lina_dp",
-    ps.layout.dp_groups)` and likewise "lina_expert_dp", created by every rank
-    in the same order when GradSync gets the scheduler) from one thread, in the
-    submission order, which is identical on every rank; no other collective
-    uses that communicator. Its gate reads completion, not enqueue: on CUDA an
-    all-to-all is "over" when the end event the observer records for it
-    (`observer.completed(event)`) has completed. Each communicator has its side
-    stream ("lina-dp", "lina-expert_dp"): a micro-op records a marker on the
-    submitter's current stream when it is queued (its gradient, or the
-    coalesced copy, was produced there; the launcher thread's own current
-    stream is not that stream, so `wait_stream` would be wrong there), the
-    launcher makes the side stream `wait_event` that marker, issues the
-    all-reduce under `use(side)` and `record_stream`s the chunk on it; the
-    reaper waits for the work under `use(side)`, copies a coalesced buffer back
-    there and records the micro-op's done marker; `drain()` (before GradSync
-    scales the gradients and the optimizer steps) makes the consumer's stream
-    `wait_event` the last done marker of each side stream.
-  * Lancet's partitioned pipeline (`lancet/partitioned_moe.py`): each part's
-    dispatch all-to-all is launched right after that part's own pre-ops, before
-    the next part's are enqueued (rule 1); the experts of every part and the
-    launches of their return all-to-alls run on the "lancet-parts" side stream,
-    which first waits for the caller's stream; each part's expert input waits
-    there for its own dispatch (`dispatch_finish` under `use(side)`), and a
-    return launched with the side stream current waits for its part's experts
-    only. The received rows (allocated on the caller's stream) are
-    `record_stream`-ed on the side stream, the returned rows (allocated on the
-    side stream) on the caller's; the caller's stream waits for each return
-    where it combines that part, and for the side stream once after the post-ops.
-  * Pro-Prophet's Trans / Agg: Trans (parameter prefetch) and Agg (gradient
-    aggregation) run on a `Lane("pro-prophet-trans")` / `Lane(".. -agg")` and
-    are waited (`Pending.wait()`) at the first use of the prefetched
-    parameters / before the optimizer step.
-
-Both Lina's scheduler and `PartitionedRange` take the stream calls as an argument
-(`stream_api`, this module by default): `tests/test_streams_users.py` passes a recorder with
-the same functions and checks, on the CPU, where the calls are made.
+Lina's scheduler and `PartitionedRange` take these calls as `stream_api` (this module by
+default); `tests/test_streams_users.py` passes a recorder and checks where the calls are made.
 """
 
 from __future__ import annotations
@@ -218,17 +157,14 @@ class Pending:
 class Lane:
     """An ordered lane of work beside the caller's: a CUDA side stream, or one CPU worker thread.
 
-    Work submitted to one lane runs in submission order. `submit(fn)` on CUDA
-    makes the side stream wait for the caller's current stream, runs `fn` with
-    the side stream current (it only enqueues kernels) and records a marker;
-    on the CPU it hands `fn` to the worker thread (`cpu_thread=False`: runs
-    `fn` at once on the calling thread, the synchronous order).
+    Work submitted to one lane runs in submission order. `submit(fn)` on CUDA makes the side
+    stream wait for the caller's current stream, runs `fn` with the side stream current (it only
+    enqueues kernels) and records a marker; on the CPU it hands `fn` to the worker thread.
     """
 
-    def __init__(self, device: Union[torch.device, str, None], name: str, cpu_thread: bool = True):
+    def __init__(self, device: Union[torch.device, str, None], name: str):
         self.device, self.name = device, name
         self.stream = side_stream(device, name)
-        self._cpu_thread = cpu_thread and self.stream is None
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def submit(self, fn: Callable[[], Any]) -> Pending:
@@ -238,20 +174,9 @@ class Lane:
             with use(self.stream):
                 value = fn()
             return Pending(record_event(self.stream), value, self.device)
-        if not self._cpu_thread:
-            return Pending(Marker(), fn(), self.device)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
         return Pending(Marker(future=self._pool.submit(fn)), None, self.device)
-
-    def after(self, marker: Marker) -> None:
-        """Work submitted to the lane from now on starts after `marker` (another lane's point)."""
-        if self.stream is not None:
-            wait_event(self.stream, marker)
-        elif marker.future is not None and self._cpu_thread:
-            self.submit(marker.future.result)  # the worker blocks on it, in the lane's order
-        else:
-            wait_event(None, marker)
 
     def close(self) -> None:
         """Stop the CPU worker thread, if one was started (after the work it holds)."""

@@ -1,16 +1,10 @@
-"""Fused kernels of the MoE hot path (Triton), used on CUDA when `triton` is importable.
+"""Fused Triton kernels of the MoE hot path: `permute` / `unpermute` (token dispatch into the
+expert-major buffer and the weighted combine back) and `topk_gating` (the router's softmax, top-k
+and capacity slots, with its backward `gating_backward`).
 
-  permute / unpermute   token dispatch into the expert-major buffer and the weighted
-                        combine back (`kernels/permute.py`)
-  topk_gating           softmax, top-k and capacity slots of the router, and its backward
-                        (`gating_backward`) (`kernels/gating.py`)
-
-`use_triton(t)` is the one switch the call sites (`moe/dispatcher.py`'s
-`dispatch` / `combine`, `moe/router.py`'s `route`) read: True when triton is
-importable, `t` is a CUDA tensor and MEGATRON_MOE_NO_TRITON is not set to 1.
-Otherwise the torch path runs. The kernels also run on CPU tensors under
-`TRITON_INTERPRET=1` (how the tests compare them with the torch path); never
-a hard requirement: `triton` is in requirements-gpu.txt only.
+`use_triton(t)` is the one switch the call sites read. Otherwise the torch path runs; the kernels
+also run on CPU tensors under `TRITON_INTERPRET=1` (how the tests compare them with the torch
+path). `triton` is never required (requirements-gpu.txt only).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The Triton kernels of the MoE hot path (plain functions; `jitted()` compiles them on first use).
 
-Legend: S tokens, M model dim, E experts, k choices per token, K kept choices
-(flat), R buffer rows (E * C, expert-major).
+Legend: S tokens, M model dim, E experts, k choices per token, K kept choices (flat), R buffer rows
+(E * C, expert-major).
 
-Kept as undecorated functions and wrapped by `triton.jit` when first needed,
-so that `TRITON_INTERPRET=1` set by a test after this module was imported
-still selects the interpreter (the decorator reads it when it runs).
-This module needs `triton`; `megatron_moe.kernels` imports it only when
-triton is importable.
+Undecorated so that `TRITON_INTERPRET=1`, set by a test after this module was imported, still
+selects the interpreter (`triton.jit` reads it when it runs). Needs `triton`.
 """
 
 from __future__ import annotations
@@ -19,8 +16,12 @@ import triton
 import triton.language as tl
 
 
-def _copy_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dst[dst_idx[i], :] = src[src_idx[i], :] (* w[i]); one program per (i, block of M)."""
+def _move_rows(
+    src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """dst[dst_idx[i], :] = src[src_idx[i], :] (* w[i]); one program per (i, block of M). `ADD`: +=
+    in fp32 (dst fp32; atomics: a row of dst gets at most k <= 2 adds onto zero, and
+    (0 + a) + b == (0 + b) + a, so the result is exact whatever the order)."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = cols < M
@@ -29,22 +30,10 @@ def _copy_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.c
     v = tl.load(src_ptr + s * M + cols, mask=mask, other=0.0)
     if HAS_W:
         v = v * tl.load(w_ptr + i).to(v.dtype)
-    tl.store(dst_ptr + d * M + cols, v, mask=mask)
-
-
-def _add_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, w_ptr, M, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dst[dst_idx[i], :] += src[src_idx[i], :] (* w[i]) in fp32 (dst fp32; atomics: a row of dst
-    gets at most k <= 2 adds onto zero, and (0 + a) + b == (0 + b) + a, so the result is exact
-    whatever the order)."""
-    i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = cols < M
-    s = tl.load(src_idx_ptr + i)
-    d = tl.load(dst_idx_ptr + i)
-    v = tl.load(src_ptr + s * M + cols, mask=mask, other=0.0)
-    if HAS_W:
-        v = v * tl.load(w_ptr + i).to(v.dtype)
-    tl.atomic_add(dst_ptr + d * M + cols, v.to(tl.float32), mask=mask)
+    if ADD:
+        tl.atomic_add(dst_ptr + d * M + cols, v.to(tl.float32), mask=mask)
+    else:
+        tl.store(dst_ptr + d * M + cols, v, mask=mask)
 
 
 def _row_dots(a_ptr, b_ptr, a_idx_ptr, b_idx_ptr, out_ptr, M, BLOCK_M: tl.constexpr):
@@ -176,6 +165,7 @@ def _gating_backward(
     tl.store(dx_ptr + at, g * (dg - dot[:, None]), mask=mask)
 
 
+_KERNELS = (_move_rows, _row_dots, _softmax_topk, _capacity_slots, _combine_weights, _gating_backward)
 _JITTED: dict[str, SimpleNamespace] = {}
 
 
@@ -183,20 +173,7 @@ def jitted() -> SimpleNamespace:
     """The kernels compiled with `triton.jit` (interpreted when TRITON_INTERPRET=1 at this call)."""
     key = os.environ.get("TRITON_INTERPRET", "0")
     if key not in _JITTED:
-        _JITTED[key] = SimpleNamespace(
-            **{
-                f.__name__.lstrip("_"): triton.jit(f)
-                for f in (
-                    _copy_rows,
-                    _add_rows,
-                    _row_dots,
-                    _softmax_topk,
-                    _capacity_slots,
-                    _combine_weights,
-                    _gating_backward,
-                )
-            }
-        )
+        _JITTED[key] = SimpleNamespace(**{f.__name__.lstrip("_"): triton.jit(f) for f in _KERNELS})
     return _JITTED[key]
 
 

@@ -6,14 +6,11 @@ Legend: S tokens of one routing group, E experts, k choices (1 or 2), C capacity
   topk_gating(logits [S, E], k, C) -> gates [S, E] fp32, expert [S, k], slot [S, k] (-1: dropped),
                                       weight [S, k] fp32
 
-Three kernels: softmax + top-k (parallel over token blocks), capacity slots (one
-program scans the tokens in order, a cumulative count per expert carried from
-block to block, so slots are positions in token order as `moe/router.py`
-defines them), combine weights (parallel). Backward: one kernel (parallel over
-token blocks) from the saved gates and the (non-differentiable) expert / slot
-choices: the weights' gradient onto the kept choices' gates (through the top-2
-renormalization), then the softmax's backward (`gating_backward`; `gating_weights`
-is the same math in torch, the tests' reference).
+Forward: softmax + top-k and the combine weights (parallel over token blocks); capacity slots by
+one program scanning the tokens in order (positions in token order, as `moe/router.py` defines
+them). Backward (`gating_backward`, one kernel from the saved gates and choices): the weights'
+gradient onto the kept gates (through the top-2 renormalization), then the softmax's backward;
+`gating_weights` is the same math in torch, the tests' reference.
 """
 
 from __future__ import annotations
@@ -44,20 +41,9 @@ def gating_backward(
     k = expert_Sk.size(1)
     dx = torch.empty((S, E), dtype=torch.float32, device=gates_SE.device)
     if S:
-        blocks = (-(-S // BLOCK_S),)
-        tk.jitted().gating_backward[blocks](
-            gates_SE.contiguous(),
-            expert_Sk.contiguous(),
-            slot_Sk.contiguous(),
-            g_gates_SE.contiguous(),
-            g_weight_Sk.contiguous(),
-            dx,
-            S,
-            E,
-            torch.finfo(torch.float32).eps,
-            K=k,
-            BLOCK_S=BLOCK_S,
-            BLOCK_E=tk.next_power_of_2(E),
+        inputs = [t.contiguous() for t in (gates_SE, expert_Sk, slot_Sk, g_gates_SE, g_weight_Sk)]
+        tk.jitted().gating_backward[(-(-S // BLOCK_S),)](
+            *inputs, dx, S, E, torch.finfo(torch.float32).eps, K=k, BLOCK_S=BLOCK_S, BLOCK_E=tk.next_power_of_2(E)
         )
     return dx
 

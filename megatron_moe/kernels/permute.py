@@ -1,18 +1,15 @@
 """Token permute (dispatch) and unpermute (combine) as Triton kernels with autograd.
 
-Legend: S tokens, M model dim, K kept choices (flat), R buffer rows (expert-major:
-row e * C + slot), w [K] combine weights.
+Legend: S tokens, M model dim, K kept choices (flat), R buffer rows (expert-major: row e * C +
+slot), w [K] combine weights.
 
   permute(x [S, M], token [K], row [K], R)   -> buf [R, M]: buf[row[i]] = x[token[i]], zeros elsewhere
   unpermute(buf [R, M], token, row, w, S)     -> y [S, M]:  y[s] = sum over kept i of s of w[i] * buf[row[i]]
 
-Backward: permute's is a weighted-free scatter-add of the buffer's rows back to
-their tokens; unpermute's gives the buffer w[i] * gy[token[i]] at each kept row
-(zeros elsewhere) and the weights sum_m gy[token[i], m] * buf[row[i], m].
-Scatter-adds accumulate in fp32 and are cast back; with k <= 2 choices per
-token they are exact and deterministic (see `_add_rows`). The torch path
-(`moe/dispatcher.py`'s `dispatch` / `combine`) is the reference the tests
-compare with under TRITON_INTERPRET=1.
+Backward: permute's scatter-adds the buffer's rows back to their tokens; unpermute's gives the
+buffer w[i] * gy[token[i]] at each kept row (zeros elsewhere) and the weights sum_m gy[token[i], m]
+* buf[row[i], m]. Scatter-adds accumulate in fp32, exact and deterministic with k <= 2 (see
+`_move_rows`). The torch path (`moe/dispatcher.py`) is the tests' reference.
 """
 
 from __future__ import annotations
@@ -24,27 +21,19 @@ from megatron_moe.kernels import _triton as tk
 BLOCK_M = 128
 
 
-def _grid_rows(n: int, M: int) -> tuple[int, int]:
-    return (n, -(-M // BLOCK_M))
-
-
-def _copy(
-    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w: torch.Tensor | None
-) -> None:
+def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w, add: bool = False):
+    """dst[dst_idx[i]] = (or `add`: +=, dst fp32) src[src_idx[i]] * w[i] (w None: 1)."""
     if src_idx.numel():
-        tk.jitted().copy_rows[_grid_rows(src_idx.numel(), src.size(1))](
-            src, dst, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M
-        )
+        M, w_arg = src.size(1), src_idx if w is None else w
+        grid = (src_idx.numel(), -(-M // BLOCK_M))
+        tk.jitted().move_rows[grid](src, dst, src_idx, dst_idx, w_arg, M, HAS_W=w is not None, ADD=add, BLOCK_M=BLOCK_M)
 
 
 def _scatter_add(
     src: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor, w: torch.Tensor | None, rows: int
 ) -> torch.Tensor:
     out = torch.zeros((rows, src.size(1)), dtype=torch.float32, device=src.device)
-    if src_idx.numel():
-        tk.jitted().add_rows[_grid_rows(src_idx.numel(), src.size(1))](
-            src, out, src_idx, dst_idx, src_idx if w is None else w, src.size(1), HAS_W=w is not None, BLOCK_M=BLOCK_M
-        )
+    _copy(src, out, src_idx, dst_idx, w, add=True)
     return out.to(src.dtype)
 
 
