@@ -360,3 +360,15 @@ def test_a_failed_verify_leaves_no_output(resharded, tmp_path, monkeypatch, caps
     assert run_tool("reshard", "--load", resharded["one"], "--save", str(existing), "--verify") == 2
     assert sorted(os.listdir(tmp_path)) == ["existing"]
     assert os.listdir(existing) == ["latest"] and (existing / "latest").read_text() == "1"
+
+
+def test_a_config_saved_with_a_flag_since_removed_still_builds():
+    """Checkpoint metadata names every field of its version; a field this version no longer has (here
+    `parallel.cpu_allocator`, written by every checkpoint before the flag was removed) is skipped."""
+    from megatron_moe.arguments import config_from_dict, config_to_dict
+    from megatron_moe.config import Config
+
+    saved = config_to_dict(Config())
+    saved["parallel"]["cpu_allocator"] = "keep"
+    saved["retired_section"] = {"anything": 1}
+    assert config_from_dict(saved) == Config()

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from bench_gelu import timed  # tools/ is on the path of a tool run as a script
-
 from megatron_moe.fileio import atomic_write_json
-from megatron_moe.host_memory import keep_freed_memory
 from megatron_moe.layers.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -31,13 +30,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=3, action="append", metavar=("B", "T", "V"), help="logits shape")
     p.add_argument("--iters", type=int, default=15)
-    p.add_argument("--cpu-allocator", choices=("keep", "system"), default="keep", help="as the trainer's flag")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     a.shape = a.shape or [[8, 128, 1024], [4, 256, 8192]]
     if a.iters < 1 or min(min(s) for s in a.shape) < 1:
         p.error("--iters and every --shape dim must be >= 1")
     return a
+
+
+def timed(fns: dict, iters: int) -> dict:
+    """Median ms of each callable, called in turn `iters` times after one warm-up call each."""
+    for f in fns.values():
+        f()
+    ms: dict = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ms[k].append(1e3 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in ms.items()}
 
 
 def bench_shape(B: int, T: int, V: int, iters: int) -> dict:
@@ -68,7 +79,7 @@ def bench_shape(B: int, T: int, V: int, iters: int) -> dict:
 
         return run
 
-    med = timed({"ours": fresh(ours), "torch": fresh(theirs)}, iters)  # alternating, as bench_gelu times
+    med = timed({"ours": fresh(ours), "torch": fresh(theirs)}, iters)
     return {
         "shape": [B, T, V],
         "ours_ms": med["ours"],
@@ -82,7 +93,6 @@ def bench_shape(B: int, T: int, V: int, iters: int) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    keep_freed_memory(torch.device("cpu"), a.cpu_allocator)
     rows = [bench_shape(B, T, V, a.iters) for B, T, V in a.shape]
     print(f"cross entropy, forward + backward, {torch.get_num_threads()} thread(s), median of {a.iters}")
     print(f"{'B x T x V':>18}{'ours ms':>10}{'torch ms':>10}{'ours/torch':>12}{'|d loss|':>10}{'|d grad|':>10}")

@@ -1,5 +1,4 @@
-"""Fused kernels: NVIDIA apex's when it is importable (and CUDA is present), else native torch;
-on CPU float32 tensors, GPT-2's tanh-GELU runs the vectorized C loops of `kernels/cpu_gelu.py`.
+"""Fused kernels: NVIDIA apex's when it is importable (and CUDA is present), else native torch.
 
 `kernel_report()` says which implementation runs; the trainer logs it once.
 apex is not on PyPI (the PyPI package named `apex` is unrelated), so it is
@@ -8,14 +7,9 @@ never a requirement: install it from NVIDIA's repository to use it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
-
-from megatron_moe.kernels import cpu_gelu
 
 
 def _apex_layer_norm():
@@ -41,46 +35,18 @@ def layer_norm(dim: int, eps: float, device: torch.device) -> nn.Module:
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation of GELU (differentiable once): the C loops of
-    `kernels/cpu_gelu.py` on CPU float32 tensors where they apply, aten's kernel otherwise."""
-    if cpu_gelu.applies(x):
-        return _GeluTanh.apply(x)
+    """GPT-2's tanh approximation of GELU: aten's kernel (autograd's backward)."""
     return F.gelu(x, approximate="tanh")
 
 
-def gelu_tanh_out(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = gelu_tanh(x), outside autograd (the experts' hand-written forward)."""
-    if cpu_gelu.applies(x, out):
-        return cpu_gelu.forward(x, out)
-    return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
-
-
-def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """grad * gelu_tanh'(x), into `out` when given (`out` may be `grad`: in place), else a new tensor."""
-    if out is None:
-        out = torch.empty_like(grad)
-    if cpu_gelu.applies(grad, x, out):
-        return cpu_gelu.backward(grad, x, out)
-    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="tanh", grad_input=out)
-
-
-class _GeluTanh(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return cpu_gelu.forward(x, torch.empty_like(x))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return gelu_tanh_backward(grad.contiguous(), x)
+def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad * gelu_tanh'(x) as a new tensor (the grouped experts' hand-written backward): aten's kernel."""
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
 
 
 def kernel_report() -> dict:
-    """Which kernels run: {'layer_norm': ..., 'attention': ..., 'gelu_cpu': ...} (the optimizer reports its own)."""
+    """Which kernels run: {'layer_norm': ..., 'attention': ...} (the optimizer reports its own)."""
     return {
         "layer_norm": "apex.FusedLayerNorm" if _APEX_LN is not None else "torch.nn.LayerNorm",
         "attention": "torch.nn.functional.scaled_dot_product_attention",
-        "gelu_cpu": cpu_gelu.status(),  # CUDA tensors always take aten's fused kernel
     }
