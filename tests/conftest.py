@@ -151,6 +151,7 @@ MARKS: dict[str, dict[str, object]] = {
         },
         "test_dropless.py": {"test_every_layout_matches_one_process_dropless_reference"},
         "test_compile.py": {"test_compiled_blocks_follow_the_eager_bf16_curve"},
+        "test_examples.py": {"test_dense_example_trains_exports_and_generates_with_transformers"},
         "test_bf16.py": {"test_bf16_golden_curve_matches_bf16_one_process"},
         "test_clean_exit.py": ALL,
         "test_clipping.py": {"test_clipped_golden_curve_matches_one_process"},

@@ -8,6 +8,7 @@ text); the hub is never reached (HF_HUB_OFFLINE=1 and an empty HF_HOME).
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,13 @@ import pytest
 
 from megatron_moe.arguments import parse_args
 from megatron_moe.data.indexed_dataset import MMapIndexedDataset
-from megatron_moe.data.paths import DATA_DIR_ENV, wikitext_cache_prefix, wikitext_local_dir, wikitext_source
+from megatron_moe.data.paths import (
+    DATA_DIR_ENV,
+    split_ranges,
+    wikitext_cache_prefix,
+    wikitext_local_dir,
+    wikitext_source,
+)
 from megatron_moe.data.preprocess import output_prefix_for
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.parallel_state import local_state
@@ -142,32 +149,36 @@ def test_dataset_name_offline_says_what_to_download_and_writes_nothing(tmp_path,
     assert not cache.exists() and set(os.listdir(tmp_path)) <= {"hf"}  # nothing written but HF's cache
 
 
-def test_directory_missing_the_train_split_names_it(tmp_path, monkeypatch):
+def no_wikitext_message(d) -> str:
+    return (
+        f"--data-path {d}: {d} has none of wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens "
+        f"(or .raw): a WikiText directory needs them (the three splits, or any of them as one corpus "
+        f"that --split cuts)"
+    )
+
+
+def test_a_directory_without_wikitext_files_names_them(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
-    corpus = tmp_path / "valid-test-only"
-    write_wikitext(corpus, splits=("valid", "test"))
+    corpus = tmp_path / "no-wikitext"
+    corpus.mkdir()
+    (corpus / "README.md").write_text("not a split\n")
     with pytest.raises(FileNotFoundError) as e:
         prepare_data(parse_args(tiny_args(str(corpus), 2)), local_state())
-    assert str(e.value) == (
-        f"--data-path {corpus}: {corpus} has no wiki.train.tokens (or wiki.train.raw): the "
-        f"train split is missing; a WikiText directory needs wiki.train, wiki.valid and "
-        f"wiki.test"
-    )
+    assert str(e.value) == no_wikitext_message(corpus)
     assert not (tmp_path / "cache").exists()
 
 
-def test_the_shared_real_wikitext2_folder_without_a_train_split_is_refused(tmp_path, monkeypatch):
+def test_the_shared_real_wikitext2_valid_and_test_are_one_corpus_cut_by_split(tmp_path, monkeypatch):
     real = os.path.join(ROOT, "..", "shared", "wikitext-2")
     if not os.path.isfile(os.path.join(real, "wiki.valid.tokens")):
         pytest.skip(f"{real} (real WikiText-2 valid/test) is absent")
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
-    with pytest.raises(
-        FileNotFoundError,
-        match=r"has no wiki\.train\.tokens \(or wiki\.train\.raw\): the train "
-        r"split is missing",
-    ):
-        prepare_data(parse_args(tiny_args(real, 2)), local_state())
-    assert not (tmp_path / "cache").exists()
+    cfg = parse_args(tiny_args(real, 2, "--split", "90,5,5", "--vocab-size", "512"))
+    prepare_data(cfg, local_state())
+    prefix = cfg.data.data_path
+    assert prefix.startswith(str(tmp_path / "cache" / "wikitext-wikitext-2-")) and prefix.endswith("-bpe512")
+    assert len(MMapIndexedDataset(prefix)) == 60 + 62  # the articles of valid, then of test
+    assert split_ranges(122, "90,5,5") == {"train": (0, 110), "valid": (110, 116), "test": (116, 122)}
 
 
 def test_names_resolve_to_unzipped_files_before_the_hub(tmp_path, monkeypatch):
@@ -205,6 +216,12 @@ def test_cache_key_follows_the_source_and_the_tokenizer(tmp_path, monkeypatch):
     assert wikitext_cache_prefix(src, None, 300) == base
     assert wikitext_cache_prefix(src, None, 512) != base
     assert "-tok-gpt2-" in wikitext_cache_prefix(src, "gpt2", 0)
+    (tmp_path / "link").symlink_to(d)  # the key is the files' content, not where they are
+    shutil.copytree(d, tmp_path / "copy" / "wt")
+    for same in (tmp_path / "link", tmp_path / "copy" / "wt"):
+        assert wikitext_cache_prefix(wikitext_source(str(same)), None, 300).endswith(base[-len("-0123456789-bpe300") :])
+    os.utime(d / "wiki.train.tokens", ns=(1, 1))  # a touched file is the same content
+    assert wikitext_cache_prefix(wikitext_source(str(d)), None, 300) == base
     with open(d / "wiki.train.tokens", "a", encoding="utf-8") as f:
         f.write(" one more line . \n")  # an edited file is preprocessed again
     assert wikitext_cache_prefix(wikitext_source(str(d)), None, 300) != base
@@ -224,7 +241,7 @@ def test_raw_wikitext_inside_a_blend_is_refused(tmp_path, monkeypatch):
 
 
 def _prepare_on_rank(rank, world_size, cache, good, bad):
-    """prepare_data on every rank of a 2-rank world: a good directory, then one without train."""
+    """prepare_data on every rank of a 2-rank world: a good directory, then one without WikiText files."""
     from megatron_moe.parallel_state import initialize_model_parallel
 
     os.environ[DATA_DIR_ENV] = cache
@@ -243,7 +260,7 @@ def test_two_ranks_share_rank_zeros_preprocessing_and_its_error(tmp_path):
     from megatron_moe.testing import spawn
 
     write_wikitext(tmp_path / "good")
-    write_wikitext(tmp_path / "bad", splits=("valid", "test"))
+    (tmp_path / "bad").mkdir()
     out = spawn(
         _prepare_on_rank, 2, str(tmp_path / "cache"), str(tmp_path / "good"), str(tmp_path / "bad"), timeout=120
     )
@@ -251,12 +268,7 @@ def test_two_ranks_share_rank_zeros_preprocessing_and_its_error(tmp_path):
     prefix, vocab, error = out[0]
     assert prefix.startswith(str(tmp_path / "cache" / "wikitext-good-")) and prefix.endswith("-bpe8192")
     assert vocab == load_tokenizer(prefix + "_tokenizer").vocab_size
-    assert error == (
-        "FileNotFoundError",
-        f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad'} has no "
-        f"wiki.train.tokens (or wiki.train.raw): the train split is missing; a WikiText "
-        f"directory needs wiki.train, wiki.valid and wiki.test",
-    )
+    assert error == ("FileNotFoundError", no_wikitext_message(tmp_path / "bad"))
 
 
 def test_a_given_tokenizer_is_used_instead_of_training_one(tmp_path, monkeypatch):

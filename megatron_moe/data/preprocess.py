@@ -5,7 +5,9 @@ Inputs (exactly one):
   - `input_path=DIR` holding `wiki.{train,valid,test}.raw` or `.tokens` (`.raw` wins if both
     exist), or `{train,valid,test}.jsonl`;
   - `input_path=FILE`: one WikiText text file, or a `.jsonl`/`.json` file of one JSON object per
-    line, cut into train/valid/test by document with the `split` percentages (contiguous blocks).
+    line, cut into train/valid/test by document with the `split` percentages (contiguous blocks);
+  - `input_path=[FILE, ...]`: WikiText files read in order as one corpus, written as the train split
+    (the trainer's WikiText directory without all three splits; `--split` cuts it when read).
 WikiText is cut into documents at top-level headings (` = Title = `), never at ` = = Sub = = `.
 jsonl gives one document per line and `json_keys` field (default `text`); each key is written to
 its own files, and WikiText counts as key `text`, hence `PREFIX_train_text_document`.
@@ -115,8 +117,25 @@ class HubUnavailable(ValueError):
     """`datasets.load_dataset` could not give a WikiText dataset (offline, hub down, ...)."""
 
 
+HUB_PROBE_S = 1.5  # how long one request may take to show that the hub answers
+
+
 def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
-    """The three splits of WikiText from the HF hub (never used by tests: no network there)."""
+    """The three splits of WikiText from the HF hub. With HF_HUB_OFFLINE=1 `datasets` reads its
+    cache or fails at once; otherwise one request first checks that the hub answers, and when it
+    does not the error comes at once instead of after `huggingface_hub`'s retries (about 25 s)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_S)
+        except Exception as e:  # DNS, refused, timeout, proxy, TLS: the hub cannot be reached
+            why = (
+                f"{constants.ENDPOINT} is unreachable ({type(e).__name__}: {e}), not retried; "
+                f"HF_HUB_OFFLINE=1 loads a copy already in the Hugging Face cache"
+            )
+            raise HubUnavailable(f"--dataset {name}: {why}") from ConnectionError(why)
     import datasets
 
     try:
@@ -187,7 +206,7 @@ def _single_file_sources(path: Path, keys: Sequence[str], split: Sequence[float]
 
 
 def resolve_sources(
-    input_path: str | None, dataset: str | None, json_keys: Sequence[str], split: Sequence[float]
+    input_path: str | Sequence[str] | None, dataset: str | None, json_keys: Sequence[str], split: Sequence[float]
 ) -> dict[str, tuple[str, Records]]:
     """Check the input flags and files; map split -> (label for messages, record source)."""
     if (input_path is None) == (dataset is None):
@@ -196,6 +215,16 @@ def resolve_sources(
         if dataset not in WIKITEXT_DATASETS:
             raise ValueError(f"--dataset {dataset}: expected one of {', '.join(WIKITEXT_DATASETS)}")
         return _hf_wikitext(dataset)
+    if isinstance(input_path, (list, tuple)):
+        paths = [Path(f) for f in input_path]
+        for f in paths:
+            _check_file(f)
+
+        def records() -> Iterator[dict[str, str]]:
+            for f in paths:
+                yield from _wikitext_file(f)()
+
+        return {"train": (" + ".join(map(str, paths)), records)}
     p = Path(str(input_path))
     if p.is_dir():
         return _directory_sources(p, json_keys)
@@ -282,7 +311,7 @@ def output_prefix_for(output_prefix: str, split: str, key: str = "text") -> str:
 def preprocess(
     output_prefix: str,
     *,
-    input_path: str | None = None,
+    input_path: str | Sequence[str] | None = None,
     dataset: str | None = None,
     tokenizer_name_or_path: str | None = None,
     train_tokenizer: bool = False,
@@ -459,6 +488,15 @@ def _download_hint(dataset: str) -> str:
     )
 
 
+def one_corpus_files(source: WikiTextSource) -> list[Path]:
+    """The WikiText files of a directory `source` that lacks one of wiki.{train,valid,test} (in
+    that order; read as one corpus that --split cuts); [] for all three, or a hub name."""
+    if source.directory is None:
+        return []
+    files = [f for f in wikitext_split_files(source.directory).values() if f is not None]
+    return files if len(files) < len(SPLITS) else []
+
+
 def prepare_wikitext_data(
     source: WikiTextSource,
     output_prefix: str,
@@ -471,27 +509,31 @@ def prepare_wikitext_data(
     holds the result; returns (result, whether it was reused).
 
     The tokenizer is `tokenizer_name_or_path`, else a byte-level BPE of `vocab_size` ids trained
-    on the train split. A directory must hold all three splits (the error names the missing
-    ones); a hub name that `datasets` cannot load gives a ValueError saying what to download and
-    where to put it. Nothing is written when an input is missing. Call it on one rank only.
+    on the train split. A directory with wiki.train, wiki.valid and wiki.test gives
+    `output_prefix_{train,valid,test}_text_document`; one without all three (e.g. WikiText-2's
+    valid and test files only) gives the files it has, in that order, as one Megatron corpus
+    `output_prefix.{bin,idx}` that `--split` cuts into train/valid/test (the BPE is trained on all
+    of it); one with none of them is an error. A hub name that `datasets` cannot load gives a
+    ValueError saying what to download and where to put it. Nothing is written when an input is
+    missing. Call it on one rank only.
     """
     if (tokenizer_name_or_path is None) == (vocab_size is None):
         raise ValueError("give exactly one of tokenizer_name_or_path and vocab_size")
     flag = f"--data-path {source.word}"
+    one = one_corpus_files(source)
     if source.directory is not None:
-        files = wikitext_split_files(source.directory)
-        missing = [s for s, f in files.items() if f is None]
-        if missing:
-            names = " and ".join(f"wiki.{s}.tokens (or wiki.{s}.raw)" for s in missing)
+        files = [f for f in wikitext_split_files(source.directory).values() if f is not None]
+        if not files:
             raise FileNotFoundError(
-                f"{flag}: {source.directory} has no {names}: the {', '.join(missing)} split"
-                f"{'s are' if len(missing) > 1 else ' is'} missing; a WikiText directory needs "
-                f"wiki.train, wiki.valid and wiki.test"
+                f"{flag}: {source.directory} has none of wiki.train.tokens, wiki.valid.tokens and "
+                f"wiki.test.tokens (or .raw): a WikiText directory needs them (the three splits, or "
+                f"any of them as one corpus that --split cuts)"
             )
-        for f in files.values():
-            if f is not None:
-                _check_file(f, flag)
-    prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
+        for f in files:
+            _check_file(f, flag)
+    prefixes = (
+        {"all/text": output_prefix} if one else {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
+    )
     tok_dir = f"{output_prefix}_tokenizer"
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and (
         tokenizer_name_or_path is not None or os.path.isdir(tok_dir)
@@ -512,7 +554,7 @@ def prepare_wikitext_data(
     try:
         res = preprocess(
             output_prefix,
-            input_path=str(source.directory) if source.directory else None,
+            input_path=[str(f) for f in one] if one else str(source.directory) if source.directory else None,
             dataset=source.dataset,
             tokenizer_name_or_path=tokenizer_name_or_path,
             train_tokenizer=tokenizer_name_or_path is None,
@@ -526,4 +568,8 @@ def prepare_wikitext_data(
             f"({e.__cause__.__class__.__name__}: {e.__cause__}); "
             f"{_download_hint(str(source.dataset))}"
         ) from e
+    if one:  # the one corpus is a Megatron prefix: PREFIX.{bin,idx}, index last
+        for ext in (".bin", ".idx"):
+            os.replace(output_prefix_for(output_prefix, "train") + ext, output_prefix + ext)
+        res.prefixes = prefixes
     return res, False
