@@ -260,6 +260,10 @@ class DataConfig:
         check_fields(self, {"num_workers": NON_NEGATIVE})
 
 
+# where the default main job saves (TrainConfig.save's help) and mmoe-generate loads from, under the current directory
+DEFAULT_SAVE = "checkpoints/gpt2-moe-tiny"
+
+
 @dataclass
 class TrainConfig:
     """Loop lengths, batch sizes, checkpoints."""
@@ -267,10 +271,18 @@ class TrainConfig:
     micro_batch_size: int = opt(4, "samples per micro-batch per data-parallel rank")
     global_batch_size: Optional[int] = opt(None, "samples per iteration (default micro x DP)")
     train_iters: int = opt(300, "iterations")
-    eval_interval: int = opt(100, "evaluate on valid every this many iterations (0: never)")
+    eval_interval: int = opt(
+        100,
+        "evaluate on valid every this many iterations, and on valid and test at the end (0: never, not even at the end)",
+    )
     eval_iters: int = opt(10, "valid/test global batches per evaluation (each --global-batch-size samples)")
     seed: int = opt(1234, "random seed")
-    save: Optional[str] = opt(None, "checkpoint directory to write")
+    save: Optional[str] = opt(
+        None,
+        "checkpoint directory to write (default: none, except that the default main job, run with no --load, "
+        "--data-path, --tokenizer-name-or-path, model or MoE flag, saves to checkpoints/gpt2-moe-tiny under the "
+        "current directory, and resumes from there when it holds a checkpoint; --save '' saves nothing)",
+    )
     load: Optional[str] = opt(None, "checkpoint directory to resume from")
     save_interval: Optional[int] = opt(0, "save every this many iterations (0: only at the end if --save)")
     exit_interval: int = opt(0, "stop after this many iterations of this run (0: never; for tests)")

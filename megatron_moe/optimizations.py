@@ -8,7 +8,7 @@
    schedules, then the layer times each on its real groups (`choose.measure`,
    `moe.schedule_trial.auto_schedule`), the same choice on every rank; the layer
    takes the chosen dispatcher (`MoELayer.use_schedule`). With one MP rank the
-   schedules coincide: baseline, nothing timed. Explicit schedules stay.
+   schedules coincide: baseline, nothing timed or logged. Explicit schedules stay.
 2. Lina (--lina): gradient all-reduce goes to a `LinaScheduler` in micro-ops;
    it listens to the dispatchers of the MoE layers that exchange tokens.
 3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
@@ -105,8 +105,7 @@ def apply(
         out.changes.append("parm: --moe-dropless: auto -> the dropless baseline (uneven all-to-all, ragged experts)")
     elif auto and ps.size("mp") == 1:  # no MP split: baseline, S1 and S2 are the same computation
         for layer in auto:
-            layer.use_schedule("baseline")
-        out.changes.append("parm: auto -> baseline in every MoE layer (one MP rank: the schedules coincide)")
+            layer.use_schedule("baseline")  # nothing decided: not logged
     else:
         for layer in auto:
             choice, decision = auto_schedule(cfg, ps, layer)  # the model's ranking, confirmed by measurement

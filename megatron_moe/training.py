@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import math
 import os
 import signal
@@ -41,18 +40,21 @@ from megatron_moe.checkpointing import (
     apply_checkpoint_args,
     SaveDirLock,
     check_config,
+    complete_iterations,
     link_problem,
     load_checkpoint,
     lock_save_dir,
     read_metadata,
     resolve,
     save_checkpoint,
+    tokenizer_source,
 )
-from megatron_moe.config import Config
-from megatron_moe.data.indexed_dataset import MMapIndexedDataset
+from megatron_moe.config import DEFAULT_SAVE, Config
+from megatron_moe.data.indexed_dataset import MMapIndexedDataset, index_file_path
 from megatron_moe.data.paths import (
     WIKITEXT_VOCAB_SIZE,
     default_data_prefix,
+    split_prefix,
     tokenizer_dir_for,
     wikitext_cache_prefix,
     wikitext_source,
@@ -65,7 +67,7 @@ from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.distributed.lina_trial import LinaTrial
 from megatron_moe.fileio import output_path_problem
 from megatron_moe.layers.fused import kernel_report
-from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_enabled
+from megatron_moe.logging import MetricsLogger, new_wandb_run_id, setup_console, wandb_dir, wandb_enabled
 from megatron_moe.model.gpt2 import GPT2MoE
 from megatron_moe.moe.packing import ExpertPacking
 from megatron_moe.moe.placement import Placement, gather_counts, routed_counts
@@ -164,17 +166,26 @@ def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = 
     return box[0]
 
 
-def prepare_data(cfg: Config, ps: ParallelState) -> None:
+def prepare_data(cfg: Config, ps: ParallelState) -> str:
     """Default data: preprocess the bundled sample corpus once (rank 0) into
     `data.paths.default_data_dir()` (never the current directory), then read its vocab size.
 
     `--data-path` naming raw WikiText (`wikitext-2`, `wikitext-103`, a full dataset name, or a
     directory of wiki.{train,valid,test}.tokens) is preprocessed the same way, once per source and
-    tokenizer (`paths.wikitext_cache_prefix`), and read from there."""
+    tokenizer (`paths.wikitext_cache_prefix`), and read from there. Returns what the data is and
+    where its preprocessed files are, for the start-up summary."""
+    text = None
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
         wait = (f"the sample corpus into {prefix}", preprocess_wait_s(SAMPLE_CORPUS_DIR, cfg.parallel.comm_timeout))
-        _on_rank0(ps, lambda: prepare_sample_data(prefix), wait)
+
+        def sample() -> bool:  # whether the files were there already
+            there = os.path.isfile(index_file_path(split_prefix(prefix, "train")))
+            prepare_sample_data(prefix)
+            return there
+
+        reused = _on_rank0(ps, sample, wait)
+        text = f"{'reusing' if reused else 'preprocessed'} the bundled sample corpus ({SAMPLE_CORPUS_DIR}) at {prefix}"
         cfg.data.data_path = prefix
     words = [cfg.data.data_path] if isinstance(cfg.data.data_path, str) else list(cfg.data.data_path)
     sources = [wikitext_source(w) for w in words]
@@ -189,19 +200,13 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
         vocab = None if tok_name else (cfg.model.vocab_size or WIKITEXT_VOCAB_SIZE)
         prefix = wikitext_cache_prefix(source, tok_name, vocab or 0)
 
-        def work():
+        def work() -> list:
             res, reused = prepare_wikitext_data(source, prefix, tok_name, vocab)
-            logging.info(
-                "> data: %s %s (%s) at %s_{train,valid,test}_text_document",
-                "reusing" if reused else "preprocessed",
-                source.word,
-                source.label(),
-                prefix,
-            )
-            return res.vocab_size
+            return [res.vocab_size, reused]
 
         wait_s = preprocess_wait_s(source.directory, cfg.parallel.comm_timeout)
-        tok_vocab = _on_rank0(ps, work, (f"{source.word} ({source.label()}) into {prefix}", wait_s))
+        tok_vocab, reused = _on_rank0(ps, work, (f"{source.word} ({source.label()}) into {prefix}", wait_s))
+        text = f"{'reusing' if reused else 'preprocessed'} {source.word} ({source.label()}) at {prefix}"
         cfg.data.data_path = prefix
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = tok_vocab
@@ -214,12 +219,15 @@ def prepare_data(cfg: Config, ps: ParallelState) -> None:
                 f"--vocab-size not given and no tokenizer at {tok_dir}: pass --vocab-size or --tokenizer-name-or-path"
             )
         cfg.model.vocab_size = load_tokenizer(tok_dir).vocab_size
+    if text:
+        return text + "_{train,valid,test}_text_document.{bin,idx}"
+    return f"{' '.join(words)} (--data-path)"
 
 
 def build_loaders(cfg: Config, ps: ParallelState, consumed: int):
     t = cfg.train
     gb = t.global_batch_size
-    eval_samples = t.eval_iters * gb if t.eval_iters > 0 else 0
+    eval_samples = t.eval_iters * gb if t.eval_iters > 0 and t.eval_interval > 0 else 0  # 0: never
     loaders = build_train_valid_test_data_loaders(
         cfg.data.data_path,
         cfg.model.seq_length,
@@ -253,14 +261,41 @@ def _indexed_datasets(dataset) -> list:
     return [d for sub in getattr(dataset, "datasets", []) for d in _indexed_datasets(sub)]
 
 
-def model_flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token (6 x active params + attention), for the TFLOP/s estimate."""
+def param_counts(cfg: Config) -> tuple[int, int]:
+    """(all, active per token) parameters of the whole model, in any layout: a token uses the dense
+    parameters (embeddings, attention, layer norms, dense MLPs, routers) and top-k experts per MoE layer."""
     m, moe = cfg.model, cfg.moe
-    L, M, H, T = m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length
+    L, M, H = m.num_layers, m.hidden_size, m.ffn_hidden_size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
-    dense = L * 4 * M * M + (L - n_moe) * 2 * M * H + cfg.padded_vocab_size * M
-    active = n_moe * (moe.moe_router_topk * 2 * M * H + moe.num_experts * M)
-    return 6 * (dense + active) + 12 * L * T * M
+    mlp = 2 * M * H + H + M  # a dense MLP's or one expert's weights and biases
+    dense = (m.max_position_embeddings + cfg.padded_vocab_size) * M + 2 * M  # embeddings, final layer norm
+    dense += L * (4 * M * M + 8 * M) + (L - n_moe) * mlp + n_moe * moe.num_experts * M  # blocks, routers
+    return dense + n_moe * moe.num_experts * mlp, dense + n_moe * moe.moe_router_topk * mlp
+
+
+def model_flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token (6 x active params but the position embeddings + attention), for the TFLOP/s
+    estimate."""
+    m = cfg.model
+    active = param_counts(cfg)[1] - m.max_position_embeddings * m.hidden_size
+    return 6 * active + 12 * m.num_layers * m.seq_length * m.hidden_size
+
+
+# flags that make a run other than the default main job, which saves to DEFAULT_SAVE (--save's help)
+NOT_DEFAULT_JOB = ("model.", "moe.", "data.data_path", "data.tokenizer_name_or_path", "train.save", "train.load")
+
+
+def use_default_save(cfg: Config) -> None:
+    """For the command line: the default main job gets --save DEFAULT_SAVE, and --load DEFAULT_SAVE when it
+    holds a complete checkpoint (a rerun resumes, as Megatron-LM runs with --load = --save); nothing when
+    the current directory cannot be written (the start-up summary then says that nothing is saved)."""
+    if any(f.startswith(NOT_DEFAULT_JOB) for f in getattr(cfg, "explicit_flags", ())):
+        return
+    if output_path_problem(DEFAULT_SAVE, "directory"):
+        return
+    cfg.train.save = DEFAULT_SAVE
+    if complete_iterations(DEFAULT_SAVE):
+        cfg.train.load = DEFAULT_SAVE
 
 
 class StopControl:
@@ -396,7 +431,7 @@ class Trainer:
         self.cfg = cfg
         if cfg.train.load and cfg.train.use_checkpoint_args:
             apply_checkpoint_args(cfg, read_metadata(resolve(cfg.train.load)))
-        started = time.time()
+        self.started = started = time.time()
         trace_dir = profile_dir(cfg)
         check_output_paths(cfg)
         self.ps, self.device = init_distributed(cfg)
@@ -406,7 +441,7 @@ class Trainer:
         if self.ps.layout.world_size == 1:
             validate(cfg, 1)
         torch.manual_seed(cfg.train.seed)
-        prepare_data(cfg, self.ps)
+        data_text = prepare_data(cfg, self.ps)
         if cfg.train.load:  # refuse a mismatching checkpoint before building anything
             path = resolve(cfg.train.load)
             check_config(read_metadata(path), cfg, self.ps, path)
@@ -464,16 +499,46 @@ class Trainer:
             cfg.train.exit_duration_in_mins, cfg.train.exit_signal_handler, self.ps, self.device, start=started
         )
         self.num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.ps.size("dp"))
-        n_params = sum(p.numel() for p in self.model.parameters())
-        lay = self.ps.layout
-        self.logger.line(
-            f"> layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} "
-            f"expert-DP{lay.expert_dp}; params on this rank {n_params / 1e6:.2f}M; "
-            f"vocab {cfg.model.vocab_size} (padded {cfg.padded_vocab_size})"
-        )
-        self.logger.line(f"> kernels: {kernel_report()}; optimizer {opt_name}")
-        for change in applied.changes:
-            self.logger.line(f"> {change}")
+        self.saved: Optional[tuple] = None  # (--save, iteration) of the last save
+        self.evals: dict = {}  # split -> the last evaluation's record
+        for line in self.startup_summary(data_text, opt_name) + applied.changes:
+            self.logger.line(f"> {line}")
+
+    def startup_summary(self, data_text: str, opt_name: str) -> list[str]:
+        """The start-up lines: model, parameters, layout, data, tokenizer, device, the run, checkpoints."""
+        cfg, lay, m, moe, t = self.cfg, self.ps.layout, self.cfg.model, self.cfg.moe, self.cfg.train
+        (total, active), k, E = param_counts(cfg), moe.moe_router_topk, moe.num_experts
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(m.num_layers))
+        routing = "dropless" if moe.moe_dropless else f"capacity factor {moe.moe_expert_capacity_factor:g}"
+        gpu = f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""
+        evals = f"valid every {t.eval_interval} iterations and test at the end, {t.eval_iters} batches each"
+        on_rank = sum(p.numel() for p in self.model.parameters())
+        every = f"every {t.save_interval} iterations and " if t.save_interval else ""
+        default = t.save == DEFAULT_SAVE and "train.save" not in getattr(cfg, "explicit_flags", {"train.save"})
+        plan = [f"resuming {t.load} at iteration {self.iteration}"] if t.load else []
+        plan.append(f"saving to {t.save} {every}at the end" if t.save else "none saved (no --save)")
+        if default:
+            plan[-1] += f" (the default main job's --save{' and --load' if t.load else ''}; --save DIR for another)"
+        if self.iteration >= t.train_iters:
+            plan.append(f"nothing to train: it is at --train-iters {t.train_iters} (a larger one continues)")
+        return [
+            f"model: GPT-2, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, FFN "
+            f"{m.ffn_hidden_size}, sequence {m.seq_length}; "
+            + (f"{E} experts in {n_moe} MoE layers, top-{k}, {routing}" if E else "dense"),
+            f"parameters: {total:,} ({total / 1e6:.2f}M), {active:,} ({active / 1e6:.2f}M) active per token"
+            + (f" (top-{k} of {E} experts)" if E else ""),
+            f"layout: world {lay.world_size} MP{lay.mp} EP{lay.ep} ESP{lay.esp} DP{lay.dp} expert-DP{lay.expert_dp}"
+            + (f"; {on_rank:,} parameters on this rank" if on_rank != total else ""),
+            f"data: {data_text}",
+            f"tokenizer: {tokenizer_source(cfg) or 'none given (--vocab-size)'}, vocab {m.vocab_size}"
+            + (f" (padded to {cfg.padded_vocab_size})" if cfg.padded_vocab_size != m.vocab_size else ""),
+            f"device: {self.device}{gpu}, {'bf16 autocast, fp32 weights' if cfg.optim.bf16 else 'fp32'}; optimizer "
+            f"{opt_name}; "
+            + ", ".join(f"{op.replace('_', ' ')} {v.rsplit('.', 1)[-1]}" for op, v in kernel_report().items()),
+            f"training: {t.train_iters} iterations of {t.global_batch_size} samples x {m.seq_length} tokens; "
+            + (evals if t.eval_interval and t.eval_iters else "no evaluation (--eval-interval 0 or --eval-iters 0)"),
+            "checkpoint: " + "; ".join(plan),
+        ]
 
     def set_lina_pipeline(self, on: bool) -> None:
         """Lina's all-to-all pipelining (`--lina-pipeline-chunks`) on or off for every MoE layer (the Lina trial)."""
@@ -495,16 +560,12 @@ class Trainer:
         return {"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {}
 
     def save(self) -> None:
+        root = self.cfg.train.save
         save_checkpoint(
-            self.cfg.train.save,
-            self.iteration,
-            self.consumed,
-            self.model,
-            self.optimizer,
-            self.cfg,
-            self.ps,
-            extra=self.checkpoint_extra(),
+            root, self.iteration, self.consumed, self.model, self.optimizer, self.cfg, self.ps, self.checkpoint_extra()
         )
+        self.saved = (root, self.iteration)
+        self.logger.line(f"> saved checkpoint to {root} (iteration {self.iteration})")
 
     # ------------------------------------------------------------------ one iteration
     def autocast(self):
@@ -635,6 +696,7 @@ class Trainer:
         rec = {"split": split, "iteration": self.iteration, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.logger.line(f" {split} at iteration {self.iteration:6d} | lm loss {loss:.4f} | ppl {rec['ppl']:.2f}")
         self.logger.record(rec, self.iteration)
+        self.evals[split] = rec
         return rec
 
     # ------------------------------------------------------------------ loop
@@ -711,12 +773,43 @@ class Trainer:
             self.logger.line(f"> profile: rank {self.ps.global_rank} wrote {trace}")
         if t.save and (not t.save_interval or self.iteration % t.save_interval):
             self.save()
-        if self.iteration >= t.train_iters:
-            if not (t.eval_interval and self.iteration % t.eval_interval == 0):  # not just evaluated
+        if self.iteration >= t.train_iters and t.eval_interval:  # --eval-interval 0: never
+            if self.evals.get("valid", {}).get("iteration") != self.iteration:  # not just evaluated
                 self.evaluate(self.valid_loader, "valid")
             self.evaluate(self.test_loader, "test")
+        for line in self.end_summary(history, start_iter):
+            self.logger.line(f"> {line}")
         self.finish(history)
         return history
+
+    def end_summary(self, history: list, start_iter: int) -> list[str]:
+        """The end lines: time, throughput, final losses, where the checkpoint and the logs are."""
+        t, lg, wall = self.cfg.train, self.cfg.logging, f"{time.time() - self.started:.1f} s (wall)"
+        done = f"no iteration trained (at {self.iteration} of {t.train_iters}) in {wall}"
+        final = [r for r in self.evals.values() if r["iteration"] == self.iteration]
+        losses = [f"{r['split']} {r['loss']:.4f} (ppl {r['ppl']:.2f})" for r in final]
+        if history:
+            rate = (
+                len(history)
+                * t.global_batch_size
+                * self.cfg.model.seq_length
+                * 1e3
+                / sum(h["ms_per_iter"] for h in history)
+            )
+            done = (
+                f"iterations {start_iter + 1}-{self.iteration} of {t.train_iters} in {wall}, {rate:.0f} tokens/s mean"
+            )
+            losses.insert(0, f"train {history[-1]['loss']:.4f}")
+        where = "no checkpoint (no --save)"
+        if self.saved:
+            where = f"checkpoint {self.saved[0]} (iteration {self.saved[1]}; mmoe-generate --load {self.saved[0]} samples from it)"
+        logs = [lg.log_json, lg.tensorboard_dir and f"TensorBoard {lg.tensorboard_dir}"]
+        logs.append(wandb_enabled(self.cfg) and f"wandb {os.path.join(wandb_dir(self.cfg), 'wandb')}")
+        return [
+            f"done: {done}" + ("; final lm loss: " + ", ".join(losses) if losses else ""),
+            f"outputs: {where}; logs: "
+            + (", ".join(filter(None, logs)) or "this console only (--log-json FILE keeps them)"),
+        ]
 
     def log_train(self, rec: dict, load) -> None:
         self.logger.line(

@@ -34,7 +34,7 @@ def tiny_args(data, iters, *extra):
         "--lr-warmup-iters",
         "3",
         "--eval-interval",
-        "0",
+        str(iters),  # valid and test once, at the end
         "--eval-iters",
         "1",
         "--log-interval",

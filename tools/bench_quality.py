@@ -273,7 +273,7 @@ def model_flags(args, name: str, seed: int, data_prefix: str, log_json: str) -> 
         "--hidden-dropout",
         "0",
         "--eval-interval",
-        "0",
+        str(args.train_iters),  # valid and test once, at the end
         "--eval-iters",
         str(args.eval_iters),
         "--log-interval",

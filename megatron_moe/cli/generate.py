@@ -3,6 +3,7 @@
 Installed as `mmoe-generate`; `python tools/generate.py` runs the same. Examples, from the
 repository root:
 
+    python tools/generate.py --prompt "The history of"   # the default training run's checkpoint
     python tools/generate.py --load checkpoints/gpt2-moe --prompt "The history of" --greedy
     python tools/generate.py --load model.safetensors --prompt "In 1996" --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --max-new-tokens 64 --seed 7 --num-samples 3
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.arguments import HelpFormatter
+from megatron_moe.config import DEFAULT_SAVE
 from megatron_moe.fileio import read_lines
 from megatron_moe.generation import carried_tokenizer, check_sampling, generate, load_model, tokenizer_path
 from megatron_moe.inference.engine import load_engine, serve
@@ -43,7 +45,12 @@ from megatron_moe.parallel_state import initialize_model_parallel, local_state, 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the generator."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint directory (any layout) or FILE.safetensors")
+    p.add_argument(
+        "--load",
+        default=DEFAULT_SAVE,
+        help="checkpoint directory (any layout) or FILE.safetensors (default: ./checkpoints/gpt2-moe-tiny, "
+        "where the trainer's default run saves)",
+    )
     p.add_argument("--iteration", type=int, help="use this iteration instead of the latest")
     p.add_argument(
         "--prompt", action="append", help="text to continue (repeat for a batch; empty: start a new document)"
@@ -131,6 +138,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(
                 "--moe-expert-capacity-factor is the one-process capacity path: not under torchrun "
                 "and not with --lina-inference"
+            )
+        if args.load == DEFAULT_SAVE and not os.path.exists(DEFAULT_SAVE):
+            raise FileNotFoundError(
+                f"no --load given and no {DEFAULT_SAVE} in {os.getcwd()} (where the trainer's default run saves): "
+                "run mmoe-pretrain here first, or pass --load DIR"
             )
         texts = _prompts(args)
         device = resolve_device(args.device)

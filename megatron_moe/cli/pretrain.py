@@ -2,7 +2,8 @@
 
 Installed as `mmoe-pretrain`; `python pretrain_gpt_moe.py` in the repository runs the same.
 
-  python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU
+  python pretrain_gpt_moe.py                      # tiny model on the bundled sample corpus, CPU;
+                                                  # saves to ./checkpoints/gpt2-moe-tiny (a rerun resumes)
   torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 \\
       --expert-model-parallel-size 2 ...          # any layout; see README for every flag group
 
@@ -22,7 +23,7 @@ from megatron_moe.arguments import parse_args
 from megatron_moe.checkpointing import NonFiniteError
 from megatron_moe.distributed.comm_errors import exit_on_comm_error
 from megatron_moe.parallel_state import shutdown
-from megatron_moe.training import pretrain
+from megatron_moe.training import pretrain, use_default_save
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 _claim = None  # keeps the socket that marks this process as the one that reported
@@ -69,7 +70,9 @@ def main(argv=None) -> int:
     try:
         # a collective stuck past --comm-timeout (or a lost peer): `error: ...` once, exit 1
         with exit_on_comm_error():
-            pretrain(parse_args(argv))  # returns with Lina's thread joined and the logger closed
+            cfg = parse_args(argv)
+            use_default_save(cfg)  # the default main job saves to checkpoints/gpt2-moe-tiny (--save's help)
+            pretrain(cfg)  # returns with Lina's thread joined and the logger closed
             shutdown()  # barrier, destroy every group, join the backends' threads
     except (*BAD_INPUT, NonFiniteError) as e:
         if first_to_report():
