@@ -59,7 +59,7 @@ from megatron_moe.data.paths import (
     wikitext_cache_prefix,
     wikitext_source,
 )
-from megatron_moe.data.preprocess import SAMPLE_CORPUS_DIR, prepare_sample_data, prepare_wikitext_data
+from megatron_moe.data.preprocess import SAMPLE_CORPUS_DIR, one_corpus_files, prepare_sample_data, prepare_wikitext_data
 from megatron_moe.data.sampler import build_train_valid_test_data_loaders
 from megatron_moe.data.tokenizer import load_tokenizer
 from megatron_moe.distributed.comm_errors import CommTimeoutError, guard
@@ -173,8 +173,9 @@ def prepare_data(cfg: Config, ps: ParallelState) -> str:
     `--data-path` naming raw WikiText (`wikitext-2`, `wikitext-103`, a full dataset name, or a
     directory of wiki.{train,valid,test}.tokens) is preprocessed the same way, once per source and
     tokenizer (`paths.wikitext_cache_prefix`), and read from there. Returns what the data is and
-    where its preprocessed files are, for the start-up summary."""
-    text = None
+    where its preprocessed files are, for the start-up summary. A WikiText directory without all
+    three splits (e.g. valid and test only) is one corpus that --split cuts (`prepare_wikitext_data`)."""
+    text, where = None, "_{train,valid,test}_text_document.{bin,idx}"
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
         wait = (f"the sample corpus into {prefix}", preprocess_wait_s(SAMPLE_CORPUS_DIR, cfg.parallel.comm_timeout))
@@ -207,6 +208,8 @@ def prepare_data(cfg: Config, ps: ParallelState) -> str:
         wait_s = preprocess_wait_s(source.directory, cfg.parallel.comm_timeout)
         tok_vocab, reused = _on_rank0(ps, work, (f"{source.word} ({source.label()}) into {prefix}", wait_s))
         text = f"{'reusing' if reused else 'preprocessed'} {source.word} ({source.label()}) at {prefix}"
+        if one := " + ".join(f.name for f in one_corpus_files(source)):
+            where = f".{{bin,idx}} ({one} as one corpus, cut into train/valid/test by --split {cfg.data.split})"
         cfg.data.data_path = prefix
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = tok_vocab
@@ -220,7 +223,7 @@ def prepare_data(cfg: Config, ps: ParallelState) -> str:
             )
         cfg.model.vocab_size = load_tokenizer(tok_dir).vocab_size
     if text:
-        return text + "_{train,valid,test}_text_document.{bin,idx}"
+        return text + where
     return f"{' '.join(words)} (--data-path)"
 
 
