@@ -1,22 +1,12 @@
 """Sampling text from a trained model: a one-process model on the consolidated weights.
 
-A checkpoint of any layout (or a consolidated safetensors file) is consolidated
-with `megatron_moe.convert` and loaded into a one-process `GPT2MoE` (one routing
-group per forward, the MoE capacity of the config unless overridden). Each step
-runs the whole context (no KV cache: the models here are small) and picks the
-next token from the last position's logits [V]:
-
-  greedy        argmax
-  temperature   logits / T, softmax, sample (seeded torch.Generator)
-  top-k         keep the k largest logits
-  top-p         keep the smallest set of most likely tokens whose probability reaches p
-
-Padded vocabulary ids (>= vocab size) are never produced: only the first V logit
-columns are considered. The context is cropped to the last max-positions tokens.
-
-This is the one-process reference (full recomputation). Batched generation with a KV cache under
-any parallel layout, which tools/generate.py uses, is `megatron_moe.inference` (its greedy output
-equals `generate` on the dropless model token for token).
+The one-process reference (full recomputation, no KV cache); batched generation under any
+parallel layout, which tools/generate.py uses, is `megatron_moe.inference`. A checkpoint of any
+layout (or a consolidated safetensors file) is loaded into a one-process `GPT2MoE` (the config's
+MoE capacity unless overridden). Each step runs the context, cropped to the last max-positions
+tokens, and picks the next token from the last position's logits over the real vocabulary [V]:
+greedy (argmax), or temperature (softmax of logits / T, seeded torch.Generator) with optional
+top-k (the k largest logits) and top-p (the smallest set of most likely tokens reaching p).
 """
 
 from __future__ import annotations
@@ -61,12 +51,9 @@ def carried_tokenizer(path: str, iteration: Optional[int] = None) -> Optional[st
 def tokenizer_path(cfg: Config, override: Optional[str] = None, carried: Optional[str] = None) -> str:
     """Where the tokenizer is: `override`, the one the checkpoint carries, the config's
     --tokenizer-name-or-path, or the directory saved beside the training data (data_path + '_tokenizer')."""
-    if override:
-        return override
-    if carried:
-        return carried
-    if cfg.data.tokenizer_name_or_path:
-        return cfg.data.tokenizer_name_or_path
+    path = override or carried or cfg.data.tokenizer_name_or_path
+    if path:
+        return path
     if cfg.data.data_path and os.path.isdir(f"{cfg.data.data_path}_tokenizer"):
         return f"{cfg.data.data_path}_tokenizer"
     raise ValueError(

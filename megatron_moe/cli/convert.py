@@ -58,23 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    p = sub.add_parser(
-        "reshard",
-        parents=[common],
-        formatter_class=HelpFormatter,
-        help="a sharded checkpoint to another parallel layout",
-    )
+    def add(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], formatter_class=HelpFormatter, help=text)
+
+    p = add("reshard", "a sharded checkpoint to another parallel layout")
     p.add_argument("--load", required=True, help="checkpoint directory (uses its 'latest') or an iter_* directory")
     p.add_argument("--iteration", type=int, help="convert this iteration instead of the latest")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser(
-        "import-hf",
-        parents=[common],
-        formatter_class=HelpFormatter,
-        help="Hugging Face GPT-2 -> our format (iteration 0)",
-    )
+    p = add("import-hf", "Hugging Face GPT-2 -> our format (iteration 0)")
     p.add_argument("--hf", required=True, help="a save_pretrained directory or a hub name such as gpt2")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     p.add_argument("--num-experts", type=int, default=0, help="0: dense; else experts per MoE block")
@@ -84,26 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the gate initialization (and of the run)")
     add_target_flags(p)
 
-    p = sub.add_parser(
-        "export", parents=[common], formatter_class=HelpFormatter, help="a checkpoint -> one safetensors file + .json"
-    )
+    p = add("export", "a checkpoint -> one safetensors file + .json")
     p.add_argument("--load", required=True, help="checkpoint directory (any layout)")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="FILE.safetensors (FILE.json is written beside it)")
 
-    p = sub.add_parser(
-        "import", parents=[common], formatter_class=HelpFormatter, help="a consolidated safetensors file -> our format"
-    )
+    p = add("import", "a consolidated safetensors file -> our format")
     p.add_argument("--input", required=True, help="FILE.safetensors written by `export` (FILE.json beside it)")
     p.add_argument("--save", required=True, help="output checkpoint directory")
     add_target_flags(p)
 
-    p = sub.add_parser(
-        "export-hf",
-        parents=[common],
-        formatter_class=HelpFormatter,
-        help="a dense checkpoint -> GPT2LMHeadModel directory",
-    )
+    p = add("export-hf", "a dense checkpoint -> GPT2LMHeadModel directory")
     p.add_argument("--load", required=True, help="checkpoint directory (any layout) or consolidated file")
     p.add_argument("--iteration", type=int, help="export this iteration instead of the latest")
     p.add_argument("--output", required=True, help="output directory (must not exist)")
@@ -123,13 +107,9 @@ def check(name: str, diff: float) -> None:
 
 def targets(args, cfg) -> tuple:
     """(target config, world size) from the --target-* flags, validated against the model."""
-    cfg, world = cv.target_config(
-        cfg,
-        args.target_tensor_model_parallel_size,
-        args.target_expert_model_parallel_size,
-        args.target_expert_sharding_parallel_size,
-        args.target_world_size,
-    )
+    mp, ep = args.target_tensor_model_parallel_size, args.target_expert_model_parallel_size
+    esp = args.target_expert_sharding_parallel_size
+    cfg, world = cv.target_config(cfg, mp, ep, esp, args.target_world_size)
     note = cv.batch_warning(cfg, world)
     if note:
         print(note, flush=True)
@@ -169,18 +149,10 @@ def cmd_reshard(args) -> None:
 def cmd_import_hf(args) -> None:
     from megatron_moe.model.hf_import import moe_config
 
-    # the MoE flags first: a bad one is named before the model is read (or downloaded)
-    moe_config(args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_expert_capacity_factor)
+    flags = (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_expert_capacity_factor)
+    moe_config(*flags)  # the MoE flags first: a bad one is named before the model is read (or downloaded)
     hf = cv.load_hf_model(args.hf)
-    src = cv.import_hf(
-        hf,
-        args.hf,
-        args.num_experts,
-        args.moe_layer_freq,
-        args.moe_router_topk,
-        args.moe_expert_capacity_factor,
-        args.seed,
-    )
+    src = cv.import_hf(hf, args.hf, *flags, args.seed)
     cfg, world = targets(args, src.cfg)
     if args.verify:
         moe = any(src.cfg.is_moe_layer(i) for i in range(src.cfg.model.num_layers))

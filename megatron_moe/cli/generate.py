@@ -10,17 +10,14 @@ repository root:
     torchrun --nproc-per-node 4 tools/generate.py --load checkpoints/gpt2-moe --greedy \\
         --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --prompts-file prompts.txt
 
-Generation runs on the inference engine (megatron_moe/inference/): batched, KV cache, dropless
-MoE routing (no token is dropped). Under torchrun the ranks form the layout given by the
-parallel-size flags (data parallelism is what is left: DP ranks serve different requests) and
-load their slices of the checkpoint, whatever layout it was saved in. Request i (prompt j,
-sample s; seed --seed + s) goes to data-parallel rank i % DP; rank 0 prints every result in
-request order. `--lina-inference PROFILE` schedules experts by Lina's popularity estimation
-(tools/profile_expert_paths.py makes the profile; same output). `--moe-expert-capacity-factor`
-keeps the old one-process path with the training router's capacity (tokens may be dropped).
-
-The tokenizer is --tokenizer-name-or-path, else the one the checkpoint carries (ITER_DIR/tokenizer,
-copied at save), else the one recorded in its config, else the one beside its training data.
+Generation runs on the inference engine (`megatron_moe.inference`: batched, KV cache, dropless
+MoE routing). Under torchrun the ranks form the layout of the parallel-size flags (DP is what is
+left) and load their slices of a checkpoint of any layout; request i (prompt j, sample s; seed
+--seed + s) goes to DP rank i % DP, and rank 0 prints every result in request order.
+`--lina-inference PROFILE` schedules experts by Lina's popularity estimation (same output);
+`--moe-expert-capacity-factor` generates on one process with the training router's capacity.
+The tokenizer is --tokenizer-name-or-path, else the checkpoint's (ITER_DIR/tokenizer), else the
+one recorded in its config, else the one beside its training data.
 """
 
 from __future__ import annotations
@@ -116,14 +113,6 @@ def _prompts(args) -> list[str]:
     return texts
 
 
-def _one_process_capacity(model, args, temperature: float, requests, eod) -> list[list[int]]:
-    """The training router with --moe-expert-capacity-factor, one process, full recomputation."""
-    return [
-        generate(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
-        for ids, seed in requests
-    ]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the prompt and each sample's continuation; errors go to stderr with status 2."""
     args = build_parser().parse_args(argv)
@@ -150,16 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.set_device(device)
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        ps = (
-            initialize_model_parallel(
-                args.tensor_model_parallel_size,
-                args.expert_model_parallel_size,
-                args.expert_sharding_parallel_size,
-                device=device,
-            )
-            if world > 1
-            else local_state(device)
-        )
+        sizes = (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_sharding_parallel_size)
+        ps = initialize_model_parallel(*sizes, device=device) if world > 1 else local_state(device)
         engine, cap_model = None, None
         if args.moe_expert_capacity_factor is None:
             engine = load_engine(args.load, ps, args.iteration)
@@ -175,23 +156,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         prompts = [(t, tok.encode(t) if t else [tok.eod]) for t in texts]
         requests = [(ids, args.seed + s) for _, ids in prompts for s in range(args.num_samples)]
         eod = None if args.no_stop_at_eod else tok.eod
-        if engine is None:
-            new = _one_process_capacity(cap_model, args, temperature, requests, eod)
+        if engine is None:  # the training router's capacity, one process, full recomputation
+            new = [
+                generate(cap_model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed, eod)
+                for ids, seed in requests
+            ]
         else:
             if args.lina_inference:
-                use_lina(
-                    engine, args.lina_inference, args.max_experts_per_rank, probe_forwards=args.lina_probe_forwards
-                )
-            new = serve(
-                engine,
-                [ids for ids, _ in requests],
-                args.max_new_tokens,
-                temperature,
-                args.top_k,
-                args.top_p,
-                [seed for _, seed in requests],
-                eod,
-            )
+                use_lina(engine, args.lina_inference, args.max_experts_per_rank, args.lina_probe_forwards)
+            ids, seeds = [r[0] for r in requests], [r[1] for r in requests]
+            new = serve(engine, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seeds, eod)
         if rank == 0:
             for i, ((text, _), s) in enumerate((p, s) for p in prompts for s in range(args.num_samples)):
                 if args.num_samples > 1:

@@ -1,6 +1,6 @@
 """Checkpoint conversion (tools/convert_checkpoint.py, tools/generate.py use it).
 
-sharded  FullCheckpoint, read_sharded / write_sharded (reshard), --verify helpers
+sharded  FullCheckpoint, read_sharded / write_sharded (reshard), the --verify logit comparison
 formats  Hugging Face GPT-2 import/export, one consolidated safetensors file
 """
 
@@ -9,13 +9,11 @@ from megatron_moe.convert.formats import (
     export_hf,
     hf_logit_diff,
     import_hf,
-    json_path_of,
     load_hf_model,
     read_any,
     read_file,
 )
 from megatron_moe.convert.sharded import (
-    CONSOLIDATED_FORMAT,
     FullCheckpoint,
     batch_warning,
     build_model,
@@ -25,17 +23,12 @@ from megatron_moe.convert.sharded import (
     model_logits,
     optimizer_mismatches,
     read_sharded,
-    seeded_rng_state,
-    spec_from_json,
-    specs_to_json,
-    staged_dir,
     structure_specs,
     target_config,
     write_sharded,
 )
 
 __all__ = [
-    "CONSOLIDATED_FORMAT",
     "FullCheckpoint",
     "batch_warning",
     "build_model",
@@ -45,7 +38,6 @@ __all__ = [
     "fixed_batch",
     "hf_logit_diff",
     "import_hf",
-    "json_path_of",
     "load_hf_model",
     "max_logit_diff",
     "model_logits",
@@ -53,10 +45,6 @@ __all__ = [
     "read_any",
     "read_file",
     "read_sharded",
-    "seeded_rng_state",
-    "spec_from_json",
-    "specs_to_json",
-    "staged_dir",
     "structure_specs",
     "target_config",
     "write_sharded",

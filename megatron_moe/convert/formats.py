@@ -37,12 +37,8 @@ from megatron_moe.convert.sharded import (
 # ----------------------------------------------------------------------------- Hugging Face GPT-2
 def load_hf_model(name_or_path: str):
     """transformers' GPT2LMHeadModel from a `save_pretrained` directory or a hub name (eval mode).
-
-    The weights must be exactly what config.json describes: `from_pretrained` fills a tensor the
-    files lack with random values and drops one they have in excess, with only a log line (a
-    config.json with one block more than the weights gave a random block, and --verify compared
-    that model with itself and said OK). Every missing, extra or differently shaped tensor is
-    an error naming it."""
+    Every tensor missing from, extra in or shaped differently from what config.json describes is a
+    ValueError naming it (`from_pretrained` itself fills missing ones randomly with only a log line)."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
@@ -102,15 +98,13 @@ def import_hf(
     if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, f)) for f in tokenizer_files):
         cfg.data.tokenizer_name_or_path = source
     full = full_state_from_hf(hf_model.state_dict(), cfg, seed=seed)
+    return FullCheckpoint(cfg, full, structure_specs(cfg), meta=_fresh_meta(cfg, {"hf": source}))
+
+
+def _fresh_meta(cfg: Config, source: dict) -> dict:
+    """The counters of a checkpoint at iteration 0 without optimizer state; `source` says where it came from."""
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
-    meta = {
-        "iteration": 0,
-        "consumed_samples": 0,
-        "optimizer": None,
-        "router_calls": [0] * n_moe,
-        "source": {"hf": source},
-    }
-    return FullCheckpoint(cfg, full, structure_specs(cfg), meta=meta)
+    return {"iteration": 0, "consumed_samples": 0, "optimizer": None, "router_calls": [0] * n_moe, "source": source}
 
 
 @torch.no_grad()
@@ -125,6 +119,7 @@ def hf_config_of(cfg: Config):
     from transformers import GPT2Config
 
     m = cfg.model
+    eos = 50256 if m.vocab_size > 50256 else None  # GPT-2's only where it exists; `_copy_tokenizer` sets the real one
     return GPT2Config(
         vocab_size=m.vocab_size,
         n_positions=m.max_position_embeddings or m.seq_length,
@@ -137,9 +132,8 @@ def hf_config_of(cfg: Config):
         resid_pdrop=m.dropout,
         embd_pdrop=m.dropout,
         attn_pdrop=m.dropout,
-        # GPT-2's 50256 only where it exists; `_copy_tokenizer` sets the real one
-        bos_token_id=50256 if m.vocab_size > 50256 else None,
-        eos_token_id=50256 if m.vocab_size > 50256 else None,
+        bos_token_id=eos,
+        eos_token_id=eos,
     )
 
 
@@ -253,19 +247,9 @@ def read_file(path: str, json_path: Optional[str] = None) -> FullCheckpoint:
     )
     if set(specs) != set(model):
         raise ValueError(f"{path}: tensors {sorted(set(specs) ^ set(model))} do not match the model in {js}")
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.model.num_layers))
-    meta = {
-        "iteration": 0,
-        "consumed_samples": 0,
-        "optimizer": None,
-        "router_calls": [0] * n_moe,
-        "source": {
-            "file": os.path.abspath(path),
-            "iteration": info.get("iteration"),
-            "consumed_samples": info.get("consumed_samples"),
-        },
-    }
-    return FullCheckpoint(cfg, model, specs, meta=meta)
+    source = {"file": os.path.abspath(path), "iteration": info.get("iteration")}
+    source["consumed_samples"] = info.get("consumed_samples")
+    return FullCheckpoint(cfg, model, specs, meta=_fresh_meta(cfg, source))
 
 
 def read_any(

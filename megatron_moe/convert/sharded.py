@@ -1,18 +1,13 @@
 """Checkpoint conversion, sharded side: consolidate sharded checkpoints and reshard them.
 
-Everything goes through one layout-free form, `FullCheckpoint`: every parameter
-and every optimizer-state tensor whole, plus the config, counters and per-rank
-RNG states. Reading assembles each tensor from the rank shards with the shard
-specs saved in metadata.json (`megatron_moe.layers.sharding`); writing slices the
-full tensors again for every rank of the target layout with `coords_of`, so a
-reshard is exact: nothing is recomputed, values are only cut and concatenated.
-
-Formats (see docs/TOOLS.md):
-  sharded      DIR/latest + DIR/iter_XXXXXXX/{metadata.json, rank_XXXXX.safetensors}
-               (what the trainer writes with --save and reads with --load)
-  consolidated FILE.safetensors (full parameters, our names) + FILE.json (config, counters, specs)
-  Hugging Face a GPT2LMHeadModel `save_pretrained` directory (dense models only)
-Every output is written under a temporary name and renamed when complete.
+Everything goes through one layout-free form, `FullCheckpoint`: every parameter and every
+optimizer-state tensor whole, plus the config, counters and per-rank RNG states. Reading assembles
+each tensor from the rank shards with the shard specs saved in metadata.json
+(`megatron_moe.layers.sharding`); writing slices the full tensors again for every rank of the
+target layout (`coords_of`), so a reshard is exact: values are only cut and concatenated.
+The sharded format is DIR/latest + DIR/iter_XXXXXXX/{metadata.json, rank_XXXXX.safetensors} (the
+trainer's --save / --load); other formats are in `convert.formats` (docs/TOOLS.md). Every output is
+written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -60,17 +55,20 @@ from megatron_moe.layers.sharding import (
 )
 
 CONSOLIDATED_FORMAT = "megatron_moe.consolidated"
+LAYOUT_KEYS = (
+    "world_size",
+    "tensor_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_sharding_parallel_size",
+)
 
 
 @dataclass
 class FullCheckpoint:
-    """A checkpoint with every tensor whole (independent of any parallel layout).
-
-    model: name -> full parameter; specs: name -> how it is split across ranks;
-    optim: name -> {state key: full tensor (param-shaped) or 0-dim scalar such as `step`};
-    rng: per source rank {"rng/torch": ..., ...}; meta: iteration, consumed_samples,
-    router_calls, optimizer and anything else the source metadata carried.
-    """
+    """A checkpoint with every tensor whole. model: name -> full parameter; specs: name -> ShardSpec;
+    optim: name -> {state key: full tensor or 0-dim scalar such as `step`}; rng: per source rank
+    {"rng/torch": ...}; meta: iteration, consumed_samples, router_calls, optimizer, and the rest of
+    the source metadata."""
 
     cfg: Config
     model: dict
@@ -80,7 +78,7 @@ class FullCheckpoint:
     meta: dict = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- small helpers
+# ----------------------------------------------------------------------------- JSON, shard specs, staging
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing")
@@ -105,12 +103,8 @@ def specs_to_json(model: dict, specs: dict) -> dict:
 
 
 def structure_specs(cfg: Config) -> dict:
-    """Shard spec of every parameter of the model `cfg` describes, {name: ShardSpec}.
-
-    Specs depend on the module structure only (layers, MoE blocks), not on sizes,
-    so they are read off a one-process model built with every size shrunk to 1:
-    cheap even for a model whose full weights would take gigabytes.
-    """
+    """{name: ShardSpec} of every parameter of the model `cfg` describes, read off a one-process model
+    with every size shrunk to 1 (specs depend on the module structure only)."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import local_state
 
@@ -158,8 +152,7 @@ def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
 
 
 def verify_checksum(shard: str, meta: dict) -> None:
-    """ValueError naming `shard` when its SHA-256 differs from the one in metadata.json
-    (checkpoints written before checksums existed have none and pass)."""
+    """ValueError naming `shard` when its SHA-256 differs from the one in metadata.json (none recorded: passes)."""
     expected = (meta.get("checksums") or {}).get("sha256", {}).get(os.path.basename(shard))
     if expected is not None and os.path.isfile(shard) and sha256_file(shard) != expected:
         raise ValueError(f"checkpoint shard {shard} is corrupt: its SHA-256 does not match metadata.json")
@@ -184,13 +177,7 @@ def _get(f, path: str, key: str) -> torch.Tensor:
 def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
     """((world, mp, ep, esp), {name: ShardSpec}, {name: full shape}, Config) from metadata.json."""
     try:
-        lay = meta["layout"]
-        layout = (
-            lay["world_size"],
-            lay["tensor_model_parallel_size"],
-            lay["expert_model_parallel_size"],
-            lay["expert_sharding_parallel_size"],
-        )
+        layout = tuple(meta["layout"][k] for k in LAYOUT_KEYS)
         specs = {n: spec_from_json(s) for n, s in meta["shard_specs"].items()}
         shapes = {n: tuple(s["full_shape"]) for n, s in meta["shard_specs"].items()}
         return layout, specs, shapes, config_from_dict(meta["config"])
@@ -201,12 +188,9 @@ def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
 def read_sharded(
     load: str, iteration: Optional[int] = None, with_optimizer: bool = True, progress: bool = True
 ) -> FullCheckpoint:
-    """Consolidate a sharded checkpoint (any layout) into full tensors.
-
-    Each slice is read once, from the first rank that holds it (replicas over data
-    parallelism are skipped); every shard is still opened, so a missing or truncated
-    file is an error naming it. Optimizer tensors have their parameter's spec; 0-dim
-    states (`step`) are equal on all ranks and taken from any.
+    """Consolidate a sharded checkpoint (any layout) into full tensors. Each slice is read once, from
+    the first rank holding it, but every shard is opened (a missing or truncated one is an error
+    naming it). Optimizer tensors have their parameter's spec; 0-dim states (`step`) come from any rank.
     """
     path = checkpoint_dir(load, iteration)
     meta_path = os.path.join(path, "metadata.json")
@@ -253,8 +237,8 @@ def read_sharded(
             model[name] = full
         else:
             optim.setdefault(name, {})[state] = full
-    keep = {k: v for k, v in meta.items() if k not in ("layout", "config", "shard_specs", "format_version")}
-    keep.pop("checksums", None)
+    drop = ("layout", "config", "shard_specs", "format_version", "checksums")
+    keep = {k: v for k, v in meta.items() if k not in drop}
     keep["source"] = {"path": os.path.abspath(path), "layout": meta["layout"]}
     return FullCheckpoint(cfg, model, specs, optim, rngs, keep)
 
@@ -268,13 +252,9 @@ def _flagged(msg: str) -> str:
 
 
 def target_config(cfg: Config, mp: int, ep: int, esp: int, world: Optional[int] = None) -> tuple[Config, int]:
-    """(config with the target parallel sizes, target world size), validated against the model.
-
-    The default world size is the smallest that can hold the layout, lcm(MP, EP x ESP);
-    data parallelism is what is left (world / MP). Errors name the --target-* flag. A saved
-    global batch that the new data-parallel size does not divide is no error (the resumed
-    run's flags decide the batch); `batch_warning` words it.
-    """
+    """(config with the target parallel sizes, target world size), validated against the model;
+    errors name the --target-* flag. Default world size: lcm(MP, EP x ESP), data parallelism what is
+    left. A global batch the new DP size does not divide is no error (`batch_warning` words it)."""
     if world is None:
         world = math.lcm(mp, ep * esp) if min(mp, ep, esp) >= 1 else 1
     if world < 1:
@@ -347,12 +327,7 @@ def write_sharded(
             "format_version": FORMAT_VERSION,
             "iteration": iteration,
             "consumed_samples": int(ckpt.meta.get("consumed_samples", 0)),
-            "layout": {
-                "world_size": world,
-                "tensor_model_parallel_size": mp,
-                "expert_model_parallel_size": ep,
-                "expert_sharding_parallel_size": esp,
-            },
+            "layout": dict(zip(LAYOUT_KEYS, (world, mp, ep, esp))),
             "config": portable_config(cfg),
             "optimizer": ckpt.meta.get("optimizer"),
             "router_calls": list(ckpt.meta.get("router_calls") or [0] * n_moe),
@@ -415,11 +390,8 @@ def write_sharded(
 
 # ----------------------------------------------------------------------------- models and --verify
 def build_model(cfg: Config, full: dict, no_drop: bool = False):
-    """A one-process eval-mode GPT2MoE (one routing group per batch) holding the full state.
-
-    `no_drop` builds it dropless (every routed choice kept, baseline schedule; all schedules
-    are equal on one process), so that no token is dropped.
-    """
+    """A one-process eval-mode GPT2MoE (one routing group per batch) holding the full state;
+    `no_drop`: dropless routing (every routed choice kept)."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.layers.sharding import load_full_state
     from megatron_moe.parallel_state import local_state
@@ -428,7 +400,7 @@ def build_model(cfg: Config, full: dict, no_drop: bool = False):
     one.parallel.tensor_model_parallel_size = one.parallel.expert_model_parallel_size = 1
     one.parallel.expert_sharding_parallel_size = 1
     one.moe.comm_profile = None
-    if no_drop:  # dropless routing: every choice is kept
+    if no_drop:  # every routed choice kept; every schedule is equal on one process
         one.moe.moe_dropless, one.moe.moe_schedule = True, "baseline"
     model = GPT2MoE(one, local_state(), routing_groups=1).eval()
     load_full_state(model, full, local_state())

@@ -3,19 +3,17 @@
 Legend: B requests of this rank, P longest prompt (rows are left-padded to it), T positions
 of a forward, M model dim, V vocabulary (real ids), Vp padded vocabulary.
 
-Every rank builds the model of the layout (MP, EP, ESP; DP is what is left) and loads its
-slices of a checkpoint of any layout (`load_engine`). The ranks of one MP group serve the same
-requests; DP ranks serve their own. Generation is prefill (the prompts, T = P) then decode
-(T = 1 per step) through the blocks' own halves: `Block.attn_residual(x, cache)` with the KV
-cache of `kv_cache`, then the FFN half on the tokens that need it (real tokens of unfinished
-requests), so padding and finished requests cost no expert FLOPs and send nothing. MoE layers
-route dropless (no capacity: no token is ever dropped) through the uneven all-to-all of the
-dropless dispatcher. A rank whose requests are finished (or that has none) still takes part in
-every MoE layer's all-to-all with zero tokens until every rank is done (one all-reduce of a
-flag per step), so the collectives of all ranks stay matched.
+Every rank builds the model of the layout (MP, EP, ESP; DP is what is left) and loads its slices
+of a checkpoint of any layout (`load_engine`). The ranks of one MP group serve the same requests;
+DP ranks serve their own. Generation is prefill (T = P) then decode (T = 1 per step) through the
+blocks' halves: `Block.attn_residual(x, cache)`, then the FFN half on the real tokens of unfinished
+requests only, so padding and finished requests cost no expert FLOPs. MoE layers route dropless
+through the dropless dispatcher's uneven all-to-all. A rank with no unfinished request takes part
+in every MoE layer's all-to-all with zero tokens until every rank is done (one all-reduce of a flag
+per step), so the collectives stay matched.
 
-Greedy output equals the one-process model's (`generation.generate` on the dropless model,
-full recomputation) token for token; logits agree to float round-off.
+Greedy output equals `generation.generate` on the dropless one-process model token for token;
+logits agree to float round-off.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, cast
 
 import torch
-import torch.nn.functional as F
-
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_moe.config import Config
 from megatron_moe.convert import read_any
@@ -163,7 +160,7 @@ class InferenceEngine:
         x = m.drop(m.wte(ids_BT) + m.wpe[pos])
         for i in range(len(m.blocks)):
             block = self.block(i)
-            x = block.attn_residual(x, cache.layer(i))
+            x = block.attn_residual(x, cache.layers[i])
             x = self._ffn(i, block, x, use_BT)
         cache.advance(T)
         h = m.ln_f(x[:, -1])
@@ -207,9 +204,8 @@ class InferenceEngine:
         out = [Generated([], []) for _ in range(B)]
         lengths = [len(p) for p in prompts]
         done = [max_new_tokens == 0 or n >= self.max_pos for n in lengths]
-        ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device).view(
-            B, P
-        )
+        rows = [[0] * (P - len(p)) + list(p) for p in prompts]  # left-padded
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device).view(B, P)
         while self._any_active(not all(done)):
             if all(done):
                 self.idle_step()
@@ -227,11 +223,7 @@ class InferenceEngine:
                     out[b].logits.append(logits[b].clone())
                 lengths[b] += 1
                 nxt[b] = tok
-                done[b] = (
-                    len(out[b].tokens) >= max_new_tokens
-                    or (eod is not None and tok == eod)
-                    or lengths[b] >= self.max_pos
-                )
+                done[b] = len(out[b].tokens) >= max_new_tokens or tok == eod or lengths[b] >= self.max_pos
             ids = torch.tensor(nxt, dtype=torch.long, device=self.device).view(B, 1)
         return out
 

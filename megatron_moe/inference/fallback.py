@@ -1,18 +1,13 @@
 """Never slower: Lina's scheduled MoE checks itself against unscheduled inference and falls back.
 
-For the first `probe_forwards` forwards (prefill or decode steps; every MoE layer of each) the
-runner runs every MoE layer both ways on the same tokens: the engine's own unscheduled layer
-(`Block.ffn_residual`, the dropless dispatcher: what runs without --lina-inference) and the
-scheduled one (`ScheduledMoE`), in alternating order so neither always runs second, timing each.
-Their output is the unscheduled one, so the probed forwards give exactly the tokens and logits of
-unscheduled inference. Then one all-reduce MAX over the world gives, for each of the two ways, the
-slowest rank's total time (a batch waits for its slowest rank), and every rank decides alike:
-scheduled when its time is below the unscheduled time, else unscheduled for the rest of the run.
-The decision is logged (logger "megatron_moe.inference", rank 0) and kept in `decision`.
-`unscheduled` replaces the blocks' own layers as the unscheduled way (benchmarks: the same gate bias).
-
-Every rank makes the same number of MoE layer calls (ranks without tokens take part with none,
-see engine.py), so the decision's all-reduce is reached by every rank at the same call.
+For the first `probe_forwards` forwards (every MoE layer of each) the runner runs every MoE layer
+both ways on the same tokens, in alternating order, timing each: the unscheduled layer
+(`Block.ffn_residual`, what runs without --lina-inference; `unscheduled` replaces it in
+benchmarks) and `ScheduledMoE`. The unscheduled output is returned, so the probed forwards give
+exactly unscheduled inference's tokens and logits. Then one all-reduce MAX over the world gives
+each way's slowest-rank total, and every rank keeps the scheduling only if it is faster (`decision`,
+logged by rank 0 on logger "megatron_moe.inference"). Every rank makes the same number of MoE layer
+calls (see engine.py), so every rank reaches the all-reduce at the same call.
 """
 
 from __future__ import annotations
@@ -33,8 +28,8 @@ log = logging.getLogger("megatron_moe.inference")
 
 
 class CheckedLina:
-    """An `InferenceEngine.ffn_runner`: `scheduled` while it measures faster than unscheduled
-    inference over the first `probe_forwards` forwards, else the engine's own MoE layers (module docstring)."""
+    """An `InferenceEngine.ffn_runner`: `scheduled` if it measured faster than unscheduled inference
+    over the first `probe_forwards` forwards, else the engine's own MoE layers (module docstring)."""
 
     def __init__(
         self,
@@ -100,17 +95,11 @@ class CheckedLina:
             )
 
 
-def use_lina(
-    engine: InferenceEngine,
-    profile_path: str,
-    max_per_rank: int = 4,
-    mode: str = "phase1_2",
-    probe_forwards: int = 4,
-) -> CheckedLina:
-    """Load and check a profile and make the engine's MoE blocks run under Lina's scheduling, checked
-    against unscheduled inference over the first `probe_forwards` forwards (`CheckedLina`). Collective."""
+def use_lina(engine: InferenceEngine, profile_path: str, max_per_rank: int = 4, probe_forwards: int = 4) -> CheckedLina:
+    """Load and check a profile and run the engine's MoE blocks under Lina's scheduling (phase1_2),
+    checked against unscheduled inference (`CheckedLina`). Collective."""
     profile = load_profile(profile_path)
     check_profile(profile, gate_fingerprint(engine), profile_path, len(engine.moe_blocks))
-    runner = CheckedLina(engine, ScheduledMoE(engine, profile, mode, max_per_rank), probe_forwards)
+    runner = CheckedLina(engine, ScheduledMoE(engine, profile, "phase1_2", max_per_rank), probe_forwards)
     engine.set_ffn_runner(runner)
     return runner

@@ -1,12 +1,10 @@
 """KV cache of one batch of left-padded sequences.
 
-Legend: B rows (requests), h heads of this MP rank, d head dim, L cached positions,
-T positions of this call, Lmax the cache capacity.
-
-Row b holds `pad[b]` padding slots first, then its real tokens; padding keys are masked
-out, so a row attends exactly to its own tokens (a padded query attends to itself only,
-its output is never used). Every attention layer keeps its own k, v [B, h, Lmax, d];
-`KVCache.advance(T)` moves the shared length after a forward has passed every layer.
+Legend: B rows (requests), h heads of this MP rank, d head dim, L cached positions, T positions
+of this call, Lmax the cache capacity. Row b holds `pad[b]` padding slots, then its real tokens;
+padding keys are masked out, so a row attends exactly to its own tokens (a padded query attends
+to itself only; its output is never used). Every attention layer keeps its own k, v
+[B, h, Lmax, d]; `KVCache.advance(T)` moves the shared length after a forward passed every layer.
 """
 
 from __future__ import annotations
@@ -51,9 +49,6 @@ class KVCache:
         self.pad = torch.tensor(pad, dtype=torch.long, device=device)
         self.has_padding = any(p > 0 for p in pad)
         self.layers = [LayerCache(self) for _ in range(num_layers)]
-
-    def layer(self, i: int) -> LayerCache:
-        return self.layers[i]
 
     def positions(self, T: int) -> torch.Tensor:
         """Position ids [B, T] of the next T slots (padding slots get 0)."""

@@ -6,36 +6,30 @@ the expert all-to-all group), N_t tokens of a batch.
 Profile. A token's *path* before MoE layer m (0-based among the MoE layers) is its first-choice
 expert at each of the previous p = min(l, m) MoE layers (layer 0: the empty path). Over a
 calibration split the profile counts, per layer m and path, the tokens on that path and how
-often each expert is among their top-k choices at layer m; P_path(e) = count(e) / (k * tokens),
-so sum_e P_path(e) = 1. A path never seen falls back to the layer's overall distribution.
-Stored as JSON (`save_profile`: written under a temporary name, then renamed) with a fingerprint
-of the model (shape of the config and a SHA-256 of every gate weight), so a profile of another
-model is refused (`check_profile`).
+often each expert is among their top-k choices at layer m; P_path(e) = count(e) / (k * tokens).
+A path never seen falls back to the layer's overall distribution. Stored as JSON with a
+fingerprint of the model (config shape, SHA-256 of every gate weight): `check_profile` refuses a
+profile of another model.
 
 Estimation (eq. 1). Each token looks up its path and keeps the probabilities of that path's
 top-k experts; n_e = N * sum_t P_j(t)(e) / N_t devices for expert e.
 
 Placement (`plan_placement`): experts with n_e >= 1 are popular and get round(n_e) replicas on
 devices of their own; the others (0 < n_e < 1) are packed first-fit-decreasing into devices of
-capacity 1 holding at most `max_per_rank` experts (at least E / N, what the trained layout
-holds). When that needs more than N devices, the replica whose removal leaves the least load per
-remaining replica goes first, unless keeping every replica and packing the others onto the
-devices left, least-loaded, gives a less loaded busiest device (then that); if every popular
-expert is down to one replica, everything is packed onto the N devices largest first, each into
-the least-loaded device with room (`least_loaded`: under the per-device expert limit,
-first-fit-decreasing with a grown capacity balanced badly). Experts with no estimate are spread
-over the free devices (else each goes to the device of least estimated load: the paper assigns
-them at random; when replicas fill every device, the most replicated expert gives up its replica
-on the highest device); free devices left over take extra replicas of the expert with the highest
-load per replica. A replica set splits its expert's tokens evenly.
+capacity 1 holding at most `max_per_rank` experts (at least E / N). Over N devices, replicas go
+one at a time (the one whose removal leaves the least load per remaining replica), unless keeping
+every replica and packing the others least-loaded onto the devices left gives a less loaded
+busiest device; with one replica each and still too many, everything is packed onto the N devices
+largest first, each into the least-loaded device with room (`least_loaded`). Experts with no
+estimate fill the free devices, else the device of least estimated load (the paper: at random);
+free devices left over take extra replicas of the expert with the highest load per replica. A
+replica set splits its expert's tokens evenly.
 
-Phase 2, traffic-aware (`traffic_aware_replan`): a re-plan from the actual counts balances the
-expert rows but may move a replica away from the device whose tokens it served, sending those
-tokens over the link. Each candidate is priced by `layer_cost`: the busiest device's expert rows
-times the seconds per row plus the busiest sender's and receiver's link rows (`link_rows`, exact
-for the dispatch's even split) times the seconds per row on the link; phase 1's placement is kept
-unless a candidate (the compute-only re-plan, either with replicas added greedily, every chosen
-expert on every device) costs less.
+Phase 2, traffic-aware (`traffic_aware_replan`): a re-plan from the actual counts balances expert
+rows but may move a replica away from the device whose tokens it served. Candidates are priced by
+`layer_cost` (the busiest device's expert rows times seconds per row plus the busiest sender's and
+receiver's link rows, `link_rows`, times seconds per link row); phase 1's placement is kept unless
+a candidate costs less.
 """
 
 from __future__ import annotations
@@ -60,16 +54,9 @@ def model_fingerprint(cfg: Config, gate_weights: list[torch.Tensor]) -> dict:
     h = hashlib.sha256()
     for w in gate_weights:
         h.update(w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
-    m, moe = cfg.model, cfg.moe
-    return {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "vocab_size": m.vocab_size,
-        "num_experts": moe.num_experts,
-        "moe_router_topk": moe.moe_router_topk,
-        "moe_layer_freq": moe.moe_layer_freq,
-        "gates_sha256": h.hexdigest(),
-    }
+    out = {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "vocab_size")}
+    out.update({k: getattr(cfg.moe, k) for k in ("num_experts", "moe_router_topk", "moe_layer_freq")})
+    return {**out, "gates_sha256": h.hexdigest()}
 
 
 def unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +67,6 @@ def unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.zeros(rows.size(0), dtype=torch.long, device=rows.device),
         )
     return torch.unique(rows, dim=0, return_inverse=True)
-
-
-def path_key(path: tuple[int, ...]) -> str:
-    """JSON key of a path of experts ('' for the empty path)."""
-    return "-".join(str(e) for e in path)
 
 
 @dataclass
@@ -121,8 +103,7 @@ class PathProfile:
         """Count a batch: per MoE layer, every token's first choice [N] and its top-k experts [N, k]
         (the same N tokens at every layer)."""
         if not self.counts:
-            self.tokens = [{} for _ in experts]
-            self.counts = [{} for _ in experts]
+            self.tokens, self.counts = [{} for _ in experts], [{} for _ in experts]
         E = self.num_experts
         self._tables.clear()
         for m, exp in enumerate(experts):
@@ -366,12 +347,8 @@ def add_replicas(
             for d in range(D):
                 if d in hosts[e] or held[d] >= max_per_rank:
                     continue
-                c = layer_cost(
-                    Placement([sorted(h + [d]) if i == e else h for i, h in enumerate(hosts)]),
-                    counts_DE,
-                    row_s,
-                    link_row_s,
-                )
+                trial = Placement([sorted(h + [d]) if i == e else h for i, h in enumerate(hosts)])
+                c = layer_cost(trial, counts_DE, row_s, link_row_s)
                 if c < cost and (best is None or c < best[0]):
                     best = (c, e, d)
         if best is None:
@@ -384,11 +361,10 @@ def add_replicas(
 def traffic_aware_replan(
     kept: Placement, counts_DE: list[list[int]], max_per_rank: int, row_s: float, link_row_s: float
 ) -> tuple[Placement, str]:
-    """Phase 2 priced by compute and link traffic (module docstring): candidates are `kept` (phase 1's
-        placement), the compute-only re-plan from the actual counts, and each with replicas added
-        (`add_replicas`), and every chosen expert on every device where `max_per_rank` allows; the lowest
-    `layer_cost` wins, the first of that order on ties (`kept` first). Returns (placement, which):
-        which is "keep", "keep+replicas", "replan", "replan+replicas" or "everywhere"."""
+    """Phase 2 (module docstring): the lowest `layer_cost` of `kept` (phase 1's placement), the
+    re-plan from the actual counts, each with replicas added (`add_replicas`), and every chosen expert
+    on every device where `max_per_rank` allows; ties to the first in that order. Returns (placement,
+    which): which is "keep", "keep+replicas", "replan", "replan+replicas" or "everywhere"."""
     D = len(counts_DE)
     actual = [float(sum(counts_DE[s][e] for s in range(D))) for e in range(len(kept.hosts))]
     total = max(sum(actual), 1.0)
@@ -406,13 +382,9 @@ def traffic_aware_replan(
     everywhere = [list(range(D)) if a > 0 else list(kept.hosts[e]) for e, a in enumerate(actual)]
     if all(sum(d in h for h in everywhere) <= limit for d in range(D)) and chosen:
         cands.append(("everywhere", Placement(everywhere)))
-    best_name, best = cands[0]
-    best_cost = layer_cost(best, counts_DE, row_s, link_row_s)
-    for name, p in cands[1:]:
-        c = layer_cost(p, counts_DE, row_s, link_row_s)
-        if c < best_cost:
-            best_name, best, best_cost = name, p, c
-    return best, best_name
+    costs = [layer_cost(p, counts_DE, row_s, link_row_s) for _, p in cands]
+    best = min(range(len(cands)), key=lambda i: (costs[i], i))  # the first of the cheapest
+    return cands[best][1], cands[best][0]
 
 
 # ----------------------------------------------------------------------------- files
@@ -429,7 +401,7 @@ def save_profile(profile: PathProfile, path: str) -> None:
             {
                 "path_length": profile.path_len(m),
                 "paths": {
-                    path_key(p): {"tokens": profile.tokens[m][p], "counts": c}
+                    "-".join(map(str, p)): {"tokens": profile.tokens[m][p], "counts": c}  # '' for the empty path
                     for p, c in sorted(profile.counts[m].items())
                 },
             }

@@ -3,40 +3,29 @@
 Legend: R tokens of this rank, E experts, k choices, D ranks of the EP group (N in the paper),
 M model dim, H ffn hidden dim.
 
-Every rank keeps a read-only copy of every expert of every MoE layer (`gather_experts`: gathered
-once over the EP group when scheduling is switched on, no gradients, nothing written back; runners
-of one engine can share it), so any rank can run any expert: a replica costs no weight transfer per
-batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
+Every rank keeps a read-only copy of every expert of every MoE layer (`gather_experts`, once per
+engine, shareable by runners), so any rank can run any expert and a replica costs no weight
+transfer per batch (Lina keeps every expert resident in host memory too). Per MoE layer m:
 
   route (dropless)  -> local choice counts [E]
   one all-gather over the EP group of [counts E | estimate for layer m+1 E | R | 4 measured sums
-    (`rates`)]: the count exchange the dropless dispatcher needs anyway, carrying phase 1's
-    estimate for the next layer (no extra round trip); every rank then knows every rank's counts
-    and plans alike
+    (`rates`)]: the count exchange dropless dispatch needs anyway, carrying phase 1's estimate
+    for the next layer; every rank then knows every rank's counts and plans alike
   placement of layer m:
     none      the trained layout (expert e on rank e // (E / D))
-    phase1    planned from the estimate carried by layer m-1's exchange (layer 0: the profile's
-              overall distribution), eq. (1) scaled to sum to D, and `popularity.plan_placement`
-    phase1_2  phase 1, then phase 2: when the top-2k experts of the actual counts differ from
-              those of the estimate (`phase2_triggered`), re-plan from the actual counts priced
-              by compute and link traffic (`popularity.traffic_aware_replan`: phase 1's placement
-              is kept unless a re-plan lowers the modelled layer time; `phase2_choice`). The
-              rates are measured (seconds per expert row; seconds of the dispatch all-to-all per
-              row the busiest rank sends to others), summed over earlier calls and carried in the
-              same all-gather, so every rank prices alike
-  dispatch: the choices of expert e, in (source rank, token) order, are split evenly over its
-    replicas; one uneven all-to-all there, experts computed on the received rows, one back,
-    weighted combine. Every choice meets the same expert weights as in the trained layout, so the
-    output equals the plain layer's.
+    phase1    `popularity.plan_placement` of the estimate carried by layer m-1's exchange (layer 0:
+              the profile's overall distribution), eq. (1) scaled to sum to D
+    phase1_2  phase 1, then, when the top-2k experts of the actual counts differ from those of the
+              estimate (`phase2_triggered`), `popularity.traffic_aware_replan` priced with the
+              measured rates (s per expert row, s per dispatch row the busiest rank sends), summed
+              over earlier calls and carried in the all-gather so every rank prices alike
+  dispatch: the choices of expert e, in (source rank, token) order, split evenly over its
+    replicas; one uneven all-to-all there, the experts on the received rows, one back, weighted
+    combine. Every choice meets the same expert weights as in the trained layout, so the output
+    equals the plain layer's.
 
-`gate_bias` (per MoE layer [E]; benchmarks only: a skewed popularity) is added to the router
-logits; `record_into` counts the routed paths into a profile (a profile of the biased router).
-Mode none makes no estimate (nothing to plan). Per call the runner records its wall time, the
-time inside its collectives (`comm_s`: the count exchange and both all-to-alls, waits for slower
-ranks included; `exchange_s` the count all-gather, `a2a_s` both all-to-alls), the bytes this rank
-sent to other ranks in both all-to-alls (`a2a_bytes`, counted from the rows sent), the expert
-GEMMs (`expert_s`) and the planning (`plan_s`: the estimate for the next layer, eq. (1) and the
-placement, phase 2 included; the phase overhead).
+`gate_bias` (per MoE layer [E]; benchmarks) is added to the router logits; `record_into` counts the
+routed paths into a profile. Per call the runner records its times and bytes (`reset_stats`).
 """
 
 from __future__ import annotations
@@ -66,7 +55,7 @@ from megatron_moe.inference.popularity import (
 
 MODES = ("none", "phase1", "phase1_2")
 # phase 2: "traffic" prices compute and link (traffic_aware_replan); "compute" re-plans for compute
-# balance alone (the earlier phase 2; benchmarks compare the two)
+# balance alone (benchmarks compare the two)
 PRICINGS = ("traffic", "compute")
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -97,12 +86,9 @@ class ScheduledMoE:
             raise ValueError("--lina-inference needs --expert-sharding-parallel-size 1 (whole experts per rank)")
         self.engine, self.profile, self.mode, self.max_per_rank = engine, profile, mode, max_per_rank
         self.group, self.D, self.me = ps.group("ep"), ps.size("ep"), ps.rank("ep")
-        self.blocks = engine.moe_blocks
+        self.blocks, self.E, self.k = engine.moe_blocks, engine.cfg.moe.num_experts, engine.cfg.moe.moe_router_topk
         self.layer_of = {b: m for m, b in enumerate(self.blocks)}
-        self.E = engine.cfg.moe.num_experts
-        self.k = engine.cfg.moe.moe_router_topk
-        self.gate_bias = gate_bias
-        self.record_into = record_into  # count this rank's paths into a profile (benchmarks)
+        self.gate_bias, self.record_into = gate_bias, record_into
         self._choices: list[torch.Tensor] = []
         self.weights = weights if weights is not None else gather_experts(engine)
         self.reset_stats()
@@ -112,16 +98,15 @@ class ScheduledMoE:
 
     def reset_stats(self) -> None:
         """Forget the per-call records (benchmarks: after the warm-up)."""
-        # per MoE layer call, for tests and benchmarks
         self.phase2_triggered: list[bool] = []
         self.estimated: list[Optional[list[float]]] = []
         self.actual: list[list[float]] = []
-        self.plan_s: list[float] = []  # time spent planning (phase overhead)
+        self.plan_s: list[float] = []  # planning: the next layer's estimate, eq. (1), the placement
         self.call_s: list[float] = []  # wall time of each MoE layer call
-        self.comm_s: list[float] = []  # time inside this call's collectives (waits included)
+        self.comm_s: list[float] = []  # exchange_s + a2a_s (waits for slower ranks included)
         self.expert_s: list[float] = []  # time in this call's expert GEMMs
         self.rows: list[list[int]] = []  # expert rows each rank computed, per call
-        self.a2a_s: list[float] = []  # time in this call's two all-to-alls (waits included)
+        self.a2a_s: list[float] = []  # time in this call's two all-to-alls
         self.exchange_s: list[float] = []  # time in this call's count all-gather
         self.a2a_bytes: list[int] = []  # bytes this rank sent to other ranks in both all-to-alls
         self.phase2_choice: list[Optional[str]] = []  # what a triggered phase 2 did (traffic_aware_replan)
@@ -134,12 +119,8 @@ class ScheduledMoE:
     def _estimate_next(self, m: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token popularity [E] for layer m+1, each token's estimated top expert [R] or -1)."""
         R = first.size(0)
-        none = (
-            torch.zeros(self.E, dtype=torch.float64, device="cpu"),
-            torch.full((R,), -1, dtype=torch.long, device="cpu"),
-        )
         if self.profile is None or self.mode == "none" or m + 1 >= len(self.blocks):
-            return none
+            return torch.zeros(self.E, dtype=torch.float64, device="cpu"), torch.full((R,), -1, device="cpu")
         p = self.profile.path_len(m + 1)
         hist = self.history[m + 1 - p : m + 1]
         paths = (
@@ -170,9 +151,8 @@ class ScheduledMoE:
         logits = layer.router.logits(h)
         if self.gate_bias is not None:
             logits = logits + self.gate_bias[m].to(logits.device)
-        r = route(
-            logits, layer.router.k, layer.router.cf, layer.router.min_cap, layer.router.policy, None, 0.0, dropless=True
-        )
+        rt = layer.router
+        r = route(logits, rt.k, rt.cf, rt.min_cap, rt.policy, None, 0.0, dropless=True)
         expert, weight = r.expert, r.weight  # [R, k]
         first = expert[:, 0]
         if m == 0 and self.profile is not None and self.mode != "none":
@@ -334,11 +314,6 @@ class ScheduledMoE:
             he = gelu_tanh(torch.addmm(fc_b[e].to(xe.dtype), xe, fc_w[e].t().to(xe.dtype)))
             out[rows] = torch.addmm(proj_b[e].to(he.dtype), he, proj_w[e].t().to(he.dtype))
         return out
-
-    @property
-    def estimation_accuracy(self) -> Optional[float]:
-        """Share of tokens whose estimated top expert (their path's most likely) was their first choice."""
-        return self.hits / self.predicted if self.predicted else None
 
 
 def rates(sums: list[float]) -> tuple[float, float]:

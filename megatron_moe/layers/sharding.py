@@ -1,18 +1,16 @@
 """How every parameter is split across ranks, and deterministic layout-free init.
 
-A parameter carries `_shard` (a `ShardSpec`): for each tensor dim, the kind of
-group it is split over ('mp', 'ep', 'esp'), or 'mp_qkv' for the fused QKV
-weight, whose dim 0 is [3, M] and is split on the M part. The same spec
-drives initialization (make the full tensor, keep this rank's slice), the
-equivalence tests (re-assemble full gradients) and checkpoint resharding.
-
+A parameter carries `_shard` (a `ShardSpec`): for each split tensor dim, the kind of group it is
+split over ('mp', 'ep', 'esp'), or 'mp_qkv' for the fused QKV weight, whose dim 0 is [3, M] and is
+split on the M part. The spec drives initialization (make the full tensor, keep this rank's
+slice), the equivalence tests (re-assemble full tensors) and checkpoint resharding.
 `coords` maps kind -> (rank in that kind's group, group size).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +55,7 @@ def coords_of(rank: int, mp: int, ep: int, esp: int) -> Coords:
 
 
 def local_shape(full_shape, spec: ShardSpec, coords: Coords) -> tuple:
+    """The shape of this rank's slice of a tensor of `full_shape`."""
     shape = list(full_shape)
     for dim, kind in spec.dims:
         size = coords["mp" if kind == "mp_qkv" else kind][1]
@@ -81,12 +80,9 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, coords: Coords) -> torch.T
 
 
 def unshard_tensor(pieces: dict, spec: ShardSpec) -> torch.Tensor:
-    """Re-assemble a full tensor from {coords-key: slice}, keys from `coords_key`.
-
-    Every split kind must be present once per rank of its group.
-    """
-    # Assemble dimension by dimension, from the last split to the first.
-    items = {k: v for k, v in pieces.items()}
+    """Re-assemble a full tensor from {coords-key: slice}, keys from `coords_key`; every split kind
+    must be present once per rank of its group. Merged dimension by dimension, the last split first."""
+    items = dict(pieces)
     for dim, kind in reversed(spec.dims):
         k = "mp" if kind == "mp_qkv" else kind
         merged: dict = {}
@@ -126,7 +122,6 @@ class InitSpec:
 
     kind: str = "normal"
     std: float = 0.02
-    extra: dict = field(default_factory=dict)
 
 
 def make_full(shape, init: InitSpec, seed: int, name: str) -> torch.Tensor:
@@ -168,15 +163,11 @@ def assemble(per_rank: list[dict], specs: dict, atol: float = 1e-6) -> dict:
             key, t = d[name]
             first = pieces.setdefault(key, (i, t))
             if first[0] != i:
-                same_shape = t.shape == first[1].shape
-                err = (
-                    float("inf")
-                    if not same_shape
-                    else (t.double() - first[1].double()).abs().max().item()
-                    if t.numel()
-                    else 0.0
-                )
-                if not same_shape or not err <= atol:
+                if t.shape != first[1].shape:
+                    err = float("inf")
+                else:
+                    err = (t.double() - first[1].double()).abs().max().item() if t.numel() else 0.0
+                if not err <= atol:
                     raise ValueError(
                         f"{name}: the copy of slice {dict(key)} on rank {i} differs from rank "
                         f"{first[0]}'s by {err:.3g} (replicas must agree within {atol:g})"

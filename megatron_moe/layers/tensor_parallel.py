@@ -2,13 +2,10 @@
 
 ColumnParallelLinear: Y = X A^T with A split by rows (output features) over MP.
 RowParallelLinear:    Y = sum_mp X_mp A_mp^T with A split by columns; bias after the sum.
-VocabParallelEmbedding: rows of the table split over MP; each rank looks up its
-  range and the partial embeddings are all-reduced.
-vocab_parallel_cross_entropy: cross entropy of logits split over the vocab dim
-  without gathering them (max and sum-exp all-reduced over MP).
-
-Every parameter is created full from a generator seeded by (seed, name) and
-sliced, so any layout starts from the same full weights as one process.
+VocabParallelEmbedding: rows of the table split over MP; partial embeddings all-reduced.
+vocab_parallel_cross_entropy: cross entropy of logits split over the vocab dim without
+  gathering them (max and sum-exp all-reduced over MP).
+Every parameter is made full (seeded by (seed, name)) and sliced (`make_param`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_moe.distributed.collectives import all_reduce_raw, copy_to_group, gather_from_group, reduce_from_group
+from megatron_moe.distributed.collectives import all_reduce_raw, copy_to_group, reduce_from_group
 from megatron_moe.layers.sharding import InitSpec, ShardSpec, make_full, shard_tensor, tag
 
 if TYPE_CHECKING:
@@ -44,17 +41,33 @@ def make_param(
     return p
 
 
-def _linear(mod: "ColumnParallelLinear | RowParallelLinear", x: torch.Tensor, bias) -> torch.Tensor:
-    """F.linear with the module's weight, or its dW queue's linear that defers the weight gradient."""
-    if mod.dw_queue is None:
-        return F.linear(x, mod.weight, bias)
-    return mod.dw_queue.linear(mod.dw_name)(x, mod.weight, bias)
+class _ParallelLinear(nn.Module):
+    """A linear layer over MP whose weight-gradient GEMM can be handed to a queue (`set_dw_queue`)."""
+
+    def __init__(self, n_in, n_out, ps, seed, name, spec, bias_spec, bias, std, device) -> None:
+        super().__init__()
+        self.group = ps.group("mp")
+        self.weight = make_param((n_out, n_in), spec, InitSpec("normal", std), ps, seed, f"{name}.weight", device)
+        self.bias = (
+            make_param((n_out,), bias_spec, InitSpec("zeros"), ps, seed, f"{name}.bias", device) if bias else None
+        )
+        self.dw_queue, self.dw_name = None, ""
+
+    def set_dw_queue(self, queue, name: str) -> None:
+        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
+        self.dw_queue, self.dw_name = queue, name
+
+    def _linear(self, x: torch.Tensor, bias) -> torch.Tensor:
+        """F.linear with the weight, or the dW queue's linear that defers the weight gradient."""
+        if self.dw_queue is None:
+            return F.linear(x, self.weight, bias)
+        return self.dw_queue.linear(self.dw_name)(x, self.weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ParallelLinear):
     """Linear whose output features are split over MP; input is replicated.
 
-    in [..., in_features] -> out [..., out_features / MP] (or full when gather_output).
+    in [..., in_features] -> out [..., out_features / MP].
     `qkv=True` splits a fused [q; k; v] weight per third so each rank keeps its heads.
     """
 
@@ -66,33 +79,18 @@ class ColumnParallelLinear(nn.Module):
         seed: int,
         name: str,
         bias: bool = True,
-        gather_output: bool = False,
         qkv: bool = False,
         std: float = 0.02,
         device: torch.device | None = None,
     ):
-        super().__init__()
-        self.group = ps.group("mp")
-        self.gather_output = gather_output
         spec = ShardSpec(((0, "mp_qkv" if qkv else "mp"),))
-        self.weight = make_param(
-            (out_features, in_features), spec, InitSpec("normal", std), ps, seed, f"{name}.weight", device
-        )
-        self.bias = (
-            make_param((out_features,), spec, InitSpec("zeros"), ps, seed, f"{name}.bias", device) if bias else None
-        )
-        self.dw_queue, self.dw_name = None, ""
-
-    def set_dw_queue(self, queue, name: str) -> None:
-        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
-        self.dw_queue, self.dw_name = queue, name
+        super().__init__(in_features, out_features, ps, seed, name, spec, spec, bias, std, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(self, copy_to_group(x, self.group), self.bias)
-        return gather_from_group(y, self.group, dim=-1) if self.gather_output else y
+        return self._linear(copy_to_group(x, self.group), self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear whose input features are split over MP; output is all-reduced, then biased.
 
     in [..., in_features / MP] -> out [..., out_features] (replicated).
@@ -109,30 +107,12 @@ class RowParallelLinear(nn.Module):
         std: float = 0.02,
         device: torch.device | None = None,
     ):
-        super().__init__()
-        self.group = ps.group("mp")
-        self.weight = make_param(
-            (out_features, in_features),
-            ShardSpec(((1, "mp"),)),
-            InitSpec("normal", std),
-            ps,
-            seed,
-            f"{name}.weight",
-            device,
+        super().__init__(
+            in_features, out_features, ps, seed, name, ShardSpec(((1, "mp"),)), ShardSpec(), bias, std, device
         )
-        self.bias = (
-            make_param((out_features,), ShardSpec(), InitSpec("zeros"), ps, seed, f"{name}.bias", device)
-            if bias
-            else None
-        )
-        self.dw_queue, self.dw_name = None, ""
-
-    def set_dw_queue(self, queue, name: str) -> None:
-        """Hand the weight-gradient GEMM to `queue` (Lancet's WgradRuntime) under `name`; None: plain."""
-        self.dw_queue, self.dw_name = queue, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_group(_linear(self, x, None), self.group)
+        y = reduce_from_group(self._linear(x, None), self.group)
         return y + self.bias if self.bias is not None else y
 
 

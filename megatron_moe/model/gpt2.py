@@ -1,14 +1,11 @@
 """GPT-2 with MoE blocks, tensor parallel over MP (Megatron style).
 
-Exactly GPT-2's architecture so that GPT-2 weights load: learned positions,
-pre-LayerNorm blocks, causal self-attention, tanh-GELU MLP, final LayerNorm,
-LM head tied to the word embedding. Every `--moe-layer-freq`-th block's MLP is
-an MoE layer. Shapes are batch-first: ids [B, T], hidden [B, T, M].
-
-Parallelism comes in from outside: the constructor takes the `ParallelState`
-(or `local_state()` for one process) and every parameter is created full from
-a generator seeded by (seed, parameter name) and sliced, so any layout starts
-from the same weights.
+Exactly GPT-2's architecture, so GPT-2 weights load: learned positions, pre-LayerNorm blocks,
+causal self-attention, tanh-GELU MLP, final LayerNorm, LM head tied to the word embedding. Every
+`--moe-layer-freq`-th block's MLP is an MoE layer. Shapes are batch-first: ids [B, T], hidden
+[B, T, M]. The constructor takes the `ParallelState` (`local_state()` for one process); every
+parameter is created full from a generator seeded by (seed, name) and sliced, so any layout
+starts from the same weights.
 """
 
 from __future__ import annotations
@@ -55,13 +52,9 @@ class Attention(nn.Module):
             )
         self.heads = m.num_attention_heads // mp
         self.head_dim = m.hidden_size // m.num_attention_heads
-        std, proj_std = m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
-        self.qkv = ColumnParallelLinear(
-            m.hidden_size, 3 * m.hidden_size, ps, seed, f"{name}.qkv", qkv=True, std=std, device=device
-        )
-        self.proj = RowParallelLinear(
-            m.hidden_size, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std, device=device
-        )
+        M, std, proj_std = m.hidden_size, m.init_method_std, m.init_method_std / (2 * m.num_layers) ** 0.5
+        self.qkv = ColumnParallelLinear(M, 3 * M, ps, seed, f"{name}.qkv", qkv=True, std=std, device=device)
+        self.proj = RowParallelLinear(M, M, ps, seed, f"{name}.proj", std=proj_std, device=device)
 
     def forward(self, x: torch.Tensor, cache: Optional["AttentionCache"] = None) -> torch.Tensor:
         """`cache` (inference): appends this call's keys/values and attends over the cached ones."""
@@ -89,17 +82,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: "Config", ps: "ParallelState", seed: int, name: str, device: torch.device):
         super().__init__()
         m = cfg.model
-        H = ffn_hidden_size(m)
+        H, proj_std = ffn_hidden_size(m), m.init_method_std / (2 * m.num_layers) ** 0.5
         self.fc = ColumnParallelLinear(m.hidden_size, H, ps, seed, f"{name}.fc", std=m.init_method_std, device=device)
-        self.proj = RowParallelLinear(
-            H,
-            m.hidden_size,
-            ps,
-            seed,
-            f"{name}.proj",
-            std=m.init_method_std / (2 * m.num_layers) ** 0.5,
-            device=device,
-        )
+        self.proj = RowParallelLinear(H, m.hidden_size, ps, seed, f"{name}.proj", std=proj_std, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(gelu_tanh(self.fc(x)))
@@ -147,12 +132,9 @@ class GPT2MoE(nn.Module):
     forward(ids [B, T], labels [B, T] or None):
       labels None -> this rank's logits [B, T, Vp / MP] (vocab-parallel slice)
       labels      -> (lm loss: mean cross entropy, aux: sum of MoE aux losses)
-    `routing_groups`: how many data-parallel shards a batch holds (the
-    one-process reference of a DP run passes DP). `set_block_runner(l, fn)` lets
-    an optimization run block l another way (Lancet's pipelined ranges, built
-    from the blocks' own halves); `fn(x) -> (x, aux or None)`. `set_loss_runner(l, fn)`:
-    with labels, blocks l.. and the loss head (`head_losses`) run as `fn(x, labels) ->
-    (per-token losses [B, T], aux or None)` (a Lancet range that ends at the loss).
+    `routing_groups`: how many data-parallel shards a batch holds (the one-process reference of a
+    DP run passes DP). `set_block_runner` / `set_loss_runner` let an optimization (Lancet's
+    pipelined ranges) run blocks another way.
     """
 
     def __init__(
@@ -176,15 +158,8 @@ class GPT2MoE(nn.Module):
             )
         self.vocab_size, self.padded_vocab = m.vocab_size, vp
         self.wte = VocabParallelEmbedding(vp, m.hidden_size, ps, seed, "wte", std=m.init_method_std, device=device)
-        self.wpe = make_param(
-            (m.max_position_embeddings, m.hidden_size),
-            ShardSpec(),
-            InitSpec("normal", m.init_method_std),
-            ps,
-            seed,
-            "wpe.weight",
-            device,
-        )
+        init, shape = InitSpec("normal", m.init_method_std), (m.max_position_embeddings, m.hidden_size)
+        self.wpe = make_param(shape, ShardSpec(), init, ps, seed, "wpe.weight", device)
         self.drop = nn.Dropout(m.dropout)
         self.blocks = nn.ModuleList(Block(cfg, ps, seed, i, routing_groups, device) for i in range(m.num_layers))
         self.ln_f = layer_norm(m.hidden_size, m.layernorm_epsilon, device)
@@ -199,9 +174,9 @@ class GPT2MoE(nn.Module):
         return cast("list[Block]", list(self.blocks))  # the constructor fills it with Blocks only
 
     def compile_blocks(self) -> None:
-        """torch.compile each block (--compile), in place (`nn.Module.compile`): a dense block whole, an MoE
-        block its attention and layer norms, since the MoE layer runs collectives, tensors whose size depends on
-        the routing and autograd functions of its own, each of which would break the graph."""
+        """torch.compile each block in place (--compile): a dense block whole, an MoE block its attention
+        and layer norms (the MoE layer's collectives, routing-sized tensors and autograd functions would
+        break the graph)."""
         for b in self.block_list():
             if b.is_moe:
                 for m in (b.ln1, b.attn, b.ln2):

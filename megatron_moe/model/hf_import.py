@@ -1,13 +1,10 @@
 """Hugging Face GPT-2 <-> our full (unsharded) state dict.
 
-HF's GPT-2 stores Conv1D weights as [in, out] (y = x W + b); ours are
-torch Linear layout [out, in]. The fused c_attn [M, 3M] is [q | k | v] along
-its output, which is exactly our qkv weight transposed. Our embedding table is
-padded to a multiple of --make-vocab-size-divisible-by with zero rows (those
-columns are masked out of the softmax, so logits of real tokens are equal).
-
-MoE blocks are "upcycled": every expert starts as a copy of the block's MLP
-and the gate is small and random (seeded), as in sparse upcycling.
+HF's Conv1D weights are [in, out] (y = x W + b), ours torch Linear [out, in]; the fused c_attn
+[M, 3M] is [q | k | v] along its output, exactly our qkv weight transposed. Our embedding table
+is padded to a multiple of --make-vocab-size-divisible-by with zero rows (masked out of the
+softmax). MoE blocks are upcycled: every expert starts as the block's MLP, the gate small and
+random (seeded).
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from megatron_moe.layers.sharding import seeded_generator
 
 def moe_config(num_experts: int, moe_layer_freq: int, topk: int, capacity_factor: float = 1.0) -> MoEConfig:
     """The MoE section of an imported model, validated by the trainer's own rules (MoEConfig raises
-    ValueError naming the flag: --num-experts -1, --moe-router-topk above --num-experts,
-    --moe-layer-freq 0, which was a ZeroDivisionError when the blocks were numbered)."""
+    ValueError naming the flag)."""
     return replace(
         MoEConfig(),
         num_experts=num_experts,
@@ -68,6 +64,7 @@ def _block_map(i: int) -> list[tuple[str, str, bool]]:
 
 
 _TOP = [("wpe", "wpe.weight"), ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
+_EXPERT = [("fc_w", "fc.weight"), ("fc_b", "fc.bias"), ("proj_w", "proj.weight"), ("proj_b", "proj.bias")]
 
 
 def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float = 1e-3) -> dict:
@@ -84,16 +81,9 @@ def full_state_from_hf(hf_sd: dict, cfg: Config, seed: int = 0, gate_std: float 
         if cfg.is_moe_layer(i):
             # upcycling: every expert starts as the block's MLP; the gate is small and random
             b, E = f"blocks.{i}.", cfg.moe.num_experts
-            gate = (
-                torch.randn((E, m.hidden_size), generator=seeded_generator(seed, b), device="cpu") * gate_std
-            )  # host state dict
-            out[b + "moe.router.gate_w"] = gate
-            for ours, mlp in (
-                ("fc_w", "fc.weight"),
-                ("fc_b", "fc.bias"),
-                ("proj_w", "proj.weight"),
-                ("proj_b", "proj.bias"),
-            ):
+            gen = seeded_generator(seed, b)
+            out[b + "moe.router.gate_w"] = torch.randn((E, m.hidden_size), generator=gen, device="cpu") * gate_std
+            for ours, mlp in _EXPERT:
                 t = out.pop(f"{b}mlp.{mlp}")
                 out[f"{b}moe.experts.{ours}"] = t[None].repeat(E, *([1] * t.dim()))
     return out

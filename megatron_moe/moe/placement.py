@@ -5,53 +5,38 @@ owned by EP rank e // E_l), H_l = H / N_ESP, M model dim, M_l = M / N_ESP, R rep
 held by this rank's EP rank, X experts computed by one EP rank at most (owned + replicas).
 
 A `Placement` maps every expert to the EP ranks holding a replica of it for one iteration
-(the owner is never listed). In the dropless UnevenDispatcher (`dispatcher.set_placement`):
-  - a rank whose EP rank holds a replica of e sends its own tokens for e to its own EP rank
-    (with N_ESP = 1 they stay on this rank: the all-to-all chunk that never leaves it; with
-    N_ESP > 1 to its ESP peers, which hold the other H slices of the replica); every other
-    rank keeps sending its e-tokens to the owner;
-  - an EP rank computes its "compute experts", the owned ones and its replicas, in expert
-    order; the expert input groups the received rows by compute expert.
-Trans (forward): the owner's fc_w, fc_b, proj_w, proj_b slices of expert e go to each replica
-rank, point to point on the EP group (ESP shard j to ESP shard j), in two parts: (fc_w, fc_b)
-and (proj_w, proj_b). Agg (backward): each replica's gradients go back to the owner and are
-summed into the owner's parameter gradients through autograd, so grad-ready hooks and gradient
-sync see the sum. Replicas are plain tensors: the optimizer and checkpoints never see them.
-The collective observer records Trans as op "trans" and Agg as op "agg" on group "ep" (bytes
-this rank sends and receives).
+(never the owner). In the dropless UnevenDispatcher (`dispatcher.set_placement`) a rank whose EP
+rank holds a replica of e sends its tokens for e to its own EP rank (N_ESP = 1: they stay on this
+rank; N_ESP > 1: to its ESP peers, which hold the other H slices), every other rank to the owner;
+an EP rank computes its owned experts and its replicas in expert order.
+Trans (forward): the owner's fc_w, fc_b, proj_w, proj_b slices of e go point to point on the EP
+group to each replica rank (ESP shard j to ESP shard j), in two parts, (fc_w, fc_b) and
+(proj_w, proj_b). Agg (backward): each replica's gradients go back to the owner and are summed into
+its parameter gradients through autograd, so grad-ready hooks and gradient sync see the sum.
+Replicas are plain tensors (no optimizer state, not checkpointed). The collective observer records
+ops "trans" and "agg" on group "ep".
 
-Scheduling (the paper's Algorithm 2, block-wise), `ProProphet`:
-  scheduled  the Trans of the next MoE layer is launched in two parts around this layer's
-             expert compute (fc before it, proj after it: the second part overlaps the
-             non-expert compute up to the next MoE layer); the first MoE layer's is launched
-             by the runtime's anchor (see below), or at that layer's start without one. A layer
-             waits for its Trans just before its experts run (Trans and Agg are issued on CUDA
-             side streams, `distributed.streams`; no-ops on the CPU). Agg is launched when the
+Scheduling (Algorithm 2, block-wise), `ProProphet`:
+  scheduled  the next MoE layer's Trans is launched in two parts around this layer's expert
+             compute (fc before, proj after: it overlaps the non-expert compute up to the next
+             MoE layer); the first MoE layer's at the runtime's anchor (else at its own start).
+             A layer waits for its Trans just before its experts run. Agg is launched when the
              experts' backward is done and waited when the gradient of the previous MoE layer's
-             output is due (it overlaps the dispatch all-to-all's and the
-             router's backward and the non-expert backward in between: a forward hook of the
-             previous layer puts `_AggWaitLater` on its output); the first MoE layer waits when
-             the gradient of the runtime's anchor output is due (the trainer's: the token
-             embedding, so the wait is the last thing before the embedding's backward), or of its
-             own input without an anchor. The anchor's forward also starts the first layer's Trans.
-  blocking   (--pro-prophet-no-schedule, the ablation) Trans launched and waited at the point
-             of use, Agg launched and waited inside the experts' backward.
+             output is due (`_AggWaitLater`), the first MoE layer's at the anchor's output (else
+             its own input). Trans / Agg run on CUDA side streams (`distributed.streams`).
+  blocking   (--pro-prophet-no-schedule) Trans launched and waited at the point of use, Agg
+             inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
 
-Trial (`ProProphet(measure_iters=K)`, the `choose.Trial` "pro-prophet"): the model decides which
-experts to move, but a plan it predicts near break-even can measure a loss (a 4 MB expert moved at
-skew 0 on the emulated cluster: 10 % slower). So after the calibration the alternatives "plain" (the
-empty plan: the plain run's graph and collectives), "placed" (the planner's) and, with a `wider`
-planner (Algorithm 1 keeping one more greedy move, `planner.plan(extra=1)`), "wider" take turns over
-training iterations, each turn one settling iteration and one timed (the first iteration after
-switching placement measured 10-40 % slow on the emulated cluster, 2 nodes x 1 process, skew 1.2:
-memory the other arm had not used is touched again); no warm-up rounds: the calibration's iterations
-already ran the plan and the empty plan. A pass is the span between two `end_iteration` calls (the
-plan for an iteration is made at the end of the one before, so each arm pays its own planning).
-Rules that are not timing rules: if the planner moved no expert in any placed iteration, both arms
-ran the same graph and the pick is "plain" untimed; "wider" is a candidate only if, on the counts it
-planned from, it moved more experts than the planner would have. After a "plain" pick every later
-iteration runs the empty plan; after "wider" every later plan is the wider planner's.
+Trial (`ProProphet(measure_iters=K)`, the `choose.Trial` "pro-prophet"): a plan the model predicts
+near break-even can measure a loss (a 4 MB expert moved at skew 0 on the emulated cluster: 10 %
+slower), so after the calibration the arms "plain" (the empty plan), "placed" (the planner's) and,
+with a `wider` planner (`planner.plan(extra=1)`), "wider" take turns, each turn one settling
+iteration and one timed (the first iteration after switching placement measured 10-40 % slow).
+A pass runs between two `end_iteration` calls, so each arm pays its own planning. Untimed rules:
+if no placed iteration moved an expert the pick is "plain"; "wider" is a candidate only if it
+moved more experts than the planner would have on the same counts. After a "plain" pick every
+later iteration runs the empty plan; after "wider" every later plan is the wider planner's.
 """
 
 from __future__ import annotations
@@ -79,8 +64,6 @@ TRIAL = "pro-prophet"  # the trial's name (`choose.override`, MMOE_CHOOSE)
 
 
 # ----------------------------------------------------------------------------- the placement
-
-
 @dataclass(frozen=True)
 class Placement:
     """replicas[e]: sorted EP ranks (never e's owner) holding a replica of expert e this iteration."""
@@ -159,15 +142,12 @@ class Placement:
         return {str(e): list(self.replicas[e]) for e in self.moved}
 
     def describe(self) -> str:
-        moved = self.moved
-        if not moved:
-            return "no replicas"
-        return ", ".join(f"expert {e} -> EP {','.join(map(str, self.replicas[e]))}" for e in moved)
+        return (
+            ", ".join(f"expert {e} -> EP {','.join(map(str, self.replicas[e]))}" for e in self.moved) or "no replicas"
+        )
 
 
 # ----------------------------------------------------------------------------- Trans and Agg
-
-
 class ReplicaExchange:
     """Trans and Agg of one MoE layer for one forward / backward, point to point on the EP group."""
 
@@ -228,11 +208,8 @@ class ReplicaExchange:
     def replicas(self) -> tuple[torch.Tensor, ...]:
         """Wait for Trans (launching what is not started): fc_w [R, H_l, M], fc_b [R, H_l],
         proj_w [R, M, H_l], proj_b [R, M_l] of the held replicas, in expert order. Once per exchange.
-
-        The exchange lets go of the buffers it returns: they become outputs of `_UseReplicas`, whose
-        ctx holds this exchange, and a buffer kept here would close a cycle through the autograd node
-        that Python's collector cannot see (each iteration's replicas were never freed: +16 MB a step
-        on a replica rank of the paper-sized benchmark)."""
+        The exchange drops the buffers it returns: kept here, they would close a cycle through the
+        `_UseReplicas` node that Python's collector cannot see (+16 MB a step, never freed)."""
         out: dict = {}
         for part in range(len(PARTS)):
             self.launch_trans(part)
@@ -276,8 +253,8 @@ class ReplicaExchange:
 
 
 class _UseReplicas(torch.autograd.Function):
-    """fwd: (x, replica tensors) once Trans is done; bwd: Agg of the replicas' gradients (blocking:
-    waited here and returned as the owner's parameter gradients; scheduled: `_AggWait` hands them)."""
+    """fwd: (x, replica tensors) once Trans is done; bwd: Agg of the replicas' gradients, waited here
+    (blocking) or by `_AggWait` / `_AggWaitLater` (scheduled), which hand them to the owner's parameters."""
 
     @staticmethod
     def forward(ctx, x, ex: ReplicaExchange, fc_w, fc_b, proj_w, proj_b):
@@ -314,9 +291,8 @@ class AggBox:
 
 
 class _AggWaitLater(torch.autograd.Function):
-    """Identity on the previous MoE layer's output; backward (the non-expert backward between the two
-    MoE layers is over, so Agg had that compute to hide behind): wait for the next layer's Agg, when it
-    left its exchange in the box, and hand its sums to that layer's parameters."""
+    """Identity on the previous MoE layer's output; backward (after the non-expert backward Agg hid
+    behind): wait for the next layer's Agg, if it left its exchange in the box."""
 
     @staticmethod
     def forward(ctx, y, box: AggBox, fc_w, fc_b, proj_w, proj_b):
@@ -330,8 +306,6 @@ class _AggWaitLater(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- the runtime
-
-
 class PlacedLayer:
     """What one MoE layer's dispatcher holds while a placement with replicas is active."""
 
@@ -359,8 +333,8 @@ class PlacedLayer:
 
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
         """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
-        (scheduled) and put the Agg wait on the previous MoE layer's output (the box it set up this
-        forward: the anchor's output for the first MoE layer) or, without a box, on this layer's input."""
+        (scheduled) and put the Agg wait in the box the previous MoE layer's (or anchor's) output set up
+        this forward, else on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
         box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
@@ -378,13 +352,10 @@ class PlacedLayer:
         return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
 
     def run_experts(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float) -> torch.Tensor:
-        """The experts on the ragged input x [R, M] (rows per compute expert), replicas included;
-        prefetches the next MoE layer's Trans around the compute (scheduled).
-
-        The compute experts in expert order are the held replicas below this rank's own experts,
-        the own experts, the replicas above: the own ones run exactly as without placement
-        (`Experts.forward_ragged`), each group of replicas as one grouped MLP on views of the Trans
-        buffers (no copy of any weight)."""
+        """The experts on the ragged input x [R, M] (rows per compute expert: held replicas below this
+        rank's own experts, the own experts, replicas above); prefetches the next MoE layer's Trans
+        around the compute (scheduled). The own experts run as without placement
+        (`Experts.forward_ragged`), each group of replicas as one grouped MLP on the Trans buffers."""
         ex = self.exchange if self.exchange is not None else self.new_exchange()
         self.exchange = None
         nxt = self.runtime.next_placed(self.layer_idx) if self.runtime.schedule else None
@@ -438,41 +409,22 @@ Planner = Callable[[list[list[int]]], Sequence[Sequence[int]]]
 
 
 class ProProphet:
-    """Per model: the placements of the MoE layers, Trans prefetch across layers, and the plan for
-    the next iteration from this one's counts (locality).
+    """Per model: the MoE layers' placements, Trans prefetch across layers, and the plan for the
+    next iteration from this one's counts (module docstring).
 
-    `planner` (None: the placements stay as set, e.g. a forced plan) runs every `interval`
-    iterations on each layer's [N_EP, E] counts; it must be deterministic, so that every rank of
-    the EP x ESP group, holding the same counts, makes the same plan.
-
-    Counts (locality): every dropless dispatcher appends this rank's routed counts to its count
-    exchange (`TokenDispatcher.set_counts_sink`), so every rank of the EP x ESP group receives every
-    rank's counts without a collective of its own; `collected_counts` sums them over the forwards
-    of the iteration (those under autograd). Planning: when the layer's last forward of the
-    iteration launched its token all-to-all (the number of forwards per iteration is learned from
-    the previous iteration), the plan for the next iteration is made from the complete counts while
-    the all-to-all is in flight (`plan_in_flight`); `end_iteration` uses it, or plans there when it
-    could not (first iteration, a forward after it, a calibration fit due). Same plans either way.
-
-    `calibrator` (`pro_prophet.calibration.Calibrator`, optional): the calibration iterations run
-    with or without placement as it says, the MoE layers are timed (`pro_prophet.clock.LayerClock`),
-    and after its last one the times are MAX-reduced over the world (one all-reduce, once) and
-    fitted; the planner reads `calibrator.model`, so later plans use the fit. With a trial, its
-    iterations are timed too and at its end the fit is multiplied by their contention factor
-    (`calibration.contention`: every modelled time scaled alike, every plan unchanged).
-
-    `anchor` (scheduled only; optional): a module that runs in the forward before the first MoE
-    layer and whose output needs a gradient (the trainer's: the token embedding). Its forward starts
-    the first MoE layer's Trans (instead of that layer's own start: the non-expert forward in between
-    hides it), and its output carries the wait for that layer's Agg (instead of the layer's own input
-    gradient: the whole non-expert backward in between hides it; the anchor's backward is the last
-    before the optimizer step).
-
-    `measure_iters` K > 0 (with a planner): the trial (module docstring) measures K timed passes of
-    each alternative, from the first iteration after the calibration at which it has the turn (`turn`,
-    `training.take_turns`); `decision` holds its pick. While it runs, plans are made at the end of the
-    iteration, not under the all-to-all. `wider` (optional, with a trial): the third alternative's
-    planner, deterministic like `planner`."""
+    planner / wider: counts [N_EP, E] -> replicas per expert, deterministic so that every rank of the
+      EP x ESP group, holding the same counts, plans alike; run every `interval` iterations (planner
+      None: the placements stay as set). `wider`: the trial's third arm.
+    Counts come with the dropless dispatchers' count exchange (`TokenDispatcher.set_counts_sink`):
+      `collected_counts` sums the iteration's forwards under autograd, identical on every rank.
+      With `plan_in_flight` the next iteration is planned while the layer's last forward's all-to-all
+      is in flight, else (or when it could not) in `end_iteration`; same plans either way.
+    calibrator: decides which calibration iterations run placed; the MoE layers are timed
+      (`LayerClock`), the times MAX-reduced over the world and fitted; plans use `calibrator.model`.
+    anchor (scheduled only): a module before the first MoE layer whose output needs a gradient (the
+      token embedding): its forward starts that layer's Trans, its output carries its Agg wait.
+    measure_iters K > 0 (with a planner): the trial's timed passes per arm, from the first iteration
+      after the calibration at which it has the turn (`turn`); `decision` holds its pick."""
 
     turn = True  # `training.take_turns`: False while another in-training trial measures
 
@@ -500,9 +452,7 @@ class ProProphet:
         self.forwards = {la.layer_idx: 0 for la in self.layers}  # forwards under autograd this iteration
         self.forwards_per_iteration: Optional[int] = None  # learned from the last iteration
         self.running: Optional[int] = None  # the iteration now running (known after the first ends)
-        self.ended = (
-            0  # iterations ended under this runtime (the calibrator counts these: a resumed run calibrates too)
-        )
+        self.ended = 0  # iterations ended under this runtime (what the calibrator counts)
         self.early: dict[int, tuple[int, Placement]] = {}  # layer -> (forwards seen, plan made in flight)
         self.planned_in_flight = 0  # layer plans made under an all-to-all and used
         self.clock = LayerClock(self.layers, ps.device) if calibrator is not None and calibrator.iters else None
@@ -529,9 +479,8 @@ class ProProphet:
                 anchor.register_forward_hook(self._agg_wait_hook(self.layers[0]))
 
     def _trans_early_hook(self, module, args) -> None:
-        """A forward pre-hook of the anchor: launch the first MoE layer's Trans (both parts) now, so it
-        overlaps the non-expert forward before that layer (the weights are final: the optimizer step of
-        the last iteration is over when the next forward starts)."""
+        """A forward pre-hook of the anchor: launch the first MoE layer's Trans (both parts) now (the
+        last optimizer step is over), to overlap the non-expert forward before that layer."""
         first = self.layers[0]
         if torch.is_grad_enabled() and first.dispatcher.placement is not None:
             self.prefetch(first.layer_idx, 0)
@@ -568,15 +517,14 @@ class ProProphet:
         for this iteration are complete and `end_iteration` will plan with the current model."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
-        if self._trial_at(self.ended + 1):
-            return  # the trial's iterations (and the one before them) plan at their end: each arm pays its own
+        nxt = self.ended + 1
         if (
-            self.forwards[layer_idx] != self.forwards_per_iteration
-            or self._action(self.running, self.ended + 1) != "plan"
+            self._trial_at(nxt)  # the trial's iterations plan at their end: each arm pays its own planning
+            or self.forwards[layer_idx] != self.forwards_per_iteration
+            or self._action(self.running, nxt) != "plan"
+            or (self.calibrator is not None and self.calibrator.fit_due(nxt))  # the model changes at the end
         ):
             return
-        if self.calibrator is not None and self.calibrator.fit_due(self.ended + 1):
-            return  # the model changes at the end of this iteration
         self.early[layer_idx] = (self.forwards[layer_idx], self._plan(self.counts[layer_idx], self._wide()))
 
     def collected_counts(self) -> torch.Tensor:
@@ -711,8 +659,7 @@ class ProProphet:
             self.forwards[la.layer_idx] = 0
         if action == "off":
             self.set_plans({})
-            return False
-        if action == "keep":
+        if action != "plan":
             return False
         plans = {}
         wide = self._wide()

@@ -10,46 +10,5 @@
               a departure from the paper): `fit_calibration`, `Calibrator`
   clock       the MoE layers' measured forward + backward time per iteration (`LayerClock`)
 
-The runtime (replicas in the dispatcher, Trans/Agg) lives in `megatron_moe.moe`.
+The runtime (replicas in the dispatcher, Trans/Agg) lives in `megatron_moe.moe.placement`.
 """
-
-from megatron_moe.pro_prophet.calibration import Calibrator, fit_calibration
-from megatron_moe.pro_prophet.clock import LayerClock
-from megatron_moe.pro_prophet.perf_model import (
-    Calibration,
-    LayerTerms,
-    PerfConstants,
-    PerfModel,
-    fit_constants,
-    loads,
-    measure_constants,
-)
-from megatron_moe.pro_prophet.planner import (
-    BlockSchedule,
-    CommLaunch,
-    PlacementPlan,
-    block_schedule,
-    heaviest_to_all,
-    is_balanced,
-    plan,
-)
-
-__all__ = [
-    "Calibration",
-    "Calibrator",
-    "LayerClock",
-    "LayerTerms",
-    "fit_calibration",
-    "PerfConstants",
-    "PerfModel",
-    "fit_constants",
-    "loads",
-    "measure_constants",
-    "BlockSchedule",
-    "CommLaunch",
-    "PlacementPlan",
-    "block_schedule",
-    "heaviest_to_all",
-    "is_balanced",
-    "plan",
-]

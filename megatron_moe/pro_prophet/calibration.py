@@ -1,62 +1,40 @@
 """Fitting Pro-Prophet's performance model to measured MoE-layer times (a departure from the paper).
 
-The paper's eq. (8) assumes Trans hides completely behind the block's forward compute and Agg
-behind its backward, and its terms come from constants profiled one op at a time. On CPU ranks
-with gloo a transfer in flight takes cycles from the compute it overlaps, a point-to-point
-transfer is not the all-gather its constant was profiled with, and the ops of a layer run slower
-together than alone. So the planner plans with (`perf_model.Calibration`):
+Eq. (8) assumes Trans / Agg hide completely behind compute and its terms come from ops profiled
+one at a time; on CPU ranks with gloo a transfer takes cycles from the compute it overlaps and the
+ops of a layer run slower together than alone. The planner therefore plans with
+(`perf_model.Calibration`):
 
   T'' = scale * (4 T_A2A + 3 T_FEC) + X
   X   = comm (T_Trans + T_Agg)                                                            (eq. (6))
   X   = max(0, comm T_Trans - eta scale (T_FEC + fnec)) + max(0, comm T_Agg - eta scale (T_BEC + bnec))
                                                                                           (eq. (8))
-(the windows of eq. (8) are compute: when the layer's compute runs `scale` times slower than
-profiled, so do the windows a transfer hides behind; with windows taken at their profiled length a
-run whose compute is 2x slower than profiled priced every large Trans as exposed and preferred a
-lighter plan that measured slower)
+The windows of eq. (8) are compute and scale with it (with unscaled windows, a run whose compute
+was 2x slower than profiled priced every large Trans as exposed and kept a plan that measured slower).
 
-`fit_calibration` fits it to samples (one per iteration: the `LayerTerms` of every MoE layer under
-the placement used, and the measured seconds of those layers, forward + backward), least squares
-on the relative error:
-  eq. (6) (no scheduler): scale > 0 and comm >= 0, closed form (2 x 2 normal equations, comm
-    clamped at 0); eta plays no part and keeps its prior;
-  eq. (8) (scheduler): scale > 0 and the overlap efficiency eta in [0, 1], comm = 1 (the profiled
-    transfer cost: with the exposure unknown too, comm and eta could not be told apart from one
-    plan): for each eta of a grid of `ETA_STEPS + 1` values, scale by fixed-point iteration (the
-    closed form with the windows at the previous iterate's scale, `SCALE_ROUNDS` rounds from the
-    windows at their modelled length), the eta with the least residual, among equally good ones the
-    one nearest the prior (1.0, the paper's).
-Without any transfer in the samples only scale is fitted, and comm = scale (the transfers are taken
-to slow down like everything else the run measured: a plan is then judged as by the uncalibrated
-model, not one whose compute alone got dearer) with eta at its prior. Then the fixed
-overhead of a layer with replicas (`Calibration.overhead`): per layer with replicas, the mean
-extra residual (measured - T'') of the samples with replicas over that of the samples without,
-less the run's own noise (the larger spread of either kind: the iterations of a kind ran about the
-same work), clamped at 0 (0 when either kind of sample is missing); the planner then keeps the
-empty plan unless the modelled gain exceeds it. Like Lancet's
-contention fit (`lancet.planner.fit_contention`), the model only learns what the run measured.
+`fit_calibration`: least squares on the relative error over samples (the `LayerTerms` of every MoE
+layer under the placement used, the measured seconds of those layers, forward + backward):
+  eq. (6): scale > 0 and comm >= 0 in closed form (2 x 2 normal equations, comm clamped at 0);
+    eta keeps its prior;
+  eq. (8): comm = 1 (comm and eta cannot be told apart from one plan); for each eta of a grid of
+    `ETA_STEPS + 1` values, scale by fixed-point iteration (`SCALE_ROUNDS` rounds, the windows at
+    the previous iterate's scale); the eta with the least residual, ties to the one nearest the
+    prior (1.0, the paper's);
+  no transfer in the samples: only scale is fitted, comm = scale, eta at its prior.
+Then `Calibration.overhead`, the fixed cost of a layer with replicas: the mean extra residual
+(measured - T'') per placed layer of the samples with replicas over those without, less the run's
+noise (the larger spread of either kind), clamped at 0 (0 when either kind is missing).
 
-`Calibrator` holds the model the planner uses and says what the first iterations do:
-  iterations 1 .. skip + iters (counted from the runtime's first, so a resumed run calibrates too)
-  are calibration iterations: odd ones run without placement, even
-  ones with the plan of the uncalibrated model, so the samples tell the layer's scale (no
-  transfer) apart from the cost of Trans / Agg; iterations skip + 1 .. skip + iters are the
-  samples (the first `skip` pay one-time costs: allocations, the first point-to-point connections);
-  after iteration skip + iters the fit replaces the model's calibration and every later plan uses it.
-  With `sample_more(n)` (the runtime's trial, alternating the fitted model's plan, with a wider arm
-  that plan plus one more greedy move, and the empty plan, up to n iterations after the calibration)
-  those n iterations are sampled too and after the last of them (`refit_at`) the fit is multiplied by one contention factor k fitted
-  on them alone (`contention`): the layer times drift after the calibration (the replicas' plan
-  running every other iteration, other work on the machine), and these samples are the run's own
-  layer times closest to those the model then predicts, like Lancet's contention term fitted on
-  the run's own measured steps. Only a uniform factor: every plan stays the one the trial timed.
-  The runtime decides its trial first and passes `kept`: the factor then comes from the timed
-  iterations of the arm the run keeps (placed, wider or the empty plan) alone, the configuration
-  whose layer times the model predicts from then on (one factor over all arms left the kept
-  2-expert plan under-predicted by 13-23 %: the placed iterations run slower against the model than
-  the plain ones, Trans / Agg taking cycles from the compute they overlap on a 2-core machine).
-Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, makes them
-identical on every rank (a MAX all-reduce, once) and hands them in.
+`Calibrator` runs the calibration iterations 1 .. skip + iters (counted from the runtime's first,
+so a resumed run calibrates too): odd ones without placement, even ones with the uncalibrated
+model's plan, so the samples tell the scale apart from the cost of Trans / Agg; iterations
+skip + 1 .. skip + iters are sampled (the first `skip` pay one-time costs) and fitted after the
+last. With `sample_more(n)` (the runtime's trial) the next n iterations are sampled too and after
+them (`refit_at`) the fit is multiplied by one contention factor (`contention`), fitted on the
+timed iterations of the arm the run keeps (`kept`): one factor over all arms left the kept
+2-expert plan under-predicted by 13-23 %. A uniform factor changes no plan.
+Pure data and arithmetic: the runtime (`moe.placement.ProProphet`) measures the times, MAX-reduces
+them over ranks (once) and hands them in.
 """
 
 from __future__ import annotations
@@ -170,9 +148,7 @@ def with_overhead(samples: Sequence[Sample], overlap: bool, cal: Calibration) ->
 def contention(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Calibration:
     """`cal` times k, the factor by which `samples` ran slower (k > 1) or faster than `cal` predicts:
     least squares on the relative error, k = sum(u) / sum(u^2) with u = T''(cal) / measured; scale,
-    comm and overhead all multiplied (eta kept), so every modelled time is k times `cal`'s and every
-    plan the planner makes is the same (Algorithm 1 only compares modelled times). `cal` unchanged
-    when there is no sample."""
+    comm and overhead multiplied (eta kept), so every plan stays the same. `cal` when no sample."""
     u = [sum(t.time(overlap, cal) for t in terms) / m for terms, m in samples if m > 0]
     if not u or sum(u) <= 0:
         return cal
@@ -198,11 +174,9 @@ class Calibrator:
         self.fits = 0  # fits made
 
     def sample_more(self, iterations: Optional[int]) -> None:
-        """Also sample the `iterations` iterations after the calibration (the runtime's trial, which
-        runs the fitted model's plan(s) and the empty plan) and refit on every sample after the last of
-        them: the plans after it are made, and the run's later layer times predicted, by a fit that saw
-        the plan the run keeps and times closer to the ones it predicts. None: sample on until a later
-        call gives the number (the trial has not begun: another trial of the run measures first)."""
+        """Also sample the `iterations` iterations after the calibration (the runtime's trial) and
+        refit after the last of them (`refit_at`, `fit`). None: sample on until a later call gives the
+        number (the trial has not begun)."""
         if iterations is not None and iterations < 0:
             raise ValueError(f"Calibrator.sample_more: iterations must be >= 0, got {iterations}")
         self.extra = (math.inf if iterations is None else iterations) if self.iters else 0
@@ -239,19 +213,17 @@ class Calibrator:
             self.measured.append(float(seconds))
 
     def fit_due(self, iteration: int) -> bool:
-        """True after the last calibration iteration and after `refit_at`, once each (the runtime then
-        calls `fit`)."""
+        """True after the last calibration iteration and after `refit_at`, once each (then call `fit`)."""
         if not self.iters:
             return False
         first = iteration == self.last and self.fits == 0
         return first or (self.extra > 0 and iteration == self.refit_at and self.fits == 1)
 
     def fit(self, measured: Sequence[float], kept: Optional[Sequence[bool]] = None) -> Calibration:
-        """Fit on the recorded terms and `measured` (the recorded times made equal on every rank: their
-        maximum over ranks) and plan with the result from now on: the first time `fit_calibration`,
-        the second (`refit_at`) that fit times the contention factor of the samples since; `kept` (one
-        flag per sample since, the runtime's trial: its kept arm's timed iterations) restricts that
-        factor to the samples of the configuration the run goes on with, when any is flagged."""
+        """Fit on the recorded terms and `measured` (the recorded times, maximum over ranks) and plan
+        with the result from now on: the first time `fit_calibration`, the second (`refit_at`) that fit
+        times the `contention` factor of the samples since, restricted to those flagged in `kept` (one
+        flag per later sample) when any is."""
         if len(measured) != len(self.terms):
             raise ValueError(f"Calibrator.fit: {len(measured)} times for {len(self.terms)} samples")
         if self.fits and self.fitted is not None:
@@ -262,13 +234,10 @@ class Calibrator:
                     raise ValueError(f"Calibrator.fit: {len(kept)} kept flags for {len(pairs)} later samples")
                 if any(kept):
                     pairs = [p for p, k in zip(pairs, kept) if k]
-            later = [(t, m) for t, m in pairs if m > 0]
-            self.fitted = contention(later, self.model.overlap, self.fitted)
-            self.model = replace(self.model, calibration=self.fitted)
-            self.fits += 1
-            return self.fitted
-        samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
-        self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
+            self.fitted = contention([(t, m) for t, m in pairs if m > 0], self.model.overlap, self.fitted)
+        else:
+            samples = [(t, m) for t, m in zip(self.terms, measured) if m > 0]
+            self.fitted = fit_calibration(samples, self.model.overlap) if samples else Calibration()
         self.model = replace(self.model, calibration=self.fitted)
         self.fits += 1
         return self.fitted

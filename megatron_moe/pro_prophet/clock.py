@@ -1,12 +1,10 @@
 """The measured time of the MoE layers in one iteration: what `calibration` fits the model to.
 
-`LayerClock(layers, device)` times each MoE layer's forward (a forward pre-hook and a forward hook
-on the module) and backward (a gradient hook on the layer's output: backward reaches the layer; a
-gradient hook on the layer's input: the layer's backward is over, including Pro-Prophet's Agg
-wait, which sits on the input). Only forwards under autograd are timed. On CUDA the stamps are
-timing events on the current stream (no host synchronization until `take`); elsewhere
-`clock()` (default `time.perf_counter`). Hooks are the modules' and tensors' own (`register_forward_hook`,
-`Tensor.register_hook`); `remove` takes them off.
+`LayerClock(layers, device)` times each MoE layer's forward (module forward pre-hook and hook) and
+backward (from a gradient hook on the layer's output, when backward reaches the layer, to one on
+its input, when its backward, Pro-Prophet's Agg wait included, is over); only forwards under
+autograd. On CUDA the stamps are timing events on the current stream (no host synchronization
+until `take`), elsewhere `clock()` (default `time.perf_counter`). `remove` takes the hooks off.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Pro-Prophet's performance model of one MoE layer under a lightweight expert placement.
 
-Legend: D devices (ranks of the EP group, 0..D-1), E experts, expert e owned by rank
-e // (E / D). `counts_DE[d, e]` = tokens (routed choices) device d sends to expert e in one
-iteration. A placement gives each expert a (possibly empty) set of replica ranks; a rank
-holding a replica of e computes its own tokens for e locally, every other rank still sends
-its e-tokens to the owner (the runtime's semantics).
+Legend: D devices (ranks of the EP group, 0..D-1), E experts, expert e owned by rank e // (E / D),
+`counts_DE[d, e]` tokens (routed choices) device d sends to expert e in one iteration. A placement
+gives each expert a (possibly empty) set of replica ranks; a replica rank computes its own tokens
+for e locally, every other rank sends them to the owner (the runtime's semantics).
 
 Per device i (`loads`):
   H_i  tokens computed on i    = sum over e owned by i of the tokens of ranks not replicating e
@@ -26,21 +25,14 @@ alpha = 0 gives the paper's form exactly):
                 (with the scheduler: Trans hides behind the previous block's forward compute,
                 Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
 
-Departure from the paper (`Calibration`, fitted by `pro_prophet.calibration`): the planner's
-model is T'' = scale * (4 T_A2A + 3 T_FEC) + X with X = comm (T_Trans + T_Agg) (eq. (6)) or
-X = max(0, comm T_Trans - eta scale (T_FEC + fnec_s)) + max(0, comm T_Agg - eta scale (T_BEC + bnec_s))
-(eq. (8): the hiding windows are compute, which runs `scale` times its modelled time like the rest):
-`scale` is how much slower the layer runs than its parts profiled one at a time, `comm` what an
-exposed second of Trans / Agg really costs, `eta` in [0, 1] the share of the compute window that
-really hides a transfer (CPU ranks: gloo's transfers take cycles from the compute they overlap).
-`overhead` [s] is the measured fixed cost of running a layer with replicas at all (the replica
-path's bookkeeping, the extra autograd nodes and messages) beyond what Trans / Agg cost: added to
-T'' of a layer with at least one moved expert, so a plan whose modelled gain is below it loses to
-the empty plan. scale = comm = eta = 1, overhead = 0 (the default) is the paper's form exactly.
+Departure from the paper (`Calibration`; `pro_prophet.calibration` gives the calibrated T'' and
+its fit): `scale` multiplies the all-to-all and expert compute terms and eq. (8)'s windows, `comm`
+the exposed Trans / Agg, `eta` in [0, 1] the share of a window that hides a transfer, `overhead`
+[s] the fixed cost of a layer with replicas (a plan whose modelled gain is below it loses to the
+empty plan). The defaults (1, 1, 1, 0) give the paper's form exactly.
 
-Constants come from `fit_constants` (least squares on (size, time) samples) or
-`measure_constants` (the project's collective profiler on the real EP group, plus a timed
-expert FFN on the model's device; collective over the world, identical numbers on every rank).
+Constants come from `fit_constants` (least squares on (size, time) samples) or `measure_constants`
+(timed on the real EP group and device; collective, identical numbers on every rank).
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.moe.comm_profile import fit_sizes, profile_sizes, time_collective
-from megatron_moe.moe.cost_model import AlphaBeta, fit_alpha_beta
+from megatron_moe.moe.cost_model import fit_alpha_beta
 
 if TYPE_CHECKING:
     from megatron_moe.parallel_state import ParallelState
@@ -69,9 +61,8 @@ class PerfConstants:
 
     a2a_alpha, a2a_beta: one all-to-all; beta per element a rank receives from the others.
     bcast_alpha, bcast_beta: one expert's Trans (or Agg); beta per element of the expert when it
-      reaches all D ranks (scaled by reached / D otherwise). Measured as an all-gather on the EP
-      group whose per-rank input is the expert: every rank sends and receives (D - 1) copies, what
-      an owner sending its expert to the D - 1 others (Trans) or receiving their gradients (Agg) moves.
+      reaches all D ranks (scaled by reached / D otherwise). Measured as an all-gather on the EP group
+      with the expert as per-rank input: (D - 1) copies in and out, what a Trans or Agg to all moves.
     expert_alpha, expert_beta: forward expert compute; alpha per expert GEMM pair launched on a
       device, beta per token (the paper's 1 / t).
     """
@@ -92,10 +83,7 @@ class PerfConstants:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the run measures beyond the profiled constants (module docstring): `scale` > 0 multiplies
-    the all-to-all and expert compute terms, `comm` >= 0 the exposed Trans / Agg, `eta` in [0, 1] is
-    the overlap efficiency of eq. (8)'s hiding windows, `overhead` >= 0 [s] the fixed cost of a layer
-    with replicas. The defaults (1, 1, 1, 0): the paper's equations."""
+    """The calibration (module docstring): scale > 0, comm >= 0, eta in [0, 1], overhead >= 0 [s]."""
 
     scale: float = 1.0
     comm: float = 1.0
@@ -136,8 +124,8 @@ class LayerTerms:
         return max(0.0, comm * self.trans - w * self.fwd_window) + max(0.0, comm * self.agg - w * self.bwd_window)
 
     def time(self, overlap: bool, cal: Calibration) -> float:
-        """T'' of the layer (eq. (6) or (8), calibrated; the fixed overhead when placed). The windows of
-        eq. (8) are compute, so they take `cal.scale` x their modelled time like the layer's compute."""
+        """T'' of the layer (eq. (6) or (8), calibrated, eq. (8)'s windows scaled like the layer's
+        compute; the fixed overhead when placed)."""
         fixed = cal.overhead if self.placed else 0.0
         return cal.scale * self.base + self.exposed(overlap, cal.eta, cal.comm, cal.scale) + fixed
 
@@ -169,65 +157,25 @@ class PerfModel:
         if self.fnec_s < 0 or self.bnec_s < 0:
             raise ValueError(f"PerfModel.fnec_s / bnec_s must be >= 0, got {self.fnec_s!r} / {self.bnec_s!r}")
 
-    # -- terms -----------------------------------------------------------------------------
-    def a2a_time(self, max_received: float) -> float:
-        """Eq. (1): one all-to-all whose busiest receiver gets `max_received` tokens from others."""
-        c = self.constants
-        return c.a2a_alpha + c.a2a_beta * self.token_elements * float(max_received)
-
-    def fec_time(self, computed: Sequence[float], gemms: Sequence[float]) -> float:
-        """Eq. (2): forward expert compute, the slowest device (tokens `computed`, expert sets `gemms`)."""
-        c = self.constants
-        return max(c.expert_alpha * float(g) + c.expert_beta * float(h) for h, g in zip(computed, gemms))
-
-    def trans_time(self, reached: Sequence[int], num_devices: int) -> float:
-        """Eq. (4): Trans of the moved experts; `reached[j]` = ranks expert j spans (owner + replicas)."""
-        c = self.constants
-        return sum(c.bcast_alpha + c.bcast_beta * self.param_elements * r / num_devices for r in reached)
-
-    def agg_time(self, reached: Sequence[int], num_devices: int) -> float:
-        """Eq. (5): Agg of the moved experts' gradients back to their owners."""
-        c = self.constants
-        return sum(c.bcast_alpha + c.bcast_beta * self.grad_elements * r / num_devices for r in reached)
-
-    def combine(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float, placed: bool = False) -> float:
-        """Eq. (6), or eq. (8) when `overlap`: the layer's time from its terms (calibrated)."""
-        return self.layer_terms(t_a2a, t_fec, t_trans, t_agg, placed).time(self.overlap, self.calibration)
-
-    def layer_terms(self, t_a2a: float, t_fec: float, t_trans: float, t_agg: float, placed: bool = False) -> LayerTerms:
-        """The terms `combine` and the calibration fit work on."""
-        fwd, bwd = t_fec + self.fnec_s, 2 * t_fec + self.bnec_s
-        return LayerTerms(4 * t_a2a + 3 * t_fec, t_trans, t_agg, fwd, bwd, placed)
-
-    # -- whole layer -----------------------------------------------------------------------
-    def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
-        """T' of one MoE layer for the counts [D, E] under `replicas` (None: no placement)."""
-        return self.breakdown(counts_DE, replicas)["total"]
-
     def terms(self, counts_DE, replicas: Replicas | None = None) -> LayerTerms:
-        """The `LayerTerms` of one layer for the counts [D, E] under `replicas`."""
-        b = self.breakdown(counts_DE, replicas)
-        return self.layer_terms(b["a2a"], b["fec"], b["trans"], b["agg"], b["placed"])
-
-    def breakdown(self, counts_DE, replicas: Replicas | None = None) -> dict:
-        """Every term of the model for one layer: a2a, fec, bec, trans, agg, total [s], placed (any replica)."""
+        """The `LayerTerms` of one layer for the counts [D, E] under `replicas` (None: no placement)."""
         counts = check_counts(counts_DE)
         d, e = counts.shape
         reps = normalize_replicas(replicas, d, e)
         h, r, g = loads(counts, reps)
-        reached = [len(rs) + 1 for rs in reps if rs]
-        t_a2a = self.a2a_time(int(r.max()))
-        t_fec = self.fec_time(h.tolist(), g.tolist())
-        t_trans, t_agg = self.trans_time(reached, d), self.agg_time(reached, d)
-        return {
-            "a2a": t_a2a,
-            "fec": t_fec,
-            "bec": 2 * t_fec,
-            "trans": t_trans,
-            "agg": t_agg,
-            "placed": bool(reached),
-            "total": self.combine(t_a2a, t_fec, t_trans, t_agg, bool(reached)),
-        }
+        reached = [len(rs) + 1 for rs in reps if rs]  # ranks each moved expert spans (owner + replicas)
+        c = self.constants
+        t_a2a = c.a2a_alpha + c.a2a_beta * self.token_elements * float(int(r.max()))  # eq. (1)
+        hg = zip(h.tolist(), g.tolist())
+        t_fec = max(c.expert_alpha * float(gi) + c.expert_beta * float(hi) for hi, gi in hg)  # eq. (2)
+        t_trans = sum(c.bcast_alpha + c.bcast_beta * self.param_elements * n / d for n in reached)  # eq. (4)
+        t_agg = sum(c.bcast_alpha + c.bcast_beta * self.grad_elements * n / d for n in reached)  # eq. (5)
+        fwd, bwd = t_fec + self.fnec_s, 2 * t_fec + self.bnec_s  # eq. (3): T_BEC = 2 T_FEC
+        return LayerTerms(4 * t_a2a + 3 * t_fec, t_trans, t_agg, fwd, bwd, bool(reached))
+
+    def layer_time(self, counts_DE, replicas: Replicas | None = None) -> float:
+        """T'' of one MoE layer (eq. (6), or (8) when `overlap`; calibrated) for the counts [D, E]."""
+        return self.terms(counts_DE, replicas).time(self.overlap, self.calibration)
 
 
 # -- loads ---------------------------------------------------------------------------------
@@ -269,10 +217,8 @@ def normalize_replicas(replicas: Replicas | None, num_devices: int, num_experts:
 
 
 def loads(counts_DE: np.ndarray, replicas: Replicas) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(H computed tokens [D], R tokens received from others [D], G expert sets used [D]).
-
-    `counts_DE` int [D, E]; `replicas` E sequences of non-owner ranks (see module docstring).
-    """
+    """(H computed tokens [D], R tokens received from others [D], G expert sets used [D]) for the
+    int counts [D, E] under `replicas` (E sequences of non-owner ranks; module docstring)."""
     d, e = counts_DE.shape
     per = e // d
     local_DE = np.zeros((d, e), dtype=bool)
@@ -293,39 +239,28 @@ def fit_constants(
     bcast: tuple[Sequence[float], Sequence[float]],
     expert: tuple[Sequence[float], Sequence[float]],
 ) -> PerfConstants:
-    """Least-squares constants from (sizes, times [s]) samples of the three kinds.
-
-    a2a: (elements a rank receives from the others, all-to-all time); bcast: (expert elements
-    reaching all D ranks, Trans time); expert: (tokens, forward expert time of one expert GEMM
-    pair). Each pair is fitted by `cost_model.fit_alpha_beta` (exact on noiseless lines).
-    """
+    """Least-squares constants (`cost_model.fit_alpha_beta`) from (sizes, times [s]) samples: a2a
+    (elements a rank receives from the others, all-to-all time), bcast (expert elements reaching all D
+    ranks, Trans time), expert (tokens, forward time of one expert GEMM pair)."""
     fits = [fit_alpha_beta(list(s), list(t)) for s, t in (a2a, bcast, expert)]
     return PerfConstants(fits[0].alpha, fits[0].beta, fits[1].alpha, fits[1].beta, fits[2].alpha, fits[2].beta)
 
 
-def time_expert_ffn(
-    tokens: int,
-    hidden: int,
-    ffn_hidden: int,
-    device: torch.device,
-    reps: int = 3,
-    warmup: int = 1,
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """Median wall time [s] of one expert FFN forward (x[T, M] @ W1[M, F], GeLU, @ W2[F, M]) on `device`."""
-    x = torch.full((tokens, hidden), 0.01, device=device, dtype=dtype)
-    w1 = torch.full((hidden, ffn_hidden), 0.01, device=device, dtype=dtype)
-    w2 = torch.full((ffn_hidden, hidden), 0.01, device=device, dtype=dtype)
+def time_expert_ffn(tokens: int, hidden: int, ffn_hidden: int, device: torch.device, reps: int = 3) -> float:
+    """Median wall time [s] of one fp32 expert FFN forward (x[T, M] @ W1[M, F], GeLU, @ W2[F, M]) on
+    `device`, after one warm-up run."""
+    shapes = ((tokens, hidden), (hidden, ffn_hidden), (ffn_hidden, hidden))
+    x, w1, w2 = (torch.full(shape, 0.01, device=device, dtype=torch.float32) for shape in shapes)
     samples = []
     with torch.no_grad():
-        for i in range(warmup + reps):
+        for i in range(1 + reps):
             if x.is_cuda:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             torch.nn.functional.gelu(x @ w1) @ w2
             if x.is_cuda:
                 torch.cuda.synchronize(device)
-            if i >= warmup:
+            if i >= 1:
                 samples.append(time.perf_counter() - t0)
     return float(sorted(samples)[len(samples) // 2])
 
@@ -373,9 +308,8 @@ def measure_constants(
         [time_expert_ffn(t, token_elements, ffn_hidden, device, reps) for t in tok_sizes],
     ]
     width = max(len(x) for x in rows)
-    times = torch.tensor([x + [0.0] * (width - len(x)) for x in rows], dtype=torch.float64, device=device).reshape(
-        3, width
-    )
+    padded = [x + [0.0] * (width - len(x)) for x in rows]
+    times = torch.tensor(padded, dtype=torch.float64, device=device).reshape(3, width)
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     t = times.cpu().tolist()
@@ -392,10 +326,3 @@ def measure_constants(
     vals = torch.tensor(fitted, dtype=torch.float64, device=device)
     dist.broadcast(vals, src=0)
     return PerfConstants(*(float(v) for v in vals.cpu().tolist()))
-
-
-def alpha_beta(constants: PerfConstants, kind: str) -> AlphaBeta:
-    """One (alpha, beta) pair of the constants: kind in {"a2a", "bcast", "expert"}."""
-    if kind not in ("a2a", "bcast", "expert"):
-        raise ValueError(f"unknown constant kind {kind!r} (a2a, bcast, expert)")
-    return AlphaBeta(getattr(constants, f"{kind}_alpha"), getattr(constants, f"{kind}_beta"))

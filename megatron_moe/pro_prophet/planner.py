@@ -1,29 +1,23 @@
 """Pro-Prophet's planner: Algorithm 1 (greedy lightweight placement), the "k heaviest experts to
 every device" comparison, and Algorithm 2's block-wise Trans/Agg schedule, all as pure data.
 
-Legend as in `perf_model`: D EP ranks, E experts, expert e owned by rank e // (E / D),
-`counts_DE[d, e]` tokens rank d routes to expert e. A plan replicates some experts on other
-ranks for one iteration; a replica rank computes its own tokens for that expert, the others
-still send theirs to the owner. Replica ranks are ranks *of the EP group* (0..D-1).
+Legend as in `perf_model`; replica ranks are ranks of the EP group (0..D-1), a plan holds for one
+iteration.
 
 Algorithm 1 (`plan`), as in the paper with ties made explicit:
   T_best <- T'(no placement); L <- []; used <- {}
   while not balanced by (7) (max H - min H < alpha * I / E, I = all routed tokens):
       i <- the rank with the most computed tokens H (lowest rank on a tie)
       x <- the not yet used expert of i with the most tokens (lowest index on a tie);
-           stop if i has none left (the paper: stop when i's expert was used)
+           stop if i has none left
       b <- the n ranks (not the owner) with the fewest tokens for x (lowest rank on a tie)
-      replicate x on every other non-owner rank that routes at least one token to x
-           (Fig. 6: parameters go only where inputs are routed; a rank with none would
-           only add Trans/Agg volume); append x to L
+      replicate x on every other non-owner rank that routes at least one token to x (Fig. 6:
+           parameters go only where inputs are routed); append x to L
       T <- T'(placement of L); if T < T_best: T_best, cnt <- T, |L|
   return the placement of L[:cnt]
-`extra` (the runtime trial's "wider" alternative, `moe.placement`) keeps L[:min(cnt + extra, |L|)]
-instead: the model's best prefix and the next `extra` moves of the same greedy order (0: Algorithm 1).
-T' is the model's calibrated time: a layer with replicas also pays the measured fixed overhead
-(`perf_model.Calibration.overhead`), so a plan whose modelled gain is below it is never kept and
-the empty plan (no Trans / Agg, no replica path at all) wins.
-Every quantity is an integer or a float computed in the same order from the same inputs, so
+`extra` (the runtime trial's "wider" arm) keeps L[:min(cnt + extra, |L|)] instead. T' is the
+calibrated model's time, fixed overhead of a layer with replicas included, so a plan whose
+modelled gain is below it loses to the empty plan. Integer and float arithmetic in a fixed order:
 equal counts and constants give the same plan on every rank.
 """
 
@@ -58,17 +52,9 @@ class PlacementPlan:
     load_before: tuple[int, ...]
     load_after: tuple[int, ...]
 
-    def replicas_of(self, expert: int) -> tuple[int, ...]:
-        """EP ranks holding a replica of `expert` (empty: only its owner computes it)."""
-        return self.replicas[expert]
-
     def as_dict(self) -> dict[int, tuple[int, ...]]:
         """{expert: replica ranks} for the moved experts only, in expert order."""
         return {e: r for e, r in enumerate(self.replicas) if r}
-
-    def owner(self, expert: int) -> int:
-        """The EP rank owning `expert`."""
-        return owner_of(expert, self.num_devices, self.num_experts)
 
     @property
     def num_transfers(self) -> int:
@@ -210,10 +196,6 @@ class BlockSchedule:
 
     forward: tuple[CommLaunch, ...]
     backward: tuple[CommLaunch, ...]
-
-    def launched_with(self, block: int, compute: str) -> tuple[CommLaunch, ...]:
-        """The launches that start with `block`'s `compute` ("expert" / "non_expert"), forward then backward."""
-        return tuple(c for c in self.forward + self.backward if c.with_block == block and c.with_compute == compute)
 
 
 def _static_share(times: Sequence[float], budget: float) -> int:
