@@ -306,16 +306,13 @@ def write_sharded(
     progress: bool = True,
     before_commit: Optional[Callable[[str], None]] = None,
 ) -> str:
-    """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under `save`.
-
-    `save` is a checkpoint root: a new one is staged whole and renamed; into an existing
-    directory that holds no checkpoint the iteration directory is staged and renamed, then
-    `latest` is replaced, under the directory's writer lock (a trainer writing it is refused);
-    the root of another run (a `latest` or `iter_*` inside) is refused, so its `latest` never
-    moves. Each shard's SHA-256 goes into metadata.json and the tokenizer
-    (the source checkpoint's, else the config's) into ITER_DIR/tokenizer.
-    `before_commit(staged_iteration_dir)` runs before the rename (the --verify check), so a
-    failure leaves nothing behind. Returns the final iteration dir.
+    """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under the root
+    `save`; returns the final iteration dir. A new root is staged whole and renamed; into an existing
+    root holding no checkpoint the iteration dir is staged and renamed and `latest` replaced, under
+    the root's writer lock (a trainer writing it is refused); another run's root (a `latest` or
+    `iter_*` inside) is refused. metadata.json gets each shard's SHA-256, ITER_DIR/tokenizer the
+    source checkpoint's (else the config's) tokenizer. `before_commit(staged_iteration_dir)` (the
+    --verify check) runs before the rename, so a failure leaves nothing behind.
     """
     p = cfg.parallel
     mp, ep, esp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size

@@ -26,10 +26,8 @@ free devices left over take extra replicas of the expert with the highest load p
 replica set splits its expert's tokens evenly.
 
 Phase 2, traffic-aware (`traffic_aware_replan`): a re-plan from the actual counts balances expert
-rows but may move a replica away from the device whose tokens it served. Candidates are priced by
-`layer_cost` (the busiest device's expert rows times seconds per row plus the busiest sender's and
-receiver's link rows, `link_rows`, times seconds per link row); phase 1's placement is kept unless
-a candidate costs less.
+rows but may move a replica away from the device whose tokens it served, so candidates are priced
+by compute and link rows (`layer_cost`) and phase 1's placement is kept unless one costs less.
 """
 
 from __future__ import annotations
@@ -320,9 +318,8 @@ def link_rows(placement: Placement, counts_DE: list[list[int]]) -> tuple[list[in
 
 
 def layer_cost(placement: Placement, counts_DE: list[list[int]], row_s: float, link_row_s: float) -> float:
-    """Modelled MoE-layer time of a placement: the busiest device's expert rows x `row_s` (seconds per
-    expert row) plus the busiest sender's and the busiest receiver's link rows x `link_row_s`
-    (seconds per row crossing between devices; the dispatch, then the combine sending them back)."""
+    """Modelled MoE-layer time of a placement: the busiest device's expert rows x `row_s` [s/row] plus
+    the busiest sender's and receiver's link rows (dispatch, then combine) x `link_row_s` [s/row]."""
     D = len(counts_DE)
     rows = device_rows(placement, [sum(counts_DE[s][e] for s in range(D)) for e in range(len(placement.hosts))], D)
     sent, recv = link_rows(placement, counts_DE)

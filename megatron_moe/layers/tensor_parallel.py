@@ -174,9 +174,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        """(softmax - onehot(target)) * g in one pass over the logits and one over the targets: every
-        entry is softmax * g, then each target's entry is rewritten as (softmax - 1) * g (0 instead of 1
-        for a target outside this rank's columns), the same arithmetic as subtracting a one-hot first."""
+        """(softmax - onehot(target)) * g in one pass over the logits: softmax * g, then each target's
+        entry rewritten as (softmax - 1) * g (- 0 for a target outside this rank's columns)."""
         softmax, local_t, outside = ctx.saved_tensors
         g = g[..., None]
         grad = softmax * g

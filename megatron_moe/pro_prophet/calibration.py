@@ -157,11 +157,8 @@ def contention(samples: Sequence[Sample], overlap: bool, cal: Calibration) -> Ca
 
 
 class Calibrator:
-    """The planner's model and the calibration iterations (module docstring).
-
-    model: the uncalibrated model (its calibration is replaced by the fit); skip / iters: calibration
-    iterations not sampled / sampled (iters 0: no calibration, the model stays as given).
-    """
+    """The planner's model and the calibration iterations (module docstring). model: the uncalibrated
+    model; skip / iters: calibration iterations not sampled / sampled (iters 0: no calibration)."""
 
     def __init__(self, model: PerfModel, skip: int = SKIP, iters: int = ITERS):
         if skip < 0 or iters < 0:

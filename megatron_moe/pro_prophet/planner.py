@@ -212,14 +212,12 @@ def _static_share(times: Sequence[float], budget: float) -> int:
 def block_schedule(plans: Sequence[PlacementPlan], model: PerfModel) -> BlockSchedule:
     """Algorithm 2 for L blocks (block = an MoE layer + the non-MoE layer after it); plans[i] is block i's.
 
-    Forward: block 0's Trans is blocking, at the start; the Trans of block i+1 is split in two:
-    the part launched with block i's non-expert compute (FNEC) holds as many of its experts (the
-    last in plan order) as the model says fit in `model.fnec_s` (the static share), the rest is
-    launched with block i's expert compute (FEC). Backward (blocks L-1 .. 0; in a block the
-    non-MoE layer runs first): the Agg of block i+1 is split into a part launched with block i's
-    non-expert backward (the first experts in plan order that fit in `model.bnec_s`) and the rest
-    with block i's expert backward; block 0's Agg is blocking, at the end. Blocks without moved
-    experts launch nothing; every launch finishes within the iteration.
+    Forward: block 0's Trans blocks, at the start; block i+1's Trans goes with block i's non-expert
+    compute for as many of its last experts (plan order) as fit in `model.fnec_s` (the static share),
+    the rest with block i's expert compute. Backward (blocks L-1 .. 0): block i+1's Agg goes with
+    block i's non-expert backward for its first experts that fit in `model.bnec_s`, the rest with
+    block i's expert backward; block 0's Agg blocks, at the end. Blocks without moved experts launch
+    nothing; every launch finishes within the iteration.
     """
     forward: list[CommLaunch] = []
     backward: list[CommLaunch] = []
