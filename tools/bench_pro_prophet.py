@@ -26,8 +26,8 @@ overridable by --hidden-size, --ffn-hidden-size, --tokens):
                    the link as Trans + Agg cost (4 all-to-alls x 1760 x M x 4 B = 7.2 MB vs
                    2 x 2 M H x 4 B = 8.4 MB), and Trans runs on the direction the skewed
                    all-to-all leaves idle (owner -> replica rank).
-  small            M 256, H 1024, 2048 tokens per rank (the earlier default, docs/BENCHMARKS.md
-                   sessions 3-4): expert and dense FFN equal per token; there perfect balance at
+  small            M 256, H 1024, 2048 tokens per rank (the earlier default; its figures are in
+                   git's history of docs/BENCHMARKS.md): expert and dense FFN equal per token; there perfect balance at
                    no cost bounds the speed-up near 1.17x (MoE layer 480 ms at skew 0, 574-588 ms at
                    1.2, of a step near 700 ms on a quiet machine).
 --breakdown profiles one extra iteration per mode (torch.profiler, CPU; outside the medians) and
