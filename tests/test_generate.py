@@ -124,7 +124,7 @@ def test_generate_tool_on_a_sharded_checkpoint_and_a_consolidated_file(saved, ca
     ckpt, file, tok, model = saved
     assert tokenizer_path(cv.read_sharded(ckpt, progress=False).cfg) == ckpt.replace("ckpt", "corpus_tokenizer")
     prompt = "The tests"
-    # The tool serves through the inference engine, which routes dropless (README, Inference): the
+    # The tool serves through the inference engine, which routes dropless (docs/DESIGN.md, Inference): the
     # reference is the same weights with --moe-dropless, not the capacity-1.0 model they were saved from.
     dropless_cfg = copy.deepcopy(model.cfg)
     dropless_cfg.moe.moe_dropless = True

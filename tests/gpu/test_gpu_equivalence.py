@@ -1,7 +1,7 @@
 """The equivalence tests on CUDA + NCCL, one process per GPU (skipped without >= 2 GPUs).
 
-NOTHING HERE HAS RUN YET: no GPU has been lent to this project. These tests are
-the check a user with GPUs runs (`scripts/gpu_check.sh` runs them and writes a
+NOTHING HERE HAS RUN YET: no machine with 2 or more GPUs has run them. These tests
+are the check a user with GPUs runs (`scripts/gpu_check.sh` runs them and writes a
 JSON report). They reuse the CPU tests' helpers:
 
   * layouts, Parm (S1 / S2 with SAA) and dropless: `tests/equivalence.py`'s
@@ -14,8 +14,8 @@ JSON report). They reuse the CPU tests' helpers:
 
 Tolerances are looser than the CPU tests' (1e-5): CUDA's kernels (SDPA,
 matmul, the Triton gating and combine) round differently from the CPU's, and
-NCCL sums in another order than gloo. Pro-Prophet has no GPU test yet (it is
-not in the tree).
+NCCL sums in another order than gloo. Pro-Prophet's placement and the inference
+engine on NCCL: tests/gpu/test_gpu_placement_inference.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 HAVE_NCCL = torch.distributed.is_available() and torch.distributed.is_nccl_available()
 REASON = (
     f"needs at least 2 CUDA GPUs and NCCL (found {N_GPUS} GPU(s), NCCL "
-    f"{'available' if HAVE_NCCL else 'not available'}); these tests have never run: no GPU was lent"
+    f"{'available' if HAVE_NCCL else 'not available'}); these tests have not run on any machine yet"
 )
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(N_GPUS < 2 or not HAVE_NCCL, reason=REASON)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Pro-Prophet's placement and the inference engine on CUDA + NCCL, one process per GPU (skipped
 without >= 2 GPUs).
 
-NOTHING HERE HAS RUN YET: no GPU has been lent to this project. They reuse the CPU tests' code:
+NOTHING HERE HAS RUN YET: no machine with 2 or more GPUs has run them. They reuse the CPU tests' code:
 
   * Pro-Prophet (`tests/test_pro_prophet_placement.py`): EP2 with a forced placement plan
     (scheduled and blocking Trans / Agg, and the planned "heaviest expert to all"), top-1 and
