@@ -129,7 +129,7 @@ def build_config(args, world: int) -> Config:
 def prepare(mode: str, cfg: Config, ps, costs, comm, ids, labels):
     """Model (same seed in every mode), plan and installed controller of one mode. "auto" is what
     the trainer does: the fastest *measured* of the top predicted plans and "none"
-    (`controller.choose_plan`, --lancet-measure-iters iterations each)."""
+    (`controller.choose_plan`, --measure-iters passes each)."""
     wgrad, partition = MODES[mode]
     B, T = ids.shape
     model = GPT2MoE(cfg, ps)

@@ -24,7 +24,7 @@ Scheduling (Algorithm 2, block-wise), `ProProphet`:
              experts' backward is done and waited when the gradient of the previous MoE layer's
              output is due (`_AggWaitLater`), the first MoE layer's at the anchor's output (else
              its own input). Trans / Agg run on CUDA side streams (`distributed.streams`).
-  blocking   (--pro-prophet-no-schedule) Trans launched and waited at the point of use, Agg
+  blocking   (the `pro_prophet_no_schedule` ablation) Trans launched and waited at the point of use, Agg
              inside the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
 
