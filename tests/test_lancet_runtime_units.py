@@ -156,7 +156,7 @@ def test_feasibility_accepts_runtime_ranges_only():
     model = GPT2MoE(config(1, "position"), local_state())
     costs, _ = synthetic_costs()
     mo = build_model_ops(model, costs, model_shapes(model, local_state(), 3, 8))
-    names = mo.names()
+    names = [op.name for op in mo.sim]
     lo, hi = names.index("L1.ln1"), names.index("L2.attn.proj") + 1
     assert runtime_range(mo, lo, hi) == (1, "attn", "next_attn")
     ok = feasibility(mo)

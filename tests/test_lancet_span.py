@@ -5,8 +5,9 @@ import json
 
 import pytest
 import torch
+from lancet_blocks import standard_moe_block_ops
 
-from megatron_moe.lancet.axes import solve_axes, standard_moe_block_ops
+from megatron_moe.lancet.axes import solve_axes
 from megatron_moe.lancet.controller import setup
 from megatron_moe.lancet.model_ir import build_model_ops, feasibility, range_axes, runtime_range, zero_costs
 from megatron_moe.lancet.partitioned_moe import PartitionedRange, RangeAxes, RangeSpec
@@ -134,7 +135,7 @@ def test_six_blocks_two_dense_between_moe_blocks():
 def test_model_ir_offers_the_whole_span_between_moe_layers():
     model = GPT2MoE(config(1, "position"), local_state())
     mo = build_model_ops(model, zero_costs(model), None)
-    n = mo.names()
+    n = [op.name for op in mo.sim]
     lo = n.index("L1.ln1")
     assert runtime_range(mo, lo, n.index("L2.mlp.fc2") + 1) == (1, "attn", "dense")
     assert runtime_range(mo, lo, n.index("L3.attn.proj") + 1) == (1, "attn", "dense_next_attn")
@@ -152,7 +153,7 @@ def test_model_ir_offers_the_whole_span_between_moe_layers():
     assert feasibility(mo_bp)(n.index("L1.moe.gate"), n.index("L3.attn.proj") + 1)
 
 
-# sim op of the model -> first input tensor of the same op in axes.standard_moe_block_ops(next_block=True)
+# sim op of the model -> first input tensor of the same op in lancet_blocks.standard_moe_block_ops(next_block=True)
 STANDARD = {
     "ln1": "x",
     "attn.qkv": "attn.ln1",

@@ -204,16 +204,13 @@ def test_simulator_prints_table_iv_beside_the_simulation(tmp_path, capsys):
 def _profile_saa_worker(rank: int, world_size: int):
     from megatron_moe.moe.comm_profile import profile_saa
     from megatron_moe.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_moe.moe.comm_profile import with_saa_overlap
 
     ps = initialize_model_parallel(2, 2, 1)
     try:
         fit, raw = profile_saa(ps, [1000, 40000], AG, chunks=2, reps=1, warmup=1)
-        base = CommModel({"all_gather@mp": AG}, "given")
-        extended = with_saa_overlap(ps, base, 1024, chunks=2, reps=1)
     finally:
         destroy_model_parallel()
-    return fit, raw, extended
+    return fit, raw
 
 
 def test_profile_saa_fits_the_same_numbers_on_every_rank():
@@ -228,10 +225,6 @@ def test_profile_saa_fits_the_same_numbers_on_every_rank():
     assert all(t > 0 for t in raws[0]["times"])
     again = fit_overlap(raws[0]["sizes"], raws[0]["times"], AG, gather_ratio=2.0)
     assert again == fits[0]
-    # with_saa_overlap: the model's own entries kept, the overlap added, the same on every rank
-    models = [r[2] for r in results]
-    assert set(models[0].costs) == {"all_gather@mp", OVERLAP_KEY} and models[0].costs["all_gather@mp"] == AG
-    assert all(m.costs == models[0].costs for m in models)
 
 
 # ----------------------------------------------------------------------------- auto on the measured overlap and compute

@@ -1,9 +1,9 @@
 """Lancet at runtime: install a plan on a model and drive its backward.
 
-API for the training loop (every rank calls `setup`, in the same place: it profiles
-all-to-alls, broadcasts the plan and may create a process group):
+Every rank calls `setup` at the same place (it profiles all-to-alls, broadcasts the plan and may
+create a process group), after the model and its GradSync (`optimizations.apply`):
 
-    ctl = controller.setup(model, ps, cfg.opts)   # after the model and its GradSync (optimizations.apply)
+    ctl = controller.setup(model, ps, cfg.opts)
     for each micro-batch:
         lm, aux = model(ids, labels)
         ctl.backward(lm + aux)                   # loss.backward(), then flush deferred dW
@@ -11,33 +11,23 @@ all-to-alls, broadcasts the plan and may create a process group):
     ctl.write_report(measured_iter_ms=...)       # once, if --lancet-report PATH
     ctl.remove()                                 # restore the model (optional)
 
-`setup` returns a controller whatever the switches; with --lancet-wgrad and
---lancet-partition both off it changes nothing and `backward` is
-`loss.backward()`. A plain `loss.backward()` is also correct: an
-end-of-backward callback runs every dW still queued, so gradients are final
-(and every grad-ready hook has fired, once) when backward returns.
+With --lancet-wgrad and --lancet-partition off, `setup` changes nothing. A plain `loss.backward()`
+is also correct: an end-of-backward callback runs every dW still queued.
 
 What `setup` installs (through the modules' own hooks; nothing is replaced):
-  --lancet-wgrad      column/row parallel linears and experts get the runtime as their dW
-                      queue (`set_dw_queue`), and so do the MoE layers' dispatchers, whose
-                      all-to-all handles run the assigned dW under their backward
-                      (`wgrad_runtime.py`); a forward pre-hook on the model starts each iteration.
-  --lancet-partition  each planned range's first block gets a `PartitionedRange` runner
-                      (`GPT2MoE.set_block_runner`), built from the blocks' halves and the
-                      layer's stages, with the layer's --moe-schedule inside the parts; a
-                      block whose attention the previous range ran runs its FFN half only.
-                      Needs routing_groups == 1 and dropout 0.
-                      A range may run whole dense blocks after its MoE block (a runner that
-                      passes their input on is set on them) and the next block's attention,
-                      or, for the last MoE block, everything to the loss (the model's loss
-                      runner, `GPT2MoE.set_loss_runner`); and start at the dense blocks before
-                      its MoE block (its runner then sits on the first of them).
-                      Every op splits along the dims CP-SAT solved for the range
-                      (`model_ir.range_axes`); the report lists solved and used dims per op.
-The plan comes from `planner.make_plan` (profiled, broadcast from rank 0), or, with
---measure-iters > 0, from `choose_plan`: the planner's candidates ("none" among them) are
-timed on the real model by `choose.measure` (never slower than the plain run, up to noise);
-or it is passed in (`plan=LancetPlan.manual(...)`).
+  --lancet-wgrad      the runtime as dW queue of the column/row parallel linears, the experts and the
+                      MoE layers' dispatchers (`wgrad_runtime.py`); a forward pre-hook on the model
+                      starts each iteration.
+  --lancet-partition  a `PartitionedRange` runner on each planned range's first block
+                      (`GPT2MoE.set_block_runner`; also the model's loss runner for a range ending at
+                      the loss head), with the layer's --moe-schedule inside the parts; a block the
+                      range runs whole gets a runner passing its input on, a block whose attention it
+                      ran runs its FFN half only. Every op splits along the dims CP-SAT solved
+                      (`model_ir.range_axes`; the report lists solved and used dims per op). Needs
+                      routing_groups == 1 and dropout 0.
+The plan comes from `planner.make_plan`, or, with --measure-iters > 0, from `choose_plan` (the
+planner's candidates, "none" among them, timed on the real model by `choose.measure`), or is
+passed in (`plan=LancetPlan.manual(...)`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Cost models for Lancet's planner: communication time by size, and cached op timings.
 
-CommCostModel: piecewise-linear time of one collective (e.g. an all-to-all)
-as a function of bytes, built from (bytes, ms) samples (`model_ir.profile_a2a_model`
-takes them from the collective profiler Parm uses). Between samples it
-interpolates linearly; outside them it extends the nearest segment's line
-(never below 0 ms). An all-to-all of a capacity-C buffer split into n parts
-costs, per part, what an all-to-all of C/n bytes costs (Lancet Sec. 5).
+CommCostModel: piecewise-linear time of one collective by bytes, from (bytes, ms) samples
+(`model_ir.profile_a2a_model`): linear between samples, the nearest segment's line outside them
+(never below 0 ms). A part of an all-to-all of C bytes split into n costs what an all-to-all of
+C/n bytes costs (Lancet Sec. 5).
 
-OpProfiler: measures a compute op once per (op key, shape), keeps the result
-in memory and in a JSON file (written to a temporary name, then renamed), so
-later runs and other planners reuse it.
+OpProfiler: measures a compute op once per (op key, shape) and keeps the result in memory and in a
+JSON file (written atomically), so later runs and other planners reuse it.
 """
 
 from __future__ import annotations
@@ -51,20 +48,6 @@ class CommCostModel:
         if n_parts < 1:
             raise ValueError(f"n_parts must be >= 1, got {n_parts}")
         return self.predict(capacity_bytes / n_parts)
-
-    def to_json(self, path: str) -> None:
-        """Save the samples to `path` (atomic write)."""
-        atomic_write_json(path, {"bytes": self.bytes, "ms": self.ms})
-
-    @classmethod
-    def from_json(cls, path: str) -> "CommCostModel":
-        """Load a model saved by to_json; a bad file is a ValueError naming it."""
-        try:
-            with open(path) as f:
-                d = json.load(f)
-            return cls(zip(d["bytes"], d["ms"]))
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read comm cost model from {path}: {e}") from e
 
 
 def _time_ms(

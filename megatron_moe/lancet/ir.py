@@ -1,29 +1,26 @@
 """Instruction IR of one training pass (Lancet, Jiang et al., MLSys 2024, Sec. 4).
 
-A pass is a list of instructions in program order. Each instruction names the
-values it reads and writes; a dependency edge runs from the producer of a value
-to every instruction that reads it. Values that no instruction produces (saved
-forward activations, parameters, the loss gradient) are inputs of the whole
-pass and are ready from the start, so they create no edges.
+A pass is a list of instructions in program order. Each instruction names the values it reads
+and writes; a dependency edge runs from the producer of a value to every instruction that reads
+it. Values no instruction produces (saved activations, parameters, the loss gradient) are inputs
+of the whole pass, ready from the start: they create no edges.
 
 Instruction kinds:
   "fwd"   forward compute          "dX"  activation-gradient compute
   "dW"    weight-gradient compute  "a2a" an all-to-all (communication)
   "comm"  other communication      "other" anything else (compute)
 
-The weight-gradient scheduler (`wgrad_schedule.py`) asks which dW instructions
-may run while a given all-to-all is in flight: exactly those with no directed
-path to or from it (`overlappable_dw`).
+The weight-gradient scheduler (`wgrad_schedule.py`) asks which dW instructions may run while an
+all-to-all is in flight: those with no directed path to or from it (`overlappable_dw`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 KINDS = frozenset({"fwd", "dX", "dW", "a2a", "comm", "other"})
-COMM_KINDS = frozenset({"a2a", "comm"})
 
 
 @dataclass(frozen=True)
@@ -41,14 +38,9 @@ class Instr:
             raise ValueError(f"instruction {self.name!r}: kind {self.kind!r} not in {sorted(KINDS)}")
         if self.cost_ms < 0:
             raise ValueError(f"instruction {self.name!r}: negative cost_ms {self.cost_ms}")
-        # Accept lists from callers but store tuples so the instruction stays hashable.
+        # lists accepted, tuples stored: the instruction stays hashable
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
-
-    @property
-    def is_comm(self) -> bool:
-        """True for communication instructions (run on the comm stream)."""
-        return self.kind in COMM_KINDS
 
 
 class Graph:
@@ -88,7 +80,6 @@ class Graph:
                     raise ValueError(
                         f"instruction {ins.name!r} reads {v!r} before its producer {producer[v]!r} in program order"
                     )
-        self._producer = producer
 
     def __len__(self) -> int:
         return len(self.instrs)
@@ -100,18 +91,6 @@ class Graph:
     def position(self, name: str) -> int:
         """Program-order index of instruction `name`."""
         return self._index[name]
-
-    def producer(self, value: str) -> str | None:
-        """Name of the instruction producing `value`, or None for a pass input."""
-        return self._producer.get(value)
-
-    def successors(self, name: str) -> list[str]:
-        """Instructions reading a value that `name` produces (direct edges)."""
-        return list(self._succ[name])
-
-    def predecessors(self, name: str) -> list[str]:
-        """Instructions producing a value that `name` reads (direct edges)."""
-        return list(self._pred[name])
 
     def of_kind(self, kind: str) -> list[Instr]:
         """Instructions of `kind`, in program order."""
@@ -135,10 +114,6 @@ class Graph:
         """All instructions with a directed path of length >= 1 to `name` (BFS)."""
         return self._walk(name, self._pred)
 
-    def reaches(self, src: str, dst: str) -> bool:
-        """True when a directed path of length >= 1 leads from `src` to `dst`."""
-        return dst in self.descendants(src)
-
 
 def overlappable_dw(graph: Graph, a2a: str) -> list[str]:
     """dW instructions with no directed path to or from all-to-all `a2a`, in program order.
@@ -150,8 +125,3 @@ def overlappable_dw(graph: Graph, a2a: str) -> list[str]:
         raise ValueError(f"{a2a!r} is a {graph[a2a].kind!r} instruction, not an all-to-all")
     related = graph.descendants(a2a) | graph.ancestors(a2a)
     return [i.name for i in graph.instrs if i.kind == "dW" and i.name not in related]
-
-
-def total_cost(graph: Graph, names: Sequence[str]) -> float:
-    """Sum of cost_ms over the named instructions."""
-    return sum(graph[n].cost_ms for n in names)

@@ -1,30 +1,21 @@
 """Lancet's view of a concrete model: profiled costs, the forward op list and its CP-SAT IR.
 
-Legend: B micro-batch, T sequence, S = B*T tokens, M model dim, H ffn dim,
-E experts (E_l local), C capacity, K experts per token, D ranks of the token
-all-to-all group.
+Legend: B micro-batch, T sequence, S = B*T tokens, M model dim, H ffn dim, E experts (E_l local),
+C capacity, K experts per token, D ranks of the token all-to-all group.
 
-`profile_costs` measures this rank's compute ops with an OpProfiler (once per
-op and shape, on random inputs of the model's shapes; local GEMMs only, no
-collectives, so ranks never wait on each other) and `profile_a2a_model` times
-the all-to-all of the token group on the real group at the sizes Lancet sends
-(the collective profiler's `time_collective`; measured points, not a fitted line).
+`profile_costs` times this rank's compute ops with an OpProfiler (once per op and shape, random
+inputs of the model's shapes, local GEMMs only: ranks never wait on each other);
+`profile_a2a_model` times the token all-to-all on the real group at the sizes Lancet sends.
+`build_model_ops` turns them into the forward op list the partition DP searches: embed; per block
+ln1, attn.qkv, attn.core, attn.proj, ln2, then mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch,
+moe.a2a_dispatch (comm, bytes), moe.experts, moe.a2a_combine (comm), moe.combine; head (ln_f, LM
+head, cross entropy). Each op maps to the AxisOps (`axes.py`) of its tensors, so CP-SAT can check
+any op range, and the ops where the runtime can start or end a range (`partitioned_moe.RangeSpec`)
+are recorded. `feasibility`: the runtime can run the range and CP-SAT finds batch axes (a
+batch-prioritized or top-2 gate then only allows ranges starting at it).
 
-`build_model_ops` turns them into the forward op list the partition DP
-searches: embed; per block ln1, attn.qkv, attn.core, attn.proj, ln2, then
-mlp.fc1, mlp.fc2 or moe.gate, moe.dispatch, moe.a2a_dispatch (comm, bytes),
-moe.experts, moe.a2a_combine (comm), moe.combine; head (the loss head: ln_f, LM head,
-cross entropy). Each op maps to the AxisOps (`axes.py`) of its tensors, so CP-SAT can
-check any op range, and the places where the runtime can start a range (block l's
-ln1 / ln2 / gate, or the first of the dense blocks before it) or end it (after block
-l's combine, block l+1's attention, the dense blocks up to the next MoE block, or, for
-the last MoE block, the loss head) are recorded.
-`feasibility` = the runtime can run the range and CP-SAT finds batch axes
-(a batch-prioritized or top-2 gate then only allows ranges starting at it).
-
-Approximations, stated: MP all-reduces inside attention/MLP are not timed
-(only the local GEMMs); an all-to-all moves the expected real tokens
-min(S*K, E*C) (times N_ESP copies).
+Approximations: MP all-reduces inside attention/MLP are not timed (local GEMMs only); an all-to-all
+moves the expected real tokens min(S*K, E*C) (times N_ESP copies).
 """
 
 from __future__ import annotations
@@ -289,19 +280,14 @@ A2A_MIN_BYTES = 1024  # the token all-to-all is timed from 1 KB, doubling, up to
 
 
 def profile_a2a_model(ps: ParallelState, max_bytes: int) -> CommCostModel:
-    """Time of an all-to-all on the token group by size (collective over the world), as Lancet's
-    communication cost model is built (lancet.txt, "Caching Op Profiler"): profiled at 1 KB, 2 KB,
-    4 KB, ... up to the whole message `max_bytes` and linearly interpolated between the points
-    (`CommCostModel`); a part of an n-way range is priced at max_bytes / n. Each point: the collective
-    profiler's `time_collective` on the real group, the lower of two medians of 3 (each after a
-    warm-up), the slowest rank's. The lower of two: on the emulated link a 1 MB all-to-all took
-    either about 40 or about 76 ms from one call to the next, and the parts' messages ran at the
-    faster rate.
-
-    Measured points, not Parm's alpha-beta line (`moe.comm_profile`): on a shaped link the first
-    tens of KB pass at the token bucket's burst, and a line weighted to fit the small sizes put a
-    1 MB all-to-all at 8 ms where it took 39 (emulated 2 nodes, 100 Mbit/s); Algorithm 1 then sized
-    every dW window at a fifth of its length."""
+    """Time of an all-to-all on the token group by size (collective over the world), as Lancet builds its
+    communication cost model ("Caching Op Profiler"): measured at 1 KB, 2 KB, 4 KB, ... up to the whole
+    message `max_bytes`, linear between the points (`CommCostModel`); a part of an n-way range is priced
+    at max_bytes / n. Each point: `time_collective` on the real group, the lower of two medians of 3 (a
+    1 MB all-to-all on the emulated link took about 40 or about 76 ms from one call to the next, and
+    the parts' messages ran at the faster rate), the slowest rank's. Points, not Parm's alpha-beta line
+    (`moe.comm_profile`): on a shaped link the first tens of KB pass at the token bucket's burst, and a
+    line fitted to the small sizes put a 1 MB all-to-all at 8 ms where it took 39."""
     kind = token_group_kind(ps)
     group = ps.group(kind)
     if group_size(group) == 1:
@@ -335,10 +321,6 @@ class ModelOps:
     axis_span: list[tuple[int, int]]
     starts: dict = field(default_factory=dict)
     ends: dict = field(default_factory=dict)
-
-    def names(self) -> list[str]:
-        """Op names in forward order."""
-        return [op.name for op in self.sim]
 
 
 def _block_axis_ops(p: str, x: str, out: str, moe: bool, whole_gate: bool, t: dict) -> dict:

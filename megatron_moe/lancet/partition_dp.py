@@ -1,20 +1,17 @@
 """Choosing which ranges of the forward pass to partition, and into how many parts (Lancet Sec. 5).
 
-The forward ops are first merged into groups of about `group_ms` (gamma) ms so
-the search is over tens of groups rather than hundreds of ops. Then a dynamic
-program over group prefixes:
+The forward ops are first merged into groups of about `group_ms` (gamma) ms, so the search is
+over tens of groups rather than hundreds of ops. Then a dynamic program over group prefixes:
 
     T(0) = 0
     T(n) = min over i < n with n - i <= max_range (iota) of
                T(i) + min over k in 1..max_partitions (rho) of P(i, n, k)
 
-where P(i, n, k) is the time of groups i..n-1 split into k parts along the
-batch (P(i, n, 1) is their plain sequential time; P = inf for k > 1 when the
-range cannot be partitioned, e.g. the axis solver finds no batch axis). T(N)
-is the best total and back-pointers give the ranges and their k. Ties prefer
-the smaller k (no partitioning overhead for nothing) and, for equal k, the
-range found first (the longest). Gains below 1e-9 relative count as ties, so
-float round-off in P never makes a pointless split look better.
+where P(i, n, k) is the time of groups i..n-1 split into k parts along the batch (P(i, n, 1):
+their sequential time; P = inf for k > 1 when the range cannot be partitioned, e.g. the axis
+solver finds no batch axis). T(N) is the best total; back-pointers give the ranges and their k.
+Ties prefer the smaller k and, for equal k, the range found first (the longest). Gains below 1e-9
+relative count as ties, so round-off in P never makes a pointless split look better.
 """
 
 from __future__ import annotations
@@ -88,8 +85,7 @@ def plan_partitions(
                 if k == 1 and not math.isfinite(p):
                     raise ValueError(f"range_ms({i}, {n}, 1) must be finite (sequential time), got {p}")
                 cand = best[i] + p
-                # Round-off of k * (cost / k) must not pass for a gain: gains below
-                # 1e-9 relative are ties, and ties keep the earlier (smaller k) choice.
+                # gains below 1e-9 relative are ties (module docstring): the earlier, smaller k stays
                 if cand < best[n] - 1e-9 * max(1.0, abs(cand)):
                     best[n] = cand
                     choice[n] = (i, k, p)

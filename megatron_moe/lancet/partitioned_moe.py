@@ -4,61 +4,49 @@ Legend: B batch, T sequence, M model dim, S = B*T tokens of the routing group
 (one data-parallel rank's micro-batch), s tokens of one part, E experts, k
 experts per token, C capacity of the whole group.
 
-A `RangeSpec` names a range of ops around MoE block l, run as `k` parts along
-the batch:
-  start "dense" the dense blocks before block l (back to the previous MoE block, or from the
-                embedding), then as "attn" (per-part gate): the whole span between two MoE layers
-        "attn"  block l's attention half, ln2, the gate, ... (per-part gate)
-        "ln2"   ln2, the gate, ...                         (per-part gate)
-        "gate"  the gate on the whole batch, then dispatch, ...
+A `RangeSpec` names a range of ops around MoE block l, run as `k` parts along the batch:
+  start "dense"  the dense blocks before block l (back to the previous MoE block, or from the
+                 embedding), then as "attn"
+        "attn"   block l's attention half, ln2, the gate, ... (per-part gate)
+        "ln2"    ln2, the gate, ...                         (per-part gate)
+        "gate"   the gate on the whole batch, then dispatch, ...
   end   "block"           after the MoE output's residual add (block l's output)
         "next_attn"       also block l+1's attention half
-        "dense"           also every dense block up to the next MoE block (dense FFNs included)
-        "dense_next_attn" also those dense blocks and the next MoE block's attention half:
-                          everything between two MoE layers (Lancet's iota = the whole span)
+        "dense"           also every dense block up to the next MoE block
+        "dense_next_attn" also those and the next MoE block's attention half: everything between
+                          two MoE layers (Lancet's iota = the whole span)
         "head"            the last MoE block: also every dense block after it and the loss head
-                          (ln_f, the LM head, the cross entropy; `GPT2MoE.head_losses`), part by
-                          part, so part i's head runs while later parts' returns fly, and part i's
-                          head backward while part i+1's gradient travels. Installed as the
-                          model's loss runner (`GPT2MoE.set_loss_runner`); called without labels
-                          it ends like "dense".
-`PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a
-dispatcher and `Experts`: stage by stage, parts in index order within a stage
-(pre-ops and routing, then the parts' dispatches are launched back to back after one
-exchange of all their counts: a count exchange per part would queue behind the previous
-part's tokens on the link; a per-part gate launches part 0 first, alone; experts of each part
-as its tokens arrive, each return launched; then part by part its combine and post-ops:
-residual, dense blocks, next attention or the loss head, while later parts' returns are in
-flight), so part i's messages are in flight while other parts compute (the order Lancet's
-simulator assumes). Backward overlaps the same way through the dispatcher's handles.
+                          (`GPT2MoE.head_losses`), part by part; installed as the model's loss
+                          runner (`GPT2MoE.set_loss_runner`); without labels it ends like "dense".
 
-On CUDA (streams.py; no-ops on the CPU): the dispatches are launched right after the gates
-they need (with a per-part gate, part 0's after its own pre-ops, the others' after every part's
-gate: one count exchange, so one host sync, for them all, where a sync per part would wait for
-each part's enqueued pre-ops in turn), before any expert work is enqueued; the
-experts and the return launches run on the side stream "lancet-parts" (`_finish`), so a
-return waits for its part's experts only and part i's post-ops on the caller's stream overlap
-the later parts' experts and returns.
+`PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a dispatcher and
+`Experts`, stage by stage, parts in index order within a stage: pre-ops and routing; the parts'
+dispatches launched back to back after one count exchange for them all (with a per-part gate,
+part 0 first, alone: one host sync for the others, where a sync per part would wait for each
+part's enqueued pre-ops in turn); each part's experts as its tokens arrive, its return launched;
+then part by part its combine and post-ops (residual, dense blocks, next attention or loss head)
+while later parts' returns are in flight. So part i's messages are in flight while other parts
+compute (the order Lancet's simulator assumes); backward overlaps the same way through the
+dispatcher's handles. On CUDA the experts and return launches run on a side stream (`_finish`).
 
-Split axes come from CP-SAT (`RangeAxes`, solved by `model_ir.range_axes` on the model's op
-IR): the residual stream [B, T, M] is split along its solved dim (the batch: the flatten to
-tokens maps only B to S, and attention cannot split T), the router's tokens [S, M] along S,
-the dispatched buffers [E, C, M] along C (each part's own slots). The runtime records the dim
-it used for every op (`used_axes`) and refuses a solution it cannot run.
+Split axes come from CP-SAT (`RangeAxes`, `model_ir.range_axes`): the residual stream [B, T, M]
+along its solved dim (the batch: the flatten to tokens maps only B to S, and attention cannot split
+T), the router's tokens [S, M] along S, the dispatched buffers [E, C, M] along C (each part's own
+slots). The runtime records the dim it used for every op (`used_axes`) and refuses a solution it
+cannot run.
 
 The layer's --moe-schedule holds inside the parts:
   baseline  uneven dispatch of each part's kept tokens (every MP rank, as the baseline);
-  s1        the group is routed at once with S1 (MP split, global slots), then this
-            rank's slice is cut into k parts with uneven, pipelined dispatch;
-  s2        the group is routed at once, then each part runs S2's padded dispatch
-            synchronously (no overlap: a part's buffer has the whole capacity).
+  s1        the group is routed at once with S1 (MP split, global slots), then this rank's slice
+            is cut into k parts with uneven, pipelined dispatch;
+  s2        the group is routed at once, then each part runs S2's padded dispatch synchronously
+            (no overlap: a part's buffer has the whole capacity).
 
-Exactness: capacity passing (per-part gate) gives part i's choice-j slots of
-expert e after the choice-j tokens of e in parts < i, with C of the whole group;
-top-2 and batch-prioritized routing need every token's gate first, so those ranges
-start at the gate (or the schedule routes the whole group). The aux loss uses the
-whole group's sums. Outputs and gradients equal the unpartitioned run to fp32
-round-off, drops and slots are identical. Dropout must be 0 (parts draw masks apart).
+Exactness: capacity passing (per-part gate) gives part i's choice-j slots of expert e after the
+choice-j tokens of e in parts < i, with C of the whole group; top-2 and batch-prioritized routing
+need every token's gate first, so those ranges start at the gate (or the schedule routes the whole
+group). The aux loss uses the whole group's sums. Outputs and gradients equal the unpartitioned run
+to fp32 round-off, drops and slots are identical. Dropout must be 0 (parts draw masks apart).
 """
 
 from __future__ import annotations
@@ -391,11 +379,9 @@ class PartitionedRange:
         return layer.dispatcher.track_output(torch.cat(outs, dim=d)), aux
 
     def _start_all(self, parts: list[tuple[torch.Tensor, RouteResult]]) -> list:
-        """Plan the given parts (tokens [s, M], route) and launch their dispatches, in part order: one
-        count exchange for all of them (`UnevenDispatcher.plan_parts`; a count exchange per part would
-        wait behind the previous part's tokens on the link), then their token all-to-alls back to back,
-        so the link carries part i+1's tokens while part i's experts compute. S2's padded dispatcher
-        runs each whole part now (synchronous)."""
+        """Plan the given parts (tokens [s, M], route) with one count exchange (`UnevenDispatcher.plan_parts`)
+        and launch their token all-to-alls back to back, in part order; S2's padded dispatcher runs each
+        whole part now (synchronous)."""
         d = self.dispatcher
         if not parts:
             return []
@@ -415,18 +401,16 @@ class PartitionedRange:
         return started
 
     def _finish(self, started: list, device: torch.device, side_end: list):
-        """Experts of each part as its tokens arrive (launching the returns), then each part's
-        combine, yielded in part order (the caller's post-ops of part i overlap later returns).
+        """Experts of each part as its tokens arrive (launching the returns), then each part's combine,
+        yielded in part order (the caller's post-ops of part i overlap later returns).
 
-        CUDA streams (streams.py's rules; no-ops on the CPU): the experts and the return launches
-        run on the side stream "lancet-parts", which first waits for the caller's stream (the plans,
-        the weights); each part's expert input waits there for its own dispatch (`dispatch_finish`
-        under `use(side)`), and its return all-to-all is launched with the side stream current, so
-        NCCL waits for that part's experts only, never for work on the caller's stream (rule 1).
-        The caller's stream waits for each return where it is used (`combine_finish`): part i's
-        post-ops run while later parts' experts run on the side stream. Buffers crossing streams
-        are record_stream-ed; `side_end` gets the side stream's end point, which the caller waits
-        for once after the post-ops."""
+        CUDA streams (streams.py's rules; no-ops on the CPU): the experts and the return launches run on
+        the side stream "lancet-parts", which first waits for the caller's stream; each part's input waits
+        there for its own dispatch (`dispatch_finish` under `use(side)`) and its return is launched with
+        the side stream current, so NCCL waits for that part's experts only (rule 1). The caller's
+        stream waits for each return where it is used (`combine_finish`).
+        Buffers crossing streams are record_stream-ed; `side_end` gets the side stream's end point,
+        which the caller waits for once after the post-ops."""
         d, experts, sx = self.dispatcher, self.block.moe.experts, self.sx
         if not isinstance(d, UnevenDispatcher):
             yield from (y for _, _, y in started)

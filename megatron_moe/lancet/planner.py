@@ -1,43 +1,33 @@
-"""Lancet's planning pass: which ranges to partition (and into how many parts), which dW
-GEMMs to run under which all-to-all, and the predicted times.
+"""Lancet's planning pass: which ranges to partition (and into how many parts), which dW GEMMs to run
+under which all-to-all, and the predicted times.
 
-`make_plan` profiles the model (`model_ir.py`), runs the partition DP with the
-simulator and CP-SAT feasibility (`partition_dp.plan_ops`), builds the backward
-IR and runs Algorithm 1 (`schedule_wgrad`), and predicts forward / backward /
-iteration time. When layers are partitioned, their all-to-alls enter
-Algorithm 1 with the time the backward pipeline leaves exposed (simulated),
-not their full time: dW only has to cover what partitioning does not.
+`make_plan` profiles the model (`model_ir.py`), runs the partition DP with the simulator and CP-SAT
+feasibility (`partition_dp.plan_ops`), builds the backward IR, runs Algorithm 1 (`schedule_wgrad`) and
+predicts forward / backward / iteration time. A partitioned layer's all-to-alls enter Algorithm 1 with
+the time its backward pipeline leaves exposed (simulated): dW only has to cover the rest. Cost
+approximations: a GEMM's dX costs its forward time; the attention core's backward twice its forward;
+LayerNorm dW half its forward; a range's backward is the range reversed with compute doubled.
+Profiles differ between ranks and the plan must not (message sizes and the order of gradient
+hand-overs depend on it), so `make_plan` broadcasts rank 0's.
 
-Cost approximations (stated, not hidden): a GEMM's dX costs its forward time;
-the attention core's backward twice its forward; LayerNorm dW half its
-forward; a range's backward is the range reversed with compute doubled.
-
-Profiles differ from rank to rank, and a plan must be the same on every rank
-(the all-to-all message sizes and the order of gradient hand-overs depend on
-it), so `make_plan` broadcasts rank 0's plan.
-
-Never slower: `candidate_plans` plans every mode the switches allow ("none", "dw",
-"partition", "both") from one profile, the partitioned modes also at half the part budget
-("partition@k4", "both@k4" for --lancet-max-partitions 8: `coarse_budget`); the controller times
-the `top_candidates` (the best predicted at each budget, always with "none") on the real model and
-keeps the fastest measured (`controller.choose_plan`). The second budget is there because the
-model ranks plans of one part budget better than plans of different budgets: what a part costs
-beyond its ops' profiled time (a collective's launch, the autograd nodes and small ops of each
-part) is not in the op profile. On the emulated cluster (docs/BENCHMARKS.md, "Lancet: the measured candidates include half the part budget") the
-planner predicted 8 parts 4-8 % faster than 4, and the two measured within 3 % of each other,
-either one ahead. `fit_contention` fits the cost model's
-communication-computation contention from those measurements:
+Never slower: `candidate_plans` plans every mode the switches allow ("none", "dw", "partition",
+"both") from one profile, the partitioned modes also at half the part budget (`coarse_budget`:
+"partition@k4" for --lancet-max-partitions 8); the controller times the `top_candidates` on the real
+model and keeps the fastest (`controller.choose_plan`). The second budget because the model ranks
+plans of one budget better than plans of different budgets (a part's launch and small ops are not
+in the op profile): on the emulated cluster it predicted 8 parts 4-8 % faster than 4, and the two
+measured within 3 % of each other (docs/BENCHMARKS.md, "Lancet: the measured candidates include
+half the part budget"). `fit_contention` fits
 
     measured ~= scale * predicted + contention * overlapped_ms
 
-where overlapped_ms is the all-to-all time the plan predicts hidden under compute
-(a2a_ms - a2a_exposed_ms): on CPU ranks gloo's all-to-alls take cycles from the
-compute they overlap, and profiling ops one at a time misses it. Least squares on
-relative errors, the contention bounded to [0, 1] (an overlapped ms costs at most the ms
-it hides); with no overlap among the candidates only `scale` is fitted.
+to those measurements, overlapped_ms being the all-to-all time the plan predicts hidden under
+compute (a2a_ms - a2a_exposed_ms: on CPU ranks gloo's all-to-alls take cycles from the compute they
+overlap, which profiling ops one at a time misses): least squares on relative errors, the
+contention in [0, 1] (an overlapped ms costs at most the ms it hides), only `scale` when no
+candidate overlaps.
 
-A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes
-one by hand (tests, benchmarks of fixed configurations).
+A `LancetPlan` is plain data (picklable, `to_json`); `LancetPlan.manual` makes one by hand.
 """
 
 from __future__ import annotations
@@ -407,10 +397,9 @@ def fit_contention(rows) -> dict:
     som = sum(wi * o * m for wi, (_, o, m) in zip(w, rows))
     det = spp * soo - spo * spo
     c = (spp * som - spo * spm) / det if soo > 0 and det > 1e-12 * spp * soo else 0.0
-    # 0 <= contention <= 1: an overlapped ms costs at most the ms it was meant to hide (noise on a
-    # shared machine must not turn a few ms of overlap into a factor); the scale is refitted given c
+    # contention in [0, 1] (module docstring): noise must not turn a few ms of overlap into a factor
     c = min(1.0, max(0.0, c))
-    scale = (spm - c * spo) / spp  # the first normal equation, given c
+    scale = (spm - c * spo) / spp  # the first normal equation, refitted given c
     before = [(p - m) / m for p, _, m in rows]
     after = [(scale * p + c * o - m) / m for p, o, m in rows]
     return {"scale": scale, "contention": c, "error_before": before, "error_after": after}

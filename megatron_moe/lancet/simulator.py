@@ -1,23 +1,17 @@
 """Timeline simulator of a batch-partitioned range of ops (Lancet Sec. 5).
 
-A range of ops (compute or communication, each with its cost for the whole
-batch) is split along the batch into k parts. Per part, a compute op costs what
-was measured for one part of a k-way split when the op carries that (`part_ms`:
-the op profiled at the part's batch, as Lancet's profiler times ops at the shapes
-they run at), else cost/k + overhead_ms (the overhead models the fixed cost of
-launching k small kernels instead of one); a communication op costs cost/k, or, when it
-carries a byte count and a CommCostModel is given, model.predict(bytes/k):
-the C/n rule for an irregular all-to-all.
+A range of ops (compute or communication, each with its whole-batch cost) is split along the
+batch into k parts. Per part, a compute op costs what was measured for one part of a k-way split
+when it carries that (`part_ms`: profiled at the part's batch, as Lancet's profiler times ops at
+the shapes they run at), else cost/k + overhead_ms (the fixed cost of launching k small kernels
+instead of one); a communication op costs cost/k, or model.predict(bytes/k) when it carries a byte
+count and a CommCostModel is given (the C/n rule for an irregular all-to-all).
 
-Each part is cut into stages: maximal runs of consecutive compute ops or of
-consecutive comm ops. Compute stages run on one compute stream, comm stages on
-one comm stream. Each stream runs its stages in the pipeline order Lancet
-produces when it duplicates every op per part: stage by stage, and within a
-stage part 0, 1, ..., k-1. Stage j of part i starts when stage j-1 of part i
-has finished and the previous stage on its stream has finished.
-
-k = 1 means "not partitioned": the plain sequential sum of whole-batch costs,
-with no overhead.
+Each part is cut into stages: maximal runs of consecutive compute or of consecutive comm ops, run
+on one compute and one comm stream. Each stream runs its stages in the pipeline order Lancet
+produces when it duplicates every op per part: stage by stage, within a stage part 0, 1, ...,
+k-1. Stage j of part i starts when stage j-1 of part i and the previous stage on its stream have
+finished. k = 1 means "not partitioned": the sequential sum of whole-batch costs, no overhead.
 """
 
 from __future__ import annotations
@@ -50,14 +44,11 @@ class SimOp:
 
 @dataclass
 class SimResult:
-    """makespan_ms: end of the last stage; exposed_comm_ms: time comm runs while compute is idle.
-
-    timeline: (part, stage, stream, start_ms, end_ms) for every stage of every part.
-    """
+    """makespan_ms: end of the last stage; exposed_comm_ms: time comm runs while compute is idle; comm_ms:
+    busy time of the comm stream; timeline: (part, stage, stream, start_ms, end_ms) of every stage."""
 
     makespan_ms: float
     exposed_comm_ms: float
-    compute_ms: float
     comm_ms: float
     timeline: list[tuple[int, int, str, float, float]] = field(default_factory=list)
 
@@ -121,7 +112,7 @@ def simulate(
     sequential_ms(ops) and all communication is exposed.
     """
     if not ops:
-        return SimResult(0.0, 0.0, 0.0, 0.0)
+        return SimResult(0.0, 0.0, 0.0)
     stages = split_stages(ops)
     durs = [sum(op_cost(op, k, cost_model, overhead_ms) for op in st) for st in stages]
     stream_free = {"compute": 0.0, "comm": 0.0}
@@ -140,7 +131,6 @@ def simulate(
     return SimResult(
         makespan_ms=makespan,
         exposed_comm_ms=_uncovered_length(busy["comm"], busy["compute"]),
-        compute_ms=sum(e - s for s, e in busy["compute"]),
         comm_ms=sum(e - s for s, e in busy["comm"]),
         timeline=timeline,
     )

@@ -2,72 +2,42 @@
 
 Legend: N rows (tokens), I input features, O output features, E_l local experts.
 
-A linear layer's backward has two GEMMs: dX = g W (needed at once: it feeds
-the rest of backward) and dW = g^T x (needed only by gradient sync and the
-optimizer). The modules that own the weights take the runtime as their dW queue
-(`set_dw_queue` of ColumnParallelLinear / RowParallelLinear, which then call
-`WgradRuntime.linear(name)`, and of Experts, whose padded batched GEMMs call
-`.bmm(name)` and whose grouped GEMMs (rows grouped by expert) take `.experts(prefix, ...)`);
-those GEMMs compute dX and the bias gradient in autograd and hand the dW GEMM
-to the runtime under its instruction name (e.g. "L1.moe.expert.fc2.dW", the
-names of `wgrad_schedule.build_gpt_moe_backward`), as a closure and, for the
-linears and grouped experts, as row operands (g, x).
+A linear layer's backward computes dX = g W (needed at once) and dW = g^T x (needed only by gradient
+sync and the optimizer). The modules owning the weights take the runtime as their dW queue
+(`set_dw_queue`): ColumnParallelLinear / RowParallelLinear call `linear(name)`, Experts `bmm(name)`
+(padded) and `experts(prefix, ...)` (grouped). Their backward computes dX and the bias gradient in
+autograd and hands the dW GEMM over under its IR name (e.g. "L1.moe.expert.fc2.dW", the names of
+`wgrad_schedule.build_gpt_moe_backward`): a closure and, for the linears and grouped experts, row
+operands (g, x). A partitioned range uses a weight k times: the runtime holds each use's rows until
+the weight's last use and then accumulates every use's GEMM into one tensor (`_rows_grad`, no copy
+of the rows); the controller installs it for that under partitioning alone too (empty assignment).
 
-Partitioned ranges use a weight k times. With row operands the runtime holds
-each use's (g, x) until the weight's last use is reached and then runs each use's
-GEMM (a linear's `addmm_` into one tensor; the experts' one grouped GEMM each, in
-the compute dtype, summed in place) (`_rows_grad`): no copy of the rows; the controller installs the runtime for that under partitioning
-alone too (empty assignment: nothing is placed under an all-to-all).
+Where a dW runs (the assignment of Algorithm 1, `schedule_wgrad`):
+  - assigned to an all-to-all a not yet started in this backward: it waits in a's queue; when a's
+    backward all-to-all is launched the queue becomes runnable (`open_window`), and it runs just
+    before that all-to-all is waited for (`fill`);
+  - leftover, or its all-to-all already ran: at once, where the plain backward computes it;
+  - still queued when backward ends: in `flush()`, which an end-of-backward callback also calls, so
+    a plain `loss.backward()` leaves every gradient complete before gradient sync.
+None of this depends on timing: when each gradient is final decides the order of grad-ready hooks
+and of the gradient all-reduces they launch, which every rank must issue in the same order.
 
-Where a closure runs (the assignment of Algorithm 1, `schedule_wgrad`):
-  - assigned to an all-to-all a that has not started in this backward: it
-    waits in a's queue; when a's backward all-to-all is launched its queue
-    becomes runnable (`open_window`), and right before the all-to-all is
-    waited for the runtime runs the runnable dW while the bytes are in
-    flight (`fill`);
-  - not assigned (leftover), or its all-to-all already ran: it runs at once,
-    where the plain backward computes it;
-  - anything still queued when backward ends (an all-to-all that never ran)
-    runs in `flush()`, which an end-of-backward callback also calls, so a plain
-    `loss.backward()` leaves every gradient complete before gradient sync.
+The weight is not an autograd input of these functions (a `WeightRef` carries it), so autograd never
+touches its `.grad` or fires its hook early. After a parameter's last contribution the runtime
+accumulates their sum through a one-node graph whose backward hands dW over (`_Handover`):
+AccumulateGrad sets or adds `.grad` as in the plain run (taking dW without a copy when `.grad` is
+unset) and the post-accumulate-grad hooks (GradSync, Lina) fire once, when the gradient is final.
+Each dW GEMM is the plain autograd formula's call (`mm(g^T, x)` for F.linear, `bmm(x^T, g)^T` for
+baddbmm), so gradients are bitwise the plain run's when each weight is used once.
 
-The weight is not an autograd input of these functions (a `WeightRef` carries
-it), so autograd never touches its `.grad` and never fires its grad-ready
-hook early. The runtime sums a parameter's contributions (one per forward use:
-k with a k-way partitioned range) and, after the last one, accumulates them
-through a one-node graph whose backward hands dW over (`_Handover`): the ordinary
-AccumulateGrad path, which takes dW as `.grad` without a copy when `.grad` is unset,
-so `.grad` is set or added to exactly as in the plain run and the parameter's
-post-accumulate-grad hooks (GradSync's readiness, Lina's hand-over) fire
-exactly once, when the gradient is final. Each dW GEMM is the same call the
-plain autograd formula makes (`mm(g^T, x)` for F.linear, `bmm(x^T, g)^T` for
-baddbmm), so gradients are bitwise equal to the plain run's when each weight
-is used once.
-
-Where dW runs must not depend on timing: it decides when each gradient is
-final, hence the order of grad-ready hooks and of the gradient all-reduces they
-launch, which every rank must issue in the same order. Everything above is
-decided by the plan (the same on every rank) and the autograd graph.
-
-The all-to-alls come from the dispatchers (`moe/dispatcher.py`), which get the
-runtime with `set_dw_queue`: their asynchronous handles (`moe/a2a.py`) open the
-window when they launch the gradient's all-to-all and call `fill` before
-waiting; S2's synchronous all-to-alls start the runnable dW GEMMs on a side
-lane before they communicate and join it after (`start_window_async` /
-`finish_window_async`).
-
-Streams (`distributed/streams.py`): a window opened by an asynchronous handle
-opens after its all-to-all was launched, so `fill` enqueues the dW GEMMs on the
-caller's stream behind the launch and they overlap it. S2's window opens
-*before* its all-to-all is launched: GEMMs enqueued there on the caller's stream
-would sit ahead of the all-to-all, and NCCL's stream waits for everything
-enqueued on the caller's stream at launch, so they would delay it instead of
-overlapping it. They go to the "lancet-dw" `Lane`: on CUDA a side stream
-(which waits for the caller's stream, where g and x were produced; the caller's
-stream waits on it in `finish_window_async`, and the dW results are
-record_stream-ed there; the closures keep their inputs alive until then), on
-the CPU one worker thread (gloo calls release the GIL). `window_ms` on CUDA is
-the host time to enqueue them, not GPU time.
+Windows and streams: the dispatchers' asynchronous handles (`moe/a2a.py`) open a window after
+launching the gradient's all-to-all, so `fill` enqueues the dW GEMMs behind the launch on the
+caller's stream and they overlap it. S2's synchronous all-to-alls (`a2a.dw_window`) open it before
+the launch: GEMMs enqueued then on the caller's stream would delay the all-to-all (NCCL waits for
+everything enqueued at launch), so they run on the "lancet-dw" `Lane` (`start_window_async` /
+`finish_window_async`): on CUDA a side stream (it waits for the caller's stream, the caller's stream
+waits for it at the join, the results are record_stream-ed), on the CPU one worker thread (gloo
+calls release the GIL). `window_ms` on CUDA is the host time to enqueue them.
 """
 
 from __future__ import annotations
@@ -96,14 +66,9 @@ class WeightRef:
 
 @dataclass
 class DeferredDW:
-    """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution.
-
-    rows (optional): the same GEMM as operands: for a linear's [O, I], one slot of (g [n, O], x [n, I])
-    pairs (contribution g^T x); for the experts' [E_l, O, I], a `moe.grouped.GroupedRows` (expert e's
-    rows' g^T x in one grouped GEMM); cast to the parameter's dtype, times `scale`. With rows the runtime holds
-    a parameter's contributions until its last forward use is reached and accumulates every use's
-    GEMM into one tensor (`_rows_grad`): a k-way partitioned range then costs k accumulating GEMMs
-    into one buffer, not k full-size buffers plus k - 1 sums."""
+    """One queued dW GEMM: `compute()` returns the parameter-shaped gradient contribution. rows (optional):
+    the same GEMM as operands (`_rows_grad`), held until the parameter's last forward use: a k-way range
+    then costs k GEMMs accumulating into one buffer, not k full-size buffers plus k - 1 sums."""
 
     name: str
     param: torch.nn.Parameter
@@ -253,11 +218,8 @@ class _Handover(torch.autograd.Function):
 
 
 class WgradRuntime:
-    """Queue of deferred dW GEMMs for one model, driven by an all-to-all -> [dW names] assignment.
-
-    assignment: Algorithm 1's `WgradSchedule.assignment` (all-to-all name ->
-    dW names). A dW name assigned to no all-to-all runs at once.
-    """
+    """Queue of deferred dW GEMMs for one model, driven by Algorithm 1's `WgradSchedule.assignment`
+    (all-to-all name -> dW names; a dW assigned to no all-to-all runs at once)."""
 
     def __init__(self, assignment: Mapping[str, Sequence[str]]):
         self.assignment = {a: list(ws) for a, ws in assignment.items()}
@@ -268,9 +230,7 @@ class WgradRuntime:
         self._started: set[str] = set()  # all-to-alls whose window opened in this backward
         self._uses: dict[torch.nn.Parameter, int] = defaultdict(int)  # forward uses not yet reduced
         self._acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._held: dict[torch.nn.Parameter, list[list | GroupedRows]] = defaultdict(
-            list
-        )  # row operands not yet multiplied
+        self._held: dict[torch.nn.Parameter, list[list | GroupedRows]] = defaultdict(list)  # rows to multiply
         self._held_scale: dict[torch.nn.Parameter, float] = {}
         self._flushing = False
         self._callback_queued = False
@@ -346,15 +306,9 @@ class WgradRuntime:
         self.fill()
 
     def fill(self) -> int:
-        """Run every runnable dW GEMM now, on this thread; returns how many ran.
-
-        Lancet's all-to-all calls it just before waiting: by then autograd has run
-        every node it ranks higher (other parts' compute, which launches their
-        all-to-alls), so the dW fills time that would be spent blocked. It runs
-        them all, not "until the bytes arrive": when each gradient is final
-        decides the order of grad-ready hooks, hence of gradient all-reduces,
-        which must be the same on every rank, so it may not depend on timing.
-        """
+        """Run every runnable dW GEMM now, on this thread; returns how many ran. An all-to-all's backward
+        calls it just before waiting, after autograd ran every node it ranks higher (other parts'
+        compute). All of them, not "until the bytes arrive" (no timing: module docstring)."""
         t0, n = time.perf_counter(), len(self._pool)
         while self._pool:
             self._run(self._pool.pop(0))

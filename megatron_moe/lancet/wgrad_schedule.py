@@ -1,34 +1,22 @@
 """Weight-gradient scheduling for the backward pass (Lancet, Algorithm 1).
 
-In backward, an all-to-all blocks every instruction that needs its result, but
-weight-gradient (dW) GEMMs feed nothing except the optimizer, so many of them
-can be deferred and launched while an all-to-all is in flight. Lancet assigns
-dW instructions to all-to-alls with a best-fit greedy:
+In backward an all-to-all blocks every instruction that needs its result, but weight-gradient (dW)
+GEMMs feed only the optimizer, so many of them can be deferred and run while an all-to-all is in
+flight. Lancet assigns dW instructions to all-to-alls with a best-fit greedy:
 
     for each all-to-all a, in program order:
         remaining = cost(a)
         while remaining > 0 and some unused dW is eligible for a:
             w = best fit for `remaining`;  assign w to a;  remaining -= cost(w)
 
-Best-fit rule (the paper's): the eligible dW whose cost is closest to the
-remaining time, argmin |remaining - cost(w)|, whether it falls short or
-overshoots. Overshooting is worth it: the dW has to run somewhere, and run
-here it hides the rest of the communication. Ties go to the earlier
-instruction in program order, so the result is deterministic. (An earlier
-version took the largest dW not above `remaining`, else the smallest above;
-with all-to-alls of 10 and 2 and dW {2, 11} it put both dW on the first and
-left the second exposed, where the paper's rule takes 11 for the first and 2
-for the second and hides both.)
+Best fit (the paper's rule): the eligible dW whose cost is closest to the remaining time, argmin
+|remaining - cost(w)|, short or over (a dW that overshoots hides the rest of the communication and
+has to run somewhere anyway); ties go to the earlier instruction, so the result is deterministic.
+Eligible for a: no directed path to or from a (`ir.overlappable_dw`), and before a in program order
+(deferred, which is what an autograd-based runtime can do).
 
-Eligible for a: no directed path to or from a (`ir.overlappable_dw`), and
-runnable when a is launched. By default (`allow_hoist=False`) that means the
-dW comes before a in program order, i.e. it is *deferred*, which is what an
-autograd-based runtime can do. With `allow_hoist=True` a later dW is also
-eligible when every instruction producing its inputs comes before a and is not
-itself a dW (those may be deferred and so not done yet).
-
-The runtime launches a's dW list, in order, right after issuing a, and runs
-`leftover` dW instructions at their program-order position.
+The runtime launches a's dW list, in order, under a, and runs the `leftover` dW at their
+program-order position.
 """
 
 from __future__ import annotations
@@ -51,44 +39,27 @@ class WgradSchedule:
     assignment: dict[str, list[str]] = field(default_factory=dict)
     leftover: list[str] = field(default_factory=list)
 
-    def owner(self) -> dict[str, str]:
-        """dW name -> the all-to-all it was assigned to (assigned dW only)."""
-        return {w: a for a, ws in self.assignment.items() for w in ws}
 
-
-def _runnable_at(graph: Graph, w: str, a: str, allow_hoist: bool) -> bool:
-    """Can dW `w` be launched at all-to-all `a` (its inputs are ready there)?"""
-    pos_a = graph.position(a)
-    if graph.position(w) < pos_a:
-        return True
-    if not allow_hoist:
-        return False
-    return all(graph.position(p) < pos_a and graph[p].kind != "dW" for p in graph.predecessors(w))
-
-
-def eligible_dw(graph: Graph, a2a: str, allow_hoist: bool = False) -> list[str]:
-    """dW names that may overlap all-to-all `a2a` (see module docstring), in program order."""
-    return [w for w in overlappable_dw(graph, a2a) if _runnable_at(graph, w, a2a, allow_hoist)]
+def eligible_dw(graph: Graph, a2a: str) -> list[str]:
+    """dW names that may overlap all-to-all `a2a` (module docstring), in program order."""
+    return [w for w in overlappable_dw(graph, a2a) if graph.position(w) < graph.position(a2a)]
 
 
 def best_fit(graph: Graph, candidates: Sequence[str], remaining: float) -> str:
-    """The candidate dW whose cost is closest to `remaining` ms: argmin |remaining - cost|.
-
-    `candidates` must be non-empty and in program order (ties go to the earliest).
-    """
+    """The candidate dW whose cost is closest to `remaining` ms: argmin |remaining - cost|; `candidates`:
+    non-empty, in program order (ties go to the earliest)."""
     if not candidates:
         raise ValueError("best_fit needs at least one candidate")
-    # min() keeps the first minimum it sees, i.e. the earliest in program order.
     return min(candidates, key=lambda w: abs(remaining - graph[w].cost_ms))
 
 
-def schedule_wgrad(graph: Graph, allow_hoist: bool = False) -> WgradSchedule:
+def schedule_wgrad(graph: Graph) -> WgradSchedule:
     """Assign dW instructions to all-to-alls by Lancet's Algorithm 1 (closest-fit greedy, program order)."""
     used: set[str] = set()
     sched = WgradSchedule()
     for a in graph.of_kind("a2a"):
         remaining = a.cost_ms
-        pool = [w for w in eligible_dw(graph, a.name, allow_hoist) if w not in used]
+        pool = [w for w in eligible_dw(graph, a.name) if w not in used]
         chosen: list[str] = []
         while remaining > 0 and pool:
             w = best_fit(graph, pool, remaining)

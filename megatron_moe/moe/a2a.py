@@ -4,17 +4,12 @@ Legend: R rows (tokens) of a message, M model dim, D ranks of the all-to-all gro
 
 `start(send, op)` launches an all-to-all (even, or uneven with `op.send_splits` /
 `op.recv_splits`) asynchronously and returns the receive rows, valid after
-`finish(recv, op)`. Between the two a pipeline may compute (Lancet starts part
-i+1 while part i is in flight); a synchronous dispatcher calls both at once.
+`finish(recv, op)`; between the two a pipeline may compute (Lancet's parts).
 Backward mirrors it: `finish`'s backward launches the reverse all-to-all of the
-gradient and opens the dW window `op.name` of the weight-gradient queue
-`op.dw` (Lancet, `WgradRuntime.open_window`); `start`'s backward runs the
-runnable dW while the bytes are in flight (`fill`), then waits. So the
-all-to-alls deferred dW overlap are known from these handles, never found by
-walking the autograd graph.
-
-Every message is recorded by the collective observer (bytes, kind, group,
-launch and finish), which also tells Lina that an all-to-all is in flight.
+gradient and opens the dW window `op.name` of the weight-gradient queue `op.dw`
+(`WgradRuntime.open_window`); `start`'s backward runs the runnable dW while the
+bytes are in flight (`fill`), then waits. Every message is recorded by the
+collective observer (which also tells Lina that an all-to-all is in flight).
 """
 
 from __future__ import annotations
@@ -50,21 +45,6 @@ def _launch(
     if token is not None and token.event is not None:  # the logged finish is the transfer's, not the wait's
         work.get_future().then(lambda _f: observer.stamp_finish(token.event))
     return observer.Work(work, token)
-
-
-def start_raw(send_RM: torch.Tensor, group, out: Optional[torch.Tensor] = None):
-    """Launch an even all-to-all of `send` [D*B, ...] (block d to rank d) outside autograd, into `out`
-    (default a new tensor); returns the handle `wait_raw` takes. Recorded by the observer."""
-    send_RM = send_RM.contiguous()
-    out = torch.empty_like(send_RM) if out is None else out
-    return out, _launch(send_RM, out, group, None, None), send_RM
-
-
-def wait_raw(handle, group) -> torch.Tensor:
-    """Wait for a `start_raw` all-to-all; returns the received rows (block d from rank d)."""
-    out, work, _send = handle
-    comm_errors.wait(work, "all_to_all", group)
-    return out
 
 
 def exchange_counts(counts_DX: torch.Tensor, group) -> torch.Tensor:

@@ -1,24 +1,16 @@
 """Profile the MoE collectives on the run's real groups, fit alpha-beta, cache the fit, pick schedules.
 
-`load_or_profile(ps, max_elements, path)` is collective over the world:
-  1. rank 0 reads the cache file `path` (--comm-profile) if it exists; it is
-     reused when it was written for the same layout (world size, MP, EP, ESP,
-     backend, device, processes per node) and covers `max_elements`;
-  2. otherwise every rank times each collective of PROFILED on its own group of
-     that kind (all groups of a kind run at once, as in training) for sizes from
-     1 KB up to `max_elements` fp32 elements (x4 steps); with MP and an EP x ESP
-     group it also times S2's overlapped return all-to-all + MP all-gather (SAA)
-     and fits eq. (14)'s (alpha_o, beta_o) (`profile_saa`, under OVERLAP_KEY);
-     the per-size medians are all-reduced with MAX over the world, the fit runs
-     on those, and rank 0 writes the cache (temporary name, then rename);
-  3. rank 0 broadcasts the fitted numbers, so every rank holds bit-identical
-     values and Algorithm 1 makes the same choice everywhere (a different choice
-     on two ranks would hang the run).
-`choose_for_layer(cfg, ps, layer_idx)` applies Algorithm 1 to one MoE layer of
-the model config, with each schedule's expert compute at the throughput measured
-on this machine (`expert_throughput`, MIN over the world), and logs the choice and
-predicted times on rank 0. `moe.schedule_trial.auto_schedule` then confirms it by timing
-the candidates on the real layer (`choose.measure`, --measure-iters).
+`load_or_profile(ps, max_elements, path)` is collective over the world: rank 0 reuses the
+cache `path` (--comm-profile) when it was written for the same layout (`layout_key`) and
+covers `max_elements`; otherwise every rank times each collective of PROFILED on its own
+group of that kind (all groups at once, as in training) at sizes from 1 KB up to
+`max_elements` fp32 elements (x4 steps), plus S2's overlapped step (`profile_saa`, eq. (14))
+when the layout has one; the medians are MAX-reduced over the world before the fit and
+rank 0 writes the cache. Rank 0 broadcasts the fitted numbers, so Algorithm 1 makes the
+same choice on every rank (a different choice would hang the run).
+`choose_for_layer(cfg, ps, layer_idx)` applies Algorithm 1 to one MoE layer, pricing the
+expert compute at the throughput measured on this machine (`expert_throughput`);
+`moe.schedule_trial.auto_schedule` then times the candidates on the real layer.
 """
 
 from __future__ import annotations
@@ -62,8 +54,7 @@ PROFILED = (
 )
 MIN_ELEMENTS = 256  # 1 KB of fp32
 MAX_PROFILE_ELEMENTS = 1 << 24  # 64 MB: larger messages are extrapolated from the fit
-CACHE_VERSION = 3  # 2: all-gathers sized by their gathered output (Parm's convention);
-# 3: the measured SAA overlap of eq. (14) is part of the profile
+CACHE_VERSION = 3  # a cache of another version is profiled again
 
 _MEMO: dict = {}
 
@@ -245,13 +236,10 @@ def time_saa(
     warmup: int = 1,
     device: torch.device | None = None,
 ) -> float:
-    """Median wall time [s] of an SAA-like step: an all-to-all of n fp32 elements over `a2a_group`,
-    cut into `chunks`; each received chunk is summed over its N_ESP partials (local combine) and
-    all-gathered over `mp_group` while the next chunk's all-to-all is in flight.
-
-    Collective over both groups. n is rounded up to a multiple of chunks * a2a size * n_esp.
-    `device`: where the buffers live (None: CPU).
-    """
+    """Median wall time [s] of an SAA-like step (collective over both groups): an all-to-all of n fp32
+    elements (rounded up to a multiple of chunks * a2a size * n_esp) over `a2a_group` in `chunks`; each
+    received chunk is summed over its N_ESP partials and all-gathered over `mp_group` while the next
+    chunk's all-to-all is in flight. `device`: where the buffers live (None: CPU)."""
     d = coll.group_size(a2a_group)
     quantum = chunks * d * n_esp
     n = -(-max(int(n), 1) // quantum) * quantum
@@ -285,14 +273,10 @@ def time_saa(
 def profile_saa(
     ps, sizes: list[int], all_gather: AlphaBeta | None, chunks: int = 4, reps: int = 3, warmup: int = 1
 ) -> tuple[AlphaBeta, dict]:
-    """(alpha_o, beta_o) of Parm's eq. (14) on this rank's EP x ESP and MP groups (collective over the world).
-
-    Times `time_saa` at each all-to-all size V of `sizes` [elements] on every rank at once (as in
-    training), takes the MAX over the world per size, and fits with `fit_overlap` (the MP
-    all-gather `all_gather`, gathered-output convention, is what eq. (14) adds beside the overlap;
-    gathered elements per element of V are N_MP / N_ESP). Returns (fit, raw table). The caller
-    stores the fit under `cost_model.OVERLAP_KEY` in the CommModel.
-    """
+    """((alpha_o, beta_o) of Parm's eq. (14), raw table) on this rank's EP x ESP and MP groups (collective
+    over the world): `time_saa` at each all-to-all size V of `sizes` [elements], MAX over the world per
+    size, fitted by `fit_overlap` beside the MP all-gather `all_gather` (N_MP / N_ESP gathered elements
+    per element of V). Stored under `cost_model.OVERLAP_KEY`."""
     device = ps.device
     n_esp = ps.size("esp")
     quantum = chunks * ps.size("ep_esp") * n_esp
@@ -303,20 +287,6 @@ def profile_saa(
     times = times.cpu()
     fit = fit_overlap(rounded, times.tolist(), all_gather, ps.size("mp") / n_esp)
     return fit, {"sizes": rounded, "times": times.tolist(), "chunks": chunks}
-
-
-def with_saa_overlap(ps, model: CommModel, max_elements: int, chunks: int = 4, reps: int = 3) -> CommModel:
-    """`model` plus the measured SAA overlap (alpha_o, beta_o) of eq. (14) under OVERLAP_KEY.
-
-    Collective over the world. Profiles `profile_saa` at `profile_sizes(max_elements)` (V, the
-    all-to-all's send elements) with the model's MP all-gather; returns `model` unchanged when
-    the layout has no MP or no EP x ESP group (S2 has no SAA step there). Every rank gets the
-    same fit (the timings are MAX-reduced before fitting).
-    """
-    if not _has_saa(ps) or not dist.is_initialized():
-        return model
-    fit, _ = profile_saa(ps, profile_sizes(max_elements), model.costs.get("all_gather@mp"), chunks, reps)
-    return CommModel({**model.costs, OVERLAP_KEY: fit}, model.source)
 
 
 def shape_of(cfg: "Config", ps: "ParallelState") -> MoEShape:
@@ -395,21 +365,8 @@ def choose_for_layer(cfg: "Config", ps: "ParallelState", layer_idx: int) -> Choi
     choice = choose_schedule(model, sh, saa=cfg.moe.moe_saa, flops_per_s=flops_per_s, kept_compute=kept)
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info(
-            "parm: layer %d B=%d L=%d M=%d H=%d E=%d k=%d f=%g N_MP=%d N_EP=%d N_ESP=%d -> %s "
-            "[model: %s; expert GEMMs %.1f GFLOP/s]",
-            layer_idx,
-            sh.B,
-            sh.L,
-            sh.M,
-            sh.H,
-            sh.E,
-            sh.k,
-            sh.f,
-            sh.n_mp,
-            sh.n_ep,
-            sh.n_esp,
-            choice.describe(),
-            model.source,
-            flops_per_s / 1e9,
+            f"parm: layer {layer_idx} B={sh.B} L={sh.L} M={sh.M} H={sh.H} E={sh.E} k={sh.k} f={sh.f:g} "
+            f"N_MP={sh.n_mp} N_EP={sh.n_ep} N_ESP={sh.n_esp} -> {choice.describe()} "
+            f"[model: {model.source}; expert GEMMs {flops_per_s / 1e9:.1f} GFLOP/s]"
         )
     return choice

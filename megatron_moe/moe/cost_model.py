@@ -1,53 +1,35 @@
 """Alpha-beta cost model of the MoE layer's collectives, and Parm's schedule choice (Algorithm 1).
 
-Every collective on a group costs t(n) = alpha + beta * n seconds for a message
-of n fp32 elements. n follows the paper's definitions: the send buffer of an
-all-to-all, the *gathered output* of an all-gather (Parm's AG_MP(B L M) is the
-full [B L, M] result, so its published beta is seconds per gathered element),
-the tensor of an all-reduce, the full input of a reduce-scatter. alpha and beta
-are fitted per (collective, group kind) from timings on the run's real groups
-(`megatron_moe.moe.comm_profile`).
+A collective on a group costs t(n) = alpha + beta * n seconds for n fp32 elements, n as Parm
+defines it: the send buffer of an all-to-all, the *gathered output* of an all-gather (AG_MP(B L M)
+is the full [B L, M] result), the tensor of an all-reduce, the full input of a reduce-scatter.
+alpha and beta are fitted per (collective, group kind) on the run's groups (`moe.comm_profile`).
 
-Notation (Parm): S = B * L tokens per routing group, T = C = max(ceil(k f S / E),
-min_capacity) slots per expert, C_mp = ceil(C / N_MP). Per-rank messages of one
-MoE layer (elements, forward; the backward moves the same messages, so every
-time below is forward + backward):
-  baseline  runtime: all_gather@esp N_ESP E C M (the dispatch buffer, gathered);
-            all_to_all@ep N_ESP E C M (x2); all_reduce@esp N_ESP E C M;
-            backward: reduce_scatter@esp instead of the all-gather.
+Notation (Parm): S = B * L tokens per routing group, T = C = max(ceil(k f S / E), min_capacity)
+slots per expert, C_mp = ceil(C / N_MP). Per-rank messages of one MoE layer (elements, forward;
+the backward moves the same, so every time is forward + backward):
+  baseline  all_gather@esp N_ESP E C M (the dispatch buffer); all_to_all@ep N_ESP E C M (x2);
+            all_reduce@esp N_ESP E C M; backward: reduce_scatter@esp instead of the all-gather.
             paper=True: eq. (1), the ESP all-gather takes the tokens, N_ESP S M.
-  S1        eq. (11)/(13): 2 x all_to_all@ep_esp E T M N_ESP / N_MP + all_gather@mp S M
-            ("padded": the paper's capacity-padded buffers, what its S1 sends);
-            s1="kept" (this project's runtime, the default for `auto`): only the
-            rank's kept choices travel, N_ESP min(k S, E C) M / N_MP per all-to-all
-            (balanced routing assumed), plus the collectives that make it exact:
-            all_gather@mp 2 k E * N_MP gathered (int64 counts), all_to_all@ep_esp
-            2 N_ESP E (counts), all_reduce@mp E + 1 (aux sums) and, in backward,
-            all_reduce@mp E M (gate gradient).
-  S2        eq. (14): all_to_all@ep_esp V with V = N_ESP E C_mp M (= E T M N_ESP / N_MP),
-            then the return all-to-all overlapped with the MP all-gather (SAA):
-              Overlap(V) + all_gather@mp E C_mp M N_MP (gathered, = E T M),
-            where Overlap(V) = alpha_o + beta_o V is fitted from measured SAA
-            steps (`fit_overlap`: the measured step time minus the stand-alone
-            all-gather it contains, so that eq. (14) adds up to the measurement).
-            Without a fitted overlap (no OVERLAP_KEY in the model) the SAA step
-            is modelled as a c-chunk pipeline:
-              T_saa = a + (c - 1) * max(a, g) + g,  a = t_a2a(V / c), g = t_ag(E C_mp M N_MP / c),
-            c in {1, 2, 4, 8} (at most the slots) minimizing it.
-Algorithm 1 (`choose_schedule`): the paper compares only t_D1 and t_D2 and takes
-S1 on a tie; `auto` also prices the baseline and takes it when it is strictly
-cheaper than both (small layers, where S1/S2's extra collectives' latencies
-dominate). S1 is impossible when N_MP does not divide S. The runtime's `auto` takes this
-as a ranking and keeps the fastest schedule measured on the real layer
-(`moe.schedule_trial` through `choose.measure`).
-`expert_flops` is the compute term (simulator, and `auto` at a measured throughput): the
-baseline runs every token's expert FFN on each of the N_MP ranks, S1 and S2 once; with
-kept=True (the runtime's kept-row experts) only kept rows count, N_ESP min(k S, E C) per
-expert group (balanced routing assumed), instead of the N_ESP E C padded rows.
+  S1        "padded" (the paper's, eq. (11)/(13)): 2 x all_to_all@ep_esp E T M N_ESP / N_MP +
+            all_gather@mp S M. "kept" (the runtime's): only kept choices travel, N_ESP min(k S, E C)
+            M / N_MP per all-to-all (balanced routing assumed), plus all_gather@mp 2 k E N_MP
+            (counts), all_to_all@ep_esp 2 N_ESP E (counts), all_reduce@mp E + 1 (aux sums) and,
+            in backward, all_reduce@mp E M (gate gradient).
+  S2        eq. (14): all_to_all@ep_esp V, V = N_ESP E C_mp M, then the return all-to-all
+            overlapped with the MP all-gather (SAA): Overlap(V) + all_gather@mp E C_mp M N_MP, with
+            Overlap(V) = alpha_o + beta_o V fitted from measured SAA steps (`fit_overlap`). Without
+            a fitted overlap, a c-chunk pipeline, c in SAA_CHUNK_CHOICES minimizing
+              T_saa = a + (c - 1) * max(a, g) + g,  a = t_a2a(V / c), g = t_ag(E C_mp M N_MP / c).
+Algorithm 1 (`choose_schedule`): S1 if t_D1 <= t_D2, else S2 (S2 when N_MP does not divide S);
+`auto` also takes the baseline when it is strictly cheaper than that pick (small layers, where
+S1's and S2's extra latencies dominate), and the runtime keeps the fastest schedule measured on
+the real layer (`moe.schedule_trial`). `expert_flops` is the compute term.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -69,11 +51,8 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(sizes, times) -> AlphaBeta:
-    """Least-squares fit of times [s] against sizes [elements], weighted by 1/time.
-
-    Relative weighting lets the small sizes pin alpha and the large ones beta
-    when the sizes span decades. Negative estimates (noise) are clamped to 0.
-    """
+    """Least-squares fit of times [s] against sizes [elements], weighted by 1/time (so the small sizes
+    pin alpha and the large ones beta across decades); negative estimates (noise) are clamped to 0."""
     n = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
     if n.size < 2 or np.unique(n).size < 2:
@@ -90,16 +69,14 @@ OVERLAP_KEY = "saa@ep_esp_mp"  # (alpha_o, beta_o) of eq. (14), sized by the all
 
 
 def fit_overlap(sizes, times, all_gather: AlphaBeta | None, gather_ratio: float) -> AlphaBeta:
-    """(alpha_o, beta_o) of eq. (14) from measured SAA steps, by least squares weighted by 1/time.
+    """(alpha_o, beta_o) of eq. (14) from measured SAA steps, least squares weighted by 1/time.
 
-    sizes: V, the all-to-all's send elements of each sample (E T M N_ESP / N_MP);
-    times: measured seconds of the overlapped all-to-all + MP all-gather step;
-    all_gather: the fitted MP all-gather (gathered-output convention), or None
-    to fit the whole step; gather_ratio: gathered elements per element of V
-    (N_MP / N_ESP). Eq. (14) adds AG_MP(E T M) to Overlap(V), so Overlap is the
-    measured step minus that all-gather: Overlap(V) = t(V) - AG(gather_ratio V).
-    No clamping: a negative alpha_o or beta_o means the overlap hides more of
-    the all-gather than the all-to-all adds.
+    sizes: V, the all-to-all's send elements of each sample (E T M N_ESP / N_MP); times: measured
+    seconds of the overlapped all-to-all + MP all-gather step; all_gather: the fitted MP all-gather
+    (gathered output), None to fit the whole step; gather_ratio: gathered elements per element of V
+    (N_MP / N_ESP). Eq. (14) adds AG_MP(E T M) to Overlap(V), so Overlap(V) = t(V) - AG(gather_ratio
+    V). Not clamped: a negative alpha_o or beta_o means the overlap hides more of the all-gather than
+    the all-to-all adds.
     """
     n = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
@@ -176,11 +153,8 @@ def _sized(model: CommModel, sh: MoEShape, op: str, group: str, n: float) -> flo
 
 
 def time_baseline(model: CommModel, sh: MoEShape, paper: bool = False) -> float:
-    """Forward + backward communication time of the baseline schedule [s].
-
-    paper=False: this project's runtime (the ESP all-gather carries the dispatch
-    buffer); paper=True: Parm's eq. (1) (it carries the N_ESP S M tokens).
-    """
+    """Forward + backward communication time of the baseline schedule [s]; the ESP all-gather carries the
+    dispatch buffer (the runtime), or with paper=True the N_ESP S M tokens (Parm's eq. (1))."""
     buf = sh.n_esp * sh.E * sh.C * sh.M
     gathered = sh.n_esp * sh.S * sh.M if paper else buf
     t = lambda op, g, n: _sized(model, sh, op, g, n)  # noqa: E731
@@ -213,11 +187,8 @@ def s2_gather_elements(sh: MoEShape) -> int:
 
 
 def time_s1(model: CommModel, sh: MoEShape, transfer: str = "kept") -> float:
-    """Forward + backward communication time of S1 [s] (`transfer`: see `s1_a2a_elements`).
-
-    "padded" is eq. (13) each way; "kept" adds the runtime's count, aux and
-    gate-gradient collectives (module docstring).
-    """
+    """Forward + backward communication time of S1 [s]: "padded", eq. (13) each way; "kept", the runtime's
+    transfer plus its count, aux and gate-gradient collectives (module docstring)."""
     t = lambda op, g, n: _sized(model, sh, op, g, n)  # noqa: E731
     a2a = t("all_to_all", "ep_esp", s1_a2a_elements(sh, transfer))
     gather = t("all_gather", "mp", sh.S * sh.M)
@@ -245,12 +216,9 @@ def best_saa_chunks(model: CommModel, sh: MoEShape) -> int:
 
 
 def time_s2(model: CommModel, sh: MoEShape, saa: bool = True, chunks: int | None = None) -> float:
-    """Forward + backward communication time of S2 [s].
-
-    saa=True: eq. (14) with the fitted (alpha_o, beta_o) when the model has
-    OVERLAP_KEY, else the chunk pipeline (`chunks`, default the best);
-    saa=False: all-to-all, then the return all-to-all, then the all-gather.
-    """
+    """Forward + backward communication time of S2 [s]: saa=True, eq. (14) with the fitted overlap when the
+    model has OVERLAP_KEY, else the chunk pipeline (`chunks`, default the best); saa=False, the return
+    all-to-all and the all-gather one after the other."""
     V = s2_a2a_elements(sh)
     a2a = _sized(model, sh, "all_to_all", "ep_esp", V)
     ag = _sized(model, sh, "all_gather", "mp", s2_gather_elements(sh))
@@ -288,14 +256,10 @@ def choose_schedule(
     flops_per_s: float | None = None,
     kept_compute: bool = True,
 ) -> Choice:
-    """`auto` for a layer of shape `sh` from the fitted model: Parm's Algorithm 1 (S1 if
-    t_D1 <= t_D2, else S2), then the baseline if it is strictly cheaper than that pick.
-
-    s1: how S1 is priced ("kept": this project's runtime; "padded": the paper's);
-    with_baseline=False is the paper's Algorithm 1 alone; flops_per_s: add each schedule's
-    expert compute (`expert_flops`, kept rows when kept_compute) at this throughput (None:
-    communication only, the paper's comparison).
-    """
+    """`auto` for a layer of shape `sh` from the fitted model: Parm's Algorithm 1 (S1 if t_D1 <= t_D2, else
+    S2), then the baseline if it is strictly cheaper than that pick (with_baseline=False: the paper's
+    Algorithm 1 alone). s1: how S1 is priced ("kept" or "padded"); flops_per_s: add each schedule's
+    `expert_flops` (kept rows when kept_compute) at this throughput (None: communication only)."""
     chunks = best_saa_chunks(model, sh) if saa else 1
     times = {"baseline": time_baseline(model, sh), "s1": time_s1(model, sh, s1), "s2": time_s2(model, sh, saa, chunks)}
     if flops_per_s:
@@ -313,10 +277,9 @@ def choose_schedule(
 def expert_flops(sh: MoEShape, schedule: str, s1: str = "padded", kept: bool = False) -> float:
     """Forward + backward expert FLOPs one rank runs (two GEMMs M x H/N_ESP per row, backward 2x forward).
 
-    Rows per rank: the baseline computes the N_ESP E C rows of its all-to-all
-    buffer (every MP rank repeats them); S2 and padded S1 1/N_MP of them; kept
-    S1 only kept rows, N_ESP min(k S, E C) / N_MP. kept=True: the experts skip the
-    padding of the baseline's and S2's buffers too (N_ESP min(k S, E C), / N_MP in S2).
+    Rows per rank: the baseline's N_ESP E C buffer rows (every MP rank repeats them); S2 and padded S1
+    1/N_MP of them; kept S1 N_ESP min(k S, E C) / N_MP. kept=True (one rank's kept-row experts): the
+    baseline and S2 skip the padding too (N_ESP min(k S, E C), / N_MP in S2).
     """
     H = sh.H or sh.M
     per_row = 3 * 2 * 2 * sh.M * H / sh.n_esp
@@ -386,6 +349,9 @@ def uniform_model(ab: AlphaBeta, **overrides: AlphaBeta) -> CommModel:
     return CommModel(costs, "given")
 
 
+_GRID_MEANS = ("s1", "s2", "parm", "auto", "picked_s1", "picked_baseline")  # `simulate_grid`'s averages
+
+
 def simulate_grid(
     model: CommModel,
     k: int = 1,
@@ -397,64 +363,43 @@ def simulate_grid(
 ) -> dict:
     """Predicted MoE-layer speedups over the baseline, averaged per (N_MP, N_ESP) like Parm's Table IV.
 
-    Every configuration of `grid` (default PAPER_GRID) where N_MP and N_ESP
-    divide P gets M = H = N_ESP * m and one expert per EP rank (E = N_EP = P /
-    N_ESP), top-k. MP and ESP may share GPUs (DeepSpeed slices experts over the
-    tensor-parallel group; Table IV has N_MP = N_ESP = 4 on 8 GPUs). The
-    alpha-beta costs do not depend on the group size here (a first-order
-    what-if). s1: S1's transfer ("padded": the paper's); paper_baseline: price
-    the baseline by eq. (1); flops_per_s: add the expert compute (`expert_flops`)
-    at this throughput, None = communication only. Returns {(n_mp, n_esp):
-    {"s1", "s2", "parm", "auto", "picked_s1" (fraction), "picked_baseline"
-    (fraction, of auto), "configs"}}: "parm" is Algorithm 1's S1/S2 pick per
-    configuration, "auto" ours (baseline, S1 or S2).
+    Every configuration of `grid` (default PAPER_GRID) where N_MP and N_ESP divide P, with M = H =
+    N_ESP * m and one expert per EP rank (E = N_EP = P / N_ESP), top-k; MP and ESP may share GPUs
+    (Table IV has N_MP = N_ESP = 4 on 8 GPUs) and the costs do not depend on the group size (a
+    first-order what-if). s1: S1's transfer; paper_baseline: the baseline by eq. (1); flops_per_s:
+    add `expert_flops` at this throughput (None: communication only). Returns {(n_mp, n_esp): {"s1",
+    "s2", "parm" (Algorithm 1's S1/S2 pick), "auto" (baseline, S1 or S2), "picked_s1",
+    "picked_baseline" (fractions of parm and auto), "configs"}}.
     """
     g = PAPER_GRID if grid is None else grid
     acc: dict = {}
-    for P in g["P"]:
-        for n_mp in g["n_mp"]:
-            for n_esp in g["n_esp"]:
-                if P % n_mp or P % n_esp:
-                    continue
-                for B in g["B"]:
-                    for L in g["L"]:
-                        for m in g["m"]:
-                            for f in g["f"]:
-                                n_ep = P // n_esp
-                                sh = MoEShape(B, L, n_esp * m, n_ep, k, f, n_mp, n_ep, n_esp)
-                                chunks = best_saa_chunks(model, sh) if saa else 1
-                                tot = {
-                                    "baseline": time_baseline(model, sh, paper=paper_baseline),
-                                    "s1": time_s1(model, sh, s1),
-                                    "s2": time_s2(model, sh, saa, chunks),
-                                }
-                                if flops_per_s:
-                                    for name in tot:
-                                        tot[name] += expert_flops(sh, name, s1) / flops_per_s
-                                feasible = ("s1", "s2") if sh.S % n_mp == 0 else ("s2",)
-                                parm = min(feasible, key=lambda x: (tot[x], x))
-                                auto = "baseline" if tot["baseline"] < tot[parm] else parm
-                                base = tot["baseline"]
-                                row = acc.setdefault(
-                                    (n_mp, n_esp),
-                                    {
-                                        "s1": 0.0,
-                                        "s2": 0.0,
-                                        "parm": 0.0,
-                                        "auto": 0.0,
-                                        "picked_s1": 0.0,
-                                        "picked_baseline": 0.0,
-                                        "configs": 0,
-                                    },
-                                )
-                                row["s1"] += base / tot["s1"]
-                                row["s2"] += base / tot["s2"]
-                                row["parm"] += base / tot[parm]
-                                row["auto"] += base / tot[auto]
-                                row["picked_s1"] += parm == "s1"
-                                row["picked_baseline"] += auto == "baseline"
-                                row["configs"] += 1
+    for P, n_mp, n_esp, B, L, m, f in itertools.product(*(g[key] for key in PAPER_GRID)):
+        if P % n_mp or P % n_esp:
+            continue
+        n_ep = P // n_esp
+        sh = MoEShape(B, L, n_esp * m, n_ep, k, f, n_mp, n_ep, n_esp)
+        chunks = best_saa_chunks(model, sh) if saa else 1
+        tot = {
+            "baseline": time_baseline(model, sh, paper=paper_baseline),
+            "s1": time_s1(model, sh, s1),
+            "s2": time_s2(model, sh, saa, chunks),
+        }
+        if flops_per_s:
+            for name in tot:
+                tot[name] += expert_flops(sh, name, s1) / flops_per_s
+        feasible = ("s1", "s2") if sh.S % n_mp == 0 else ("s2",)
+        parm = min(feasible, key=lambda x: (tot[x], x))
+        auto = "baseline" if tot["baseline"] < tot[parm] else parm
+        base = tot["baseline"]
+        row = acc.setdefault((n_mp, n_esp), {**dict.fromkeys(_GRID_MEANS, 0.0), "configs": 0})
+        row["s1"] += base / tot["s1"]
+        row["s2"] += base / tot["s2"]
+        row["parm"] += base / tot[parm]
+        row["auto"] += base / tot[auto]
+        row["picked_s1"] += parm == "s1"
+        row["picked_baseline"] += auto == "baseline"
+        row["configs"] += 1
     for row in acc.values():
-        for key in ("s1", "s2", "parm", "auto", "picked_s1", "picked_baseline"):
+        for key in _GRID_MEANS:
             row[key] /= row["configs"]
     return acc

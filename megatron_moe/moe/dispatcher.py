@@ -5,39 +5,38 @@ T tokens this rank dispatches (G*S or G*S_l), M model dim, E experts (E_l = E / 
 local), k choices per token, C capacity, K kept choices of this rank, D = N_EP *
 N_ESP ranks of the EP x ESP group, N rows per local expert in the expert input.
 
-Every dispatcher has the same three steps (`MoELayer.forward` calls them in order):
+Every dispatcher has three steps (`MoELayer.forward` calls them in order):
   plan(routes)       -> a plan (index maps; the uneven one also exchanges counts)
-  dispatch(x, plan)  -> expert input (padded [E_l, N, M], or rows grouped by local expert [R, M])
+  dispatch(x, plan)  -> the experts' input
   combine(y, plan)   -> y [T, M], the weighted sum of each token's expert outputs
 and `grad_scale`, the factor of the experts' weight gradients (1/N_MP when the N_MP
 ranks of an MP group push identical tokens through the experts).
 
-PaddedDispatcher (capacity-padded buffer [E, G*C', M], index dispatch/combine; with one rank holding
-every expert no buffer at all: `local_plan` gathers the tokens by expert, device offsets, no host sync):
-  "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather of the buffer, EP
-      all-to-all, experts on their H/N_ESP slice, ESP all-reduce of the partial
-      outputs, EP all-to-all back, ESP split.
-  "s2" (Parm S2): every MP rank keeps slots [r*C_mp, (r+1)*C_mp) of each expert
-      (C' = N_MP * C_mp, the pad slots stay empty); local dump (one copy per ESP
-      shard), one EP x ESP all-to-all, experts, return all-to-all with local
-      combine (sum of the N_ESP partials) and MP all-gather, overlapped chunk by
-      chunk (SAA, `distributed.saa`) unless --no-moe-saa. The backward of the
-      dispatch is the same all-to-all -> ESP sum -> MP all-gather, so SAA serves there too.
-UnevenDispatcher (only kept tokens travel; dropless, Parm S1, Lancet's parts): kept choices
-  sorted by (expert, group, slot), a count exchange tells receivers the split sizes, local
-  dump, uneven all-to-all; the expert input is [R, M], the R received rows grouped by local
-  expert (`UnevenPlan.expert_rows` rows each: no padding, the experts compute exactly those
-  rows); return all-to-all, local combine. `dispatch_start` / `dispatch_finish` and
-  `combine_start` / `combine_finish` return and take handles, so a pipeline starts part i+1
-  while part i is in flight. A Pro-Prophet placement (`set_placement`, `moe.placement`) changes
-  where a token goes: to a replica on this rank's EP rank instead of the expert's owner; the
-  receiver's rows are then grouped by the experts it computes (owned and replicas).
+The experts' input, by path:
+  one rank holding every expert (PaddedDispatcher, `local_plan`): the tokens gathered by
+    expert, each expert's rows ending at device offsets; no host sync.
+  several ranks (PaddedDispatcher): the capacity-padded buffer [E_l, N, M]; no host sync.
+    "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather of the buffer, EP all-to-all,
+      experts on their H/N_ESP slice, ESP all-reduce of the partials, EP all-to-all back,
+      ESP split.
+    "s2" (Parm S2): every MP rank keeps slots [r*C_mp, (r+1)*C_mp) of each expert (N_MP*C_mp
+      slots per group); local dump (one copy per ESP shard), one EP x ESP all-to-all, experts,
+      return all-to-all with local combine (sum of the N_ESP partials) and MP all-gather,
+      overlapped chunk by chunk (SAA, `distributed.saa`) unless --no-moe-saa; the dispatch's
+      backward takes the same path, so SAA serves there too.
+  UnevenDispatcher (dropless, Parm S1, Lancet's parts, Pro-Prophet's replicas): only kept
+    tokens travel, as ragged rows [R, M] grouped by expert (`UnevenPlan.expert_rows`, no
+    padding), with one host read of the exchanged counts per layer forward (the all-to-all's
+    split sizes). Launch and wait are separate steps (`dispatch_start` / `dispatch_finish`,
+    `combine_start` / `combine_finish`), so a pipeline starts part i+1 while part i is in
+    flight. A Pro-Prophet placement (`set_placement`) sends a token to a replica on this
+    rank's EP rank instead of the expert's owner; the receiver's rows are then grouped by the
+    experts it computes (owned and replicas).
 
-The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine":
-a weight-gradient queue given with `set_dw_queue` runs deferred dW under their
-backward (Lancet). `track_input` / `track_output` mark the layer's input and output
-so that backward tells listeners (Lina) when the combine step starts (an all-to-all
-is coming) and when the layer's backward is over.
+The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine": a
+weight-gradient queue (`set_dw_queue`) runs deferred dW under their backward (Lancet).
+`track_input` / `track_output` tell listeners (Lina) in backward when the combine step
+starts and when the layer's backward is over.
 """
 
 from __future__ import annotations
@@ -270,12 +269,10 @@ class PaddedPlan:
 
 
 def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPlan:
-    """The plan of one rank holding every expert (`PaddedDispatcher.local_only`), with no host sync: all
-    G*S*k choices, the kept ones first in buffer-row order (by expert, then group, then slot: the rows
-    the padded buffer would hold) and the dropped ones after them; `offs` [E] ends each expert's kept
-    rows. The tokens are gathered in that order straight into the experts' input (no buffer), the
-    experts compute up to offs[-1] (the dropped tail gives zeros) and the combine weighs every row by
-    its choice's weight (0 for a dropped one)."""
+    """The plan of one rank holding every expert (`PaddedDispatcher.local_only`), no host sync: all G*S*k
+    choices, the kept ones first in the padded buffer's row order (expert, group, slot), the dropped
+    after them (the experts give zeros past offs[-1], the combine weighs them 0); `offs` [E] ends each
+    expert's kept rows."""
     G, (S, k) = len(routes), routes[0].slot.shape
     dev = routes[0].slot.device
     GC = G * Cs
@@ -294,9 +291,7 @@ def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPl
 
 
 class PaddedDispatcher(TokenDispatcher):
-    """Capacity-padded dispatch: "baseline" or "s2" (module docstring). The expert input is the padded
-    [E_l, N, M]; with one rank holding every expert (`local_only`) the tokens themselves, grouped by expert
-    (`local_plan`)."""
+    """Capacity-padded dispatch, "baseline" or "s2", or one rank's `local_plan` (module docstring)."""
 
     def __init__(
         self,
@@ -482,11 +477,9 @@ class _LocalPlan:
 
 class UnevenDispatcher(TokenDispatcher):
     """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
-    `counts_group`: where the per-expert counts are exchanged (default that group).
-
-    The all-to-all's split sizes must be on the host, so a plan reads the sent and received counts
-    there once (one device-to-host copy per layer forward, as Megatron-Core's and torchtitan's uneven
-    dispatchers do); everything else stays on the device, and the backward reuses the splits."""
+    `counts_group`: where the per-expert counts are exchanged (default that group). A plan reads the
+    sent and received counts on the host in one copy (as Megatron-Core's and torchtitan's uneven
+    dispatchers do); the backward reuses the splits."""
 
     def __init__(
         self,
@@ -515,9 +508,8 @@ class UnevenDispatcher(TokenDispatcher):
 
     def plan_parts(self, parts: list[list[RouteResult]]) -> list[UnevenPlan]:
         """`plan` of each part (Lancet's partitions of one range) with one count exchange for all of them
-        (collective): a count exchange per part would queue behind the previous part's tokens on the
-        link, so a part could not be planned until the part before it had arrived. With the counts
-        sink (Pro-Prophet) every part is planned on its own, as the sink expects one message per plan."""
+        (collective): a count exchange per part would queue behind the previous part's tokens on the link.
+        With the counts sink (Pro-Prophet) each part is planned on its own (one message per plan)."""
         if self.sinks_counts:
             return [self.plan(r) for r in parts]
         local = [self._sort(r) for r in parts]
@@ -569,13 +561,7 @@ class UnevenDispatcher(TokenDispatcher):
         K_ep = [sum(sent_h[ep * n_esp]) for ep in range(self.n_ep)]  # kept choices for each EP rank
         K = sum(K_ep)
         starts = [sum(K_ep[:ep]) for ep in range(self.n_ep)]
-        dump = torch.cat(
-            [
-                torch.arange(starts[ep], starts[ep] + K_ep[ep], device=dev)
-                for ep in range(self.n_ep)
-                for _ in range(n_esp)
-            ]
-        )
+        dump = torch.cat([torch.arange(a, a + n, device=dev) for a, n in zip(starts, K_ep) for _ in range(n_esp)])
         recv = recv.to(device=dev, dtype=torch.int64)
         per_expert_h = [sum(r[x] for r in got_h) for x in range(X)]  # rows received per column, on the host
         total = sum(per_expert_h)

@@ -9,13 +9,13 @@ Full parameters and their splits (dim 0 over EP, the H dim over ESP):
                                      bias columns j*M/N_ESP.. to its partial
                                      output, so the sum of partials carries the
                                      bias exactly once and each piece has one owner)
-The forward returns each ESP rank's *partial* output; schedules sum them.
-One method per input layout the layer hands over:
-  - `forward`: a padded buffer [E_l, N, M] (several ranks), one batched GEMM per weight;
-  - `forward_offsets`: rows grouped by expert with device offsets (one rank holding every expert,
-    no host sync; rows after the last expert's are a dropped tail computed as zeros), grouped GEMMs;
-  - `forward_ragged`: rows grouped by expert with host counts (the uneven dispatcher: dropless, S1,
-    Lancet's parts; Pro-Prophet's replicas through `forward_grouped`), grouped GEMMs (`moe.grouped`).
+The forward returns each ESP rank's *partial* output; schedules sum them. One method per
+input layout (`moe.dispatcher`):
+  - `forward`: the padded buffer [E_l, N, M] (several ranks), one batched GEMM per weight;
+  - `forward_offsets`: rows grouped by expert with device offsets (one rank; rows past the
+    last expert's are the dropped tail and give zeros), grouped GEMMs (`moe.grouped`);
+  - `forward_ragged`: rows grouped by expert with host counts (the uneven dispatcher;
+    Pro-Prophet's replicas through `forward_grouped`), grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -76,12 +76,10 @@ class Experts(nn.Module):
         self.dw_queue, self.dw_prefix = None, ""  # the same queue, for the grouped GEMMs (`_deferral`)
 
     def relayout(self, local: dict[str, torch.Tensor], num_local: int) -> None:
-        """Hold another set of experts (Lina's expert packing, `moe.packing`): `local` maps fc_w,
-        fc_b, proj_w, proj_b to this rank's new slices [num_local, ...]. The parameters stay the
-        same objects (the optimizer, gradient hooks and schedulers keep them), with new data and
-        no gradient. Call it between iterations, when no autograd graph that used the experts is
-        alive (a live graph keeps each parameter's gradient accumulator, which remembers the old
-        shape: its next backward would fail on the shape)."""
+        """Hold another set of experts (Lina's expert packing, `moe.packing`): `local` maps fc_w, fc_b,
+        proj_w, proj_b to this rank's new slices [num_local, ...]; the parameters stay the same objects,
+        with new data and no gradient. Call it between iterations: a live autograd graph that used the
+        experts keeps gradient accumulators of the old shape, and its backward would fail."""
         with torch.no_grad():
             for name, p in (("fc_w", self.fc_w), ("fc_b", self.fc_b), ("proj_w", self.proj_w), ("proj_b", self.proj_b)):
                 t = local[name]
@@ -163,8 +161,3 @@ class Experts(nn.Module):
         proj_w [X, M, H_l], proj_b [X, M_l]: this layer's experts or Pro-Prophet replicas) -> partial
         y [R, M], one grouped MLP (`moe.grouped`); `defer` (`_deferral`) takes the weights' dW GEMMs."""
         return expert_rows_mlp(x_RM, counts, fc_w, fc_b, proj_w, self._bias(proj_b, x_RM.size(1)), defer)
-
-
-def expert_flops(tokens: int, hidden: int, ffn_hidden: int) -> int:
-    """Forward FLOPs of one expert MLP on `tokens` tokens (2 GEMMs)."""
-    return 4 * tokens * hidden * ffn_hidden

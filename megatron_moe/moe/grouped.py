@@ -10,12 +10,10 @@ outputs and input gradients are zero.
 
     y = gelu_tanh(x W1_e^T + b1_e) W2_e^T + b2_e        for the rows of expert e
 
-Each GEMM is one `torch._grouped_mm` (CUTLASS grouped GEMM on CUDA, a loop on CPU), so CPU and GPU
-share one path. The GEMMs run in the compute dtype: the autocast dtype when autocast is on (autocast
-does not list `_grouped_mm` on every device, and an op called with `out=` is never autocast), else the
-input's dtype. Weight gradients come out of the grouped GEMM in that dtype and are cast to the
-parameters' dtype, as autocast's linear does. A dW queue (Lancet, `lancet.wgrad_runtime`) can take the
-two weight-gradient GEMMs as `GroupedRows` and run them later.
+Each GEMM is one `torch._grouped_mm` (CUTLASS grouped GEMM on CUDA, a loop on CPU), in the compute
+dtype: autocast's when it is on (autocast does not list `_grouped_mm` on every device), else the
+input's. Weight gradients are cast to the parameters' dtype, as autocast's linear does. A dW queue
+(`lancet.wgrad_runtime`) can take the two weight-gradient GEMMs as `GroupedRows` and run them later.
 """
 
 from __future__ import annotations
@@ -42,11 +40,6 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a GEMM on `t` runs in: autocast's when it is on for t's device, else t's own."""
     dev = t.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
-
-
-def offsets(counts: torch.Tensor) -> torch.Tensor:
-    """Cumulative row ends [X] int32 of per-expert row counts [X] (on their device)."""
-    return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def _pad_to(t: torch.Tensor, dim: int, mult: int) -> torch.Tensor:

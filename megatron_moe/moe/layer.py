@@ -3,28 +3,24 @@
 Legend: B batch, T sequence, M model dim, G routing groups in this call,
 S tokens per group (S_l = S / N_MP: one MP slice), E experts, C capacity.
 
-A routing group is one data-parallel rank's micro-batch (identical on every MP
-rank of it). A one-process reference passes `routing_groups = DP` so it routes
-each data-parallel shard of the global batch separately, as the parallel run
-does. The schedule (--moe-schedule) picks the dispatcher and whether MP ranks
-split the tokens first:
+A routing group is one data-parallel rank's micro-batch (identical on every MP rank
+of it); a one-process reference passes `routing_groups = DP` to route each shard of
+the global batch as the parallel run does. The schedule (--moe-schedule) picks the
+dispatcher and whether MP ranks split the tokens first; all return the same values:
   baseline  every MP rank routes all tokens; PaddedDispatcher("baseline")
   s2        every MP rank routes all tokens; PaddedDispatcher("s2")
   s1        MP split, S1 routing (`moe.parm`), UnevenDispatcher, MP all-gather
   auto      Parm's Algorithm 1 per layer, decided by `optimizations.apply` on the
             real groups (`use_schedule`); until then the layer runs the baseline.
-Every schedule returns the same values.
+Dropless (--moe-dropless): the router keeps every choice, carried by the UnevenDispatcher
+unless one rank holds every expert without replicas (baseline: expert weight gradients
+scaled by 1/N_MP; auto resolves to the baseline; s2, a padded buffer, is refused).
 
-Dropless (--moe-dropless): the router keeps every choice and the layer always uses
-the UnevenDispatcher with a ragged expert input (only real tokens travel, experts
-compute only them). baseline: every MP rank routes and sends all tokens (expert
-weight gradients scaled by 1/N_MP); s1: as above; auto resolves to the dropless
-baseline; s2 (a padded buffer by construction) is refused.
-
-The experts' input follows from the dispatcher's plan: one rank holding every expert, the tokens
-grouped by expert with device offsets (`moe.dispatcher.local_plan`, no host sync); several ranks,
-the capacity-padded buffer (no host sync); the UnevenDispatcher (dropless, S1, Lancet's parts),
-the received rows grouped by expert (one host read of the counts per layer).
+The experts' input follows the path (`moe.dispatcher`): one rank holding every expert,
+the tokens grouped by expert with device offsets (`local_plan`, no host sync); several
+ranks, the capacity-padded buffer (no host sync); the UnevenDispatcher (dropless, S1,
+Lancet's parts, Pro-Prophet's replicas), ragged rows grouped by expert, with one host
+read of the counts per layer forward.
 """
 
 from __future__ import annotations
@@ -90,8 +86,7 @@ class MoELayer(nn.Module):
         self.requested, self.dropless = moe.moe_schedule, moe.moe_dropless
         self.schedule_choice: Optional["Choice"] = None  # Algorithm 1's decision under auto
         self.pipeline_chunks = 1  # Lina's all-to-all micro-ops (`set_pipeline_chunks`)
-        # dropless with every expert on this rank and no replicas: nothing travels, so the one-rank plan
-        # (`moe.dispatcher.local_plan`: no host sync) serves it; Pro-Prophet's replicas need the uneven one
+        # dropless on one rank without replicas: the one-rank plan (`local_plan`, no host sync) serves it
         self.dropless_local = (
             self.dropless and ps.size("ep") * ps.size("esp") == 1 and not getattr(cfg.opts, "pro_prophet", False)
         )

@@ -1,39 +1,29 @@
 """Lina's expert packing (Lina sections 4.2, 4.3; --lina-packing): more experts per rank when
-the expert FFN is too short to hide an all-to-all.
+the expert FFN is too short to hide an all-to-all. Legend: E experts, N = N_EP.
 
-An all-to-all micro-op can only be pipelined behind the FFN of the previous chunk when that FFN
-takes at least as long. From iteration PACK_START on, and every PACK_EVERY iterations after it,
-the trainer asks `ExpertPacking.step_done`: it takes the mean time of one FFN micro-op (one call
-of a layer's `Experts`, timed by the module's forward hooks) and of one forward all-to-all
-micro-op (the collective observer's events on the token all-to-all groups) of the iteration just
-finished, reduces both with an all-reduce MAX over the world (so every rank decides on the same
-numbers, never on its own timing), and when the FFN is shorter it packs: EP = N -> N/2 with
-expert-DP doubled, as long as N is even and the experts per rank stay within
---lina-max-experts-per-rank (0: no bound). That rule is the untimed decision RULE ("keep" /
-"pack"; `choose.override` or MMOE_CHOOSE force it, e.g. a test that needs a pack).
+The rule (RULE, untimed; `choose.override` or MMOE_CHOOSE force it): at iteration PACK_START and
+every PACK_EVERY after it, `ExpertPacking.step_done` takes the mean time of one FFN micro-op (one
+call of a layer's `Experts`, timed by forward hooks) and of one forward all-to-all micro-op (the
+collective observer's events) of the iteration just finished, MAX over the world (every rank
+decides on the same numbers), and packs when the FFN is shorter: EP = N -> N/2, expert-DP
+doubled, while N is even and the experts per rank stay within --lina-max-experts-per-rank (0: no
+bound).
 
-Lina's rule ignores what a pack costs: each rank then computes twice the experts and all-reduces
-their gradients over the new (larger) expert-DP group, so a pack can make steps slower. A pack is
-therefore measured (`choose.Trial` TRIAL over ("unpacked", "packed"), --measure-iters K; 0: trust
-the rule): K iterations in the layout the rule would leave, then K packed (one block each, `turn`
-= K: every switch moves experts between ranks; no warm-up rounds: the iterations before ran the old
-layout, and the first packed one is timed like the rest of its block). Unless "packed" is picked the
-experts go back to the previous EP (the same exact, collective relayout) and packing is not tried
-again in the run. The trainer runs this trial last (`training.TRIALS`): the rule is asked only
-once the trials before it decided.
+A pack doubles each rank's experts and all-reduces their gradients over a larger group, so it can
+make steps slower: with --measure-iters K > 0 it is measured (`choose.Trial` TRIAL over
+("unpacked", "packed"), K iterations each, no warm-up rounds: every switch moves experts). Unless
+"packed" is picked the experts go back and packing is not tried again in the run. The trainer runs
+this trial last (`training.TRIALS`). Every layout equals the one-process run, so packing, reverted
+or not, does not change the training curve.
 
-Packing is a change of layout only, and every layout already equals the one-process run, so the
-training curve does not change (tests/test_lina_packing.py), reverted or not. Legend: E experts, N = N_EP.
 A relayout (collective, every rank in the same order):
   1. each expert parameter and each of its optimizer-state tensors of the same shape is gathered
-     over the *old* EP group (every rank of it holds the same ESP slice of other experts) and
-     cut again for the rank's new EP coordinate with the checkpoint resharding functions
+     over the *old* EP group and cut again for the rank's new EP coordinate
      (`layers.sharding.unshard_tensor` / `shard_tensor` restricted to the EP split);
   2. `ParallelState.relayout_experts` builds the new ep, ep_esp and expert_dp groups;
   3. each layer's `Experts.relayout` takes its new slices (the same parameter objects, so the
      optimizer, GradSync's hooks and Lina keep them) and `MoELayer.use_schedule` builds the
-     dispatcher again on the new groups. Expert gradients are then all-reduced over the new
-     expert-DP group (GradSync asks the state for the group at each step).
+     dispatcher again on the new groups.
 A checkpoint saved after packing has the packed layout in its metadata; `tools/convert_checkpoint.py
 reshard` brings it back to the original one.
 """

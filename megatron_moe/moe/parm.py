@@ -3,22 +3,19 @@
 Legend: G routing groups in the call, S tokens per group, S_l = S / N_MP tokens of
 one MP slice, E experts, k choices per token, C capacity.
 
-S1 and S2 pause MP inside the MoE layer and use one all-to-all over the EP x ESP
-group (`moe.dispatcher`: S2 is the padded dispatcher's "s2" mode, S1 the uneven
-dispatcher). Both process every token once (no MP duplicates), so expert weight
-gradients are not scaled.
+S1 and S2 pause MP inside the MoE layer and use one all-to-all over the EP x ESP group
+(`moe.dispatcher`: S2 is the padded dispatcher's "s2" mode, S1 the uneven dispatcher). Both
+process every token once (no MP duplicates), so expert weight gradients are not scaled.
 
-S1's slots stay those of the whole group: an all-gather of per-expert choice
-counts over MP gives each rank the counts of the ranks before it (offsets) and
-the first-choice totals (top-2), and `Router.route_slice` places the slice with
-them ("capacity passing"), so kept and dropped tokens are exactly the baseline's.
-Batch-prioritized routing needs the group's importance order instead: the ranks
-all-gather each token's importance and choices, 4 * (1 + k) * S_l bytes per rank
-instead of 8 * k * E. Gate gradients are summed over MP; the aux and z losses use
-the group's sums (one MP all-reduce of E + 1 floats per group). The layer output
-is all-gathered over MP after combine.
-`--moe-s1-local-capacity` routes each slice as its own group with capacity
-C(S_l) (Parm's original S1): fewer collectives, but NOT equivalent to the baseline.
+S1's slots stay those of the whole group: an all-gather of per-expert choice counts over MP gives
+each rank the counts of the ranks before it (offsets) and the first-choice totals (top-2), and
+`Router.route_slice` places the slice with them ("capacity passing"), so kept and dropped tokens
+are exactly the baseline's. Batch-prioritized routing needs the group's importance order instead:
+the ranks all-gather each token's importance and choices, 4 * (1 + k) * S_l bytes per rank
+instead of 8 * k * E. Gate gradients are summed over MP; the aux and z losses use the group's sums
+(one MP all-reduce of E + 1 floats per group). The layer output is all-gathered over MP after
+combine. `--moe-s1-local-capacity` routes each slice as its own group with capacity C(S_l)
+(Parm's original S1): fewer collectives, but NOT equivalent to the baseline.
 """
 
 from __future__ import annotations

@@ -4,17 +4,12 @@ Legend: E experts (E_l = E / N_EP local), G routing groups, C capacity, Cs slots
 GC = G * Cs buffer columns, w columns (or slots) of one chunk, M model dim, T tokens,
 D = N_EP * N_ESP ranks of the token all-to-all.
 
-The dispatch all-to-all is split into `chunks` micro-ops by token slots; every
-chunk's dispatch is launched up front (`a2a.start`), then chunk by chunk: wait
-for chunk i, run the experts on it while chunk i+1 is (still) on the wire, and
-launch chunk i's return all-to-all as soon as its FFN is done; the outputs are
-waited for at the end. Backward mirrors it (the handles' backward): every
-chunk's gradient goes back at once, and chunk i's dispatch gradient travels
-while the experts' backward runs on chunk i-1.
-
-Experts are row-wise (an MLP per token), so splitting a buffer by slots
-changes no value: outputs and gradients equal the unsplit layer (fp32 sums in
-another order), and routing (hence dropped tokens) is done once, before the split.
+The dispatch all-to-all is split into `chunks` micro-ops by token slots; every chunk's dispatch
+is launched up front (`a2a.start`), then chunk by chunk: wait for chunk i, run the experts on it
+while chunk i+1 is on the wire, and launch its return as soon as its FFN is done; the outputs are
+waited for at the end. Backward mirrors it through the handles. Experts are row-wise, so splitting
+by slots changes no value (fp32 sums in another order); routing (hence dropping) is done once,
+before the split.
 
   baseline (PaddedDispatcher "baseline"): the buffer [E, GC, M] split into column
       ranges; per chunk ESP all-gather, EP all-to-all, experts, ESP all-reduce,

@@ -27,12 +27,11 @@ Semantics (docs/DESIGN.md "Router semantics"):
   of descending top gate value (ties by token order); "random": experts drawn
   uniformly (seeded generator), positions in token order.
 
-The pieces are separate functions so that schedules that split a routing
-group across ranks (Parm S1, Lancet's partitions) can compute the same slots
-from per-part counts: `choose_experts` -> `slot_positions` (with offsets) ->
-`finish_route`. `Router` is the module that owns the gate and calls them:
-`route` for a whole group, `route_slice` for a slice given per-expert offsets
-("capacity passing"), `record` for the stats of a forward (one place).
+The pieces are separate functions so that schedules splitting a routing group
+(Parm S1, Lancet's partitions) compute the same slots from per-part counts:
+`choose_experts` -> `slot_positions` (with offsets) -> `finish_route`. `Router`
+owns the gate: `route` for a whole group, `route_slice` for a slice given
+per-expert offsets ("capacity passing"), `record` for the stats of a forward.
 """
 
 from __future__ import annotations
@@ -119,14 +118,10 @@ def choose_experts(
 def choose_experts_slice(
     logits_lE: torch.Tensor, k: int, policy: str, generator: Optional[torch.Generator], start: int, group_tokens: int
 ):
-    """`choose_experts` for the rows [start, start + S_l) of a routing group of `group_tokens` tokens.
-
-    Used when a group is split across ranks (Parm S1): the gate and argmax policies only
-    need the slice's logits [S_l, E]; random routing draws the keys of the whole group
-    [group_tokens, E] from the generator (exactly the numbers `choose_experts` draws) and
-    keeps the slice's rows, so every token gets the expert it gets when routed whole.
-    Returns (gates_lE fp32, expert_lk int64).
-    """
+    """`choose_experts` for rows [start, start + S_l) of a routing group of `group_tokens` tokens (a group
+    split across ranks or parts): random routing draws the whole group's keys [group_tokens, E] (the
+    numbers `choose_experts` draws) and keeps the slice's rows, so every token gets the expert it gets
+    when routed whole. Returns (gates_lE fp32, expert_lk int64)."""
     if policy != "random":
         return choose_experts(logits_lE, k, policy, generator)
     if k not in (1, 2):
@@ -399,8 +394,7 @@ class Router(nn.Module):
             choices = sum(r.slot.numel() for r in routes)
         # kept on the device: read on the host only when someone asks (`last_stats`), not per forward
         self.device_stats = (kept_E.detach(), int(choices))
-        # detached: the routes' graph reaches back through every earlier layer, and kept past the step it
-        # would hold that step's activations and the parameters' gradient accumulators (their shapes:
-        # Lina's expert packing changes the experts' shapes between steps)
+        # detached: kept past the step, their graph would hold its activations and the gradient accumulators
+        # of the old expert shapes (Lina's packing changes them between steps)
         self.last_routes = [r.detached() for r in routes]
         self.calls += 1

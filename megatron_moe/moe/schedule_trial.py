@@ -1,13 +1,12 @@
 """Parm `auto` for one layer: the cost model ranks the schedules, `choose.measure` times them on the layer.
 
 Algorithm 1 on the fitted cost model (`comm_profile.choose_for_layer`) predicts baseline, S1 and S2.
-Where the schedules differ (more than one MP rank), each candidate runs forward + backward of the layer
-itself on a fixed input of the training shape, as `choose.measure` lays the passes out (S1 only where the
-tokens of a routing group split evenly over MP); the simplest of baseline, S2, S1 is kept unless a less
-simple one is faster by more than `choose.MARGIN`. `--measure-iters 0` keeps the model's choice.
-The schedules compute the same values, and measuring leaves the run as it was: no optimizer step,
-weight gradients returned by `torch.autograd.grad` (nothing reaches `.grad`, no gradient hook fires),
-the CPU and CUDA RNG states and the router's call counter restored.
+Where they differ (more than one MP rank), each candidate runs forward + backward of the layer on a
+fixed input of the training shape (S1 only where a routing group's tokens split evenly over MP); the
+simplest of baseline, S2, S1 is kept unless a less simple one is faster by more than `choose.MARGIN`
+(`choose.measure`). `--measure-iters 0` keeps the model's choice. Measuring leaves the run as it was:
+weight gradients come from `torch.autograd.grad` (nothing reaches `.grad`, no hook fires), the RNG
+states and the router's call counter are restored.
 """
 
 from __future__ import annotations
