@@ -1,45 +1,31 @@
 """Sharded checkpoints: one safetensors file per rank plus a JSON metadata file.
 
-Layout of `--save DIR`:
-  DIR/latest                          text: the newest complete iteration
-  DIR/iter_0000100/metadata.json      layout, iteration, consumed samples, config, per-layer
-                                      router call counters, optimizer kind, SHA-256 of every shard
-  DIR/iter_0000100/rank_00003.safetensors
-        model/<param>                 this rank's slice of every parameter
-        optim/<param>/<state>         its optimizer state (exp_avg, exp_avg_sq, step, momentum_buffer)
-        rng/torch, rng/cuda           this rank's RNG states
-  DIR/iter_0000100/tokenizer/         the run's tokenizer (so generate/convert/resume work from anywhere)
+Layout of `--save DIR`: `DIR/latest` (text: the newest complete iteration) and `DIR/iter_0000100/`
+holding `metadata.json` (layout, iteration, consumed samples, config, router call counters,
+optimizer kind, SHA-256 of every shard), `tokenizer/` (the run's tokenizer) and one
+`rank_00003.safetensors` per rank with keys `model/<param>` (this rank's slice),
+`optim/<param>/<state>` and `rng/torch`, `rng/cuda`.
 
-A save never loses the previous good state. In order (each a named fault point, below):
-  1. every rank writes and fsyncs its shard into `iter_N.tmp-<pid>`      -> "after_shards"
-  2. rank 0 writes the tokenizer and metadata.json, fsyncs the directory -> "after_metadata"
-  3. an existing `iter_N` (a re-save) is renamed aside to `iter_N.old-<pid>` -> "after_old_aside"
-  4. the temporary directory is renamed to `iter_N`                      -> "after_new_in"
-  5. `latest` is replaced atomically (write, fsync, rename, fsync dir)   -> "after_latest"
-  6. the old copy is deleted                                             -> "after_old_removed"
+A save never loses the previous good state. In order (each a named fault point):
+  1. every rank writes and fsyncs its shard into `iter_N.tmp-<pid>`         -> "after_shards"
+  2. rank 0 writes the tokenizer and metadata.json, fsyncs the directory    -> "after_metadata"
+  3. an existing `iter_N` (a re-save) is renamed to `iter_N.old-<pid>`      -> "after_old_aside"
+  4. the temporary directory is renamed to `iter_N`                         -> "after_new_in"
+  5. `latest` is replaced atomically (write, fsync, rename, fsync dir)      -> "after_latest"
+  6. the old copy is deleted                                                -> "after_old_removed"
   7. with --keep-last N, all but the newest N iterations are deleted.
-Leftovers of a crash (`iter_*.tmp-*` not being written by a live process, `iter_*.old-*`) are
-cleaned by rank 0 at the next save; an `.old` copy whose `iter_N` is missing is renamed back.
-No symbolic link inside DIR is followed for a write, rename or deletion: a save refuses, before
-writing anything, when `latest`, `latest.tmp` or an `iter_*` entry is a link (a planted
-`latest.tmp` link would otherwise receive the iteration number wherever it points, and a linked
-`iter_*` would fail retention after the commit); files are created with O_EXCL | O_NOFOLLOW.
-DIR itself may be a link (to a scratch file system, say).
+Rank 0 cleans a crash's leftovers at the next save; an `.old` copy whose `iter_N` is missing is
+renamed back. No link inside DIR is followed for a write, rename or deletion: a save refuses, before
+writing, when `latest`, `latest.tmp` or an `iter_*` entry is a link; files are created with
+O_EXCL | O_NOFOLLOW. DIR itself may be a link.
 
-One writer per DIR: the trainer's rank 0 holds an advisory lock (flock) on `DIR/.writer.lock`
-(holding its PID) from start-up to the end of the run, so a second trainer or `convert_checkpoint.py`
-on the same DIR is refused naming the holder instead of racing on `latest.tmp`. A run without
---load is refused on a DIR that already holds checkpoints: it would move `latest` back to its own
-first save and later replace that run's iterations. Pass --load DIR (to resume) or another --save.
-Loading follows `latest`; when it is missing, unreadable or names an incomplete directory, the
-newest complete iteration is used with a warning naming what was skipped.
+One writer per DIR: the trainer's rank 0 holds a flock on `DIR/.writer.lock` (holding its PID) for
+the run. A run without --load is refused on a DIR that holds checkpoints (it would move `latest`
+back). Loading follows `latest`; when it is unusable, the newest complete iteration is used with a
+warning. Loading reads tensors only, after the shard's SHA-256 and the config have been checked.
 
-Crash injection for tests: `MEGATRON_MOE_CKPT_FAULT=<fault point>` makes `save_checkpoint`
-raise `CheckpointFault` (a BaseException, so nothing cleans up) at that point, leaving the
-directory exactly as a crash there would. Nothing else reads that variable.
-
-Loading reads tensors only (safetensors: no code can run from a checkpoint), after the shard's
-SHA-256 and the checkpoint's model/optimizer config have been checked against this run.
+`MEGATRON_MOE_CKPT_FAULT=<fault point>` makes `save_checkpoint` raise `CheckpointFault` (a
+BaseException, so nothing cleans up) there, leaving the directory as a crash would (tests only).
 """
 
 from __future__ import annotations
@@ -127,8 +113,7 @@ def _write_durably(path: str, data: bytes) -> None:
 
 
 def link_problem(root: str) -> Optional[str]:
-    """Why checkpoints cannot be written under `root`: a symbolic link where `latest`, `latest.tmp`
-    or an `iter_*` directory belongs (None when there is none, or `root` does not exist yet)."""
+    """Why checkpoints cannot be written under `root`: a link where a checkpoint entry belongs (or None)."""
     if not os.path.isdir(root):
         return None
     for name in sorted(os.listdir(root)):
@@ -202,12 +187,9 @@ def check_carried_tokenizer(directory: str) -> str:
 def recorded_tokenizer(value: Optional[str], checkpoint: str, source: str) -> Optional[str]:
     """The config's tokenizer_name_or_path as read from a checkpoint (`source`: its metadata file).
 
-    An absolute path (what `portable_config` records for a local tokenizer) is kept. A relative one
-    is resolved from the checkpoint directory `checkpoint`, never from the current directory (which
-    would make the same checkpoint load a different tokenizer depending on where it is run), and is
-    refused when it leaves that directory (`..`, or a link inside pointing out). A relative name
-    that is nothing inside the checkpoint is a hub name, unless it names something in the current
-    directory, which is refused rather than silently used."""
+    An absolute path is kept. A relative one is resolved inside `checkpoint`, never from the current
+    directory, and refused when it leaves it; one that is nothing inside is a hub name, unless it
+    names something in the current directory (refused)."""
     if not value or os.path.isabs(value):
         return value
     field = "config.data.tokenizer_name_or_path"
@@ -240,11 +222,8 @@ TOKENIZER_FILE_PREFIXES = (
 
 
 def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
-    """Copy the tokenizer `src` (a directory, or a name `load_tokenizer` accepts) to `dest`;
-    returns a warning in words when it could not be copied (the checkpoint is still written).
-
-    From a directory only the tokenizer's files are copied (not, say, an HF model's weights).
-    """
+    """Copy the tokenizer `src` (a directory: only its tokenizer files; or a name `load_tokenizer`
+    accepts) to `dest`; returns a warning when it could not be copied (the checkpoint is still written)."""
     if not src:
         return None
     if os.path.isdir(src):
@@ -309,13 +288,9 @@ def _unlock(fd: int, path: str) -> None:
 
 
 class SaveDirLock:
-    """An exclusive advisory lock (flock) on `root/.writer.lock`, which holds the holder's PID.
-
-    Released by `release()`, when the object is collected, or when the process ends (the kernel
-    drops a dead process's flock, so a crash leaves no stale lock, only the file). The file is
-    removed on release; a waiter that locked the removed file notices (its inode is no longer the
-    one at the path) and tries again.
-    """
+    """An exclusive flock on `root/.writer.lock`, which holds the holder's PID; released by
+    `release()`, on collection or at process end (a crash leaves no stale lock). The file is removed
+    on release; a waiter that locked the removed file sees another inode at the path and retries."""
 
     def __init__(self, root: str, flag: str = "--save"):
         self.root, self.path = root, os.path.join(root, LOCK_FILE)
@@ -414,11 +389,8 @@ def _retain(root: str, keep_last: int, keep: int) -> list:
 def save_checkpoint(
     root: str, iteration: int, consumed_samples: int, model, optimizer, cfg, ps, extra: Optional[dict] = None
 ) -> str:
-    """Write the checkpoint of `iteration` (all ranks call this); returns its directory.
-
-    Refuses (NonFiniteError, nothing written) when any parameter or optimizer state is NaN/inf
-    and --check-for-nan-in-loss-and-grad is on.
-    """
+    """Write the checkpoint of `iteration` (all ranks call this); returns its directory. With
+    --check-for-nan-in-loss-and-grad a NaN/inf tensor raises NonFiniteError, nothing written."""
     final = iter_dir(root, iteration)
     tensors = state_tensors(model, optimizer)
     if cfg.train.check_for_nan_in_loss_and_grad:
@@ -550,14 +522,9 @@ def _hint_words(value, hint) -> Optional[str]:
 
 def validate_metadata(meta, path: str) -> dict:
     """Check the types and ranges of every metadata field that loading or converting reads, before
-    anything is read from the checkpoint; ValueError naming the file and the field. Returns `meta`.
-
-    Hand-edited metadata otherwise got far: world_size 0 exported zero tensors with exit 0, a negative
-    iteration was resharded to `iter_-000001`, `checksums` that is no object raised AttributeError.
-    The config's sections must be objects and their known fields of the declared scalar types
-    (unknown fields are left alone: the trainer only compares the model fields; ranges are checked
-    when a config is built from them, by the converter or --use-checkpoint-args).
-    """
+    any tensor is read; ValueError naming the file and the field. Returns `meta`. Config sections
+    must be objects and their known fields of the declared scalar types (unknown fields are left
+    alone; ranges are checked when a config is built from them)."""
 
     def bad(field: str, words: str, value) -> ValueError:
         return ValueError(f"checkpoint metadata {path}: {field} must be {words}, got {_shown(value)}")
@@ -721,11 +688,8 @@ def latest_iteration(root: str) -> int:
 
 
 def resolve(load: str) -> str:
-    """A checkpoint directory from --load: DIR/iter_XXXXXXX as is, else the one DIR/latest names.
-
-    A missing or unreadable `latest`, or one naming an incomplete directory, falls back to the
-    newest complete iteration with a warning naming what was skipped.
-    """
+    """A checkpoint directory from --load: DIR/iter_XXXXXXX as is, else the one DIR/latest names;
+    an unusable `latest` falls back to the newest complete iteration with a warning."""
     if os.path.isfile(os.path.join(load, "metadata.json")):
         return load
     if not os.path.isdir(load):
@@ -889,10 +853,8 @@ def read_shard(path: str, meta: dict) -> dict:
 
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
-    """Restore model, optimizer, RNG and router counters; returns the metadata.
-
-    With `cfg`, the checkpoint's model/optimizer config is compared with it first.
-    """
+    """Restore model, optimizer, RNG and router counters; returns the metadata. With `cfg`, the
+    checkpoint's model/optimizer config is compared with it first."""
     path = resolve(load)
     meta = read_metadata(path)
     if cfg is not None:

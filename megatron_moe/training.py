@@ -1,18 +1,10 @@
 """The training loop: distributed setup, data, model, optimizer, steps, eval, checkpoints, logs.
 
-One iteration = one global batch = `global / (micro * DP)` micro-batches per
-rank with gradient accumulation; each micro-batch's loss is
-(lm + aux) / num_micro so the accumulated gradient is the global-batch mean.
-Gradient all-reduce (dense over DP, experts over expert-DP) starts from
-grad-ready hooks during the last micro-batch's backward (`GradSync`), or is
-handed to Lina's scheduler with --lina.
-
-Stopping early, cleanly (Slurm time limits, requeueing): SIGUSR1 (`#SBATCH
---signal=USR1@300`) or --exit-duration-in-mins sets a flag; at the next
-iteration boundary the ranks agree through a MAX all-reduce of the flags, so
-all stop after the same iteration, save (with --save) and return normally
-(exit 0). A rerun with --load continues exactly. --profile records a
-torch.profiler trace of a window of iterations (`megatron_moe.profiling`).
+One iteration = one global batch = `global / (micro * DP)` micro-batches per rank; each
+micro-batch's loss is (lm + aux) / num_micro, so the accumulated gradient is the global-batch mean.
+Gradient all-reduce starts from grad-ready hooks in the last micro-batch's backward (`GradSync`).
+SIGUSR1 or --exit-duration-in-mins stops all ranks after the same iteration (`StopControl`), saves
+and returns normally; a rerun with --load continues exactly.
 """
 
 from __future__ import annotations
@@ -77,10 +69,8 @@ from megatron_moe.profiling import StepProfiler, annotate
 
 
 def init_distributed(cfg: Config):
-    """Process group from torchrun's env (or one process without it) and the layout's groups.
-
-    The run's device and backend come from `device_and_backend` (--device, --distributed-backend);
-    `ps.device` carries the device to everything the model and the optimizations create."""
+    """(ParallelState, device): the process group from torchrun's env (or one process without it)
+    and the layout's groups, on the device and backend of `device_and_backend`."""
     p = cfg.parallel
     device, backend = device_and_backend(p.device, p.distributed_backend)
     if device.type == "cuda":
@@ -127,13 +117,11 @@ def preprocess_wait_s(directory, comm_timeout: float) -> float:
 
 
 def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = None) -> T:
-    """`work()` on global rank 0 only, its result shared with every rank; an error raised there
-    is raised on every rank with the same type (ValueError or FileNotFoundError) and text, so
-    no rank waits forever for a rank that gave up.
+    """`work()` on global rank 0 only, its result shared with every rank; a ValueError or
+    FileNotFoundError raised there is raised on every rank with the same text.
 
-    `waiting` = (what, seconds), for work that takes longer than a step (preprocessing a corpus):
-    the other ranks wait for the result in the store up to that bound, and say what they waited
-    for when it passes, instead of in a collective that --comm-timeout would end first."""
+    `waiting` = (what, seconds), for work longer than --comm-timeout (preprocessing): the other
+    ranks wait in the store up to that bound instead of in a collective, then name what they waited for."""
     box: list = [None, None]  # [result, (error type name, message) or None]
     if ps.global_rank == 0:
         try:
@@ -167,14 +155,10 @@ def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = 
 
 
 def prepare_data(cfg: Config, ps: ParallelState) -> str:
-    """Default data: preprocess the bundled sample corpus once (rank 0) into
-    `data.paths.default_data_dir()` (never the current directory), then read its vocab size.
-
-    `--data-path` naming raw WikiText (`wikitext-2`, `wikitext-103`, a full dataset name, or a
-    directory of wiki.{train,valid,test}.tokens) is preprocessed the same way, once per source and
-    tokenizer (`paths.wikitext_cache_prefix`), and read from there. Returns what the data is and
-    where its preprocessed files are, for the start-up summary. A WikiText directory without all
-    three splits (e.g. valid and test only) is one corpus that --split cuts (`prepare_wikitext_data`)."""
+    """Preprocess (on rank 0, once) the bundled sample corpus when no --data-path is given, or raw
+    WikiText a --data-path names (`paths.wikitext_source`), into `paths.default_data_dir()`; set
+    --data-path to the result and --vocab-size from the tokenizer when 0. Returns what the data is
+    and where its files are, for the start-up summary."""
     text, where = None, "_{train,valid,test}_text_document.{bin,idx}"
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
@@ -290,8 +274,7 @@ NOT_DEFAULT_JOB = ("model.", "moe.", "data.data_path", "data.tokenizer_name_or_p
 
 def use_default_save(cfg: Config) -> None:
     """For the command line: the default main job gets --save DEFAULT_SAVE, and --load DEFAULT_SAVE when it
-    holds a complete checkpoint (a rerun resumes, as Megatron-LM runs with --load = --save); nothing when
-    the current directory cannot be written (the start-up summary then says that nothing is saved)."""
+    holds a complete checkpoint; nothing when the current directory cannot be written."""
     if any(f.startswith(NOT_DEFAULT_JOB) for f in getattr(cfg, "explicit_flags", ())):
         return
     if output_path_problem(DEFAULT_SAVE, "directory"):
@@ -302,12 +285,8 @@ def use_default_save(cfg: Config) -> None:
 
 
 class StopControl:
-    """When to save and exit early: SIGUSR1 or --exit-duration-in-mins, decided alike on every rank.
-
-    The handler only sets a flag (nothing else is safe inside a signal handler);
-    `poll()` is called at each iteration boundary and all-reduces (MAX) the two
-    flags over the world, so every rank sees the same answer at the same iteration.
-    """
+    """When to save and exit early: SIGUSR1 or --exit-duration-in-mins. The handler only sets a
+    flag; `poll()`, at each iteration boundary, all-reduces (MAX) the flags so all ranks agree."""
 
     def __init__(
         self, exit_duration_mins: float, handle_signal: bool, ps, device: torch.device, start: Optional[float] = None
@@ -374,10 +353,8 @@ def output_paths(cfg) -> list:
 
 
 def check_output_paths(cfg) -> None:
-    """At start-up, before anything is written: every output path given is creatable, writable and
-    of the right kind, and --save holds no link where a checkpoint file belongs; else ValueError
-    naming the flag and the path. (Without it a bad --save trained every iteration and then died
-    in the first save.) Every rank checks alike, before the process groups exist."""
+    """Before anything is written: every output path given is creatable, writable and of the right
+    kind, and --save holds no link where a checkpoint file belongs; else ValueError naming the flag."""
     for flag, path, kind in output_paths(cfg):
         why = output_path_problem(path, kind)
         if why:
@@ -387,17 +364,13 @@ def check_output_paths(cfg) -> None:
         raise ValueError(problem)
 
 
-# The trials that measure during training, at most one at a time, in this order, each from the first
-# iteration after the one before it decided: Lina's first (its plain alternative changes every step's
-# gradient sync under the others' times), then Pro-Prophet's (after its calibration), then Lina's
-# packing (at its due iterations; never in a run with Pro-Prophet).
+# The trials that measure during training, one at a time in this order. Lina's goes first: its plain
+# alternative changes every step's gradient sync under the others' times.
 TRIALS = ("lina", "pro-prophet", "lina-packing")
 
 
 def take_turns(trials: dict) -> None:
-    """Before a training iteration: of `trials` (name in TRIALS -> an object with `decided` and `turn`) the
-    first in TRIALS order not decided gets the turn, the others wait. Every rank takes the same turns: each
-    decision comes from times MAX-reduced over the world."""
+    """Give the turn to the first undecided of `trials` (name in TRIALS -> object with `decided`, `turn`)."""
     first = next((name for name in TRIALS if name in trials and not trials[name].decided), None)
     for name, trial in trials.items():
         trial.turn = name == first
@@ -629,10 +602,8 @@ class Trainer:
         }
 
     def token_balance(self, routed: dict) -> dict:
-        """Dropless: tokens per expert and computed per EP rank (all MoE layers, this rank's EP x ESP
-        group) and their imbalance max / mean; with Pro-Prophet also the per-rank imbalance without
-        its placement, and the plan of the next iteration from these counts (without Pro-Prophet a
-        collective: one all-gather of L x E integers over EP x ESP)."""
+        """Dropless: tokens per expert and computed per EP rank (all MoE layers) and their max / mean
+        imbalance; with Pro-Prophet also the imbalance without its placement, and the next plan."""
         idx = sorted(routed)
         prophet = self.applied.pro_prophet
         # [L, N_EP, E]; Pro-Prophet's came with the dispatchers' count exchanges (no collective here)
@@ -661,10 +632,8 @@ class Trainer:
         return out
 
     def check_finite(self, loss: float, grad_norm: float) -> None:
-        """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf.
-
-        Both values are the same on every rank (reduced over the groups), so every rank stops together.
-        """
+        """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf
+        (the same on every rank, so all stop together)."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -862,10 +831,8 @@ def balance_text(rec: dict) -> str:
 
 
 def pretrain(cfg: Config, pro_prophet_plan: Optional[dict] = None) -> list[dict]:
-    """Build a Trainer and run it; returns the per-iteration records of this rank.
-
-    When training raises (bad data, a NaN stop, ...) the SIGUSR1 handler of the caller is put back
-    before the error propagates, so a process that goes on (a test, a notebook) is left as it was."""
+    """Build a Trainer and run it; returns this rank's per-iteration records. The caller's SIGUSR1
+    handler and the --save lock are restored also when training raises."""
     trainer = Trainer(cfg, pro_prophet_plan)
     try:
         return trainer.train()

@@ -1,26 +1,16 @@
 """Turn WikiText (or jsonl) into `PREFIX_{train,valid,test}_{key}_document.{bin,idx}`.
 
-Inputs (exactly one):
-  - `dataset="wikitext-2-raw-v1"` etc.: `datasets.load_dataset("wikitext", name)` (needs the hub);
-  - `input_path=DIR` holding `wiki.{train,valid,test}.raw` or `.tokens` (`.raw` wins if both
-    exist), or `{train,valid,test}.jsonl`;
-  - `input_path=FILE`: one WikiText text file, or a `.jsonl`/`.json` file of one JSON object per
-    line, cut into train/valid/test by document with the `split` percentages (contiguous blocks);
-  - `input_path=[FILE, ...]`: WikiText files read in order as one corpus, written as the train split
-    (the trainer's WikiText directory without all three splits; `--split` cuts it when read).
-WikiText is cut into documents at top-level headings (` = Title = `), never at ` = = Sub = = `.
-jsonl gives one document per line and `json_keys` field (default `text`); each key is written to
-its own files, and WikiText counts as key `text`, hence `PREFIX_train_text_document`.
+Inputs (exactly one): `dataset` (a WikiText name, through `datasets`); `input_path=DIR` holding
+`wiki.{train,valid,test}.raw` or `.tokens` (`.raw` wins) or `{train,valid,test}.jsonl`;
+`input_path=FILE` (WikiText, or `.jsonl`/`.json`) cut into contiguous train/valid/test blocks of
+documents by `split`; `input_path=[FILE, ...]`: WikiText files as one corpus, written as train.
+WikiText documents start at top-level headings (` = Title = `), never at ` = = Sub = = `. jsonl
+gives one document per line and `json_keys` field, each key written to its own files (WikiText's
+key is `text`). Tokenizer (exactly one): `tokenizer_name_or_path`, or `train_tokenizer=True` with
+`vocab_size` (a byte-level BPE trained on the train split, saved as `PREFIX_tokenizer/`).
 
-Tokenizer (exactly one): `tokenizer_name_or_path` (see tokenizer.py), or `train_tokenizer=True`
-with `vocab_size`: a byte-level BPE trained on the train split, saved as `PREFIX_tokenizer/`.
-
-The trainer's `--data-path wikitext-2` / `wikitext-103` / `DIR` goes through
-`prepare_wikitext_data` (preprocessed once into a cache keyed by source and tokenizer).
-
-Nothing is written until every input is checked; all files go to a temporary directory beside
-the output (`.NAME.tmp-HOST-PID`; one of a killed run is removed at the next start) and are renamed
-into place only when every split has been written, so a failure leaves no partial output.
+All files go to a temporary directory beside the output (`.NAME.tmp-HOST-PID`) and are renamed into
+place only when every split has been written, so a failure leaves no partial output.
 """
 
 from __future__ import annotations
@@ -53,9 +43,8 @@ WIKITEXT_DATASETS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1", "wikitext-2-v1"
 
 
 def sample_corpus_dir() -> Path:
-    """The bundled sample corpus (wiki.{train,valid,test}.tokens): `megatron_moe/sample_corpus/`
-    in an installed package (pyproject.toml ships it as package data), else the repository's
-    `data/wikitext-sample/` (a checkout, or `pip install -e .`). Never relative to the cwd."""
+    """The bundled sample corpus: `megatron_moe/sample_corpus/` in an installed package, else the
+    checkout's `data/wikitext-sample/`."""
     package = Path(__file__).resolve().parents[1]
     installed = package / "sample_corpus"
     return installed if installed.is_dir() else package.parent / "data" / "wikitext-sample"
@@ -121,9 +110,8 @@ HUB_PROBE_S = 1.5  # how long one request may take to show that the hub answers
 
 
 def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
-    """The three splits of WikiText from the HF hub. With HF_HUB_OFFLINE=1 `datasets` reads its
-    cache or fails at once; otherwise one request first checks that the hub answers, and when it
-    does not the error comes at once instead of after `huggingface_hub`'s retries (about 25 s)."""
+    """The three splits of WikiText from the HF hub. Online, one request first checks that the hub
+    answers, so an unreachable hub fails at once instead of after the retries (about 25 s)."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
@@ -148,8 +136,7 @@ def _hf_wikitext(name: str) -> dict[str, tuple[str, Records]]:
     for split, hf_split in zip(SPLITS, ("train", "validation", "test")):
 
         def records(rows=ds[hf_split]) -> Iterator[dict[str, str]]:
-            # rows are the file's lines, newline kept, except blank lines which are "": put
-            # back the " \n" of the released files so both routes give the same documents.
+            # blank lines come as "": put back the released files' " \n" (the same documents)
             lines = (" \n" if r == "" else r if r.endswith("\n") else r + "\n" for r in rows["text"])
             for doc in split_wikitext_documents(lines):
                 yield {"text": doc}
@@ -271,8 +258,7 @@ def encode_records(
             yield from _encode_chunk(chunk)
         return
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    # The parent may have used the tokenizers thread pool (training); say explicitly that the
-    # children must not, which is what tokenizers would otherwise decide with a warning.
+    # forked children must not use the tokenizers thread pool (tokenizers would warn and decide so)
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -289,9 +275,7 @@ def encode_records(
 
 @dataclass
 class PreprocessResult:
-    """What `preprocess` wrote: dataset prefixes per (split, key), the tokenizer used (a
-    directory for a trained one), its vocabulary size and EOD id, and documents/tokens per
-    (split, key)."""
+    """What `preprocess` wrote; prefixes, documents and tokens are keyed "split/key"."""
 
     output_prefix: str
     tokenizer: str
@@ -354,19 +338,8 @@ def preprocess(
             np.dtype(dtype).name,
         )
         for split_name, (label, records) in sources.items():
-            _write_split(
-                tmp / out.name,
-                split_name,
-                label,
-                records(),
-                tok,
-                json_keys,
-                append_eod,
-                dtype,
-                workers,
-                progress,
-                result,
-            )
+            args = (split_name, label, records(), tok, json_keys, append_eod, dtype, workers, progress, result)
+            _write_split(tmp / out.name, *args)
         # Everything is complete: move it into place, index files last (a reader needs both).
         for f in sorted(tmp.iterdir(), key=lambda f: (f.suffix == ".idx", f.name)):
             dest = out.parent / f.name
@@ -385,9 +358,7 @@ def preprocess(
 
 
 def _remove_leftovers(out: Path) -> None:
-    """Remove the temporary directories of killed preprocessings of `out` (SIGKILL, a lost node:
-    no `finally` ran): `.NAME.tmp-HOST-PID` of this host whose process is gone. Another host's are
-    kept: its process ids cannot be checked from here."""
+    """Remove `.NAME.tmp-HOST-PID` directories of killed preprocessings of `out` on this host."""
     name = re.compile(re.escape(f".{out.name}.tmp-{socket.gethostname()}-") + r"(\d+)")
     for p in out.parent.iterdir():
         m = name.fullmatch(p.name)
@@ -435,21 +406,13 @@ def _write_split(
 
 
 def prepare_sample_data(output_prefix: str, vocab_size: int = 512, progress: bool = False) -> PreprocessResult:
-    """Preprocess the bundled sample corpus (`sample_corpus_dir()`) with a byte-level BPE of
-    `vocab_size` trained on its train split and --append-eod, unless `output_prefix` already
-    holds the result. Call it on one rank and barrier: ranks racing would do the work twice."""
+    """Preprocess the bundled sample corpus with a byte-level BPE of `vocab_size` and --append-eod,
+    unless `output_prefix` already holds the result. Call it on one rank only."""
     prefixes = {f"{s}/text": output_prefix_for(output_prefix, s) for s in SPLITS}
     tok_dir = f"{output_prefix}_tokenizer"
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and os.path.isdir(tok_dir):
-        tok = load_tokenizer(tok_dir)
-        if tok.vocab_size == vocab_size:
-            res = PreprocessResult(
-                output_prefix, tok_dir, tok.vocab_size, tok.eod, np.dtype(best_dtype(tok.vocab_size)).name, prefixes
-            )
-            for key, p in prefixes.items():
-                ds = MMapIndexedDataset(p)
-                res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
-            return res
+        if load_tokenizer(tok_dir).vocab_size == vocab_size:
+            return _existing(output_prefix, tok_dir, prefixes)
     return preprocess(
         output_prefix,
         input_path=str(sample_corpus_dir()),
@@ -460,12 +423,22 @@ def prepare_sample_data(output_prefix: str, vocab_size: int = 512, progress: boo
     )
 
 
+def _existing(output_prefix: str, tokenizer: str, prefixes: dict[str, str]) -> PreprocessResult:
+    """The result of an earlier preprocessing whose files are all there."""
+    tok = load_tokenizer(tokenizer)
+    dtype = np.dtype(best_dtype(tok.vocab_size)).name
+    res = PreprocessResult(output_prefix, tokenizer, tok.vocab_size, tok.eod, dtype, prefixes)
+    for key, p in prefixes.items():
+        ds = MMapIndexedDataset(p)
+        res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
+    return res
+
+
 WIKITEXT_URL = "https://wikitext.smerity.com"  # the publishers' release zips
 
 
 def wikitext_split_files(directory: Path) -> dict[str, Path | None]:
-    """{split: wiki.{split}.raw, else wiki.{split}.tokens, else None} in `directory` (the same
-    preference as `preprocess(input_path=DIR)`)."""
+    """{split: wiki.{split}.raw, else wiki.{split}.tokens, else None} in `directory`."""
     out: dict[str, Path | None] = {}
     for split in SPLITS:
         cands = [directory / f"wiki.{split}.raw", directory / f"wiki.{split}.tokens"]
@@ -504,18 +477,13 @@ def prepare_wikitext_data(
     vocab_size: int | None = None,
     progress: bool = False,
 ) -> tuple[PreprocessResult, bool]:
-    """Preprocess raw WikiText (`paths.WikiTextSource`: a directory or a hub name) into
-    `output_prefix` (see `paths.wikitext_cache_prefix`) with --append-eod, unless it already
-    holds the result; returns (result, whether it was reused).
+    """Preprocess raw WikiText (a directory or a hub name) into `output_prefix` with --append-eod,
+    unless it already holds the result; returns (result, whether it was reused). Call it on one rank.
 
-    The tokenizer is `tokenizer_name_or_path`, else a byte-level BPE of `vocab_size` ids trained
-    on the train split. A directory with wiki.train, wiki.valid and wiki.test gives
-    `output_prefix_{train,valid,test}_text_document`; one without all three (e.g. WikiText-2's
-    valid and test files only) gives the files it has, in that order, as one Megatron corpus
-    `output_prefix.{bin,idx}` that `--split` cuts into train/valid/test (the BPE is trained on all
-    of it); one with none of them is an error. A hub name that `datasets` cannot load gives a
-    ValueError saying what to download and where to put it. Nothing is written when an input is
-    missing. Call it on one rank only.
+    The tokenizer is `tokenizer_name_or_path`, else a byte-level BPE of `vocab_size` ids. All three
+    splits give `output_prefix_{train,valid,test}_text_document`; a directory with only some gives
+    them, in order, as one corpus `output_prefix.{bin,idx}` that `--split` cuts. A hub name that
+    cannot be loaded gives a ValueError saying what to download and where to put it.
     """
     if (tokenizer_name_or_path is None) == (vocab_size is None):
         raise ValueError("give exactly one of tokenizer_name_or_path and vocab_size")
@@ -538,19 +506,7 @@ def prepare_wikitext_data(
     if all(os.path.isfile(p + ".idx") for p in prefixes.values()) and (
         tokenizer_name_or_path is not None or os.path.isdir(tok_dir)
     ):
-        tok = load_tokenizer(tokenizer_name_or_path or tok_dir)
-        res = PreprocessResult(
-            output_prefix,
-            tokenizer_name_or_path or tok_dir,
-            tok.vocab_size,
-            tok.eod,
-            np.dtype(best_dtype(tok.vocab_size)).name,
-            prefixes,
-        )
-        for key, p in prefixes.items():
-            ds = MMapIndexedDataset(p)
-            res.documents[key], res.tokens[key] = len(ds), ds.num_tokens
-        return res, True
+        return _existing(output_prefix, tokenizer_name_or_path or tok_dir, prefixes), True
     try:
         res = preprocess(
             output_prefix,
