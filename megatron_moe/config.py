@@ -12,8 +12,8 @@ from typing import Optional, Union
 
 
 def opt(default, help: str, flag: Optional[str] = None, choices=None, nargs: Optional[str] = None, cli: bool = True):
-    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs).
-    cli=False: a setting for tests, benchmarks and ablations, set from Python, with no flag."""
+    """A dataclass field carrying its CLI help text (and optional flag name / choices / nargs);
+    cli=False: no flag (a setting for tests and ablations, set from Python)."""
     md = {"help": help, "cli": cli}
     if flag:
         md["flag"] = flag
@@ -31,11 +31,8 @@ def _flag_of(obj, name: str) -> str:
 
 
 def check_fields(obj, rules: dict) -> None:
-    """Raise ValueError naming the flag of the first field of `obj` that breaks its rule.
-
-    `rules` maps a field name to (predicate, requirement in words); None values are
-    skipped (an unset optional flag has its own default).
-    """
+    """Raise ValueError naming the flag of the first field of `obj` that breaks its rule; `rules`
+    maps a field name to (predicate, requirement in words); None values are skipped."""
     for name, (ok, words) in rules.items():
         value = getattr(obj, name)
         if value is not None and not ok(value):
@@ -140,16 +137,11 @@ class MoEConfig:
                 "moe_min_capacity": NON_NEGATIVE,
                 "moe_aux_loss_coeff": NON_NEGATIVE,
                 "moe_z_loss_coeff": NON_NEGATIVE,
+                "moe_router_topk": AT_LEAST_ONE,
             },
         )
-        if self.moe_router_topk < 1:
-            raise ValueError(f"--moe-router-topk must be >= 1, got {self.moe_router_topk}")
         if self.num_experts and self.moe_router_topk > self.num_experts:
             raise ValueError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
-        if self.moe_expert_capacity_factor <= 0:
-            raise ValueError("--moe-expert-capacity-factor must be positive")
-        if self.moe_layer_freq < 1:
-            raise ValueError("--moe-layer-freq must be >= 1")
         if self.moe_dropless and self.moe_schedule == "s2":
             raise ValueError(DROPLESS_S2_ERROR)
 
@@ -324,12 +316,11 @@ class TrainConfig:
                 "save_interval": NON_NEGATIVE,
                 "exit_interval": NON_NEGATIVE,
                 "keep_last": NON_NEGATIVE,
+                "exit_duration_in_mins": NON_NEGATIVE,
             },
         )
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load")
-        if self.exit_duration_in_mins < 0:
-            raise ValueError(f"--exit-duration-in-mins must be >= 0, got {self.exit_duration_in_mins}")
 
 
 @dataclass
@@ -448,11 +439,8 @@ class OptimizationsConfig:
 
 @dataclass
 class Config:
-    """Everything a run needs; built by `arguments.parse_args`.
-
-    `parse_args` also sets `explicit_flags`, the "section.field" names given on the command line
-    (not a dataclass field: it is not saved); --use-checkpoint-args leaves those as given.
-    """
+    """Everything a run needs; built by `arguments.parse_args`, which also sets `explicit_flags`
+    (the "section.field" names given on the command line; not a field, so not saved)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

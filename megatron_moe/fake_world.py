@@ -1,18 +1,9 @@
 """Every layout's code path in one process: torch's fake process group plays rank r of a world.
 
-`fake_world(rank, world_size)` initializes torch.distributed with the "fake" backend
-(`torch.testing._internal.distributed.fake_pg`): collectives return at once without moving data,
-but every op of the model runs for real on this process's device, with the shapes, dtypes and
-devices rank r would see. Received buffers hold whatever was in them (zeros where the code
-allocates zeros), so values mean nothing; what the run shows is that the layout's code path takes
-tensors of that device and dtype from end to end, which GEMMs it runs in which dtype, and how
-often it reads device data on the host (`opspy.OpSpy`).
-
-`LAYOUTS` names the layouts of the equivalence suite (MP, EP, ESP and their products, DP; in a world
-of 8 the rest of the ranks are data parallel) with the schedules and optimizations, and `step_report` runs one bf16
-training step (forward + backward) of a small GPT-2 MoE under one of them. `tools/check_layouts.py`
-prints the table for every layout, on CPU or CUDA (`scripts/gpu_check.sh`); tests/test_gpu_readiness.py
-pins the counts on CPU.
+Collectives of the "fake" backend return at once without moving data, but every op runs for real
+with the shapes, dtypes and devices rank r would see. Values mean nothing; a run shows which GEMMs
+run in which dtype and how often device data is read on the host (`opspy.OpSpy`). `step_report`
+runs one training step under a layout of `LAYOUTS` (`tools/check_layouts.py` prints them all).
 """
 
 from __future__ import annotations
@@ -111,10 +102,8 @@ def small_config(**moe):
 
 
 def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One forward + backward of `small_config` under layout `name` as its rank (of WORLD, or of one
-    process) on `device`, under `dtype` autocast: {layout, gemms, high_precision_gemms (where),
-    moe_syncs (where), syncs, moe_layers}. Syncs are counted by name (`OpSpy`); a second step is
-    measured, so first-use work is not counted."""
+    """One forward + backward of `small_config` under layout `name` on `device` and `dtype` autocast:
+    {layout, gemms, high_precision_gemms, moe_syncs, syncs, moe_layers, ...} of the second step."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import initialize_model_parallel, local_state
 
@@ -155,23 +144,28 @@ def step_report(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
                 else:
                     (lm + aux).backward()
             model.zero_grad(set_to_none=True)
-        E = cfg.moe.num_experts
         return {
             "layout": name,
             "device": str(device),
             "moe_layers": len(model.moe_layers()),
             "gemms": len(spy.gemms),
-            # the router's gate runs in fp32 by design: its GEMMs are the ones with an operand dim of E
-            "router_gemms": sum(1 for g in spy.high_precision_gemms() if _is_router(g.shapes, E)),
-            "high_precision_gemms": [
-                f"{g.op} {g.dtypes} {g.shapes} at {g.where}"
-                for g in spy.high_precision_gemms()
-                if not _is_router(g.shapes, E)
-            ],
+            **_spied(spy, cfg.moe.num_experts),
             "out_gemms": [f"{g.op} at {g.where}" for g in spy.gemms if g.out_arg],
-            "moe_syncs": [f"{what} at {where}" for what, where in spy.syncs_in("megatron_moe/moe/")],
-            "syncs": len(spy.syncs),
         }
+
+
+def _spied(spy: OpSpy, num_experts: int) -> dict:
+    """The GEMM and sync counts of a report. The router's gate runs in fp32 by design: its GEMMs
+    are counted apart (`router_gemms`), the other high-precision ones are listed."""
+    high = spy.high_precision_gemms()
+    return {
+        "router_gemms": sum(1 for g in high if _is_router(g.shapes, num_experts)),
+        "high_precision_gemms": [
+            f"{g.op} {g.dtypes} {g.shapes} at {g.where}" for g in high if not _is_router(g.shapes, num_experts)
+        ],
+        "moe_syncs": [f"{what} at {where}" for what, where in spy.syncs_in("megatron_moe/moe/")],
+        "syncs": len(spy.syncs),
+    }
 
 
 def _is_router(shapes: tuple, num_experts: int) -> bool:
@@ -184,9 +178,8 @@ INFERENCE_LAYOUTS = {"infer-EP4": Layout(ep=4), "infer-MP2xEP2xESP2": Layout(mp=
 
 
 def generate_report(name: str, device: torch.device, new_tokens: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The inference engine (`inference.InferenceEngine`, KV cache, dropless routing) under layout `name` of
-    INFERENCE_LAYOUTS: two prompts, `new_tokens` greedy tokens each, under `dtype` autocast:
-    {layout, forwards, moe_layers, router_gemms, high_precision_gemms, moe_syncs, syncs} as `step_report`."""
+    """`step_report` of the inference engine under layout `name` of INFERENCE_LAYOUTS: two prompts,
+    `new_tokens` greedy tokens each."""
     from megatron_moe.inference.engine import InferenceEngine, inference_config
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import initialize_model_parallel
@@ -200,18 +193,10 @@ def generate_report(name: str, device: torch.device, new_tokens: int = 4, dtype:
         spy = OpSpy()
         with spy, torch.autocast(device.type, dtype=dtype):
             engine.generate([[1, 2, 3], [4, 5]], new_tokens)
-        E = cfg.moe.num_experts
         return {
             "layout": name,
             "device": str(device),
             "forwards": new_tokens,  # the prompt's forward, then one per new token but the last
             "moe_layers": len(model.moe_layers()),
-            "router_gemms": sum(1 for g in spy.high_precision_gemms() if _is_router(g.shapes, E)),
-            "high_precision_gemms": [
-                f"{g.op} {g.dtypes} {g.shapes} at {g.where}"
-                for g in spy.high_precision_gemms()
-                if not _is_router(g.shapes, E)
-            ],
-            "moe_syncs": [f"{what} at {where}" for what, where in spy.syncs_in("megatron_moe/moe/")],
-            "syncs": len(spy.syncs),
+            **_spied(spy, cfg.moe.num_experts),
         }

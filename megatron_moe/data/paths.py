@@ -1,28 +1,12 @@
 """What `--data-path` names, and where the bundled sample corpus is preprocessed.
 
-`--data-path` takes Megatron's forms:
-
-    --data-path PREFIX                    one corpus
-    --data-path 0.3 PREFIX_A 0.7 PREFIX_B a weighted blend (weights are normalized)
-
-and each PREFIX is either
-  * a Megatron prefix: `PREFIX.bin` / `PREFIX.idx` exist (e.g. `..._text_document`); its
-    documents are cut into train / valid / test ranges by `--split 969,30,1`, or
-  * a per-split prefix (what tools/preprocess_data.py writes): the files
-    `PREFIX_{train,valid,test}_text_document.{bin,idx}`; --split is not used.
-
-A single word may also name raw WikiText, preprocessed once into `default_data_dir()` and
-reused by later runs (`wikitext_cache_prefix`; see `preprocess.prepare_wikitext_data`):
-  * a dataset name: `wikitext-2`, `wikitext-103` (the `-raw-v1` variants) or a full name
-    (`wikitext-2-raw-v1`, `wikitext-103-v1`, ...): the files unzipped under
-    `default_data_dir()` (`wikitext_local_dir`) when there, else the hub through `datasets`;
-  * a directory holding `wiki.{train,valid,test}.tokens` (or `.raw`); one holding only some of
-    them (e.g. WikiText-2's valid and test files) is one corpus that `--split` cuts.
-An existing PREFIX's files win over a directory, and a directory wins over a name.
-
-Without `--data-path` the trainer preprocesses the bundled sample corpus once
-into `default_data_dir()`: never the current directory, so a run started from
-anywhere finds (or builds) the same files.
+`--data-path PREFIX` is one corpus; `--data-path 0.3 PREFIX_A 0.7 PREFIX_B` a weighted blend.
+A PREFIX is a Megatron prefix (`PREFIX.{bin,idx}`, cut into train/valid/test by `--split`) or a
+per-split prefix (`PREFIX_{train,valid,test}_text_document.{bin,idx}`). A single word may also
+name raw WikiText (a dataset name such as `wikitext-2`, or a directory of `wiki.*.tokens`),
+preprocessed once into `default_data_dir()` (`wikitext_source`, `wikitext_cache_prefix`). An
+existing PREFIX wins over a directory, and a directory over a name. Without `--data-path` the
+bundled sample corpus is preprocessed into `default_data_dir()`, never the current directory.
 """
 
 from __future__ import annotations
@@ -52,13 +36,8 @@ def cache_home() -> Path:
 
 
 def default_data_dir() -> Path:
-    """Where the bundled corpus is preprocessed, independent of the current directory:
-
-    1. `$MEGATRON_MOE_DATA_DIR` when set;
-    2. `data/processed/` beside the bundled corpus (`data/wikitext-sample/` of the checkout the
-       package runs from) when that directory can be written;
-    3. otherwise `$XDG_CACHE_HOME/megatron-moe/processed` (an installed, read-only package).
-    """
+    """Where corpora are preprocessed: `$MEGATRON_MOE_DATA_DIR`, else `processed/` beside the bundled
+    corpus when writable, else `$XDG_CACHE_HOME/megatron-moe/processed`."""
     env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env).expanduser().resolve()
@@ -77,10 +56,7 @@ def default_data_prefix() -> str:
 
 
 def parse_data_path(data_path: DataPath) -> list[tuple[float, str]]:
-    """[(weight, prefix)] with weights summing to 1, from `--data-path`'s words.
-
-    One word is one corpus (weight 1). Several words must alternate WEIGHT PREFIX.
-    """
+    """[(weight, prefix)] with weights summing to 1, from `--data-path`'s words (one PREFIX, or WEIGHT PREFIX ...)."""
     words = [data_path] if isinstance(data_path, str) else list(data_path)
     if not words:
         raise ValueError("--data-path needs a PREFIX or 'WEIGHT PREFIX ...'")
@@ -139,11 +115,8 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_ranges(num_docs: int, split: str) -> dict[str, tuple[int, int]]:
-    """Disjoint document ranges {split: (start, stop)} covering [0, num_docs) in order.
-
-    Boundary k is round(num_docs x cumulative weight k): 969,30,1 over 1000 documents gives
-    train [0, 969), valid [969, 999), test [999, 1000).
-    """
+    """Disjoint document ranges {split: (start, stop)} covering [0, num_docs) in order; boundary k is
+    round(num_docs x cumulative weight k)."""
     w = parse_split(split)
     cum = [0.0, w[0], w[0] + w[1], 1.0]
     bounds = [min(num_docs, int(round(c * num_docs))) for c in cum]
@@ -180,8 +153,7 @@ _UNZIPPED = {
 
 @dataclass(frozen=True)
 class WikiTextSource:
-    """Raw WikiText named by `--data-path`: a hub dataset name or a local directory (one is None).
-    `word` is what the user wrote, for messages."""
+    """Raw WikiText named by `--data-path` `word`: a hub dataset name or a local directory (one is None)."""
 
     word: str
     dataset: Optional[str] = None
@@ -193,8 +165,7 @@ class WikiTextSource:
 
 
 def wikitext_local_dir(dataset: str) -> Path:
-    """Where `--data-path NAME` looks for unzipped files before the hub: the folder the release
-    zip unpacks to (`wikitext-2-raw-v1.zip` -> `wikitext-2-raw/`) inside `default_data_dir()`."""
+    """Where `--data-path NAME` looks before the hub: the release zip's folder in `default_data_dir()`."""
     return default_data_dir() / _UNZIPPED[dataset]
 
 
@@ -203,12 +174,8 @@ def _has_prefix_files(word: str) -> bool:
 
 
 def wikitext_source(word: str) -> Optional[WikiTextSource]:
-    """The raw WikiText a `--data-path` word names, or None for a preprocessed PREFIX.
-
-    An existing PREFIX (its .idx files) is a PREFIX; an existing directory is a WikiText
-    directory; a dataset name (`WIKITEXT_ALIASES`, `WIKITEXT_NAMES`) is its unzipped files under
-    `default_data_dir()` when that folder exists, else the hub.
-    """
+    """The raw WikiText a `--data-path` word names, or None for a preprocessed PREFIX; a dataset
+    name is its unzipped files under `default_data_dir()` when there, else the hub."""
     if _has_prefix_files(word):
         return None
     if os.path.isdir(word):
@@ -247,15 +214,11 @@ def _tokenizer_files(directory) -> list[Path]:
 
 
 def wikitext_cache_prefix(source: WikiTextSource, tokenizer: Optional[str], vocab_size: int) -> str:
-    """Absolute prefix, in `default_data_dir()`, of `source` preprocessed with `tokenizer` (a
-    name or directory) or, when None, a BPE of `vocab_size` trained on its train split.
-
-    The key is content, never a path: a directory's WikiText files (names and bytes; an edited file
-    is preprocessed again, a copy or a link of the same files is not) or a hub name, and a
-    tokenizer directory's files (or a tokenizer's name). A tokenizer directory with the same
-    files as a BPE trained here for this source (a checkpoint's copy of it, which
-    `--use-checkpoint-args` passes on a resume) names that BPE's cache, so a resume reuses it.
-    """
+    """Absolute prefix, in `default_data_dir()`, of `source` preprocessed with `tokenizer` (a name
+    or directory) or, when None, a BPE of `vocab_size`. The key is content, never a path: the
+    WikiText files' names and bytes (or the hub name) and the tokenizer's files (or name). A
+    tokenizer directory with the files of a BPE trained here for this source (a checkpoint's copy)
+    names that BPE's cache, so a resume reuses it."""
     from .preprocess import wikitext_split_files
 
     if source.directory is None:
