@@ -1,9 +1,7 @@
 """Megatron-style command-line flags generated from the config dataclasses.
 
-Each dataclass in `megatron_moe.config` becomes one argparse group; every
-field becomes a flag (`num_layers` -> `--num-layers`). Booleans are
-`--flag` / `--no-flag`. Cross-cutting checks that need the world size live in
-`validate`, and every error names the flag.
+Each config dataclass is one argparse group; every field a flag (`num_layers` -> `--num-layers`),
+booleans `--flag` / `--no-flag`. Checks that need the world size live in `validate`.
 """
 
 from __future__ import annotations

@@ -3,33 +3,19 @@
     applied = apply(model, ps, cfg, grad_sync)     # every rank, after building model and GradSync
     for line in applied.changes: log(line)
 
-1. Parm (--moe-schedule auto): Algorithm 1 per MoE layer from collective costs
-   profiled on the run's real groups (or the --comm-profile cache) ranks the
-   schedules, then the layer times each on its real groups (`choose.measure`,
-   `moe.schedule_trial.auto_schedule`), the same choice on every rank; the layer
-   takes the chosen dispatcher (`MoELayer.use_schedule`). With one MP rank the
-   schedules coincide: baseline, nothing timed or logged. Explicit schedules stay.
-2. Lina (--lina): gradient all-reduce goes to a `LinaScheduler` in micro-ops;
-   it listens to the dispatchers of the MoE layers that exchange tokens.
-3. Lancet (--lancet-wgrad, --lancet-partition): plan (profiled) and install
-   through the modules' own hooks (`lancet.controller.setup`); partitioned
-   layers keep the schedule step 1 left them (S1 / S2 inside the parts).
-4. Pro-Prophet (--pro-prophet, dropless only): the replica runtime
-   (`moe.placement.ProProphet`) on the MoE layers, with a fixed plan (`apply`'s
-   `pro_prophet_plan`: tests, fixed benchmarks) or Algorithm 1 (`pro_prophet.planner.plan`) on a
-   performance model whose constants are measured on the real EP group
-   (`pro_prophet.perf_model.measure_constants`) and calibrated on the first
-   iterations' measured layer times (`pro_prophet.calibration`); the counts ride
-   the dispatchers' count exchange and it plans the next iteration; the placement
-   is kept only if measured faster (--measure-iters, the trainer's trial).
+1. Parm (--moe-schedule auto): per MoE layer, Algorithm 1 on collective costs profiled on the
+   run's groups (or --comm-profile) ranks the schedules, then the layer times each
+   (`moe.schedule_trial.auto_schedule`); every rank takes the same choice. With one MP rank the
+   schedules coincide (baseline); under --moe-dropless auto is the dropless baseline.
+2. Lina (--lina): gradient all-reduce in micro-ops of a `LinaScheduler` that yields to all-to-alls.
+3. Lancet (--lancet-wgrad, --lancet-partition): plan and install through the modules' hooks
+   (`lancet.controller.setup`); partitioned layers keep the schedule of step 1 inside the parts.
+4. Pro-Prophet (--pro-prophet, dropless only): the replica runtime (`moe.placement.ProProphet`)
+   with a fixed `pro_prophet_plan` or the planner on a performance model measured on the EP group
+   and calibrated on the first iterations; kept only if measured faster (the trainer's trial).
 
-Each step reports what it changed ("layer 3: partitioned k=4 with s1 inside");
-the trainer logs the lines. A combination the code cannot run stops here with
-an error naming both flags (`UNSUPPORTED`: every schedule x Lina x Lancet
-combination runs and keeps the training curve, tests/test_composition.py; dropless
-MoE runs with Lina but not with Lancet, whose partitions and deferred expert dW
-work on the capacity-padded expert input). Under --moe-dropless, auto is not
-profiled: it resolves to the dropless baseline (`moe.layer`).
+Each step reports what it changed; the trainer logs the lines. A combination the code cannot run
+(`UNSUPPORTED`) stops here with an error naming both flags.
 """
 
 from __future__ import annotations

@@ -12,14 +12,10 @@ Layout of `PREFIX.idx` (all little-endian), as written by Megatron-LM's `MMapInd
     ..      8*N int64     pointers: byte offset of each sequence in the .bin
     ..      8*D int64     document index: sequence index where each document starts, then N
 
-`PREFIX.bin` holds the sequences back to back in that dtype, with no header. We write one
-sequence per document (no sentence splitting), so the document index is 0, 1, ..., N.
-
-Opening a dataset validates it once: sizes non-negative, pointers equal to the running sum of
-sizes x itemsize, document index starting at 0, non-decreasing and ending at N, token ids
-non-negative. The result (with the largest token id, which `check_vocab` compares with the
-model's vocabulary) is cached in `PREFIX.idx.valid`, keyed by the size, mtime and SHA-256 of
-the `.idx` and the size and mtime of the `.bin`; a changed file is checked again.
+`PREFIX.bin` holds the sequences back to back in that dtype, with no header; one sequence per
+document, so the document index is 0, 1, ..., N. Opening a dataset validates the index and the
+token ids once; the result (with the largest token id, for `check_vocab`) is cached in
+`PREFIX.idx.valid`, keyed by the files' sizes, mtimes and the `.idx`'s SHA-256.
 """
 
 from __future__ import annotations

@@ -6,11 +6,8 @@ P = data-parallel size); micro-step j gives data-parallel rank r the B samples
 
     start + j*B*P + r*B + [0, B)        (start = first sample of the global batch)
 
-so the ranks' shards are disjoint and together cover the global batch. The sampler only sees
-`dp_rank` and `dp_size`, so every model-parallel rank of one data-parallel group gets the same
-samples. Starting at `consumed_samples` (= iterations done * G) resumes exactly where a run
-stopped. A trailing partial global batch is dropped so that every rank runs the same number of
-micro-steps.
+so the ranks' shards are disjoint and cover the global batch; model-parallel peers get the same
+samples. Starting at `consumed_samples` resumes exactly; a trailing partial global batch is dropped.
 """
 
 from __future__ import annotations
