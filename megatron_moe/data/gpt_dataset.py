@@ -1,20 +1,10 @@
 """GPT pretraining samples: fixed windows over the concatenated documents, shuffled per epoch.
 
-Think of the training split as one token stream: epoch 0's documents in a shuffled order, then
-epoch 1's documents in another order, and so on (each document already ends with the EOD token
-when the data was preprocessed with --append-eod). Sample k of the stream is the window
-`stream[k*L : k*L + L + 1]` (L = seq_length): L inputs plus the next token as the last label, so
-consecutive samples share one token. Sample k belongs to the epoch its first token falls in. The
-dataset's order visits every sample of epoch 0 in a shuffled order, then every sample of epoch 1
-in another, and so on; as many epochs are built as `num_samples` needs (the last one partly).
-
-Each epoch's document order and sample order come from a generator seeded with (seed, epoch), so
-they do not depend on `num_samples`: the index for N samples is a prefix of the index for any
-larger N, and a run that grows --train-iters sees the same data first.
-
-The index (doc_idx, sample_idx, shuffle_idx) is cached next to the data as
-`PREFIX_{N}ns_{L}sl_{seed}s_sample_index.npz`, written to a temporary name and renamed, so ranks
-that build it at the same time never read a half-written file.
+The split is one token stream of each epoch's documents in a shuffled order. Sample k is
+`stream[k*L : k*L + L + 1]` (L = seq_length) and belongs to the epoch its first token falls in;
+each epoch's samples are visited in a shuffled order. Orders are seeded with (seed, epoch), so the
+index for N samples is a prefix of the index for any larger N. The index is cached beside the data
+as `PREFIX_{N}ns_{L}sl_{seed}s_sample_index.npz` (written to a temporary name, then renamed).
 """
 
 from __future__ import annotations

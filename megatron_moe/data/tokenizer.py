@@ -1,17 +1,10 @@
 """Tokenizers for preprocessing and evaluation: GPT-2 BPE from the hub or disk, or our own.
 
-`load_tokenizer(name_or_path)` accepts
-  - a directory written by `save_tokenizer` (a byte-level BPE trained here): read with the
-    `tokenizers` library directly, which avoids importing `transformers` (~6 s);
-  - anything `transformers.AutoTokenizer.from_pretrained` accepts: a hub name such as `gpt2`
-    (needs the hub or its cache) or a local directory (e.g. GPT-2's vocab.json + merges.txt +
-    tokenizer_config.json).
-
-A trained tokenizer is saved as a directory that `AutoTokenizer.from_pretrained(dir)` loads
-(documented interface); its `tokenizer.json` also loads with `tokenizers.Tokenizer.from_file`.
-Both give the same ids as `Tokenizer.encode`. Our byte-level BPE splits text the way GPT-2 does
-(same pre-tokenizer, no prefix space) and reserves id 0 for the end-of-document token
-`<|endoftext|>` (GPT-2 itself has it at id 50256; always ask `.eod`).
+`load_tokenizer(name_or_path)` accepts a directory written by `save_tokenizer` (read with
+`tokenizers` directly, which avoids importing `transformers`: ~6 s), or anything
+`AutoTokenizer.from_pretrained` accepts (a hub name such as `gpt2`, or a local directory).
+A saved tokenizer also loads with `AutoTokenizer.from_pretrained(dir)`, with the same ids. Our
+byte-level BPE pre-tokenizes as GPT-2 does and reserves id 0 for `<|endoftext|>` (always ask `.eod`).
 """
 
 from __future__ import annotations
