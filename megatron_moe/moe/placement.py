@@ -1,42 +1,36 @@
 """Pro-Prophet's lightweight expert placement at run time: replicas, Trans and Agg.
 
-Legend: E experts, N_EP EP ranks, E_l = E / N_EP experts owned per EP rank (expert e is
-owned by EP rank e // E_l), H_l = H / N_ESP, M model dim, M_l = M / N_ESP, R replicas
-held by this rank's EP rank, X experts computed by one EP rank at most (owned + replicas).
+Legend: E experts, N_EP EP ranks, E_l = E / N_EP experts owned per EP rank (expert e is owned by
+EP rank e // E_l), H_l = H / N_ESP, M model dim, M_l = M / N_ESP, R replicas held by this rank's EP
+rank, X experts computed by one EP rank at most (owned + replicas).
 
-A `Placement` maps every expert to the EP ranks holding a replica of it for one iteration
-(never the owner). In the dropless UnevenDispatcher (`dispatcher.set_placement`) a rank whose EP
-rank holds a replica of e sends its tokens for e to its own EP rank (N_ESP = 1: they stay on this
-rank; N_ESP > 1: to its ESP peers, which hold the other H slices), every other rank to the owner;
-an EP rank computes its owned experts and its replicas in expert order.
-Trans (forward): the owner's fc_w, fc_b, proj_w, proj_b slices of e go point to point on the EP
-group to each replica rank (ESP shard j to ESP shard j), in two parts, (fc_w, fc_b) and
-(proj_w, proj_b). Agg (backward): each replica's gradients go back to the owner and are summed into
-its parameter gradients through autograd, so grad-ready hooks and gradient sync see the sum.
-Replicas are plain tensors (no optimizer state, not checkpointed). The collective observer records
-ops "trans" and "agg" on group "ep".
+A `Placement` maps every expert to the EP ranks (never the owner) holding a replica of it for one
+iteration. In the dropless UnevenDispatcher a rank whose EP rank holds a replica of e sends its tokens
+for e to its own EP rank (N_ESP > 1: its ESP peers), every other rank to the owner; an EP rank
+computes its owned experts and its replicas in expert order.
+Trans (forward): the owner's fc_w, fc_b, proj_w, proj_b slices of e go point to point on the EP group
+to each replica rank (ESP shard j to ESP shard j) in two parts, (fc_w, fc_b) and (proj_w, proj_b).
+Agg (backward): each replica's gradients go back to the owner and are summed into its parameter
+gradients through autograd. Replicas are plain tensors (no optimizer state, not checkpointed).
+The collective observer records ops "trans" and "agg" on group "ep".
 
 Scheduling (Algorithm 2, block-wise), `ProProphet`:
-  scheduled  the next MoE layer's Trans is launched in two parts around this layer's expert
-             compute (fc before, proj after: it overlaps the non-expert compute up to the next
-             MoE layer); the first MoE layer's at the runtime's anchor (else at its own start).
-             A layer waits for its Trans just before its experts run. Agg is launched when the
-             experts' backward is done and waited when the gradient of the previous MoE layer's
-             output is due (`_AggWaitLater`), the first MoE layer's at the anchor's output (else
-             its own input). Trans / Agg run on CUDA side streams (`distributed.streams`).
-  blocking   (the `pro_prophet_no_schedule` ablation) Trans launched and waited at the point of use, Agg
-             inside the experts' backward.
+  scheduled  the next MoE layer's Trans is launched in two parts around this layer's expert compute
+             (fc before, proj after); the first MoE layer's at the runtime's anchor (else at its own
+             start). A layer waits for its Trans just before its experts run. Agg is launched when the
+             experts' backward is done and waited when the gradient of the previous MoE layer's output
+             is due (`_AggWaitLater`), the first's at the anchor's output (else its own input).
+             Trans / Agg run on CUDA side streams.
+  blocking   (`pro_prophet_no_schedule`) Trans launched and waited at the point of use, Agg inside
+             the experts' backward.
 Either way both finish within the iteration, before the optimizer step.
 
-Trial (`ProProphet(measure_iters=K)`, the `choose.Trial` "pro-prophet"): a plan the model predicts
-near break-even can measure a loss (a 4 MB expert moved at skew 0 on the emulated cluster: 10 %
-slower), so after the calibration the arms "plain" (the empty plan), "placed" (the planner's) and,
-with a `wider` planner (`planner.plan(extra=1)`), "wider" take turns, each turn one settling
-iteration and one timed (the first iteration after switching placement measured 10-40 % slow).
-A pass runs between two `end_iteration` calls, so each arm pays its own planning. Untimed rules:
-if no placed iteration moved an expert the pick is "plain"; "wider" is a candidate only if it
-moved more experts than the planner would have on the same counts. After a "plain" pick every
-later iteration runs the empty plan; after "wider" every later plan is the wider planner's.
+Trial (`ProProphet(measure_iters=K)`, `choose.Trial` "pro-prophet"): a plan predicted near break-even
+can lose (a 4 MB expert moved at skew 0 on the emulated cluster: 10 % slower), so after calibration the
+arms "plain", "placed" and, with a `wider` planner, "wider" take turns, each one settling and one timed
+iteration (the first iteration after a placement switch measured 10-40 % slow). Untimed rules: if no
+placed iteration moved an expert the pick is "plain"; "wider" is a candidate only if it moved more
+experts than the planner would have on the same counts. The pick holds for the rest of the run.
 """
 
 from __future__ import annotations
@@ -120,8 +114,7 @@ class Placement:
         return ep if ep in self.replicas[e] else self.owner(e)
 
     def columns(self, ep: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """For the dispatcher of a rank at EP rank `ep`: col [E] = destination * X + the expert's
-        place among the destination's compute experts, and X (the widest compute list)."""
+        """col [E] = destination * X + the expert's place among the destination's compute experts, and X."""
         X = max(len(self.compute_experts(q)) for q in range(self.n_ep))
         col = []
         for e in range(self.num_experts):
@@ -169,8 +162,7 @@ class ReplicaExchange:
         return e - self.me * self.p.num_local
 
     def _run(self, op: str, sends: list, recvs: list):
-        """Post every isend / irecv ((tensor, peer EP rank, tag) each) on `op`'s side stream, after the
-        caller's stream (the sends read what it produced); one observed Work."""
+        """Post every isend / irecv ((tensor, peer EP rank, tag)) on `op`'s side stream; one observed Work."""
         sent = sum(t.numel() * t.element_size() for t, _, _ in sends)
         got = sum(t.numel() * t.element_size() for t, _, _ in recvs)
         token = observer.begin(op, self.group, sent, got) if sends or recvs else None
@@ -183,8 +175,7 @@ class ReplicaExchange:
         return observer.Work(works, token)
 
     def _wait(self, op: str, work) -> None:
-        """Wait for `work` on `op`'s side stream; the caller's stream then waits for that stream (CPU:
-        the host waits, in program order)."""
+        """Wait for `work` on `op`'s side stream; the caller's stream then waits for that stream."""
         side = self.side[op]
         with streams.use(side), annotate(f"pro_prophet/{op}_wait"):
             comm_errors.wait(work, op, self.group)
@@ -222,8 +213,7 @@ class ReplicaExchange:
         return tuple(out[name] for name in PARAMS)
 
     def launch_agg(self, grads: Sequence[torch.Tensor]) -> None:
-        """Start Agg: the replicas' gradients (as `replicas()` returns them) to their owners, and the
-        owned experts' replica gradients from every replica rank."""
+        """Start Agg: replica gradients (shaped as `replicas()` returns) to their owners, and back to us."""
         sends, recvs, bufs = [], [], []
         for name, g in zip(PARAMS, grads):
             param = getattr(self.experts, name)
@@ -270,8 +260,7 @@ class _UseReplicas(torch.autograd.Function):
 
 
 class _AggWait(torch.autograd.Function):
-    """Identity on the MoE layer's input; backward (the layer's backward is over): wait for Agg and
-    hand its sums to the owner's parameters."""
+    """Identity on the MoE layer's input; backward: wait for Agg, its sums to the owner's parameters."""
 
     @staticmethod
     def forward(ctx, x, ex: ReplicaExchange, fc_w, fc_b, proj_w, proj_b):
@@ -291,8 +280,7 @@ class AggBox:
 
 
 class _AggWaitLater(torch.autograd.Function):
-    """Identity on the previous MoE layer's output; backward (after the non-expert backward Agg hid
-    behind): wait for the next layer's Agg, if it left its exchange in the box."""
+    """Identity on the previous MoE layer's output; backward: wait for the next layer's Agg (if boxed)."""
 
     @staticmethod
     def forward(ctx, y, box: AggBox, fc_w, fc_b, proj_w, proj_b):
@@ -332,9 +320,8 @@ class PlacedLayer:
         )
 
     def layer_input(self, x_BTM: torch.Tensor) -> torch.Tensor:
-        """Start of the layer's forward: take the prefetched exchange (or make one), launch its Trans
-        (scheduled) and put the Agg wait in the box the previous MoE layer's (or anchor's) output set up
-        this forward, else on this layer's input."""
+        """Take the prefetched exchange (or make one), launch its Trans (scheduled) and put the Agg wait
+        in the box set up this forward, else on this layer's input."""
         ex = self.runtime.pending.pop(self.layer_idx, None) or self.new_exchange()
         box = self.runtime.boxes.pop(self.layer_idx, None)
         self.exchange = ex
@@ -352,10 +339,8 @@ class PlacedLayer:
         return _AggWait.apply(x_BTM, ex, e.fc_w, e.fc_b, e.proj_w, e.proj_b)
 
     def run_experts(self, x_RM: torch.Tensor, counts: list[int], grad_scale: float) -> torch.Tensor:
-        """The experts on the ragged input x [R, M] (rows per compute expert: held replicas below this
-        rank's own experts, the own experts, replicas above); prefetches the next MoE layer's Trans
-        around the compute (scheduled). The own experts run as without placement
-        (`Experts.forward_ragged`), each group of replicas as one grouped MLP on the Trans buffers."""
+        """The experts on ragged x [R, M] (rows per compute expert: replicas below own, own, replicas
+        above); own experts via `forward_ragged`, each replica group as one grouped MLP on Trans buffers."""
         ex = self.exchange if self.exchange is not None else self.new_exchange()
         self.exchange = None
         nxt = self.runtime.next_placed(self.layer_idx) if self.runtime.schedule else None
@@ -394,9 +379,8 @@ def routed_counts(layer) -> torch.Tensor:
 
 
 def gather_counts(ps: "ParallelState", counts_LE: torch.Tensor) -> torch.Tensor:
-    """Every layer's counts [L, E] of every rank of the EP x ESP group -> [L, N_EP, E], the tokens the
-    ranks of each EP rank routed to each expert (the ESP ranks of an EP rank summed). One all-gather
-    of L * E integers; every rank of the group gets the same matrix (CPU)."""
+    """counts [L, E] of every EP x ESP rank -> [L, N_EP, E] (ESP ranks summed), the same on every rank
+    (CPU). One all-gather of L * E integers."""
     L, E = counts_LE.shape
     n_ep, n_esp = ps.size("ep"), ps.size("esp")
     mine = counts_LE.to(device=ps.device, dtype=torch.int64).reshape(1, L, E)
@@ -409,22 +393,16 @@ Planner = Callable[[list[list[int]]], Sequence[Sequence[int]]]
 
 
 class ProProphet:
-    """Per model: the MoE layers' placements, Trans prefetch across layers, and the plan for the
-    next iteration from this one's counts (module docstring).
+    """Per model: the MoE layers' placements, Trans prefetch across layers, and the next plan.
 
-    planner / wider: counts [N_EP, E] -> replicas per expert, deterministic so that every rank of the
-      EP x ESP group, holding the same counts, plans alike; run every `interval` iterations (planner
-      None: the placements stay as set). `wider`: the trial's third arm.
-    Counts come with the dropless dispatchers' count exchange (`TokenDispatcher.set_counts_sink`):
-      `collected_counts` sums the iteration's forwards under autograd, identical on every rank.
-      With `plan_in_flight` the next iteration is planned while the layer's last forward's all-to-all
-      is in flight, else (or when it could not) in `end_iteration`; same plans either way.
-    calibrator: decides which calibration iterations run placed; the MoE layers are timed
-      (`LayerClock`), the times MAX-reduced over the world and fitted; plans use `calibrator.model`.
-    anchor (scheduled only): a module before the first MoE layer whose output needs a gradient (the
-      token embedding): its forward starts that layer's Trans, its output carries its Agg wait.
-    measure_iters K > 0 (with a planner): the trial's timed passes per arm, from the first iteration
-      after the calibration at which it has the turn (`turn`); `decision` holds its pick."""
+    planner / wider: counts [N_EP, E] -> replicas per expert, deterministic (every EP x ESP rank plans
+      alike); run every `interval` iterations (None: placements stay as set). `wider`: the trial's third arm.
+    Counts arrive via `TokenDispatcher.set_counts_sink`, summed over the iteration's autograd forwards.
+      With `plan_in_flight` the next plan is made under the layer's last all-to-all, else in `end_iteration`.
+    calibrator: picks the placed calibration iterations; MoE layer times are MAX-reduced and fitted.
+    anchor (scheduled only): a module before the first MoE layer whose output needs a gradient; its
+      forward starts that layer's Trans, its output carries its Agg wait.
+    measure_iters K > 0 (with a planner): the trial's timed passes per arm; `decision` holds its pick."""
 
     turn = True  # `training.take_turns`: False while another in-training trial measures
 
@@ -479,8 +457,7 @@ class ProProphet:
                 anchor.register_forward_hook(self._agg_wait_hook(self.layers[0]))
 
     def _trans_early_hook(self, module, args) -> None:
-        """A forward pre-hook of the anchor: launch the first MoE layer's Trans (both parts) now (the
-        last optimizer step is over), to overlap the non-expert forward before that layer."""
+        """Anchor pre-hook: launch the first MoE layer's Trans (both parts) to overlap the forward before it."""
         first = self.layers[0]
         if torch.is_grad_enabled() and first.dispatcher.placement is not None:
             self.prefetch(first.layer_idx, 0)
@@ -504,8 +481,7 @@ class ProProphet:
 
     # -- counts and planning under the all-to-all (called by the dispatchers) --------------------
     def add_counts(self, layer_idx: int, counts_DE: torch.Tensor) -> None:
-        """Every rank's routed counts [D, E] of one forward of layer `layer_idx` (D = EP x ESP ranks,
-        EP-major, from the dispatcher's count exchange, on the host); summed per EP rank into this iteration's."""
+        """Add counts [D, E] (D = EP x ESP ranks, EP-major, host) of one forward, summed per EP rank."""
         if not torch.is_grad_enabled():
             return  # evaluation forwards are no part of the training iteration
         n_ep = self.ps.size("ep")
@@ -513,8 +489,7 @@ class ProProphet:
         self.forwards[layer_idx] += 1
 
     def dispatch_in_flight(self, layer_idx: int) -> None:
-        """Layer `layer_idx`'s token all-to-all is in flight: plan its next iteration if its counts
-        for this iteration are complete and `end_iteration` will plan with the current model."""
+        """Under the layer's all-to-all: plan its next iteration if its counts are complete and due."""
         if not (self.plan_in_flight and torch.is_grad_enabled()) or self.running is None:
             return
         nxt = self.ended + 1
@@ -538,8 +513,7 @@ class ProProphet:
         return self.trial is None or self.trial.done
 
     def _trial_at(self, local: int) -> bool:
-        """Whether the end of the `local`-th iteration under this runtime belongs to the trial: it runs,
-        or begins there (its turn, the calibration over)."""
+        """Whether the end of the `local`-th iteration under this runtime belongs to (or begins) the trial."""
         if self.decided:
             return False
         cal = self.calibrator
@@ -550,8 +524,7 @@ class ProProphet:
         return self.trial.next() if self.trial is not None and self.trial_from is not None else None
 
     def _trial_step(self) -> None:
-        """At an iteration's end: end the trial's pass (deciding after the last), or begin the trial; then
-        start the next pass."""
+        """At an iteration's end: end the trial's pass (deciding after the last) or begin it; start the next."""
         trial, cal = self.trial, self.calibrator
         if trial is None or trial.done:
             return
@@ -593,8 +566,7 @@ class ProProphet:
 
     # -- the end of an iteration ---------------------------------------------------------------
     def _action(self, iteration: int, local: int) -> str:
-        """What the end of `iteration` (the `local`-th under this runtime) does: "plan", "off" (next
-        iteration without placement) or "keep"."""
+        """What the end of `iteration` (the `local`-th here) does: "plan", "off" (no placement) or "keep"."""
         cal = self.calibrator
         if self.planner is None:
             return "keep"
@@ -621,17 +593,15 @@ class ProProphet:
         return Placement(E, n_ep, tuple(tuple(int(q) for q in r) for r in planner(counts_DE.tolist())))
 
     def _wider_moved_more(self) -> bool:
-        """Whether a wider-pass plan of the trial moved more experts than the planner would have on the same
-        counts (with the same model: called before the trial's refit), i.e. "wider" was a distinct alternative."""
+        """Whether a wider plan moved more experts than the planner would have on the same counts (pre-refit)."""
         return any(
             len(p.moved) > len(self._plan(torch.tensor(c, dtype=torch.int64, device="cpu")).moved)
             for c, p in self.wider_log
         )
 
     def end_iteration(self, iteration: int, counts_LDE: Optional[torch.Tensor] = None) -> bool:
-        """After iteration `iteration` (1-based): the trial's pass, calibrate when due, then plan the next
-        iteration every `interval` iterations from this one's counts [L, N_EP, E] (default:
-        `collected_counts`). True when it planned."""
+        """After `iteration` (1-based): trial pass, calibration, then every `interval` iterations a plan from
+        counts [L, N_EP, E] (default `collected_counts`). True when it planned."""
         counts = self.collected_counts() if counts_LDE is None else counts_LDE
         cal = self.calibrator
         self.ended += 1
