@@ -69,8 +69,7 @@ from megatron_moe.profiling import StepProfiler, annotate
 
 
 def init_distributed(cfg: Config):
-    """(ParallelState, device): the process group from torchrun's env (or one process without it)
-    and the layout's groups, on the device and backend of `device_and_backend`."""
+    """(ParallelState, device): the process group from torchrun's env (or one process) and the layout's groups."""
     p = cfg.parallel
     device, backend = device_and_backend(p.device, p.distributed_backend)
     if device.type == "cuda":
@@ -99,16 +98,13 @@ T = TypeVar("T")
 
 
 _RANK0_CALLS = itertools.count()  # names the store key of each `_on_rank0` call (all ranks make the same calls)
-# Rank 0 preprocesses a raw corpus while the other ranks wait. Measured: 0.78 MB/s in one process on
-# 2 CPU cores (a BPE of 8192 ids trained, then 26 MB encoded); the wait allows 100 kB/s, 8x slower,
-# plus 10 minutes (importing `datasets`, a busy file system), and never less than --comm-timeout.
+# Measured preprocessing: 0.78 MB/s on 2 CPU cores; the wait allows 100 kB/s (8x slower) + 10 min.
 WAIT_FIXED_S, WAIT_BYTES_PER_S = 600.0, 100e3
 HUB_CORPUS_BYTES = 540e6  # a hub dataset's size is unknown before the download: WikiText-103's
 
 
 def preprocess_wait_s(directory, comm_timeout: float) -> float:
-    """How long the other ranks wait for rank 0 to preprocess the wiki.* files of `directory`
-    (None: a hub dataset)."""
+    """Seconds the other ranks wait for rank 0 to preprocess `directory`'s wiki.* files (None: hub)."""
     try:
         size = sum(f.stat().st_size for f in Path(directory).iterdir() if f.name.startswith("wiki."))
     except (OSError, TypeError):  # None, or a directory this rank cannot see
@@ -117,11 +113,9 @@ def preprocess_wait_s(directory, comm_timeout: float) -> float:
 
 
 def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = None) -> T:
-    """`work()` on global rank 0 only, its result shared with every rank; a ValueError or
-    FileNotFoundError raised there is raised on every rank with the same text.
+    """`work()` on global rank 0, its result (or ValueError / FileNotFoundError) shared with every rank.
 
-    `waiting` = (what, seconds), for work longer than --comm-timeout (preprocessing): the other
-    ranks wait in the store up to that bound instead of in a collective, then name what they waited for."""
+    `waiting` = (what, seconds): the other ranks wait in the store up to that bound, not in a collective."""
     box: list = [None, None]  # [result, (error type name, message) or None]
     if ps.global_rank == 0:
         try:
@@ -155,10 +149,8 @@ def _on_rank0(ps, work: Callable[[], T], waiting: Optional[tuple[str, float]] = 
 
 
 def prepare_data(cfg: Config, ps: ParallelState) -> str:
-    """Preprocess (on rank 0, once) the bundled sample corpus when no --data-path is given, or raw
-    WikiText a --data-path names (`paths.wikitext_source`), into `paths.default_data_dir()`; set
-    --data-path to the result and --vocab-size from the tokenizer when 0. Returns what the data is
-    and where its files are, for the start-up summary."""
+    """Preprocess (rank 0, once) the sample corpus (no --data-path) or raw WikiText into
+    `paths.default_data_dir()`; set --data-path and --vocab-size (when 0). Returns the summary line."""
     text, where = None, "_{train,valid,test}_text_document.{bin,idx}"
     if cfg.data.data_path is None:
         prefix = default_data_prefix()
@@ -249,8 +241,7 @@ def _indexed_datasets(dataset) -> list:
 
 
 def param_counts(cfg: Config) -> tuple[int, int]:
-    """(all, active per token) parameters of the whole model, in any layout: a token uses the dense
-    parameters (embeddings, attention, layer norms, dense MLPs, routers) and top-k experts per MoE layer."""
+    """(all, active per token) parameters of the whole model: dense ones plus top-k experts per MoE layer."""
     m, moe = cfg.model, cfg.moe
     L, M, H = m.num_layers, m.hidden_size, m.ffn_hidden_size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
@@ -261,8 +252,7 @@ def param_counts(cfg: Config) -> tuple[int, int]:
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token (6 x active params but the position embeddings + attention), for the TFLOP/s
-    estimate."""
+    """Training FLOPs per token: 6 x active params (but position embeddings) + attention."""
     m = cfg.model
     active = param_counts(cfg)[1] - m.max_position_embeddings * m.hidden_size
     return 6 * active + 12 * m.num_layers * m.seq_length * m.hidden_size
@@ -273,8 +263,7 @@ NOT_DEFAULT_JOB = ("model.", "moe.", "data.data_path", "data.tokenizer_name_or_p
 
 
 def use_default_save(cfg: Config) -> None:
-    """For the command line: the default main job gets --save DEFAULT_SAVE, and --load DEFAULT_SAVE when it
-    holds a complete checkpoint; nothing when the current directory cannot be written."""
+    """Default main job: --save DEFAULT_SAVE, and --load it when complete; nothing if it cannot be written."""
     if any(f.startswith(NOT_DEFAULT_JOB) for f in getattr(cfg, "explicit_flags", ())):
         return
     if output_path_problem(DEFAULT_SAVE, "directory"):
@@ -353,8 +342,7 @@ def output_paths(cfg) -> list:
 
 
 def check_output_paths(cfg) -> None:
-    """Before anything is written: every output path given is creatable, writable and of the right
-    kind, and --save holds no link where a checkpoint file belongs; else ValueError naming the flag."""
+    """ValueError naming the flag unless every output path is creatable, writable, of its kind (no links)."""
     for flag, path, kind in output_paths(cfg):
         why = output_path_problem(path, kind)
         if why:
@@ -364,8 +352,7 @@ def check_output_paths(cfg) -> None:
         raise ValueError(problem)
 
 
-# The trials that measure during training, one at a time in this order. Lina's goes first: its plain
-# alternative changes every step's gradient sync under the others' times.
+# In-training trials, one at a time; Lina's first: its plain arm changes every step's gradient sync.
 TRIALS = ("lina", "pro-prophet", "lina-packing")
 
 
@@ -602,8 +589,7 @@ class Trainer:
         }
 
     def token_balance(self, routed: dict) -> dict:
-        """Dropless: tokens per expert and computed per EP rank (all MoE layers) and their max / mean
-        imbalance; with Pro-Prophet also the imbalance without its placement, and the next plan."""
+        """Dropless: tokens per expert and per EP rank with max / mean imbalance (Pro-Prophet: also unplaced)."""
         idx = sorted(routed)
         prophet = self.applied.pro_prophet
         # [L, N_EP, E]; Pro-Prophet's came with the dispatchers' count exchanges (no collective here)
@@ -632,8 +618,7 @@ class Trainer:
         return out
 
     def check_finite(self, loss: float, grad_norm: float) -> None:
-        """Raise NonFiniteError (before the step) when the DP-mean loss or the global grad norm is NaN/inf
-        (the same on every rank, so all stop together)."""
+        """NonFiniteError (before the step, on every rank) when the DP-mean loss or global grad norm is NaN/inf."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -831,8 +816,7 @@ def balance_text(rec: dict) -> str:
 
 
 def pretrain(cfg: Config, pro_prophet_plan: Optional[dict] = None) -> list[dict]:
-    """Build a Trainer and run it; returns this rank's per-iteration records. The caller's SIGUSR1
-    handler and the --save lock are restored also when training raises."""
+    """Run a Trainer; this rank's per-iteration records. SIGUSR1 handler and --save lock restored on raise."""
     trainer = Trainer(cfg, pro_prophet_plan)
     try:
         return trainer.train()
