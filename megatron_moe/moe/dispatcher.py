@@ -1,42 +1,30 @@
 """Token dispatchers: how routed tokens reach their experts' ranks and come back.
 
-Legend: G routing groups in the call, S tokens per group (S_l: this rank's slice),
-T tokens this rank dispatches (G*S or G*S_l), M model dim, E experts (E_l = E / N_EP
-local), k choices per token, C capacity, K kept choices of this rank, D = N_EP *
-N_ESP ranks of the EP x ESP group, N rows per local expert in the expert input.
+Legend: G routing groups, S tokens per group (S_l: this rank's slice), T tokens this rank
+dispatches (G*S or G*S_l), M model dim, E experts (E_l = E / N_EP local), k choices per
+token, C capacity, K kept choices, D = N_EP * N_ESP ranks of the EP x ESP group, N rows per
+local expert in the expert input.
 
-Every dispatcher has three steps (`MoELayer.forward` calls them in order):
-  plan(routes)       -> a plan (index maps; the uneven one also exchanges counts)
-  dispatch(x, plan)  -> the experts' input
-  combine(y, plan)   -> y [T, M], the weighted sum of each token's expert outputs
-and `grad_scale`, the factor of the experts' weight gradients (1/N_MP when the N_MP
-ranks of an MP group push identical tokens through the experts).
+Steps, in order: plan(routes) -> plan; dispatch(x, plan) -> experts' input; combine(y, plan)
+-> y [T, M]. `grad_scale`: factor of the experts' weight gradients (1/N_MP when the MP ranks
+push identical tokens).
 
-The experts' input, by path:
-  one rank holding every expert (PaddedDispatcher, `local_plan`): the tokens gathered by
-    expert, each expert's rows ending at device offsets; no host sync.
-  several ranks (PaddedDispatcher): the capacity-padded buffer [E_l, N, M]; no host sync.
-    "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather of the buffer, EP all-to-all,
-      experts on their H/N_ESP slice, ESP all-reduce of the partials, EP all-to-all back,
-      ESP split.
-    "s2" (Parm S2): every MP rank keeps slots [r*C_mp, (r+1)*C_mp) of each expert (N_MP*C_mp
-      slots per group); local dump (one copy per ESP shard), one EP x ESP all-to-all, experts,
-      return all-to-all with local combine (sum of the N_ESP partials) and MP all-gather,
-      overlapped chunk by chunk (SAA, `distributed.saa`) unless --no-moe-saa; the dispatch's
-      backward takes the same path, so SAA serves there too.
-  UnevenDispatcher (dropless, Parm S1, Lancet's parts, Pro-Prophet's replicas): only kept
-    tokens travel, as ragged rows [R, M] grouped by expert (`UnevenPlan.expert_rows`, no
-    padding), with one host read of the exchanged counts per layer forward (the all-to-all's
-    split sizes). Launch and wait are separate steps (`dispatch_start` / `dispatch_finish`,
-    `combine_start` / `combine_finish`), so a pipeline starts part i+1 while part i is in
-    flight. A Pro-Prophet placement (`set_placement`) sends a token to a replica on this
-    rank's EP rank instead of the expert's owner; the receiver's rows are then grouped by the
-    experts it computes (owned and replicas).
+PaddedDispatcher (no host sync): one rank with every expert (`local_plan`) gathers tokens by
+expert, rows ending at device offsets; else the capacity-padded buffer [E_l, N, M].
+  "baseline" (DeepSpeed-MoE, Parm Fig. 3a): ESP all-gather, EP all-to-all, experts on their
+    H/N_ESP slice, ESP all-reduce, EP all-to-all back, ESP split.
+  "s2" (Parm S2): MP rank r keeps slots [r*C_mp, (r+1)*C_mp) of each expert; local dump, one
+    EP x ESP all-to-all, experts, return all-to-all with local combine and MP all-gather,
+    chunk-overlapped (SAA, `distributed.saa`) in forward and backward unless --no-moe-saa.
+UnevenDispatcher (dropless, Parm S1, Lancet, Pro-Prophet): only kept tokens travel, as ragged
+rows [R, M] grouped by expert (`UnevenPlan.expert_rows`), one host read of the exchanged
+counts per layer forward. Launch and wait are split (`dispatch_start`/`_finish`,
+`combine_start`/`_finish`). With a placement (`set_placement`) rows are grouped by the experts
+the receiver computes (owned and replicas).
 
-The all-to-alls are `moe.a2a` handles named "L{l}.moe.a2a_dispatch" / "a2a_combine": a
-weight-gradient queue (`set_dw_queue`) runs deferred dW under their backward (Lancet).
-`track_input` / `track_output` tell listeners (Lina) in backward when the combine step
-starts and when the layer's backward is over.
+All-to-alls are `moe.a2a` handles "L{l}.moe.a2a_dispatch" / "a2a_combine"; `set_dw_queue`
+runs deferred dW under their backward (Lancet). `track_input` / `track_output` tell listeners
+(Lina) when the backward's combine step starts and when the layer's backward ends.
 """
 
 from __future__ import annotations
@@ -59,11 +47,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class DispatchIndex:
-    """Flat positions of kept choices: token index [K], row e*C + c in the buffer [K], weight [K].
-
-    `dropped`: every choice is listed (K = choices) and a dropped one has row -1 and weight 0, so the
-    index is built without a host sync (`dispatch_index(..., every_choice=True)`): `dispatch` sends
-    those rows to a spare row past the buffer and `combine` reads them as zeros."""
+    """Kept choices: token index [K], buffer row e*C + c [K], weight [K]. `dropped`: every choice
+    listed (no host sync), a dropped one at row -1 / weight 0, sent to a spare row and read as zero."""
 
     token: torch.Tensor
     row: torch.Tensor
@@ -116,9 +101,8 @@ def combine(buf_RM: torch.Tensor, idx: DispatchIndex, num_tokens: int) -> torch.
 
 
 class _Combine(torch.autograd.Function):
-    """`combine` with a hand-written backward: one node instead of autograd's gather, multiply and scatter
-    nodes, the same values (the buffer's gradient in the read rows, zeros in the others; the weights'
-    gradient). `row` None: choice i reads buffer row i (`combine_rows`)."""
+    """`combine` as one autograd node (same values as gather, multiply, scatter). `row` None: choice i
+    reads buffer row i."""
 
     @staticmethod
     def forward(ctx, buf_RM, row, token, weight, num_tokens):
@@ -143,9 +127,7 @@ class _Combine(torch.autograd.Function):
 
 
 class _PermuteRows(torch.autograd.Function):
-    """x [R, M] -> x[perm] for a permutation `perm` of the rows; backward g[inv] (`inv` its inverse): one
-    gather each way, no zero-filled buffer and no scatter (what index_copy into zeros and index_select's
-    backward would cost)."""
+    """x [R, M] -> x[perm] for a row permutation; backward g[inv]: one gather each way, no scatter."""
 
     @staticmethod
     def forward(ctx, x_RM, perm, inv):
@@ -215,10 +197,8 @@ class TokenDispatcher:
         self.placement = placement
 
     def set_counts_sink(self, sink) -> None:
-        """Pro-Prophet (`moe.placement.ProProphet`, dropless): the UnevenDispatcher appends this rank's routed
-        counts [E] to every row of its count exchange and hands `sink.add_counts(layer, counts [D, E])`
-        every rank's (an all-gather riding on the exchange), then calls `sink.dispatch_in_flight(layer)`
-        while the token all-to-all is in flight. None: off."""
+        """Pro-Prophet: routed counts [E] ride on the count exchange; calls `sink.add_counts(layer,
+        counts [D, E])`, then `sink.dispatch_in_flight(layer)` during the token all-to-all. None: off."""
         self.counts_sink = sink
 
     def a2a_name(self, step: str) -> str:
@@ -269,10 +249,8 @@ class PaddedPlan:
 
 
 def local_plan(routes: list[RouteResult], num_experts: int, Cs: int) -> PaddedPlan:
-    """The plan of one rank holding every expert (`PaddedDispatcher.local_only`), no host sync: all G*S*k
-    choices, the kept ones first in the padded buffer's row order (expert, group, slot), the dropped
-    after them (the experts give zeros past offs[-1], the combine weighs them 0); `offs` [E] ends each
-    expert's kept rows."""
+    """Plan of one rank holding every expert, no host sync: all G*S*k choices, kept ones first in
+    (expert, group, slot) order, dropped after (weight 0); `offs` [E] ends each expert's kept rows."""
     G, (S, k) = len(routes), routes[0].slot.shape
     dev = routes[0].slot.device
     GC = G * Cs
@@ -410,10 +388,8 @@ class _S2Dispatch(torch.autograd.Function):
 
 
 class _S2Return(torch.autograd.Function):
-    """fwd: return all-to-all, local combine, MP all-gather (SAA); bwd: own slots, local dump, all-to-all.
-
-    The gathered buffer feeds a combine that every MP rank computes alike, so the
-    gradient of this rank's slots is complete here (gather_from_group semantics)."""
+    """fwd: return all-to-all, local combine, MP all-gather (SAA); bwd: own slots, local dump,
+    all-to-all (the MP ranks combine alike, so this rank's slot gradient is complete here)."""
 
     @staticmethod
     def forward(ctx, partial_LRM, s2):
@@ -476,10 +452,8 @@ class _LocalPlan:
 
 
 class UnevenDispatcher(TokenDispatcher):
-    """Only kept tokens travel (module docstring). `group_kind`: the token all-to-all group;
-    `counts_group`: where the per-expert counts are exchanged (default that group). A plan reads the
-    sent and received counts on the host in one copy (as Megatron-Core's and torchtitan's uneven
-    dispatchers do); the backward reuses the splits."""
+    """Only kept tokens travel. `group_kind`: the token all-to-all group; `counts_group`: where the
+    counts are exchanged (default that group); one host copy of the counts per plan."""
 
     def __init__(
         self,
