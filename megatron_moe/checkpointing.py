@@ -14,10 +14,9 @@ A save never loses the previous good state. In order (each a named fault point):
   5. `latest` is replaced atomically (write, fsync, rename, fsync dir)      -> "after_latest"
   6. the old copy is deleted                                                -> "after_old_removed"
   7. with --keep-last N, all but the newest N iterations are deleted.
-Rank 0 cleans a crash's leftovers at the next save; an `.old` copy whose `iter_N` is missing is
-renamed back. No link inside DIR is followed for a write, rename or deletion: a save refuses, before
-writing, when `latest`, `latest.tmp` or an `iter_*` entry is a link; files are created with
-O_EXCL | O_NOFOLLOW. DIR itself may be a link.
+Rank 0 cleans a crash's leftovers at the next save (an `.old` copy whose `iter_N` is missing is renamed
+back). No link inside DIR is followed: a save refuses, before writing, when `latest`, `latest.tmp` or an
+`iter_*` entry is a link; files are created with O_EXCL | O_NOFOLLOW. DIR itself may be a link.
 
 One writer per DIR: the trainer's rank 0 holds a flock on `DIR/.writer.lock` (holding its PID) for
 the run. A run without --load is refused on a DIR that holds checkpoints (it would move `latest`
@@ -185,11 +184,8 @@ def check_carried_tokenizer(directory: str) -> str:
 
 
 def recorded_tokenizer(value: Optional[str], checkpoint: str, source: str) -> Optional[str]:
-    """The config's tokenizer_name_or_path as read from a checkpoint (`source`: its metadata file).
-
-    An absolute path is kept. A relative one is resolved inside `checkpoint`, never from the current
-    directory, and refused when it leaves it; one that is nothing inside is a hub name, unless it
-    names something in the current directory (refused)."""
+    """A checkpoint's recorded tokenizer (`source`: its metadata file). Absolute: kept; relative: resolved
+    inside `checkpoint` (ValueError if it leaves it), else a hub name unless it exists in the cwd (ValueError)."""
     if not value or os.path.isabs(value):
         return value
     field = "config.data.tokenizer_name_or_path"
@@ -222,8 +218,7 @@ TOKENIZER_FILE_PREFIXES = (
 
 
 def copy_tokenizer(src: Optional[str], dest: str) -> Optional[str]:
-    """Copy the tokenizer `src` (a directory: only its tokenizer files; or a name `load_tokenizer`
-    accepts) to `dest`; returns a warning when it could not be copied (the checkpoint is still written)."""
+    """Copy tokenizer `src` (a directory's tokenizer files, or a name) to `dest`; a warning if it could not."""
     if not src:
         return None
     if os.path.isdir(src):
@@ -288,9 +283,7 @@ def _unlock(fd: int, path: str) -> None:
 
 
 class SaveDirLock:
-    """An exclusive flock on `root/.writer.lock`, which holds the holder's PID; released by
-    `release()`, on collection or at process end (a crash leaves no stale lock). The file is removed
-    on release; a waiter that locked the removed file sees another inode at the path and retries."""
+    """Exclusive flock on `root/.writer.lock` (holding the PID); released by `release()`, collection or exit."""
 
     def __init__(self, root: str, flag: str = "--save"):
         self.root, self.path = root, os.path.join(root, LOCK_FILE)
@@ -389,8 +382,7 @@ def _retain(root: str, keep_last: int, keep: int) -> list:
 def save_checkpoint(
     root: str, iteration: int, consumed_samples: int, model, optimizer, cfg, ps, extra: Optional[dict] = None
 ) -> str:
-    """Write the checkpoint of `iteration` (all ranks call this); returns its directory. With
-    --check-for-nan-in-loss-and-grad a NaN/inf tensor raises NonFiniteError, nothing written."""
+    """All ranks: write `iteration`'s checkpoint, return its directory; NonFiniteError on NaN/inf (if checked)."""
     final = iter_dir(root, iteration)
     tensors = state_tensors(model, optimizer)
     if cfg.train.check_for_nan_in_loss_and_grad:
@@ -420,7 +412,8 @@ def save_checkpoint(
         _fault_point("after_shards")
         if ps.global_rank == 0:
             _commit(root, tmp, final, iteration, consumed_samples, model, optimizer, cfg, ps, checksums, extra)
-    except KeyboardInterrupt:  # Ctrl-C leaves no half-written iteration (a crash's goes at the next save)
+    except (KeyboardInterrupt, OSError):  # Ctrl-C or a failed write leaves no half-written iteration
+        # (a crash's goes at the next save)
         if ps.global_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # never follows a link
         raise
@@ -502,8 +495,7 @@ def _shown(v) -> str:
 
 
 def _hint_words(value, hint) -> Optional[str]:
-    """What `value` must be for the type hint `hint` of a config field (None: it is, or the hint is
-    not one checked here: lists and unions of several types are left to the config's own checks)."""
+    """What `value` must be for the scalar type hint `hint` (None: it is, or the hint is not checked here)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Union:
         if value is None:
@@ -521,10 +513,8 @@ def _hint_words(value, hint) -> Optional[str]:
 
 
 def validate_metadata(meta, path: str) -> dict:
-    """Check the types and ranges of every metadata field that loading or converting reads, before
-    any tensor is read; ValueError naming the file and the field. Returns `meta`. Config sections
-    must be objects and their known fields of the declared scalar types (unknown fields are left
-    alone; ranges are checked when a config is built from them)."""
+    """`meta` after checking the types and ranges of every field loading or converting reads; ValueError
+    naming the file and field. Known config fields must have their declared scalar types."""
 
     def bad(field: str, words: str, value) -> ValueError:
         return ValueError(f"checkpoint metadata {path}: {field} must be {words}, got {_shown(value)}")
@@ -664,8 +654,7 @@ def _is_complete(path: str) -> bool:
 
 
 def complete_iterations(root: str) -> list:
-    """[(iteration, directory)] of the complete checkpoints under `root` (`.old` copies included),
-    newest first; for one iteration the regular directory comes before an `.old` copy."""
+    """[(iteration, directory)] of complete checkpoints under `root`, newest first, `.old` copies last."""
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _ITER_RE.match(name)
@@ -688,8 +677,7 @@ def latest_iteration(root: str) -> int:
 
 
 def resolve(load: str) -> str:
-    """A checkpoint directory from --load: DIR/iter_XXXXXXX as is, else the one DIR/latest names;
-    an unusable `latest` falls back to the newest complete iteration with a warning."""
+    """--load's checkpoint: DIR/iter_X as is, else DIR/latest's (unusable: newest complete, warned)."""
     if os.path.isfile(os.path.join(load, "metadata.json")):
         return load
     if not os.path.isdir(load):
@@ -730,9 +718,7 @@ CHECKPOINT_ARGS = {
 
 
 def checkpoint_args(saved: dict, explicit: frozenset) -> dict:
-    """{"section.field": value} that --use-checkpoint-args takes from the checkpoint's config
-    `saved`: every model field and the MoE routing fields, except flags given on the command line
-    (`explicit`), as Megatron does."""
+    """{"section.field": value} --use-checkpoint-args takes from `saved`: CHECKPOINT_ARGS but `explicit`."""
     out = {}
     for section, names in CHECKPOINT_ARGS.items():
         for name in names or [f.name for f in fields(getattr(Config(), section))]:
@@ -742,9 +728,7 @@ def checkpoint_args(saved: dict, explicit: frozenset) -> dict:
 
 
 def apply_checkpoint_args(cfg, meta: dict) -> list:
-    """--use-checkpoint-args on a built config: the fields of `checkpoint_args` (and the tokenizer)
-    from the checkpoint's config. The sections are rebuilt so their validation runs. Returns the
-    fields set."""
+    """--use-checkpoint-args on `cfg` (sections rebuilt, so validated); returns the fields set."""
     explicit: frozenset[str] = getattr(cfg, "explicit_flags", frozenset())
     saved, taken = meta["config"], checkpoint_args(meta["config"], explicit)
     changed = list(taken)
@@ -787,8 +771,7 @@ MOE_FIELDS = ("num_experts", "moe_layer_freq")
 
 
 def config_mismatches(meta: dict, cfg, ps) -> list:
-    """Every difference between the checkpoint and this run that makes its tensors unloadable:
-    ["--flag: checkpoint X, this run Y", ...] (layout lines name the conversion tool)."""
+    """["--flag: checkpoint X, this run Y", ...]: every difference that makes the tensors unloadable."""
     saved = meta["config"]
     out = []
     for section, names in (("model", MODEL_FIELDS), ("moe", MOE_FIELDS)):
@@ -853,8 +836,7 @@ def read_shard(path: str, meta: dict) -> dict:
 
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(load: str, model, optimizer, ps, cfg=None) -> dict:
-    """Restore model, optimizer, RNG and router counters; returns the metadata. With `cfg`, the
-    checkpoint's model/optimizer config is compared with it first."""
+    """Restore model, optimizer, RNG, router counters (config checked first with `cfg`); returns metadata."""
     path = resolve(load)
     meta = read_metadata(path)
     if cfg is not None:

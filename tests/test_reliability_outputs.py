@@ -5,6 +5,7 @@ creatable, writable and of the right kind (directory or file); a bad one ends th
 for the run, and a run without --load refuses a --save that already holds checkpoints. Ctrl-C
 (SIGINT) ends a run with one line and exit status 130, no traceback and no temporary checkpoint."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -266,3 +267,25 @@ def test_sigint_during_training_exits_130_with_one_line_and_no_temporary_checkpo
     left = sorted(os.listdir(save))
     assert not [n for n in left if n.startswith(".") or "." in n], left  # no .tmp-/.old- copy, the lock released
     assert ck.incomplete_reason(ck.resolve(str(save))) is None
+
+
+def test_no_space_left_while_saving_ends_with_one_line_and_the_last_checkpoint_intact(
+    sample_data, tmp_path, capsys, monkeypatch
+):
+    """An OSError while writing after start-up (here ENOSPC in the second save) ends the run with one
+    `error:` line naming the path, exit status 1, and the previous checkpoint still the one `latest` names."""
+    save = tmp_path / "ckpt"
+    saves = []
+
+    def fault(name):
+        if name == "after_shards":
+            saves.append(name)
+            if len(saves) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device", str(save / "iter_0000002"))
+
+    monkeypatch.setattr(ck, "_fault_point", fault)
+    code, out, err = run(sample_data, capsys, "--save", str(save), "--save-interval", "1", iters=3)
+    assert code == 1 and len(err) == 1, err
+    assert f"error: No space left on device: {save / 'iter_0000002'}; make room" in err[0]
+    assert ck.resolve(str(save)).endswith("iter_0000001")
+    assert sorted(n for n in os.listdir(save) if not n.startswith(".")) == ["iter_0000001", "latest"]

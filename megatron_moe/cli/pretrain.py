@@ -78,6 +78,16 @@ def main(argv=None) -> int:
         if first_to_report():
             print(f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, NonFiniteError) else 2
+    except OSError as e:  # writing later: no space left, permissions, a read-only or vanished directory
+        if first_to_report():
+            print(
+                f"{os.path.basename(sys.argv[0]) or 'mmoe-pretrain'}: error: {e.strerror or e}: {e.filename}; "
+                "make room or fix the path, then resume with --load from the last complete checkpoint in --save "
+                "(a checkpoint is renamed into place only when complete)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, 128 + SIGINT as shells report it
         if first_to_report():
             print(
