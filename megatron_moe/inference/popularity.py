@@ -3,13 +3,10 @@
 Legend: E experts per MoE layer, k experts per token (top-k), l path length, N devices (ranks of
 the expert all-to-all group), N_t tokens of a batch.
 
-Profile. A token's *path* before MoE layer m (0-based among the MoE layers) is its first-choice
-expert at each of the previous p = min(l, m) MoE layers (layer 0: the empty path). Over a
-calibration split the profile counts, per layer m and path, the tokens on that path and how
-often each expert is among their top-k choices at layer m; P_path(e) = count(e) / (k * tokens).
-A path never seen falls back to the layer's overall distribution. Stored as JSON with a
-fingerprint of the model (config shape, SHA-256 of every gate weight): `check_profile` refuses a
-profile of another model.
+Profile. A token's *path* before MoE layer m (0-based among MoE layers) is its first-choice expert at
+each of the previous p = min(l, m) MoE layers. Per layer m and path the profile counts the tokens and
+how often each expert is in their top-k at m; P_path(e) = count(e) / (k * tokens); an unseen path falls
+back to the layer's overall distribution. JSON with a model fingerprint (`check_profile`).
 
 Estimation (eq. 1). Each token looks up its path and keeps the probabilities of that path's
 top-k experts; n_e = N * sum_t P_j(t)(e) / N_t devices for expert e.
@@ -25,9 +22,8 @@ estimate fill the free devices, else the device of least estimated load (the pap
 free devices left over take extra replicas of the expert with the highest load per replica. A
 replica set splits its expert's tokens evenly.
 
-Phase 2, traffic-aware (`traffic_aware_replan`): a re-plan from the actual counts balances expert
-rows but may move a replica away from the device whose tokens it served, so candidates are priced
-by compute and link rows (`layer_cost`) and phase 1's placement is kept unless one costs less.
+Phase 2 (`traffic_aware_replan`): candidates are priced by compute and link rows (`layer_cost`);
+phase 1's placement is kept unless one costs less (a re-plan may move a replica off its tokens' device).
 """
 
 from __future__ import annotations
@@ -98,8 +94,7 @@ class PathProfile:
 
     # ------------------------------------------------------------------ collection
     def add(self, first_choices: list[torch.Tensor], experts: list[torch.Tensor]) -> None:
-        """Count a batch: per MoE layer, every token's first choice [N] and its top-k experts [N, k]
-        (the same N tokens at every layer)."""
+        """Count a batch: per MoE layer, each token's first choice [N] and top-k experts [N, k]."""
         if not self.counts:
             self.tokens, self.counts = [{} for _ in experts], [{} for _ in experts]
         E = self.num_experts
@@ -123,8 +118,7 @@ class PathProfile:
 
     # ------------------------------------------------------------------ estimation
     def token_popularity(self, m: int, paths: torch.Tensor) -> torch.Tensor:
-        """[N_t, E] P_path(e) of each token's path (rows of `paths` [N_t, p]), kept only for the
-        top-k experts of that path (others 0). One table lookup per call (`_table`), no loop over paths."""
+        """[N_t, E] P_path(e) of each token's path (`paths` [N_t, p]), 0 outside that path's top-k."""
         E = self.num_experts
         if paths.size(0) == 0:
             return torch.zeros((0, E), dtype=torch.float64, device="cpu")
@@ -144,8 +138,7 @@ class PathProfile:
         return table[row_of[inverse[U:]]]
 
     def _table(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen paths [U, p], their top-k-kept P_path [U + 1, E], the last row the layer's overall
-        distribution for paths never seen); built once per layer, dropped by `add`."""
+        """(seen paths [U, p], top-k-kept P_path [U + 1, E], last row for unseen paths); cached per layer."""
         if m not in self._tables:
             E, k, p = self.num_experts, self.top_k, self.path_len(m)
             keys = sorted(self.counts[m])
@@ -192,8 +185,7 @@ def static_placement(num_experts: int, num_devices: int) -> Placement:
 
 
 def first_fit_decreasing(items: list[tuple[int, float]], capacity: float, max_items: int) -> list[list[int]]:
-    """Pack (expert, size) items: largest first (ties: lower expert id), each into the first bin
-    with room (load + size <= capacity, fewer than max_items); returns the bins' experts."""
+    """Bins' experts: (expert, size) largest first (ties: lower id), each into the first bin with room."""
     bins: list[list[int]] = []
     loads: list[float] = []
     for e, size in sorted(items, key=lambda it: (-it[1], it[0])):
@@ -209,8 +201,7 @@ def first_fit_decreasing(items: list[tuple[int, float]], capacity: float, max_it
 
 
 def least_loaded(items: list[tuple[int, float]], num_bins: int, max_items: int) -> list[list[int]]:
-    """Pack (expert, size) items into exactly `num_bins` bins: largest first (ties: lower expert id),
-    each into the least-loaded bin holding fewer than max_items (ties: lower bin); empty bins kept."""
+    """`num_bins` bins: (expert, size) largest first, each into the least-loaded bin with < max_items."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     loads = [0.0] * num_bins
     for e, size in sorted(items, key=lambda it: (-it[1], it[0])):
@@ -240,8 +231,7 @@ def plan_placement(n_e: list[float], num_devices: int, max_per_rank: int) -> Pla
     replicas = {e: max(1, int(math.floor(n + 0.5))) for e, n in enumerate(n_e) if n >= 1.0}
     small = [(e, n) for e, n in enumerate(n_e) if 0.0 < n < 1.0]
     bins = first_fit_decreasing(small, 1.0, max_per_rank)
-    # too many devices: the other candidate keeps every replica and packs the unpopular experts onto
-    # the devices left, least-loaded (taken below when its busiest device is less loaded)
+    # too many devices: the other candidate keeps every replica, packs the rest least-loaded
     left = N - sum(replicas.values())
     keep = None
     if sum(replicas.values()) + len(bins) > N and small and left >= 1 and left * max_per_rank >= len(small):
@@ -318,8 +308,7 @@ def link_rows(placement: Placement, counts_DE: list[list[int]]) -> tuple[list[in
 
 
 def layer_cost(placement: Placement, counts_DE: list[list[int]], row_s: float, link_row_s: float) -> float:
-    """Modelled MoE-layer time of a placement: the busiest device's expert rows x `row_s` [s/row] plus
-    the busiest sender's and receiver's link rows (dispatch, then combine) x `link_row_s` [s/row]."""
+    """Modelled time [s]: busiest device's rows x `row_s` + busiest sender's/receiver's link rows x `link_row_s`."""
     D = len(counts_DE)
     rows = device_rows(placement, [sum(counts_DE[s][e] for s in range(D)) for e in range(len(placement.hosts))], D)
     sent, recv = link_rows(placement, counts_DE)
@@ -329,9 +318,7 @@ def layer_cost(placement: Placement, counts_DE: list[list[int]], row_s: float, l
 def add_replicas(
     placement: Placement, counts_DE: list[list[int]], max_per_rank: int, row_s: float, link_row_s: float
 ) -> Placement:
-    """Greedy: add the replica (expert e on a device not yet holding it, fewer than `max_per_rank`
-    experts there) that lowers `layer_cost` most, until none does (ties: lower expert, then device).
-    Never removes a replica; hosts stay in device order."""
+    """Greedy: add the replica that lowers `layer_cost` most (<= `max_per_rank` per device) until none does."""
     hosts = [list(h) for h in placement.hosts]
     D = len(counts_DE)
     held = [sum(d in h for h in hosts) for d in range(D)]
@@ -373,8 +360,7 @@ def traffic_aware_replan(
         ("replan", replan),
         ("replan+replicas", add_replicas(replan, counts_DE, limit, row_s, link_row_s)),
     ]
-    # every chosen expert on every device (when the limit allows): each device serves its own choices
-    # of an expert up to an even share, which one-at-a-time additions may not reach
+    # every chosen expert on every device (limit allowing): one-at-a-time additions may not reach it
     chosen = [e for e, a in enumerate(actual) if a > 0]
     everywhere = [list(range(D)) if a > 0 else list(kept.hosts[e]) for e, a in enumerate(actual)]
     if all(sum(d in h for h in everywhere) <= limit for d in range(D)) and chosen:
@@ -447,8 +433,7 @@ def check_profile(profile: PathProfile, fingerprint: dict, path: str, num_moe_la
 
 @torch.no_grad()
 def collect_profile(model, batches, path_length: int, fingerprint: dict) -> PathProfile:
-    """Run `model` (a one-process GPT2MoE, dropless) over `batches` of ids [B, T] and count, per
-    MoE layer, the top-k experts of every token by its path (module docstring)."""
+    """Profile `model` (one-process GPT2MoE, dropless) over `batches` of ids [B, T]."""
     if path_length < 0:
         raise ValueError(f"--path-length must be >= 0, got {path_length}")
     moe = model.moe_layers()
@@ -465,8 +450,7 @@ def collect_profile(model, batches, path_length: int, fingerprint: dict) -> Path
 def calibration_batches(
     ids: list[int], seq_length: int, batch_size: int, max_batches: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """Consecutive windows of `seq_length` ids, `batch_size` per batch, at most `max_batches` batches
-    (the last partial batch is kept; a tail shorter than one window is dropped)."""
+    """Up to `max_batches` batches of `batch_size` windows of `seq_length` ids (partial last batch kept)."""
     if seq_length < 1 or batch_size < 1 or max_batches < 1:
         raise ValueError("--seq-length, --batch-size and --max-batches must be >= 1")
     n = min(len(ids) // seq_length, batch_size * max_batches)
