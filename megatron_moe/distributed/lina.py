@@ -1,45 +1,33 @@
 """Lina: gradient all-reduce in fixed-size micro-ops that never start during an all-to-all.
 
 Lina (Li et al., USENIX ATC 2023): backward all-to-alls slow down when they share the network with
-the data-parallel all-reduce, so the all-reduce is split into small equal micro-ops and an
-all-to-all always goes first: a micro-op is launched only when no all-to-all is queued or in flight.
+the data-parallel all-reduce, so the all-reduce is split into small micro-ops and an all-to-all
+always goes first.
 
-  * `submit(kind, flat, group)` splits one gradient into chunks of `partition_mb` MB (the last one
-    shorter) and appends them to a FIFO queue; with `coalesce` (the trainer's setting) micro-ops
-    are equal slices of the concatenated gradients of one group, as in the paper (small tensors are
-    copied into one buffer and back), so many small tensors do not pay one round trip each;
+  * `submit(kind, flat, group)` splits a gradient into `partition_mb` MB chunks onto a FIFO queue;
+    with `coalesce` micro-ops are equal slices of a group's concatenated gradients (as in the paper);
   * the queue head is launched (async all-reduce) when the gate is open and the launch budget
-    allows: by `submit` itself when it may go at once, else by a launcher thread that sleeps until
-    something opens the gate or frees budget (no CPU polling, except while a CUDA all-to-all's end
-    event is awaited); a reaper thread waits for launched micro-ops in launch order. Up to
-    `max_in_flight` may be in flight;
-  * the gate: closed while an all-to-all of this rank is in flight (`a2a_start` / `a2a_end` from
-    the observer; on CUDA until its end event completed) or imminent (`a2a_imminent()`, called by
-    each dispatcher `attach` registered with when backward reaches its combine step). The gate check
-    and the launch happen under the lock `a2a_start` takes, so no micro-op is ever launched
-    between an all-to-all's start and its end on this rank;
-  * the launch budget (`launch_budget`): bytes in flight must drain, at the measured link rate
-    (EWMA of micro-op service times), within the time to this rank's next all-to-all plus
-    `drain_ms` (0: a tenth of the measured backward all-to-all time). The next all-to-all is
-    predicted from the last iterations' offsets after their first submit (the earliest seen);
-    past the last one the budget is `max_in_flight` micro-ops. One micro-op may always be in flight
-    while the gate is open (the original Lina); before anything is measured, only one;
-  * the queue is never reordered, and GradSync submits in one parameter order on every rank, so
-    every rank issues its micro-ops in the same order whatever the timing (gloo and NCCL need it);
-  * `drain()` (GradSync.finish) opens the gate and waits for every micro-op; one that does not
-    finish within `timeout_s` (--comm-timeout) becomes a `CommTimeoutError` instead of a hang.
+    allows, by `submit` or a launcher thread (no CPU polling except while awaiting a CUDA
+    all-to-all's end event); a reaper thread waits for micro-ops in launch order;
+  * the gate is closed while an all-to-all of this rank is in flight (`a2a_start` / `a2a_end`; on
+    CUDA until its end event completed) or imminent (`a2a_imminent()`). Gate check and launch
+    share the lock `a2a_start` takes, so no micro-op launches between an all-to-all's start and end;
+  * launch budget: bytes in flight must drain, at the measured link rate (EWMA), within the time to
+    the next all-to-all (predicted from earlier iterations) plus `drain_ms` (0: a tenth of the
+    backward all-to-all time); after the last one, `max_in_flight` micro-ops. One micro-op may
+    always be in flight while the gate is open; before anything is measured, only one;
+  * the queue is never reordered, so every rank issues micro-ops in the same order (gloo and NCCL
+    need it);
+  * `drain()` opens the gate and waits for every micro-op; one not done within `timeout_s`
+    (--comm-timeout) raises `CommTimeoutError`.
 
-Streams (no-ops on the CPU): each dedicated communicator (`grad_sync.lina_group`) has its side
-stream ("lina-dp", "lina-expert_dp"). A micro-op records a marker on the submitter's stream when
-queued; the launcher makes the side stream wait for it, issues the all-reduce under
-`streams.use(side)` and `record_stream`s the chunk there. The reaper waits for the work on the side
-stream, copies a coalesced buffer back there, records the `done` marker and blocks (itself) until
-it completed, so in-flight counts and the link rate are completion times. `drain()` ends with the
-consumer's stream waiting for the last `done` marker of every side stream.
+Streams (no-ops on the CPU): each communicator has its side stream ("lina-dp", "lina-expert_dp"),
+which waits for the submitter's marker before the all-reduce; the reaper blocks until the `done`
+marker completed, so in-flight counts and the link rate are completion times. `drain()` ends with
+the consumer's stream waiting for every side stream.
 
-Every launch and finish goes into the collective observer; `summary()` returns the backward
-all-to-all time and how long gradient all-reduce overlapped an all-to-all. Values are those of a
-bucketed all-reduce: each element is summed over the same ranks.
+Launches and finishes go into the collective observer; `summary()` returns the backward all-to-all
+time and the all-reduce time overlapping an all-to-all. Values equal a bucketed all-reduce's.
 """
 
 from __future__ import annotations
@@ -80,9 +68,8 @@ def launch_budget(rate_bps: Optional[float], horizon_s: float, drain_s: float) -
 
 
 def next_a2a_offset(history: list[list[float]], seen: int) -> Optional[float]:
-    """Predicted offset (s after the iteration's first submit) of this iteration's all-to-all
-    number `seen` (0-based): the earliest over the iterations in `history` that had one;
-    None when no earlier iteration had that many (nothing more is coming)."""
+    """Predicted offset (s after the first submit) of all-to-all number `seen`: the earliest in
+    `history`; None when no earlier iteration had that many."""
     offs = [h[seen] for h in history if len(h) > seen]
     return min(offs) if offs else None
 
@@ -104,9 +91,7 @@ class MicroOp:
     work: object = None
     event: Optional[observer.CommEvent] = None
     launched: float = 0.0
-    # CUDA: the point of the submitter's stream after which `chunk` holds the gradient (recorded when
-    # the micro-op was queued), and the point of the lane's side stream after its reduction (and
-    # copy-back) completed; CPU: complete markers
+    # CUDA: submitter's stream marker when queued, side stream marker when reduced; CPU: complete
     ready: streams.Marker = field(default_factory=streams.Marker)
     done: streams.Marker = field(default_factory=streams.Marker)
 
@@ -130,15 +115,11 @@ class GradHandle:
 
 
 class LinaScheduler:
-    """Lina's gradient all-reduce scheduler (see the module docstring).
-
-    `partition_mb`: micro-op size in MB (2**20 bytes; --lina-partition-mb). `timeout_s`: seconds a
-    micro-op may take before `drain()` raises CommTimeoutError (--comm-timeout). `max_in_flight`:
-    micro-ops launched and not finished at most (1: the original Lina). `drain_ms`: the budget's
-    drain bound (0: auto). `coalesce`: micro-ops slice the concatenated gradients of a group; False:
-    one tensor per micro-op. `prioritize=False` ignores all-to-alls (an ablation, not Lina). A
-    CommLog (`log_events`, or its own) runs until `close()`; each `drain()` folds its events into
-    the totals `summary()` returns and `close()` logs.
+    """Lina's gradient all-reduce scheduler. `partition_mb`: micro-op size in MB (2**20 bytes).
+    `timeout_s`: per micro-op before `drain()` raises CommTimeoutError. `max_in_flight`: launched and
+    unfinished micro-ops at most (1: the original Lina). `drain_ms`: the budget's drain bound (0:
+    auto). `coalesce`: slice a group's concatenated gradients; False: one tensor per micro-op.
+    `prioritize=False` ignores all-to-alls (ablation). A CommLog runs until `close()`.
     """
 
     def __init__(
@@ -167,8 +148,7 @@ class LinaScheduler:
         # the stream calls (the `streams` module; a test passes a recorder with the same functions)
         self.sx = stream_api
         self._last_done: dict[str, tuple[torch.device, streams.Marker]] = {}  # kind -> its side's last point
-        # one lock; three conditions on it, so that each notification wakes only the thread it concerns:
-        # _cv the caller in drain(), _launch_cv the launcher, _reap_cv the reaper
+        # one lock, three conditions: _cv drain(), _launch_cv the launcher, _reap_cv the reaper
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._launch_cv = threading.Condition(self._lock)
@@ -208,9 +188,8 @@ class LinaScheduler:
 
     # ------------------------------------------------------------------ model hooks
     def attach(self, model: torch.nn.Module) -> None:
-        """Listen to the dispatcher of every MoE layer of `model` that exchanges tokens between
-        ranks: it calls `a2a_imminent` when backward reaches the combine step and
-        `moe_backward_done` when the layer's backward is over."""
+        """Listen to every token-exchanging MoE dispatcher of `model` (`a2a_imminent`,
+        `moe_backward_done`)."""
         for layer in model.moe_layers():
             # a layer whose token exchange stays inside one rank has no all-to-all to wait for
             if layer.dispatcher.crosses_ranks:
@@ -292,11 +271,9 @@ class LinaScheduler:
 
     # ------------------------------------------------------------------ queue
     def submit(self, kind: str, flat: torch.Tensor, group) -> GradHandle:
-        """Queue `flat` (a contiguous 1-D gradient, reduced in place) as micro-ops of
-        `partition_mb` MB over `group`; returns a handle that completes with its last chunk.
-        With `coalesce`, micro-ops are equal slices of the concatenation of the gradients
-        submitted in a row for one group (a slice may span tensors); the last one of a run
-        is queued when a gradient of another group comes, or at `drain()`."""
+        """Queue `flat` (contiguous 1-D, reduced in place) as `partition_mb` MB micro-ops over
+        `group`; the handle completes with its last chunk. With `coalesce`, a run's last slice is
+        queued when another group's gradient comes, or at `drain()`."""
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("LinaScheduler.submit needs a contiguous 1-D tensor")
         self._raise_if_failed()
@@ -464,9 +441,8 @@ class LinaScheduler:
             with self._cv:
                 self._inflight.popleft()
                 self._inflight_bytes -= op.nbytes
-                # service time: from when the link could start on this op to its finish
-                # (ops that finish together get a tiny service time each: the rate is the ratio of
-                # decayed sums of bytes and busy time, not an average of per-op rates)
+                # service time: from when the link could start on this op to its finish; the rate
+                # is decayed bytes over decayed busy time, not an average of per-op rates
                 busy = max(0.0, now - max(op.launched, self._last_finish))
                 self._last_finish = now
                 self._rate_bytes = (1 - RATE_ALPHA) * self._rate_bytes + op.nbytes
@@ -529,8 +505,7 @@ class LinaScheduler:
                     self._history.append(list(self._offsets))
                 self._anchor, self._offsets = None, []
         self._raise_if_failed()
-        # the consumer (GradSync.finish: scaling, the optimizer step) reads the reduced gradients on its
-        # own stream: it waits for the last point of every side stream (the side streams are in order)
+        # the consumer reads the gradients on its own stream: wait for every side stream's last point
         for kind, (dev, done) in sorted(self._last_done.items()):
             self.sx.wait_event(self.sx.current_stream(dev), done)
         self._last_done.clear()
