@@ -1,13 +1,9 @@
 """Checkpoint conversion, sharded side: consolidate sharded checkpoints and reshard them.
 
-Everything goes through one layout-free form, `FullCheckpoint`: every parameter and every
-optimizer-state tensor whole, plus the config, counters and per-rank RNG states. Reading assembles
-each tensor from the rank shards with the shard specs saved in metadata.json
-(`megatron_moe.layers.sharding`); writing slices the full tensors again for every rank of the
-target layout (`coords_of`), so a reshard is exact: values are only cut and concatenated.
-The sharded format is DIR/latest + DIR/iter_XXXXXXX/{metadata.json, rank_XXXXX.safetensors} (the
-trainer's --save / --load); other formats are in `convert.formats` (docs/TOOLS.md). Every output is
-written under a temporary name and renamed when complete.
+Everything goes through the layout-free `FullCheckpoint`. Reading assembles each tensor from the rank
+shards with the shard specs in metadata.json; writing slices it again for every target rank
+(`coords_of`), so a reshard is exact (values only cut and concatenated). Every output is written under
+a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -65,10 +61,8 @@ LAYOUT_KEYS = (
 
 @dataclass
 class FullCheckpoint:
-    """A checkpoint with every tensor whole. model: name -> full parameter; specs: name -> ShardSpec;
-    optim: name -> {state key: full tensor or 0-dim scalar such as `step`}; rng: per source rank
-    {"rng/torch": ...}; meta: iteration, consumed_samples, router_calls, optimizer, and the rest of
-    the source metadata."""
+    """Every tensor whole. model: name -> parameter; specs: name -> ShardSpec; optim: name -> {state:
+    tensor or 0-dim scalar}; rng: per source rank {"rng/torch": ...}; meta: the source metadata."""
 
     cfg: Config
     model: dict
@@ -103,8 +97,7 @@ def specs_to_json(model: dict, specs: dict) -> dict:
 
 
 def structure_specs(cfg: Config) -> dict:
-    """{name: ShardSpec} of every parameter of the model `cfg` describes, read off a one-process model
-    with every size shrunk to 1 (specs depend on the module structure only)."""
+    """{name: ShardSpec} of `cfg`'s model, read off a one-process model with every size shrunk to 1."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.parallel_state import local_state
 
@@ -188,10 +181,8 @@ def _layout_and_specs(meta: dict, meta_path: str) -> tuple:
 def read_sharded(
     load: str, iteration: Optional[int] = None, with_optimizer: bool = True, progress: bool = True
 ) -> FullCheckpoint:
-    """Consolidate a sharded checkpoint (any layout) into full tensors. Each slice is read once, from
-    the first rank holding it, but every shard is opened (a missing or truncated one is an error
-    naming it). Optimizer tensors have their parameter's spec; 0-dim states (`step`) come from any rank.
-    """
+    """Consolidate a sharded checkpoint (any layout); every shard is opened (missing/truncated: an error
+    naming it), each slice read once from the first rank holding it."""
     path = checkpoint_dir(load, iteration)
     meta_path = os.path.join(path, "metadata.json")
     meta = validate_metadata(_read_json(meta_path), meta_path)  # before any shard is opened
@@ -252,9 +243,7 @@ def _flagged(msg: str) -> str:
 
 
 def target_config(cfg: Config, mp: int, ep: int, esp: int, world: Optional[int] = None) -> tuple[Config, int]:
-    """(config with the target parallel sizes, target world size), validated against the model;
-    errors name the --target-* flag. Default world size: lcm(MP, EP x ESP), data parallelism what is
-    left. A global batch the new DP size does not divide is no error (`batch_warning` words it)."""
+    """(config with the target sizes, world size; default lcm(MP, EP x ESP)); errors name --target-*."""
     if world is None:
         world = math.lcm(mp, ep * esp) if min(mp, ep, esp) >= 1 else 1
     if world < 1:
@@ -306,14 +295,9 @@ def write_sharded(
     progress: bool = True,
     before_commit: Optional[Callable[[str], None]] = None,
 ) -> str:
-    """Write `ckpt` as a sharded checkpoint of layout `cfg.parallel` on `world` ranks under the root
-    `save`; returns the final iteration dir. A new root is staged whole and renamed; into an existing
-    root holding no checkpoint the iteration dir is staged and renamed and `latest` replaced, under
-    the root's writer lock (a trainer writing it is refused); another run's root (a `latest` or
-    `iter_*` inside) is refused. metadata.json gets each shard's SHA-256, ITER_DIR/tokenizer the
-    source checkpoint's (else the config's) tokenizer. `before_commit(staged_iteration_dir)` (the
-    --verify check) runs before the rename, so a failure leaves nothing behind.
-    """
+    """Write `ckpt` in layout `cfg.parallel` on `world` ranks under `save`; returns the iteration dir.
+    Staged and renamed under the root's writer lock; a root holding checkpoints is refused.
+    `before_commit(staged_iteration_dir)` runs before the rename, so a failure leaves nothing behind."""
     p = cfg.parallel
     mp, ep, esp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_sharding_parallel_size
     iteration = int(ckpt.meta.get("iteration", 0))
@@ -387,8 +371,7 @@ def write_sharded(
 
 # ----------------------------------------------------------------------------- models and --verify
 def build_model(cfg: Config, full: dict, no_drop: bool = False):
-    """A one-process eval-mode GPT2MoE (one routing group per batch) holding the full state;
-    `no_drop`: dropless routing (every routed choice kept)."""
+    """A one-process eval-mode GPT2MoE holding the full state; `no_drop`: dropless routing."""
     from megatron_moe.model.gpt2 import GPT2MoE
     from megatron_moe.layers.sharding import load_full_state
     from megatron_moe.parallel_state import local_state
