@@ -1,10 +1,9 @@
 """The observer of collectives: what every collective of this process moved, and when.
 
-Every collective in `megatron_moe.distributed` (and the dispatchers' all-to-all handles) calls
-`begin(op, group, sent, recv, remote_sent)` before it launches and `end(token)` when it finishes
-(synchronous: when it returns; asynchronous: at `wait()` of its `Work`, or when its future
-completes). While a `CommLog` is started (``with CommLog() as log:``) each collective becomes one
-`CommEvent` in it. With no log and no listener, `begin` costs one global read.
+Every collective in `megatron_moe.distributed` (and the dispatchers' all-to-alls) calls
+`begin(op, group, sent, recv, remote_sent)` before launch and `end(token)` when it finishes (sync:
+on return; async: at `Work.wait()` or future completion). While a `CommLog` is started each
+collective becomes one `CommEvent`. With no log and no listener, `begin` costs one global read.
 
 Byte convention (what tests compute from formulas):
   all_reduce      sent = recv = numel * itemsize
@@ -13,25 +12,18 @@ Byte convention (what tests compute from formulas):
   all_to_all      sent = input buffer, recv = output buffer,
                   remote_sent = the bytes that leave this rank
 
-An event's interval is [launch, finish] in `time.perf_counter()` seconds. All-to-all listeners
-(Lina's scheduler) get `a2a_start(group)` before the launch is stamped and `a2a_end(group, event)`
-after the finish is, so a listener that launches nothing between the two sees exactly the logged
-intervals. `a2a_queued()` stamps the `queued` time of the next all-to-all.
+Intervals are [launch, finish] in `time.perf_counter()` seconds. All-to-all listeners (Lina) get
+`a2a_start(group)` before the launch is stamped and `a2a_end(group, event)` after the finish is.
+`a2a_queued()` stamps the `queued` time of the next all-to-all.
 
-Completion, not enqueue (CUDA): an NCCL collective returns when enqueued. `begin` records a timed
-CUDA event on the caller's stream (NCCL's stream waits for it at launch); the end event is recorded
-on a per-group observer side stream after it waited on the work (`work.wait()` under
-`streams.use(side)`: the GPU waits, not the host; a synchronous collective: on the caller's
-stream). Until that end event completed, `finish` is None; `resolve` (run by `snapshot`, and after
-a synchronize by `CommLog.finish_step()`) then sets `launch` / `finish` from the events' elapsed
-times to an anchor event, on the `perf_counter` timeline. `completed(event)` asks without blocking
-(Lina's gate). Under TORCH_NCCL_BLOCKING_WAIT=1 the end event of an async collective is recorded at
-the caller's `Work.wait()` instead, and an async all-reduce ended by its future stays unresolved.
-On gloo an event finishes when its `Work` completes. Listeners are told at the host-side end on
-both devices, with the event whose completion they can read.
+CUDA times completion, not enqueue: `begin` records a timed event on the caller's stream, the end
+event goes on a per-group observer side stream after `work.wait()` there (the GPU waits, not the
+host). `finish` is None until it completed; `resolve` (by `snapshot` and `CommLog.finish_step()`)
+maps the events onto the `perf_counter` timeline; `completed(event)` asks without blocking. Under
+TORCH_NCCL_BLOCKING_WAIT=1 the end event is recorded at the caller's `Work.wait()`, and an async
+all-reduce ended by its future stays unresolved. On gloo an event finishes when its `Work` does.
 
-Tags say who issued an op: 'lina' (a Lina micro-op), 'grad' (a GradSync bucket), '' (anything
-else); a thread sets them with `with tagged('lina', ...)`.
+Tags: 'lina' (a Lina micro-op), 'grad' (a GradSync bucket), '' (else); set with `tagged(...)`.
 """
 
 from __future__ import annotations
@@ -72,14 +64,9 @@ def group_name(group) -> str:
 
 @dataclass
 class CommEvent:
-    """One collective issued by this process.
-
-    seq: launch order; op: 'all_to_all', 'all_reduce', 'all_gather', 'reduce_scatter';
-    group: group name; nbytes (= `sent`): local input bytes; tag: 'lina' / 'grad' / '';
-    phase: 'bwd' inside autograd backward, else 'fwd'; launch / finish: perf_counter
-    seconds (finish None while running); queued: when it was known to be coming;
-    recv / remote_sent: see the byte convention; info: free-form details ("blocked": the
-    intervals a thread spent in `wait()` of an asynchronous one).
+    """One collective. seq: launch order; nbytes (= `sent`): local input bytes; phase: 'bwd' inside
+    autograd backward, else 'fwd'; launch / finish: perf_counter s (finish None while running);
+    queued: when it was known to be coming; info["blocked"]: intervals spent in `wait()`.
     """
 
     seq: int
@@ -179,13 +166,9 @@ class CommLog:
 
 
 def summarize(evs: list[CommEvent]) -> dict:
-    """Totals over `evs` (milliseconds):
-
-    a2a_bwd_ms / a2a_fwd_ms: all-to-all time in backward / forward;
-    grad_allreduce_ms: time some gradient all-reduce was running (union);
-    overlap_ms: time a gradient all-reduce ran while an all-to-all was in flight;
-    launched_during_a2a: gradient all-reduces launched while an all-to-all was queued or in flight;
-    n_a2a, n_grad_allreduce, grad_allreduce_bytes.
+    """Totals over `evs` (ms): a2a_bwd_ms / a2a_fwd_ms; grad_allreduce_ms (union); overlap_ms
+    (gradient all-reduce during an all-to-all); launched_during_a2a (gradient all-reduces launched
+    while an all-to-all was queued or in flight); n_a2a, n_grad_allreduce, grad_allreduce_bytes.
     """
     a2a = sorted((e for e in evs if e.op == "all_to_all"), key=lambda e: e.seq)
     grads = sorted((e for e in evs if e.op == "all_reduce" and e.tag in GRAD_TAGS), key=lambda e: e.seq)
