@@ -25,14 +25,10 @@ alpha = 0 gives the paper's form exactly):
                 (with the scheduler: Trans hides behind the previous block's forward compute,
                 Agg behind the next backward compute; fnec_s / bnec_s: non-expert compute of a block)
 
-Departure from the paper (`Calibration`; `pro_prophet.calibration` gives the calibrated T'' and
-its fit): `scale` multiplies the all-to-all and expert compute terms and eq. (8)'s windows, `comm`
-the exposed Trans / Agg, `eta` in [0, 1] the share of a window that hides a transfer, `overhead`
-[s] the fixed cost of a layer with replicas (a plan whose modelled gain is below it loses to the
-empty plan). The defaults (1, 1, 1, 0) give the paper's form exactly.
-
-Constants come from `fit_constants` (least squares on (size, time) samples) or `measure_constants`
-(timed on the real EP group and device; collective, identical numbers on every rank).
+Departure from the paper (`Calibration`, fitted by `pro_prophet.calibration`): `scale` multiplies
+the all-to-all and expert compute terms and eq. (8)'s windows, `comm` the exposed Trans / Agg, `eta`
+in [0, 1] the share of a window that hides a transfer, `overhead` [s] the fixed cost of a layer with
+replicas. The defaults (1, 1, 1, 0) give the paper's form.
 """
 
 from __future__ import annotations
@@ -57,14 +53,9 @@ Replicas = Sequence[Sequence[int]]
 
 @dataclass(frozen=True)
 class PerfConstants:
-    """Machine constants of the model [seconds].
-
-    a2a_alpha, a2a_beta: one all-to-all; beta per element a rank receives from the others.
-    bcast_alpha, bcast_beta: one expert's Trans (or Agg); beta per element of the expert when it
-      reaches all D ranks (scaled by reached / D otherwise). Measured as an all-gather on the EP group
-      with the expert as per-rank input: (D - 1) copies in and out, what a Trans or Agg to all moves.
-    expert_alpha, expert_beta: forward expert compute; alpha per expert GEMM pair launched on a
-      device, beta per token (the paper's 1 / t).
+    """Machine constants [s]. a2a: beta per element a rank receives from the others. bcast: one
+    expert's Trans (or Agg), beta per element reaching all D ranks (scaled by reached / D). expert:
+    alpha per expert GEMM pair on a device, beta per token (the paper's 1 / t).
     """
 
     a2a_alpha: float
@@ -132,13 +123,9 @@ class LayerTerms:
 
 @dataclass(frozen=True)
 class PerfModel:
-    """The constants plus the layer's sizes: what eqs. (1)-(8) need besides the counts.
-
-    token_elements: elements per token in the all-to-all (hidden size M).
-    param_elements / grad_elements: elements of one expert's parameters / gradients.
-    fnec_s / bnec_s: forward / backward non-expert compute of one block [s] (eq. (8) only).
-    overlap: plan with eq. (8) (the scheduler on) instead of eq. (6).
-    calibration: the fitted departure from the paper (module docstring; default: none).
+    """Constants plus layer sizes for eqs. (1)-(8): token_elements (hidden size M), param_elements /
+    grad_elements (one expert's), fnec_s / bnec_s (non-expert compute of a block [s], eq. (8) only),
+    overlap (eq. (8) instead of (6)), calibration (default: none).
     """
 
     constants: PerfConstants
@@ -285,15 +272,10 @@ def measure_constants(
     reps: int = 3,
     max_timed_tokens: int = 2048,
 ) -> PerfConstants:
-    """Measured constants on the run's real `group_kind` group (collective over the world).
-
-    All-to-all: `comm_profile.time_collective` at `profile_sizes(max_tokens * token_elements)`,
-    priced by the elements a rank receives from the others. Trans/Agg: `time_collective` of an
-    all-gather whose per-rank input runs up to `param_elements` (see `PerfConstants`). Expert:
-    `time_expert_ffn` [T, token_elements] x [token_elements, ffn_hidden] on `ps.device` at
-    `expert_token_sizes(min(max_tokens, max_timed_tokens))` (the fit is linear in T). Timings
-    are MAX-reduced over the world before fitting and rank 0's fit is broadcast, so every rank
-    holds bit-identical constants (and Algorithm 1 makes the same plan everywhere).
+    """Measured constants on the `group_kind` group (collective over the world): all-to-all and an
+    all-gather of up to `param_elements` per rank (Trans/Agg) via `time_collective`, the expert FFN
+    via `time_expert_ffn`. Timings are MAX-reduced and rank 0's fit is broadcast, so every rank holds
+    bit-identical constants (and Algorithm 1 makes the same plan everywhere).
     """
     d = ps.size(group_kind)
     if d < 2:
