@@ -19,15 +19,11 @@ A `RangeSpec` names a range of ops around MoE block l, run as `k` parts along th
                           (`GPT2MoE.head_losses`), part by part; installed as the model's loss
                           runner (`GPT2MoE.set_loss_runner`); without labels it ends like "dense".
 
-`PartitionedRange` runs it from `Block.attn_residual`, the layer's `Router`, a dispatcher and
-`Experts`, stage by stage, parts in index order within a stage: pre-ops and routing; the parts'
-dispatches launched back to back after one count exchange for them all (with a per-part gate,
-part 0 first, alone: one host sync for the others, where a sync per part would wait for each
-part's enqueued pre-ops in turn); each part's experts as its tokens arrive, its return launched;
-then part by part its combine and post-ops (residual, dense blocks, next attention or loss head)
-while later parts' returns are in flight. So part i's messages are in flight while other parts
-compute (the order Lancet's simulator assumes); backward overlaps the same way through the
-dispatcher's handles. On CUDA the experts and return launches run on a side stream (`_finish`).
+`PartitionedRange` runs it stage by stage, parts in index order: pre-ops and routing; the parts'
+dispatches launched back to back after one count exchange (with a per-part gate, part 0 first,
+alone: one host sync for the others); each part's experts as its tokens arrive, its return
+launched; then part by part its combine and post-ops while later returns are in flight (the order
+Lancet's simulator assumes). Backward overlaps the same way through the dispatcher's handles.
 
 Split axes come from CP-SAT (`RangeAxes`, `model_ir.range_axes`): the residual stream [B, T, M]
 along its solved dim (the batch: the flatten to tokens maps only B to S, and attention cannot split
@@ -136,11 +132,8 @@ def covered_blocks(spec: RangeSpec, is_moe: list[bool]) -> tuple[list[int], Opti
 
 @dataclass(frozen=True)
 class RangeAxes:
-    """The CP-SAT solution of a range as the runtime reads it.
-
-    ops: sim op name (e.g. "L1.attn.qkv") -> (its first input tensor, that tensor's dims,
-    the dim CP-SAT partitions it along), in forward order; `x`: the same for the
-    range's input [B, T, M] (the tensor the runtime splits first).
+    """The CP-SAT solution of a range. ops: sim op name ("L1.attn.qkv") -> (first input tensor, its
+    dims, the partitioned dim), in forward order; `x`: the same for the range's input [B, T, M].
     """
 
     x: tuple[str, tuple[str, ...], str]
@@ -404,13 +397,9 @@ class PartitionedRange:
         """Experts of each part as its tokens arrive (launching the returns), then each part's combine,
         yielded in part order (the caller's post-ops of part i overlap later returns).
 
-        CUDA streams (streams.py's rules; no-ops on the CPU): the experts and the return launches run on
-        the side stream "lancet-parts", which first waits for the caller's stream; each part's input waits
-        there for its own dispatch (`dispatch_finish` under `use(side)`) and its return is launched with
-        the side stream current, so NCCL waits for that part's experts only (rule 1). The caller's
-        stream waits for each return where it is used (`combine_finish`).
-        Buffers crossing streams are record_stream-ed; `side_end` gets the side stream's end point,
-        which the caller waits for once after the post-ops."""
+        CUDA: experts and return launches run on side stream "lancet-parts" (after the caller's
+        stream), so NCCL waits for that part's experts only; the caller waits for each return at
+        `combine_finish` and for `side_end` once after the post-ops."""
         d, experts, sx = self.dispatcher, self.block.moe.experts, self.sx
         if not isinstance(d, UnevenDispatcher):
             yield from (y for _, _, y in started)
