@@ -1,7 +1,6 @@
 """Sample text from a checkpoint (any parallel layout) or a consolidated safetensors file.
 
-Installed as `mmoe-generate`; `python tools/generate.py` runs the same. Examples, from the
-repository root:
+Installed as `mmoe-generate` (= `python tools/generate.py`). Examples:
 
     python tools/generate.py --prompt "The history of"   # the default training run's checkpoint
     python tools/generate.py --load checkpoints/gpt2-moe --prompt "The history of" --greedy
@@ -10,10 +9,9 @@ repository root:
     torchrun --nproc-per-node 4 tools/generate.py --load checkpoints/gpt2-moe --greedy \\
         --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --prompts-file prompts.txt
 
-Generation runs on the inference engine (`megatron_moe.inference`: batched, KV cache, dropless
-MoE routing). Under torchrun the ranks form the layout of the parallel-size flags (DP is what is
-left) and load their slices of a checkpoint of any layout; request i (prompt j, sample s; seed
---seed + s) goes to DP rank i % DP, and rank 0 prints every result in request order.
+Runs on `megatron_moe.inference` (batched, KV cache, dropless). Under torchrun the ranks load their
+slices of a checkpoint of any layout; request i (seed --seed + sample) goes to DP rank i % DP, and rank
+0 prints every result in request order.
 `--lina-inference PROFILE` schedules experts by Lina's popularity estimation (same output);
 `--moe-expert-capacity-factor` generates on one process with the training router's capacity.
 The tokenizer is --tokenizer-name-or-path, else the checkpoint's (ITER_DIR/tokenizer), else the
@@ -99,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompts(args) -> list[str]:
-    """Every prompt's text (read before the checkpoint is loaded); an empty text starts from the
-    end-of-document token."""
+    """Every prompt's text, read before loading (empty: start from the end-of-document token)."""
     texts = list(args.prompt or [])
     if args.prompts_file:
         if not os.path.isfile(args.prompts_file):
