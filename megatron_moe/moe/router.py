@@ -148,14 +148,9 @@ def slot_positions(
     offset_kE: Optional[torch.Tensor] = None,
     totals_kE: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Slot of every choice before dropping, [S, k] int64.
-
-    Choice j of token s gets its position among choice-j tokens of the same
-    expert in `order_S`, plus `offset_kE[j, e]` (tokens of earlier parts when a
-    group is split), plus the choices i < j of that expert in the whole group
-    (`totals_kE[i, e]`: choice-i tokens of expert e in the group; by default the
-    counts in this part). So the k-th choices take slots after the (k-1)-th ones
-    (GShard's rule for k = 2).
+    """Slot of every choice before dropping, [S, k] int64: choice j's position among choice-j tokens
+    of its expert in `order_S`, + `offset_kE[j, e]` (earlier parts), + sum over i < j of
+    `totals_kE[i, e]` (the group's choice-i tokens of e; default this part's counts).
     """
     S, k = expert_Sk.shape
     dev = expert_Sk.device
@@ -262,13 +257,9 @@ def route(
 
 
 class Router(nn.Module):
-    """The gate of one MoE layer and its routing rule (module docstring).
-
-    Owns the fp32 gate weight [E, M] (replicated), k, capacity factor, minimum
-    capacity, policy, aux / z-loss coefficients and the seeded generator of
-    random routing, which depends on (seed, layer, call, routing group) only.
-    `calls` counts finished forwards (saved in checkpoints); `last_stats` and
-    `last_routes` describe the last one (set by `record`).
+    """The gate of one MoE layer: fp32 gate weight [E, M] (replicated) and routing rule. Random
+    routing draws depend on (seed, layer, call, routing group) only. `calls` counts finished
+    forwards (checkpointed); `last_stats` / `last_routes` describe the last one (`record`).
     """
 
     def __init__(
