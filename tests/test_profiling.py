@@ -36,6 +36,8 @@ def test_profile_run_writes_a_trace_with_the_moe_ranges(sample_data, tmp_path):
                 "4",
                 "--profile-dir",
                 str(prof),
+                "--eval-interval",
+                "0",  # no evaluation inside the profiled window: only training steps are counted
             )
         )
     )
