@@ -116,7 +116,8 @@ class MoEConfig:
     moe_z_loss_coeff: float = opt(0.0, "router z-loss coefficient (0: off)")
     moe_schedule: str = opt(
         "auto",
-        "MoE layer schedule (Parm): baseline, S1, S2 or cost-model choice",
+        "MoE layer schedule (Parm): baseline, S1, S2, or auto: the baseline with one MP rank (the schedules "
+        "coincide), else the cost model's ranking timed on the layer (--measure-iters)",
         choices=["baseline", "s1", "s2", "auto"],
     )
     moe_s1_local_capacity: bool = opt(
