@@ -121,6 +121,7 @@ class Decision:
     reason: str  # "measured", "forced ...", or why nothing was timed
     medians: dict[str, float] = field(default_factory=dict)  # ms, the slowest rank's passes
     samples: dict[str, list[float]] = field(default_factory=dict)
+    margin: float = MARGIN  # the rule's margin this decision was taken with
 
     @property
     def timed(self) -> bool:
@@ -134,7 +135,7 @@ class Decision:
         table = ", ".join(f"{a} {self.medians[a]:.2f} ms" for a in self.alternatives)
         return (
             f"{self.name}: median of {n} passes, slowest rank: {table} -> {self.pick} "
-            f"({self.reason}; a less simple alternative must be faster by more than {MARGIN:.0%})"
+            f"({self.reason}; a less simple alternative must be faster by more than {self.margin:.0%})"
         )
 
     def as_dict(self) -> dict:
@@ -232,7 +233,7 @@ class Trial:
                 want,
                 f"forced ({ENV} or choose.override), measured {pick(medians, self.alternatives, self.margin)}",
             )
-        self.decision = Decision(self.name, self.alternatives, chosen, reason, medians, samples)
+        self.decision = Decision(self.name, self.alternatives, chosen, reason, medians, samples, self.margin)
         return self.decision
 
 
