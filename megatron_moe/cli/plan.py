@@ -105,20 +105,23 @@ def model_flags(cfg, given: frozenset) -> list[str]:
     return out
 
 
-def commands(c, cluster: cl.Cluster, flags: list[str], script: str) -> dict:
+def commands(c, cfg, cluster: cl.Cluster, flags: list[str], script: str) -> dict:
+    """The torchrun line of the candidate, and the sbatch line of the project's launcher."""
     layout = c.flags()
     torchrun = (
         f"torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.gpus_per_node} "
         f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 {script} "
         + " ".join(shlex.quote(x) for x in layout + flags)
     )
-    env = [f"TP={c.mp}", f"EP={c.ep}", f"ESP={c.esp}"]
+    env = [f"TP={c.mp}", f"EP={c.ep}", f"ESP={c.esp}", f"NUM_EXPERTS={cfg.moe.num_experts}"]
     env += ["LINA=1"] if c.opts["lina"] else []
     env += ["LANCET_WGRAD=1"] if c.opts["lancet"] else []
+    extra = ["--pro-prophet"] if c.opts["pro_prophet"] else []
+    # the launcher's own flags come from its preset; flags given after the script replace them
     sbatch = (
         " ".join(env)
         + f" sbatch --nodes {cluster.nodes} --gpus-per-node {cluster.gpus_per_node} "
-        + "scripts/pretrain_gpt2_s_moe.sbatch   # the launcher's model preset; pass the model flags above"
+        + " ".join(shlex.quote(x) for x in ["scripts/pretrain_gpt2_s_moe.sbatch", *flags, *extra])
     )
     return {"torchrun": torchrun, "sbatch": sbatch}
 
@@ -144,7 +147,7 @@ def breakdown(c) -> list[str]:
     lines.append(f"  compute from {b['compute_source']}")
     lines.append(
         "  exposed communication by link: "
-        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["exposed_comm_by_link"].items()))
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["exposed_comm_by_link"].items()) if v)
     )
     lines.append("  groups' links: " + ", ".join(f"{k} {'/'.join(v)}" for k, v in c.links.items()))
     lines.append(
@@ -207,7 +210,7 @@ def plan(argv: Optional[list] = None) -> int:
         best = fits[0]
         for line in breakdown(best):
             print(line)
-        cmd = commands(best, cluster, model_flags(cfg, given), args.script)
+        cmd = commands(best, cfg, cluster, model_flags(cfg, given), args.script)
         print(f"command:\n  {cmd['torchrun']}\n  {cmd['sbatch']}")
     else:
         print(f"no candidate fits in memory; the smallest: {min(ok, key=lambda c: c.memory['total']).rejected}")
@@ -224,7 +227,7 @@ def plan(argv: Optional[list] = None) -> int:
                 "cluster": cluster.describe(),
                 "nominal": not args.profile,
                 "candidates": [c.to_json() for c in ranked] + [c.to_json() for c in bad],
-                "command": commands(fits[0], cluster, model_flags(cfg, given), args.script) if fits else None,
+                "command": commands(fits[0], cfg, cluster, model_flags(cfg, given), args.script) if fits else None,
             },
         )
     print(f"planned in {time.perf_counter() - start:.1f} s")

@@ -301,9 +301,14 @@ class Predictor:
             for kind in ("mp", "dp", "ep", "esp", "ep_esp", "expert_dp")
         }
         per_link: dict[str, float] = {}
-        for kind, v in [("mp", n_micro * mp_ar)] + [(g, n_micro * x) for g, x in moe_comm.items()]:
+        dp_kinds = [("dp", dp_exposed * ar_dp / ar), ("expert_dp", dp_exposed * ar_edp / ar)] if ar else []
+        a2a_kind = [("ep_esp" if c.links["ep_esp"] != ["none"] else "ep", slowdown)]
+        for kind, v in (
+            [("mp", n_micro * mp_ar)] + [(g, n_micro * x) for g, x in moe_comm.items()] + dp_kinds + a2a_kind
+        ):
             for cls in c.links[kind]:
-                per_link[cls] = per_link.get(cls, 0.0) + v / len(c.links[kind])
+                if cls != "none" and v:
+                    per_link[cls] = per_link.get(cls, 0.0) + v / len(c.links[kind])
         c.breakdown["exposed_comm_by_link"] = per_link
         load = self.shape(c).f if cfg.moe.moe_dropless else max(cfg.moe.moe_expert_capacity_factor, 1.0)
         c.memory = memory(cfg, c, load)
