@@ -1,17 +1,12 @@
 """Parm as published: the (alpha_o, beta_o) fit of eq. (14), S1/S2 volumes per eqs. (13)/(14), and `auto`
 choosing among baseline, S1 and S2."""
 
-import importlib.util
-import json
-import os
-
 import numpy as np
 import pytest
 
 from megatron_moe.moe.comm_profile import fit_sizes
 from megatron_moe.moe.cost_model import (
     OVERLAP_KEY,
-    TABLE_IV,
     AlphaBeta,
     CommModel,
     MoEShape,
@@ -21,19 +16,12 @@ from megatron_moe.moe.cost_model import (
     s1_a2a_elements,
     s2_a2a_elements,
     s2_gather_elements,
-    simulate_grid,
     time_baseline,
     time_s1,
     time_s2,
     uniform_model,
-    PAPER_GRID,
-    TESTBEDS,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("simulate_tool", os.path.join(ROOT, "tools", "simulate.py"))
-simulate_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(simulate_tool)
 
 AG = AlphaBeta(2e-4, 1e-9)  # MP all-gather, seconds per gathered element
 
@@ -178,24 +166,6 @@ def test_paper_baseline_prices_eq1():
     only_ag = CommModel({"all_gather@esp": AlphaBeta(0.0, 1.0)})
     assert time_baseline(only_ag, sh, paper=True) == 2 * 8 * 4 * 2  # AG_ESP(B L M N_ESP)
     assert time_baseline(only_ag, sh) == 2 * 4 * 4 * 4  # the runtime gathers N_ESP E C M
-
-
-def test_simulator_prints_table_iv_beside_the_simulation(tmp_path, capsys):
-    main = simulate_tool.main
-    out = tmp_path / "t4.json"
-    main(["parm", "--table-iv", "--tflops-a", "0", "--tflops-b", "0", "--json", str(out)])
-    rows = json.loads(out.read_text())
-    assert len(rows) == len(TABLE_IV)
-    cell = next(r for r in rows if (r["schedule"], r["n_mp"], r["n_esp"]) == ("s2", 4, 4))
-    assert cell["B-32"]["paper"] == 4.91 and cell["A"]["paper"] == 4.12
-    sim = simulate_grid(uniform_model(TESTBEDS["A"]), grid=dict(PAPER_GRID, P=(8,)))
-    assert cell["A"]["simulated"] == pytest.approx(sim[(4, 4)]["s2"], rel=1e-12)
-    assert "4.12" in capsys.readouterr().out
-    assert not list(tmp_path.glob("*.tmp*"))
-    with pytest.raises(SystemExit) as e:
-        main(["parm", "--overlap-alpha", "1e-4"])
-    assert e.value.code == 2
-    assert "--overlap-alpha and --overlap-beta go together" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- SAA on real groups

@@ -4,11 +4,8 @@ the balance condition (7), --pro-prophet-n, determinism, the constant fit, the c
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -25,10 +22,6 @@ from megatron_moe.pro_prophet.perf_model import (
 )
 from megatron_moe.pro_prophet.planner import CommLaunch, block_schedule, heaviest_to_all, is_balanced, plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("simulate_tool_pp", os.path.join(ROOT, "tools", "simulate.py"))
-simulate_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(simulate_tool)
 
 # Unit constants: T' = 4 max R + 3 max H + (Trans + Agg), each moved expert costing P (|rep| + 1) / D
 # per primitive, so hand computations stay in integers and simple fractions.
@@ -336,60 +329,3 @@ def test_block_schedule():
     roomy = block_schedule([none, two], unit_model(10, fnec_s=25.0, bnec_s=5.0))
     assert roomy.forward == (CommLaunch("trans", 1, (0, 1), 0, "non_expert"),)
     assert roomy.backward == (CommLaunch("agg", 1, (0, 1), 0, "expert"),)
-
-
-# -- tools/simulate.py pro-prophet --------------------------------------------------------------
-def test_zipf_counts():
-    assert simulate_tool.zipf_counts(2, 4, 25, 0.0) == [[7, 6, 6, 6]] * 2  # 6.25 each: the remainder to expert 0
-    assert simulate_tool.zipf_counts(3, 4, 25, 1.0) == [[12, 6, 4, 3]] * 3  # 25 * (1, 1/2, 1/3, 1/4) / (25/12)
-
-
-def test_simulate_pro_prophet_rows(tmp_path, capsys):
-    out = tmp_path / "pp.json"
-    simulate_tool.main(
-        [
-            "pro-prophet",
-            "--devices",
-            "2",
-            "--experts",
-            "2",
-            "--tokens",
-            "8",
-            "--hidden",
-            "4",
-            "--ffn-hidden",
-            "8",
-            "--bandwidth-gbps",
-            "32",
-            "--latency-us",
-            "1",
-            "--tflops",
-            "1e-6",
-            "--skew",
-            "0",
-            "2",
-            "--json",
-            str(out),
-        ]
-    )
-    rows = json.loads(out.read_text())
-    assert [(r["mode"], r["skew"]) for r in rows] == [
-        (m, s) for s in (0.0, 2.0) for m in ("none", "heaviest_to_all", "pro_prophet_plan_only", "pro_prophet")
-    ]
-    # skew 0: rows [4, 4]; each rank receives 4 tokens of 4 elements and computes 8 tokens;
-    # beta = 32 bit / 32 Gbit/s = 1 ns per element, expert 4 * 4 * 8 / 1e6 = 1.28e-4 s per token
-    none0 = rows[0]
-    assert none0["predicted_ms"] == pytest.approx((4 * (1e-6 + 1e-9 * 4 * 4) + 3 * 1.28e-4 * 8) * 1e3, rel=1e-9)
-    assert (none0["load_std_before"], none0["moved"], none0["trans_bytes"]) == (0.0, 0, 0)
-    # skew 2: rows [6, 2] (8 / (1 + 1/4) = 6.4 and 1.6, largest remainder); heaviest_to_all moves both experts
-    h2 = rows[5]
-    assert (h2["moved"], h2["copies"], h2["trans_bytes"], h2["agg_bytes"]) == (2, 2, 2 * 4 * 64, 2 * 4 * 64)
-    assert h2["load_std_before"] == 4.0 and h2["load_std_after"] == 0.0  # H [12, 4] -> [8, 8]
-    assert "pro_prophet_plan_only" in capsys.readouterr().out
-
-
-def test_simulate_pro_prophet_bad_flags(capsys):
-    with pytest.raises(SystemExit) as e:
-        simulate_tool.main(["pro-prophet", "--devices", "3", "--experts", "8"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --experts (8) must be a multiple of --devices (3)"
