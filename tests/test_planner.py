@@ -329,23 +329,10 @@ def _predicted(name: str) -> tuple[Config, dict]:
     return cfg, vols
 
 
-BF16_MISMATCH = (
-    "under bf16 autocast (CPU, gloo) the dispatch direction moves fp32 (the LayerNorm output and its gradient) and only "
-    "the combine direction bf16; Predictor.volumes charges 2 bytes per element to every MoE collective"
-)
-VOLUME_XFAIL = {
-    "EP2-bf16": BF16_MISMATCH + ": all_to_all@ep predicted 32768 B, measured 49152 B",
-    "ESP2-bf16": BF16_MISMATCH + ": all_gather@esp and reduce_scatter@esp predicted 16384 B each, measured 32768 B",
-}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=VOLUME_XFAIL[n])) if n in VOLUME_XFAIL else n
-        for n in VOLUME_LAYOUTS
-    ],
+    list(VOLUME_LAYOUTS),
 )
 def test_predicted_volumes_equal_the_observed_bytes_of_one_training_step(observed, name):
     cfg, predicted = _predicted(name)
@@ -355,18 +342,12 @@ def test_predicted_volumes_equal_the_observed_bytes_of_one_training_step(observe
         assert measured == pytest.approx(predicted, rel=0, abs=0), (name, rank, measured, predicted)
 
 
-MP_MISMATCH = (
-    "Predictor.volumes (and predict's mp_ar) counts 2 all-reduces of t x M per attention and dense MLP, "
-    "but each micro-batch also all-reduces the vocabulary-parallel embedding's output (forward) and the "
-    "LM head's input gradient (backward): predicted 49152 B, measured 65536 B "
-    "(2 micro-batches x 8 all-reduces of 32 tokens x 32 x 4 B, the planner counts 6)"
-)
+# the MP all-reduces: two per attention and dense MLP (forward, backward), plus the vocabulary-parallel
+# embedding's output (forward) and the LM head's input gradient (backward)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=MP_MISMATCH)) for n in ("MP2", "MP2xEP2")]
-)
+@pytest.mark.parametrize("name", ["MP2", "MP2xEP2"])
 def test_predicted_mp_all_reduce_equals_the_observed_bytes(observed, name):
     cfg, predicted = _predicted(name)
     for rank, per_layout in enumerate(observed):

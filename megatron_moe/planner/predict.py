@@ -51,6 +51,12 @@ from megatron_moe.pro_prophet.planner import plan as pro_prophet_plan
 from megatron_moe.training import model_flops_per_token
 
 PARM_GROUPS = ("mp", "ep", "esp", "ep_esp")
+# Bytes per element of the MoE layer's collectives under bf16 autocast, as the observer measured them
+# on gloo (tests/test_planner.py): the dispatch side carries the LayerNorm output and its gradient,
+# which autocast leaves fp32; the combine side carries the experts' bf16 output and its gradient. An
+# all-to-all runs once each way per pass (mean 3 bytes); the ESP all-gather / reduce-scatter move the
+# dispatch buffer (4), the ESP all-reduce the combine buffer (2).
+BF16_MOE_BYTES = {"all_to_all": 3.0, "all_gather": 4.0, "reduce_scatter": 4.0, "all_reduce": 2.0}
 NO_OPTS = {"lancet": False, "lina": False, "pro_prophet": False}
 
 
@@ -175,6 +181,20 @@ class Predictor:
     def __init__(self, cfg: Config, cluster: Cluster, skew: Optional[float] = None) -> None:
         self.cfg, self.cluster, self.skew = cfg, cluster, skew
         self.elem = 2 if cfg.optim.bf16 else 4
+        self.H = int(cfg.model.ffn_hidden_size or 4 * cfg.model.hidden_size)
+        if cfg.train.global_batch_size is None:
+            raise ValueError("--global-batch-size is needed to compare layouts (it fixes the work of a step)")
+        self.global_batch = int(cfg.train.global_batch_size)
+
+    def moe_elem(self, op: str) -> float:
+        """Bytes per element of an MoE collective `op` (BF16_MOE_BYTES under bf16, else fp32)."""
+        return BF16_MOE_BYTES[op] if self.cfg.optim.bf16 else 4.0
+
+    def mp_all_reduces(self, n_moe: int) -> int:
+        """MP all-reduces of t x M per micro-batch: forward and backward of every attention and dense MLP,
+        the vocabulary-parallel embedding's output (forward) and the LM head's input gradient (backward)."""
+        m = self.cfg.model
+        return 2 * (m.num_layers + (m.num_layers - n_moe)) + 2
 
     def _worst(self, op: str, groups: list[list[int]], nbytes: float) -> float:
         return max(self.cluster.collective(op, g, nbytes) for g in groups)
@@ -190,7 +210,7 @@ class Predictor:
             groups = getattr(layout, f"{kind}_groups")
             for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
                 a = self._worst(op, groups, 1e-9)
-                b = (self._worst(op, groups, big * self.elem) - a) / big
+                b = (self._worst(op, groups, big * self.moe_elem(op)) - a) / big
                 costs[f"{op}@{kind}"] = AlphaBeta(a, b)
         return CommModel(costs, "cluster")
 
@@ -210,7 +230,7 @@ class Predictor:
             c.ep,
             c.esp,
             0 if moe.moe_dropless else moe.moe_min_capacity,
-            m.ffn_hidden_size,
+            self.H,
         )
 
     def _moe_times(self, c: Candidate, layout) -> tuple[str, dict, float]:
@@ -234,9 +254,9 @@ class Predictor:
         m, t_cfg = cfg.model, cfg.train
         layout = rank_layout(cl.world, c.mp, c.ep, c.esp)
         n_moe = sum(cfg.is_moe_layer(i) for i in range(m.num_layers))
-        n_micro = t_cfg.global_batch_size // (t_cfg.micro_batch_size * c.dp)
+        n_micro = self.global_batch // (t_cfg.micro_batch_size * c.dp)
         tokens = t_cfg.micro_batch_size * m.seq_length
-        M, H, k = m.hidden_size, m.ffn_hidden_size, cfg.moe.moe_router_topk
+        M, H, k = m.hidden_size, self.H, cfg.moe.moe_router_topk
         sched, moe_groups, x_flops = self._moe_times(c, layout) if n_moe else ("baseline", {}, 0.0)
         c.schedule = sched
         # compute of one micro-batch
@@ -251,8 +271,7 @@ class Predictor:
             fwd, bwd = total / 3, 2 * total / 3
             compute_src = "FLOPs"
         # MP all-reduces of attention and dense MLPs (2 forward + 2 backward each... per half-block)
-        mp_halves = m.num_layers + (m.num_layers - n_moe)
-        mp_ar = mp_halves * 2 * self._worst("all_reduce", layout.mp_groups, tokens * M * self.elem)
+        mp_ar = self.mp_all_reduces(n_moe) * self._worst("all_reduce", layout.mp_groups, tokens * M * self.elem)
         moe_comm = {g: n_moe * v for g, v in moe_groups.items()}
         moe_total = sum(moe_comm.values())
         a2a_bwd = n_moe * (moe_groups.get("ep", 0.0) + moe_groups.get("ep_esp", 0.0)) / 2
@@ -328,7 +347,7 @@ class Predictor:
         cfg, m, t_cfg = self.cfg, self.cfg.model, self.cfg.train
         layout = rank_layout(self.cluster.world, c.mp, c.ep, c.esp)
         n_moe = sum(cfg.is_moe_layer(i) for i in range(m.num_layers))
-        n_micro = t_cfg.global_batch_size // (t_cfg.micro_batch_size * c.dp)
+        n_micro = self.global_batch // (t_cfg.micro_batch_size * c.dp)
         out: dict[str, float] = {}
         if n_moe:
             sched, _, _ = self._moe_times(c, layout)
@@ -343,12 +362,12 @@ class Predictor:
                     else:
                         n = time_s2(count, sh, saa=False)
                     if n:
-                        out[f"{op}@{kind}"] = n_micro * n_moe * n * self.elem
+                        out[f"{op}@{kind}"] = n_micro * n_moe * n * self.moe_elem(op)
         if c.mp > 1:
-            halves = m.num_layers + (m.num_layers - n_moe)
             tokens = t_cfg.micro_batch_size * m.seq_length
             out["all_reduce@mp"] = (
-                out.get("all_reduce@mp", 0.0) + n_micro * halves * 2 * tokens * m.hidden_size * self.elem
+                out.get("all_reduce@mp", 0.0)
+                + n_micro * self.mp_all_reduces(n_moe) * tokens * m.hidden_size * self.elem
             )
         dense_p, expert_p = params_per_rank(cfg, c.mp, c.ep, c.esp)
         if c.dp > 1:
@@ -360,7 +379,7 @@ class Predictor:
     def _lancet_hidden(self, c: Candidate, bwd: float, a2a_bwd_layer: float, x_flops: float) -> float:
         """Seconds of backward all-to-all Lancet's Algorithm 1 hides under dW GEMMs in one micro-batch."""
         m = self.cfg.model
-        M, H, t = m.hidden_size, m.ffn_hidden_size, self.cfg.train.micro_batch_size * m.seq_length
+        M, H, t = m.hidden_size, self.H, self.cfg.train.micro_batch_size * m.seq_length
         fl = self.cluster.flops
         ms = lambda flops: 1e3 * flops / fl  # noqa: E731
         lin = lambda i, o: ms(2 * t * i * o / c.mp)  # noqa: E731  one GEMM of a linear, forward
@@ -384,12 +403,12 @@ class Predictor:
     def _pro_prophet_saving(self, c: Candidate, layout, block_s: float, n_moe: int) -> float:
         """Seconds one dropless MoE layer saves with Pro-Prophet's plan (its performance model, eq. 8)."""
         m, moe, o = self.cfg.model, self.cfg.moe, self.cfg.opts
-        E, M, H = moe.num_experts, m.hidden_size, m.ffn_hidden_size
+        E, M, H = moe.num_experts, m.hidden_size, self.H
         tokens = self.cfg.train.micro_batch_size * m.seq_length * moe.moe_router_topk
         counts = [[round(tokens * s) for s in zipf_shares(E, self.skew or 0.0)] for _ in range(c.ep)]
         big = 2.0**30
         a2a_a = self._worst("all_to_all", layout.ep_groups, 1e-9)
-        a2a_b = (self._worst("all_to_all", layout.ep_groups, big * self.elem) - a2a_a) / big
+        a2a_b = (self._worst("all_to_all", layout.ep_groups, big * self.moe_elem("all_to_all")) - a2a_a) / big
         bc_a = self._worst("all_gather", layout.ep_groups, 1e-9)
         bc_b = (self._worst("all_gather", layout.ep_groups, big * 4) - bc_a) / big
         const = PerfConstants(a2a_a, a2a_b, bc_a, bc_b, 0.0, 4 * M * H / c.esp / self.cluster.flops)
@@ -398,7 +417,7 @@ class Predictor:
         model = PerfModel(const, M, params, params, non_expert / 3, 2 * non_expert / 3, overlap=True)
         p = pro_prophet_plan(counts, model, alpha=o.pro_prophet_alpha, n=o.pro_prophet_n)
         none = model.layer_time(counts)
-        return max(0.0, none - p.predicted_s)
+        return max(0.0, none - (p.predicted_s if p.predicted_s is not None else none))
 
 
 def rank(candidates: list) -> list:
