@@ -254,13 +254,14 @@ def run_table_iv(args) -> dict:
     print("S1 or S2 per cell (predicted: the higher mean simulated speedup; paper: the higher measured one)")
     print(f"{'column':>7}{'N_MP':>5}{'N_ESP':>6}{'S1 sim':>8}{'S2 sim':>8}{'S1 pap':>8}{'S2 pap':>8}"
           f"{'pred':>6}{'paper':>6}{'alg1 S1':>9}  agree")  # fmt: skip
-    cells, notes = [], []
+    picks: list[dict] = []
+    notes: list[str] = []
     for col, _, _ in TABLE_IV_RUNS:
         for n_mp, n_esp in TABLE_IV_PAIRS:
             pred, s1, s2, share = choices[(col, n_mp, n_esp)]
-            paper, p1, p2 = _paper_choice(col, n_mp, n_esp)
-            why = "" if pred == paper else _why(col, n_mp, n_esp, paper, pred, p1, p2, args.topk)
-            cells.append(
+            pick, p1, p2 = _paper_choice(col, n_mp, n_esp)
+            why = "" if pred == pick else _why(col, n_mp, n_esp, pick, pred, p1, p2, args.topk)
+            picks.append(
                 {
                     "column": col,
                     "n_mp": n_mp,
@@ -270,34 +271,34 @@ def run_table_iv(args) -> dict:
                     "s1_paper": p1,
                     "s2_paper": p2,
                     "predicted": pred,
-                    "paper": paper,
+                    "paper": pick,
                     "algorithm1_s1_share": share,
-                    "agree": pred == paper,
+                    "agree": pred == pick,
                     "why": why,
                 }
             )
             print(
                 f"{col:>7}{n_mp:>5}{n_esp:>6}{s1:>8.2f}{s2:>8.2f}{p1:>8.2f}{p2:>8.2f}{pred.upper():>6}"
-                f"{paper.upper():>6}{share:>9.0%}  {'yes' if pred == paper else 'NO'}"
+                f"{pick.upper():>6}{share:>9.0%}  {'yes' if pred == pick else 'NO'}"
             )
             if why:
                 notes.append(f"  {col} N_MP={n_mp} N_ESP={n_esp}: {why}")
-    agree = sum(c["agree"] for c in cells)
+    agree = sum(c["agree"] for c in picks)
     other_agree = sum(
-        p == _paper_choice(col, m, e)[0]
-        for (col, m, e), (p, *_) in _choices(other, args.s2_overlap == "pipeline" and not args.no_saa_gain).items()
+        int(v[0] == _paper_choice(col, m, e)[0])
+        for (col, m, e), v in _choices(other, args.s2_overlap == "pipeline" and not args.no_saa_gain).items()
     )
     other_name = "pipeline" if args.s2_overlap == "eq14" else "eq14"
-    print(f"agreement: {agree}/{len(cells)} cells (S2 overlap {other_name}: {other_agree}/{len(cells)})")
+    print(f"agreement: {agree}/{len(picks)} cells (S2 overlap {other_name}: {other_agree}/{len(picks)})")
     for line in notes:
         print(line)
     return {
         "s2_overlap": args.s2_overlap,
         "saa_measured_gain": gain,
         "agreement": agree,
-        "cells": len(cells),
+        "cells": len(picks),
         "agreement_other_overlap": {other_name: other_agree},
-        "choices": cells,
+        "choices": picks,
         "table": rows,
     }
 
@@ -428,13 +429,20 @@ LANCET_MODELS = {
     "GPT2-S-MoE": dict(layers=12, hidden=768, heads=12),
     "GPT2-L-MoE": dict(layers=24, hidden=1024, heads=16),
 }
-LANCET_CLUSTERS = {
+LANCET_CLUSTERS: dict[str, dict] = {
     "A100": dict(gpu="a100", inter_gbps=400.0, batch={"GPT2-S-MoE": 24, "GPT2-L-MoE": 48}),
     "V100": dict(gpu="v100", inter_gbps=100.0, batch={"GPT2-S-MoE": 16, "GPT2-L-MoE": 8}),
 }
 # Lancet §7.1, Switch gate: A100 up to 1.21x (1.17x average), V100 up to 1.3x (1.22x average);
 # batch-prioritized gate: 1.17x / 1.21x average.
 LANCET_PUBLISHED = {"A100": 1.17, "V100": 1.22}
+
+
+def _predicted(p) -> float:
+    """A placement plan's modelled time (every plan here is made with a model)."""
+    if p.predicted_s is None:
+        raise ValueError("a placement plan made without a performance model has no predicted time")
+    return float(p.predicted_s)
 
 
 def run_lancet(args) -> dict:
@@ -568,13 +576,13 @@ def run_pro_prophet(args) -> list:
             "pro_prophet_plan_only": (plan(counts, blocking, alpha=args.alpha, n=args.n), blocking),
             "pro_prophet": (plan(counts, scheduled, alpha=args.alpha, n=args.n), scheduled),
         }
-        base = plans["none"][0].predicted_s
+        base = _predicted(plans["none"][0])
         for mode, (p, model) in plans.items():
             row = {
                 "mode": mode,
                 "skew": skew,
-                "predicted_ms": p.predicted_s * 1e3,
-                "speedup": base / p.predicted_s,
+                "predicted_ms": _predicted(p) * 1e3,
+                "speedup": base / _predicted(p),
                 "load_std_before": p.load_std_before,
                 "load_std_after": p.load_std_after,
                 "moved": len(p.order),
