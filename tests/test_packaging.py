@@ -24,12 +24,14 @@ SCRIPTS = {
     "mmoe-preprocess": "megatron_moe.cli.preprocess:main",
     "mmoe-convert": "megatron_moe.cli.convert:main",
     "mmoe-generate": "megatron_moe.cli.generate:main",
+    "mmoe-plan": "megatron_moe.cli.plan:main",
 }
 USAGE = {
     "mmoe-pretrain": "Pretrain a GPT-2 Mixture-of-Experts model.",
     "mmoe-preprocess": "Tokenize WikiText or jsonl into Megatron indexed datasets",
     "mmoe-convert": "{reshard,import-hf,export,import,export-hf}",
     "mmoe-generate": "Sample text from a checkpoint",
+    "mmoe-plan": "Choose the layout and the optimizations for a cluster",
 }
 
 
