@@ -241,10 +241,6 @@ def main(argv: Optional[list] = None) -> int:
             from megatron_moe.planner.profile import main as profile_main
 
             return profile_main(argv[1:])
-        if argv[:1] == ["papers"]:
-            from megatron_moe.planner.papers import main as papers_main
-
-            return papers_main(argv[1:])
         return plan(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,10 +1,10 @@
-"""`mmoe-plan papers`: the project's cost models beside the papers' published results.
+"""The planner's cost models beside the papers' published results (`python tools/plan_papers.py ...`).
 
-  mmoe-plan papers table-iv      # Parm's Table IV: S1 or S2 per cell, predicted vs measured
-  mmoe-plan papers lina          # Lina's step-time speedup over DeepSpeed on 4 x 4 A100-40GB
-  mmoe-plan papers lancet        # Lancet's dW scheduling on 8 x 8 A100-80GB and V100
-  mmoe-plan papers parm          # Parm's S1 / S2 / Parm speedups over the whole Table III grid
-  mmoe-plan papers pro-prophet   # Pro-Prophet's performance model on Zipf-skewed loads
+  python tools/plan_papers.py table-iv      # Parm's Table IV: S1 or S2 per cell, predicted vs measured
+  python tools/plan_papers.py lina          # Lina's step-time speedup over DeepSpeed on 4 x 4 A100-40GB
+  python tools/plan_papers.py lancet        # Lancet's dW scheduling on 8 x 8 A100-80GB and V100
+  python tools/plan_papers.py parm          # Parm's S1 / S2 / Parm speedups over the whole Table III grid
+  python tools/plan_papers.py pro-prophet   # Pro-Prophet's performance model on Zipf-skewed loads
 
 Every subcommand prints a table and writes it as JSON with --json FILE.
 
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Optional
 
 from megatron_moe.config import Config
@@ -638,7 +639,7 @@ def _add_parm_model_flags(pp: argparse.ArgumentParser, testbed: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mmoe-plan papers", description=__doc__.split("\n")[0], epilog=__doc__,
+        prog="plan_papers.py", description=__doc__.split("\n")[0], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     sub = p.add_subparsers(dest="what", required=True)
@@ -696,9 +697,18 @@ RUNNERS = {
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Run one subcommand; bad input raises ValueError (the CLI prints it and exits 2)."""
+    """Run one subcommand; bad input: one `error: ...` line on stderr, exit status 2."""
     args = build_parser().parse_args(argv)
-    out = RUNNERS[args.what](args)
-    if args.json:
-        write_json(args.json, out)
+    try:
+        out = RUNNERS[args.what](args)
+        if args.json:
+            write_json(args.json, out)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
