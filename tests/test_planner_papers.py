@@ -144,7 +144,7 @@ def test_pro_prophet_rows(tmp_path, capsys):
     assert "pro_prophet_plan_only" in capsys.readouterr().out
 
 
-def test_json_write_failure_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="cannot write it"):
-        papers.main(["pro-prophet", "--skew", "0", "--json", str(tmp_path / "missing" / "x.json")])
-    assert not list(tmp_path.rglob("*.tmp*"))
+def test_json_write_failure_is_one_error_line_and_no_file(tmp_path, capsys):
+    assert papers.main(["pro-prophet", "--skew", "0", "--json", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "cannot write it" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.tmp*")) and not (tmp_path / "missing").exists()
