@@ -32,16 +32,20 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 PROFILE_KIND = "mmoe-plan profile"
 
 # Nominal figures per GPU kind: dense bf16 peak [TFLOP/s], memory [GiB], intra-node bandwidth
-# per GPU [GB/s, one direction], intra-node latency [us]. From the vendors' data sheets.
+# per GPU [GB/s, one direction], intra-node latency [us], memory bandwidth [TB/s]. From the
+# vendors' data sheets.
 GPUS = {
-    "h200": (989.0, 141.0, 450.0, 3.0),
-    "h100": (989.0, 80.0, 450.0, 3.0),
-    "a100": (312.0, 80.0, 300.0, 3.0),
-    "a100-40gb": (312.0, 40.0, 300.0, 3.0),
-    "v100": (125.0, 32.0, 150.0, 5.0),
-    "rtx4090": (165.0, 24.0, 32.0, 10.0),
-    "rtx2080ti": (54.0, 11.0, 16.0, 10.0),
+    "h200": (989.0, 141.0, 450.0, 3.0, 4.8),
+    "h100": (989.0, 80.0, 450.0, 3.0, 3.35),
+    "a100": (312.0, 80.0, 300.0, 3.0, 2.0),
+    "a100-40gb": (312.0, 40.0, 300.0, 3.0, 1.55),
+    "v100": (125.0, 32.0, 150.0, 5.0, 0.9),
+    "rtx4090": (165.0, 24.0, 32.0, 10.0, 1.0),
+    "rtx2080ti": (54.0, 11.0, 16.0, 10.0, 0.62),
 }
+# Bytes the optimizer step moves per parameter: the clip's read of the gradient, then AdamW reads
+# the parameter, gradient and two moments and writes the parameter and moments (fp32).
+OPTIMIZER_BYTES_PER_PARAM = 4 + 4 * 4 + 3 * 4
 # Share of the nominal peak a training step's GEMMs reach (bf16 GPT-2-sized GEMMs on Hopper and
 # Ampere reach 40-60 % in Megatron-LM's published MFU tables); profiles replace it.
 NOMINAL_EFFICIENCY = 0.45
@@ -82,6 +86,7 @@ class Cluster:
     device: str = "nominal"
     compute: dict = field(default_factory=dict)
     source: str = "nominal"
+    memory_bandwidth: float = 0.0  # bytes/s of the GPU's memory (the optimizer step's bound); 0: not known
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -157,7 +162,7 @@ def nominal(
     override (bandwidths in Gbit/s, inter-node per node; latencies in us; tflops the peak)."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu must be one of {', '.join(sorted(GPUS))}, got {gpu!r}")
-    peak, mem, intra_gBps, intra_lat = GPUS[gpu]
+    peak, mem, intra_gBps, intra_lat, hbm = GPUS[gpu]
     intra_bw = (intra_gbps / 8 * 1e9) if intra_gbps is not None else intra_gBps * 1e9
     for flag, v in (("--inter-node-gbps", inter_gbps), ("--intra-node-gbps", intra_gbps), ("--gpu-tflops", tflops)):
         if v is not None and not v > 0:
@@ -171,6 +176,7 @@ def nominal(
         flops=(tflops if tflops is not None else peak) * 1e12 * NOMINAL_EFFICIENCY,
         device=gpu,
         source=f"nominal ({gpu} data sheet, GEMMs at {NOMINAL_EFFICIENCY:.0%} of peak)",
+        memory_bandwidth=hbm * 1e12,
     )
 
 
@@ -178,7 +184,8 @@ def nominal(
 class Profile:
     """What `mmoe-plan profile` measured: device name, GEMM throughput [FLOP/s], per link class the
     fitted latency [s per peer step] and bandwidth [bytes/s; per node for 'inter'], per layout key
-    the compute seconds of one micro-batch {"forward": s, "backward": s}, and the model flags the
+    the compute seconds of one micro-batch {"forward": s, "backward": s} and of the step's clipping and
+    optimizer update {"optimizer": s} (0 in profiles that did not time it), and the model flags the
     compute was timed for."""
 
     device: str
@@ -242,6 +249,7 @@ class Profile:
             compute=dict(self.compute),
             source=f"profile on {self.device} (measured: {', '.join(measured) or 'GEMM throughput'}; "
             f"nominal: {', '.join(k for k in ('intra', 'inter') if k not in links) or 'nothing'})",
+            memory_bandwidth=base.memory_bandwidth,
         )
 
 

@@ -10,7 +10,9 @@ the trainer accepts and every rejected one carries the trainer's message.
 Step time, per rank and iteration (n micro-batches of b samples of s tokens, t = b s tokens):
   compute      n x (forward + backward) of one micro-batch: measured per layout by a profile, or
                FLOPs / throughput (dense FLOPs / MP from `training.model_flops_per_token`; the experts'
-               rows from Parm's `expert_flops`: padded buffers, or the most loaded rank dropless)
+               rows from Parm's `expert_flops`: padded buffers, or the most loaded rank dropless),
+               plus the step's gradient clipping and optimizer update once per iteration: measured per
+               layout by a profile, or the optimizer's bytes per parameter at the memory bandwidth
   MoE          n x Parm's forward + backward collective time of the chosen schedule per MoE layer
                (`moe.cost_model`), on a CommModel whose alpha/beta come from the cluster's links
   MP           n x 2 all-reduces of t x M per attention and per dense MLP, forward and backward
@@ -44,7 +46,7 @@ from megatron_moe.moe.cost_model import AlphaBeta, CommModel, MoEShape, choose_s
 from megatron_moe.moe.cost_model import time_baseline, time_s1, time_s2
 from megatron_moe.optimizations import check_combination
 from megatron_moe.parallel_state import rank_layout
-from megatron_moe.planner.cluster import Cluster, layout_key
+from megatron_moe.planner.cluster import OPTIMIZER_BYTES_PER_PARAM, Cluster, layout_key
 from megatron_moe.planner.memory import GRAD_BYTES, memory, params_per_rank
 from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import plan as pro_prophet_plan
@@ -263,12 +265,17 @@ class Predictor:
         expert_per_token = 6 * n_moe * k * (2 * M * H + H + M)
         dense_flops = tokens * (model_flops_per_token(cfg) - expert_per_token) / c.mp
         key = layout_key(c.mp, c.ep, c.esp, t_cfg.micro_batch_size, sched)
+        dense_p, expert_p = params_per_rank(cfg, c.mp, c.ep, c.esp)
         if key in cl.compute:
             fwd, bwd = cl.compute[key]["forward"], cl.compute[key]["backward"]
+            optimizer = cl.compute[key].get("optimizer", 0.0)
             compute_src = "measured"
         else:
             total = (dense_flops + n_moe * x_flops) / cl.flops
             fwd, bwd = total / 3, 2 * total / 3
+            optimizer = (
+                (dense_p + expert_p) * OPTIMIZER_BYTES_PER_PARAM / cl.memory_bandwidth if cl.memory_bandwidth else 0.0
+            )
             compute_src = "FLOPs"
         # MP all-reduces of attention and dense MLPs (2 forward + 2 backward each... per half-block)
         mp_ar = self.mp_all_reduces(n_moe) * self._worst("all_reduce", layout.mp_groups, tokens * M * self.elem)
@@ -284,7 +291,6 @@ class Predictor:
         if c.opts["pro_prophet"]:
             pp_saving = n_moe * self._pro_prophet_saving(c, layout, fwd + bwd, n_moe)
         # DP gradient all-reduce, overlapped with the last backward
-        dense_p, expert_p = params_per_rank(cfg, c.mp, c.ep, c.esp)
         ar_dp = self._worst("all_reduce", layout.dp_groups, dense_p * GRAD_BYTES)
         ar_edp = self._worst("all_reduce", layout.expert_dp_groups, expert_p * GRAD_BYTES)
         ar = ar_dp + ar_edp
@@ -300,11 +306,12 @@ class Predictor:
             slowdown = min(ar, last_a2a) if shared else 0.0
             window = bwd + last_a2a
         dp_exposed = max(0.0, ar - window)
-        compute = n_micro * (fwd + bwd)
+        compute = n_micro * (fwd + bwd) + optimizer
         step = compute + n_micro * (mp_ar + moe_total - lancet_hidden - pp_saving) + slowdown + dp_exposed
         c.step_s = step
         c.breakdown = {
             "compute": compute,
+            "optimizer_step": optimizer,
             "compute_source": compute_src,
             "mp_all_reduce": n_micro * mp_ar,
             **{f"moe_{g}": n_micro * v for g, v in moe_comm.items() if v},

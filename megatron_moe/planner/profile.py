@@ -125,10 +125,13 @@ def layout_config(cfg: Config, mp: int, ep: int, esp: int, schedule: str) -> Con
 def time_layout(
     cfg: Config, world: int, mp: int, ep: int, esp: int, schedule: str, device: torch.device, reps: int
 ) -> dict:
-    """{"forward": s, "backward": s}: medians over `reps` (after one warm-up) of one micro-batch of
-    the model as rank 0 of the layout in a fake world of `world` ranks (no communication)."""
+    """{"forward": s, "backward": s, "optimizer": s}: medians over `reps` (after one warm-up) of one
+    micro-batch of the model as rank 0 of the layout in a fake world of `world` ranks (no
+    communication), and of the step's gradient clipping and optimizer update over that rank's
+    parameters (the trainer's `clip_gradients` and optimizer)."""
     from megatron_moe.fake_world import fake_world
     from megatron_moe.model.gpt2 import GPT2MoE
+    from megatron_moe.optim import build_optimizer, clip_gradients
     from megatron_moe.parallel_state import initialize_model_parallel
 
     c = layout_config(cfg, mp, ep, esp, schedule)
@@ -155,12 +158,28 @@ def time_layout(
             if i:  # the first run allocates and tunes kernels
                 fwd.append(clock.seconds(t0, t1))
                 bwd.append(clock.seconds(t1, t2))
-            model.zero_grad(set_to_none=True)
-        del model, loss, lm, aux
+            if i < reps:
+                model.zero_grad(set_to_none=True)
+        opt_s = []
+        optimizer, _ = build_optimizer(model, c.optim, device)
+        for i in range(reps + 1):  # the gradients of the last micro-batch stay in place
+            clock.sync()
+            t0 = clock.mark()
+            clip_gradients(model, ps, c.optim.clip_grad)
+            optimizer.step()
+            t1 = clock.mark()
+            clock.sync()
+            if i:  # the first step allocates the optimizer state
+                opt_s.append(clock.seconds(t0, t1))
+        del model, loss, lm, aux, optimizer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd)}
+    return {
+        "forward": statistics.median(fwd),
+        "backward": statistics.median(bwd),
+        "optimizer": statistics.median(opt_s),
+    }
 
 
 def gemm_flops(tokens: int, M: int, H: int, device: torch.device, bf16: bool, reps: int) -> float:
@@ -383,7 +402,7 @@ def main(argv: Optional[list] = None) -> int:
         profile.compute[key] = t = time_layout(cfg, world, mp, ep, esp, sched, device, args.reps)
         say(
             f"compute MP{mp} EP{ep} ESP{esp} {sched}: forward {t['forward'] * 1e3:.2f} ms, "
-            f"backward {t['backward'] * 1e3:.2f} ms"
+            f"backward {t['backward'] * 1e3:.2f} ms, optimizer {t['optimizer'] * 1e3:.2f} ms"
         )
 
     if world_env <= 1:
@@ -445,7 +464,8 @@ def agree(profile: cl.Profile) -> None:
     merged: dict[str, dict[str, float]] = {}
     for compute, _ in every:
         for key, t in compute.items():
-            m = merged.setdefault(key, {"forward": 0.0, "backward": 0.0})
-            m["forward"], m["backward"] = max(m["forward"], t["forward"]), max(m["backward"], t["backward"])
+            m = merged.setdefault(key, {})
+            for part, v in t.items():
+                m[part] = max(m.get(part, 0.0), v)
     profile.compute = dict(sorted(merged.items()))
     profile.flops = min(flops for _, flops in every)
