@@ -16,11 +16,12 @@ Step time, per rank and iteration (n micro-batches of b samples of s tokens, t =
   MoE          n x Parm's forward + backward collective time of the chosen schedule per MoE layer
                (`moe.cost_model`), on a CommModel whose alpha/beta come from the cluster's links
   MP           n x 2 all-reduces of t x M per attention and per dense MLP, forward and backward
-  DP           one all-reduce of the gradients (dense over DP, experts over expert-DP), started by
-               bucket hooks during the last backward: hidden behind it up to its length; without
-               Lina, while it shares a link class with the backward all-to-alls each runs at half
-               rate (the all-to-alls slow down by up to 2x; Lina's paper measured a median 1.83x);
-               with Lina the all-to-alls go first and the all-reduce fills the compute only
+  DP           the gradients' all-reduce (dense over DP, experts over expert-DP) in GradSync's buckets:
+               the last bucket of each kind launches as backward ends and is exposed whole; the
+               earlier ones overlap the last backward, and without Lina, while they share a link
+               class with the backward all-to-alls, each runs at half rate (the all-to-alls slow down
+               by up to 2x; Lina's paper measured a median 1.83x); with Lina the all-to-alls go first
+               and the early micro-ops fill the backward's compute only
   Lancet       Lancet's Algorithm 1 (`lancet.wgrad_schedule`) on the backward IR with these costs:
                the dW GEMMs it assigns hide that much of the backward all-to-alls
   Pro-Prophet  Pro-Prophet's planner and performance model (eqs. 1-8) on Zipf counts of the
@@ -34,6 +35,7 @@ dropless, at the stated skew.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from typing import Optional
 
 from megatron_moe.arguments import validate
 from megatron_moe.config import Config
+from megatron_moe.distributed.grad_sync import GradSync
 from megatron_moe.lancet.wgrad_schedule import build_gpt_moe_backward, exposed_comm_ms, schedule_wgrad
 from megatron_moe.moe.cost_model import AlphaBeta, CommModel, MoEShape, choose_schedule, expert_flops
 from megatron_moe.moe.cost_model import time_baseline, time_s1, time_s2
@@ -60,6 +63,18 @@ PARM_GROUPS = ("mp", "ep", "esp", "ep_esp")
 # dispatch buffer (4), the ESP all-reduce the combine buffer (2).
 BF16_MOE_BYTES = {"all_to_all": 3.0, "all_gather": 4.0, "reduce_scatter": 4.0, "all_reduce": 2.0}
 NO_OPTS = {"lancet": False, "lina": False, "pro_prophet": False}
+# GradSync's bucket size (its default, which the trainer keeps): buckets fill per kind in reverse
+# registration order and one launches when its last gradient is ready, so the last bucket of a kind
+# (the one holding the embedding, or the first MoE layer's experts) launches as backward ends
+GRAD_BUCKET_BYTES = int(inspect.signature(GradSync.__init__).parameters["bucket_mb"].default * 2**20)
+
+
+def last_bucket_bytes(nbytes: float, bucket: float = GRAD_BUCKET_BYTES) -> float:
+    """Bytes of the bucket (GradSync's, or Lina's coalesced micro-op) launched last, at the end of
+    backward, out of `nbytes` of gradients."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes - bucket * math.floor((nbytes - 1) / bucket)
 
 
 def divisors(n: int) -> list[int]:
@@ -290,7 +305,9 @@ class Predictor:
         pp_saving = 0.0
         if c.opts["pro_prophet"]:
             pp_saving = n_moe * self._pro_prophet_saving(c, layout, fwd + bwd, n_moe)
-        # DP gradient all-reduce, overlapped with the last backward
+        # DP gradient all-reduce: the last bucket of each kind (GradSync's; Lina's coalesced micro-op)
+        # launches when backward ends, after its all-to-alls, so it is exposed whole and slows no
+        # all-to-all; only the earlier buckets overlap the backward
         ar_dp = self._worst("all_reduce", layout.dp_groups, dense_p * GRAD_BYTES)
         ar_edp = self._worst("all_reduce", layout.expert_dp_groups, expert_p * GRAD_BYTES)
         ar = ar_dp + ar_edp
@@ -298,14 +315,19 @@ class Predictor:
         a2a_cls = {cl.link_class(g) for g in layout.ep_groups + layout.ep_esp_groups} - {""}
         last_a2a = max(0.0, a2a_bwd - lancet_hidden)
         shared = bool(dp_cls & a2a_cls) and ar > 0
-        if c.opts["lina"]:
-            window, slowdown = bwd, 0.0
-            ops = max(1, math.ceil((dense_p + expert_p) * GRAD_BYTES / (cfg.opts.lina_partition_mb * 2**20)))
-            ar += ops * cl.inter.latency if "inter" in dp_cls else ops * cl.intra.latency
-        else:
-            slowdown = min(ar, last_a2a) if shared else 0.0
-            window = bwd + last_a2a
-        dp_exposed = max(0.0, ar - window)
+        bucket = cfg.opts.lina_partition_mb * 2**20 if c.opts["lina"] else GRAD_BUCKET_BYTES
+        tail = self._worst("all_reduce", layout.dp_groups, last_bucket_bytes(dense_p * GRAD_BYTES, bucket))
+        tail += self._worst("all_reduce", layout.expert_dp_groups, last_bucket_bytes(expert_p * GRAD_BYTES, bucket))
+        early = max(0.0, ar - tail)
+        if c.opts["lina"]:  # the all-to-alls go first: the early micro-ops fill the backward's compute
+            slowdown = 0.0
+            ops = max(1, math.ceil((dense_p + expert_p) * GRAD_BYTES / bucket))
+            early += ops * cl.inter.latency if "inter" in dp_cls else ops * cl.intra.latency
+            dp_exposed = tail + max(0.0, early - bwd)
+        else:  # early buckets share the link with the backward all-to-alls at half rate each
+            slowdown = min(early, last_a2a) if shared else 0.0
+            dp_exposed = tail + max(0.0, early - (bwd + last_a2a))
+        ar = tail + early
         compute = n_micro * (fwd + bwd) + optimizer
         step = compute + n_micro * (mp_ar + moe_total - lancet_hidden - pp_saving) + slowdown + dp_exposed
         c.step_s = step
