@@ -15,8 +15,9 @@ own groups of the same kind at the same time, so all gpus_per_node ranks share t
     ring ops:    bus bytes x max(1 / intra_bw, gpn / (r x inter_bw))
 alpha is the link latency times (g - 1) (one step per peer).
 
-A profile (`mmoe-plan profile`) replaces the nominal figures with fitted ones: per link class,
-latency and bus bandwidth fitted on the groups the profiling run had (the inter-node figure is
+A profile (`mmoe-plan profile`) replaces the nominal figures with fitted ones: per link class and
+collective, latency and bus bandwidth fitted on the groups the profiling run had (a collective it
+did not time, the reduce-scatter, takes the link's mean) (the inter-node figure is
 stored per node, so it scales to other GPUs-per-node the same way), and per layout the measured
 compute time of one micro-batch.
 """
@@ -64,10 +65,20 @@ def bus_factor(op: str, g: int) -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """Latency [s] per peer step and bandwidth [bytes/s] (per GPU intra-node, per node inter-node)."""
+    """Latency [s] per peer step and bandwidth [bytes/s] (per GPU intra-node, per node inter-node);
+    `ops`: measured (op, latency, bandwidth) that replace them for that collective (a profile fits
+    each op: a transport's all-to-all need not reach its all-reduce's rate)."""
 
     latency: float
     bandwidth: float
+    ops: tuple = ()
+
+    def of(self, op: str) -> tuple[float, float]:
+        """(latency, bandwidth) of collective `op` on this link."""
+        for name, lat, bw in self.ops:
+            if name == op:
+                return lat, bw
+        return self.latency, self.bandwidth
 
 
 @dataclass
@@ -123,20 +134,22 @@ class Cluster:
         if not cls or nbytes <= 0:
             return 0.0
         bus = bus_factor(op, g) * nbytes
+        intra_lat, intra_bw = self.intra.of(op)
         if cls == "intra":
-            return self.intra.latency * (g - 1) + bus / self.intra.bandwidth
+            return intra_lat * (g - 1) + bus / intra_bw
+        inter_lat, inter_bw = self.inter.of(op)
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
         r = max(per_node.values())
         gpn = self.gpus_per_node
         if op == "all_to_all":
-            local = nbytes * (r - 1) / g / self.intra.bandwidth
-            remote = gpn * nbytes * (g - r) / g / self.inter.bandwidth
+            local = nbytes * (r - 1) / g / intra_bw
+            remote = gpn * nbytes * (g - r) / g / inter_bw
             t = max(local, remote)
         else:
-            t = bus * max(1.0 / self.intra.bandwidth, gpn / (r * self.inter.bandwidth))
-        return self.inter.latency * (g - 1) + t
+            t = bus * max(1.0 / intra_bw, gpn / (r * inter_bw))
+        return inter_lat * (g - 1) + t
 
     def describe(self) -> str:
         return (
@@ -233,7 +246,15 @@ class Profile:
     def apply(self, base: Cluster) -> Cluster:
         """`base` with the measured figures in place of the nominal ones (links not measured stay nominal)."""
         links = {
-            k: Link(float(v["latency"]), float(v["bandwidth"]))
+            k: Link(
+                float(v["latency"]),
+                float(v["bandwidth"]),
+                tuple(
+                    (op, float(f["latency"]), float(f["bandwidth"]))
+                    for op, f in sorted(v.get("fits", {}).items())
+                    if float(f.get("bandwidth", 0)) > 0
+                ),
+            )
             for k, v in self.links.items()
             if k in ("intra", "inter")
         }

@@ -251,6 +251,22 @@ def effective_beta(fit, sizes: list[int], times: list[float]) -> float:
     return (extra if extra > 0 else times[-1]) / sizes[-1]
 
 
+def sustained_beta(fit, sizes: list[int], times: list[float]) -> float:
+    """Seconds per element at the link's sustained rate: the unweighted least-squares slope over the
+    larger half of the sizes. Small messages ride a token bucket's burst, TCP's window or a
+    protocol switch and go faster per byte than the link sustains; the fit's alpha (weighted to the
+    small sizes) keeps the latency, this slope the rate the plan's megabyte messages see. Falls back
+    to `effective_beta` when that slope is not positive (flat times: noise)."""
+    n = len(sizes)
+    xs, ys = sizes[n // 2 :], times[n // 2 :]
+    if len(set(xs)) >= 2:
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope > 0:
+            return slope
+    return effective_beta(fit, sizes, times)
+
+
 def fit_link(
     name: str,
     groups: list[list[int]],
@@ -280,7 +296,7 @@ def fit_link(
     for op, t in zip(LINK_OPS, rows):
         priced = fit_sizes(op, g, sizes)  # elements of the op's size argument (cluster.py's convention)
         fit = fit_alpha_beta(priced, t)
-        per_byte = effective_beta(fit, priced, t) / 4  # fp32 messages
+        per_byte = sustained_beta(fit, priced, t) / 4  # fp32 messages
         latency = fit.alpha / (g - 1)
         bandwidth = sharers * cl.bus_factor(op, g) / per_byte
         fits[op] = {
