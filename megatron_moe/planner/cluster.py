@@ -15,9 +15,11 @@ own groups of the same kind at the same time, so all gpus_per_node ranks share t
     ring ops:    bus bytes x max(1 / intra_bw, gpn / (r x inter_bw))
 alpha is the link latency times (g - 1) (one step per peer).
 
-A profile (`mmoe-plan profile`) replaces the nominal figures with fitted ones: per link class and
-collective, latency and bus bandwidth fitted on the groups the profiling run had (a collective it
-did not time, the reduce-scatter, takes the link's mean) (the inter-node figure is
+A profile (`mmoe-plan profile`) replaces the nominal figures with measured ones: per link class and
+collective, the latency fitted on the groups the profiling run had and the bandwidth measured at
+each timed size, interpolated at the size a candidate's message has (a transport's rate depends on
+the size: gloo's large all-to-alls on the emulated link sustain half the rate of its 256 KB ones;
+a collective not timed, the reduce-scatter, takes the link's mean) (the inter-node figure is
 stored per node, so it scales to other GPUs-per-node the same way), and per layout the measured
 compute time of one micro-batch.
 """
@@ -71,13 +73,22 @@ class Link:
 
     latency: float
     bandwidth: float
-    ops: tuple = ()
+    ops: tuple = ()  # (op, latency, ((bus bytes, bandwidth), ...) sorted by size)
 
-    def of(self, op: str) -> tuple[float, float]:
-        """(latency, bandwidth) of collective `op` on this link."""
-        for name, lat, bw in self.ops:
-            if name == op:
-                return lat, bw
+    def of(self, op: str, bus_bytes: float) -> tuple[float, float]:
+        """(latency, bandwidth) of collective `op` moving `bus_bytes` per rank on this link: the
+        measured rate at that size, interpolated in log size between the profiled sizes (the
+        nearest end outside them), else the link's figures."""
+        for name, lat, points in self.ops:
+            if name != op or not points:
+                continue
+            if bus_bytes <= points[0][0]:
+                return lat, points[0][1]
+            for (x0, b0), (x1, b1) in zip(points, points[1:]):
+                if bus_bytes <= x1:
+                    w = math.log(bus_bytes / x0) / math.log(x1 / x0)
+                    return lat, b0 + w * (b1 - b0)
+            return lat, points[-1][1]
         return self.latency, self.bandwidth
 
 
@@ -134,10 +145,10 @@ class Cluster:
         if not cls or nbytes <= 0:
             return 0.0
         bus = bus_factor(op, g) * nbytes
-        intra_lat, intra_bw = self.intra.of(op)
+        intra_lat, intra_bw = self.intra.of(op, bus)
         if cls == "intra":
             return intra_lat * (g - 1) + bus / intra_bw
-        inter_lat, inter_bw = self.inter.of(op)
+        inter_lat, inter_bw = self.inter.of(op, bus)
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
@@ -228,7 +239,7 @@ class Profile:
                 float(d["flops"]),
                 {k: dict(v) for k, v in d["links"].items()},
                 {
-                    k: {"forward": float(v["forward"]), "backward": float(v["backward"])}
+                    k: {part: float(v.get(part, 0.0)) for part in ("forward", "backward", "optimizer")}
                     for k, v in d["compute"].items()
                 },
                 dict(d["model"]),
@@ -246,15 +257,7 @@ class Profile:
     def apply(self, base: Cluster) -> Cluster:
         """`base` with the measured figures in place of the nominal ones (links not measured stay nominal)."""
         links = {
-            k: Link(
-                float(v["latency"]),
-                float(v["bandwidth"]),
-                tuple(
-                    (op, float(f["latency"]), float(f["bandwidth"]))
-                    for op, f in sorted(v.get("fits", {}).items())
-                    if float(f.get("bandwidth", 0)) > 0
-                ),
-            )
+            k: Link(float(v["latency"]), float(v["bandwidth"]), measured_rates(v.get("fits", {})))
             for k, v in self.links.items()
             if k in ("intra", "inter")
         }
@@ -272,6 +275,25 @@ class Profile:
             f"nominal: {', '.join(k for k in ('intra', 'inter') if k not in links) or 'nothing'})",
             memory_bandwidth=base.memory_bandwidth,
         )
+
+
+def measured_rates(fits: dict) -> tuple:
+    """Link.ops from a profile's per-op fits: at each timed size, the bus bytes per rank and the
+    bandwidth that makes `Cluster.collective` reproduce the measured time over the fitted latency
+    (sizes whose time is mostly latency are left out; an op without usable sizes keeps its fitted
+    rate at every size)."""
+    out = []
+    for op, f in sorted(fits.items()):
+        g, sharers, alpha = int(f["group_size"]), float(f.get("sharers", 1)), float(f["alpha"])
+        points = []
+        for nbytes, t in zip(f.get("bytes", []), f.get("times", [])):
+            bus = bus_factor(op, g) * float(nbytes)
+            if t - alpha > 0.05 * t and bus > 0:
+                points.append((bus, sharers * bus / (t - alpha)))
+        if not points and float(f.get("bandwidth", 0)) > 0:
+            points = [(1.0, float(f["bandwidth"]))]
+        out.append((op, float(f["latency"]), tuple(sorted(points))))
+    return tuple(out)
 
 
 def layout_key(mp: int, ep: int, esp: int, micro_batch: int, schedule: str) -> str:

@@ -304,6 +304,7 @@ def fit_link(
             "beta_per_byte": per_byte,
             "group_size": g,
             "groups": len(groups),
+            "sharers": sharers,
             "latency": latency,
             "bandwidth": bandwidth,
             "bytes": [4 * n for n in priced],
