@@ -191,6 +191,25 @@ def rank_load(E: int, ep: int, skew: Optional[float]) -> float:
     return max(sum(shares[r * per : (r + 1) * per]) for r in range(ep)) * ep
 
 
+class ClusterComm(CommModel):
+    """Parm's CommModel whose `t` asks the cluster for each message: a measured link's rate depends
+    on the size, which one alpha-beta line per collective would fix at a single size."""
+
+    def __init__(self, predictor: "Predictor", layout, only: Optional[str] = None) -> None:
+        super().__init__({}, "cluster")
+        self.predictor, self.layout, self.only = predictor, layout, only
+        self.memo: dict = {}
+
+    def t(self, op: str, group: str, n: float) -> float:
+        if group not in PARM_GROUPS or (self.only and group != self.only):
+            return 0.0
+        key = (op, group, n)
+        if key not in self.memo:
+            groups = getattr(self.layout, f"{group}_groups")
+            self.memo[key] = self.predictor._worst(op, groups, n * self.predictor.moe_elem(op))
+        return self.memo[key]
+
+
 class Predictor:
     """Predicts candidates of one model on one cluster; `skew`: the dropless routing skew (Zipf
     exponent) or None."""
@@ -217,19 +236,9 @@ class Predictor:
         return max(self.cluster.collective(op, g, nbytes) for g in groups)
 
     def comm_model(self, layout, only: Optional[str] = None) -> CommModel:
-        """Parm's CommModel for the layout: alpha/beta per (op, group kind) from the cluster's links
-        (the slowest group of a kind); `only`: keep that group kind's keys alone."""
-        costs = {}
-        big = 2.0**30
-        for kind in PARM_GROUPS:
-            if only and kind != only:
-                continue
-            groups = getattr(layout, f"{kind}_groups")
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-                a = self._worst(op, groups, 1e-9)
-                b = (self._worst(op, groups, big * self.moe_elem(op)) - a) / big
-                costs[f"{op}@{kind}"] = AlphaBeta(a, b)
-        return CommModel(costs, "cluster")
+        """Parm's CommModel for the layout, priced by the cluster at each message's size (the
+        slowest group of a kind); `only`: that group kind's collectives alone."""
+        return ClusterComm(self, layout, only)
 
     def shape(self, c: Candidate) -> MoEShape:
         m, moe = self.cfg.model, self.cfg.moe
@@ -435,11 +444,12 @@ class Predictor:
         E, M, H = moe.num_experts, m.hidden_size, self.H
         tokens = self.cfg.train.micro_batch_size * m.seq_length * moe.moe_router_topk
         counts = [[round(tokens * s) for s in zipf_shares(E, self.skew or 0.0)] for _ in range(c.ep)]
-        big = 2.0**30
+        # eqs. (1)-(5) are linear: the lines through the cluster's times at this layer's sizes
+        sent, params_n = tokens * M, (2 * M * H + H + M) // c.esp
         a2a_a = self._worst("all_to_all", layout.ep_groups, 1e-9)
-        a2a_b = (self._worst("all_to_all", layout.ep_groups, big * self.moe_elem("all_to_all")) - a2a_a) / big
+        a2a_b = (self._worst("all_to_all", layout.ep_groups, sent * self.moe_elem("all_to_all")) - a2a_a) / sent
         bc_a = self._worst("all_gather", layout.ep_groups, 1e-9)
-        bc_b = (self._worst("all_gather", layout.ep_groups, big * 4) - bc_a) / big
+        bc_b = (self._worst("all_gather", layout.ep_groups, params_n * 4) - bc_a) / params_n
         const = PerfConstants(a2a_a, a2a_b, bc_a, bc_b, 0.0, 4 * M * H / c.esp / self.cluster.flops)
         params = (2 * M * H + H + M) // c.esp
         non_expert = block_s / max(1, m.num_layers) * 2 / 3
