@@ -130,7 +130,7 @@ def table(rows: list, top: int) -> list[str]:
     lines = [f"{'#':>3} {'candidate':<44}{'schedule':>9}{'step ms':>10}{'compute':>9}{'comm':>8}{'mem GiB':>9}"]
     for i, c in enumerate(rows[:top], 1):
         b = c.breakdown
-        comm = c.step_s - b["compute"]
+        comm = b["exposed_comm"]
         lines.append(
             f"{i:>3} {c.name:<44}{c.schedule:>9}{c.step_s * 1e3:>10.2f}{b['compute'] * 1e3:>9.1f}"
             f"{comm * 1e3:>8.1f}{c.memory['total'] / 2**30:>9.2f}"

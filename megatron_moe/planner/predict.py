@@ -271,8 +271,11 @@ class Predictor:
             sched = choose_schedule(full, sh, s1="kept", flops_per_s=self.cluster.flops).schedule
         timer = {"baseline": time_baseline, "s1": lambda m, s: time_s1(m, s, "kept"), "s2": time_s2}[sched]
         per_group = {g: timer(self.comm_model(layout, g), sh) for g in PARM_GROUPS}
-        kept = c.ep * c.esp * c.mp == 1 or moe.moe_dropless
-        flops = expert_flops(sh, sched, "kept", kept=kept)
+        if moe.moe_dropless:  # the most loaded rank's rows, k S N_ESP x the skew's load (S1: / N_MP;
+            H = sh.H or sh.M  # the baseline repeats them on every MP rank)
+            rows = sh.k * sh.S * sh.n_esp * sh.f / (sh.n_mp if sched == "s1" else 1)
+            return sched, per_group, rows * 3 * 2 * 2 * sh.M * H / sh.n_esp
+        flops = expert_flops(sh, sched, "kept", kept=c.ep * c.esp * c.mp == 1)
         return sched, per_group, flops
 
     def predict(self, c: Candidate) -> Candidate:
@@ -338,10 +341,11 @@ class Predictor:
             dp_exposed = tail + max(0.0, early - (bwd + last_a2a))
         ar = tail + early
         compute = n_micro * (fwd + bwd) + optimizer
-        step = compute + n_micro * (mp_ar + moe_total - lancet_hidden - pp_saving) + slowdown + dp_exposed
-        c.step_s = step
+        exposed = n_micro * (mp_ar + moe_total - lancet_hidden) + slowdown + dp_exposed
+        c.step_s = compute + exposed - n_micro * pp_saving
         c.breakdown = {
             "compute": compute,
+            "exposed_comm": exposed,
             "optimizer_step": optimizer,
             "compute_source": compute_src,
             "mp_all_reduce": n_micro * mp_ar,
