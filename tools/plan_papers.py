@@ -49,6 +49,7 @@ import os
 import sys
 from typing import Optional
 
+from megatron_moe.cli.plan import write_json
 from megatron_moe.config import Config
 from megatron_moe.moe.cost_model import (
     OVERLAP_KEY,
@@ -74,19 +75,6 @@ TABLE_IV_RUNS = (("A", "A", 8), ("B-8", "B", 8), ("B-16", "B", 16), ("B-32", "B"
 SAA_MEASURED_GAIN = {"A": 0.0109, "B": 0.0112}
 TABLE_IV_PAIRS = ((2, 2), (2, 4), (4, 2), (4, 4))
 GPT2_VOCAB = 50257
-
-
-def write_json(path: str, data) -> None:
-    """Write `data` to `path` through a temporary file and a rename (never a half-written file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise ValueError(f"--json {path}: cannot write it ({e.strerror or e})") from None
 
 
 def _flops(tflops: float, flag: str = "--tflops") -> Optional[float]:

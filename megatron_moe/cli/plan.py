@@ -19,7 +19,6 @@ says what is modelled. Bad input: one `error: ...` line, exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -27,6 +26,7 @@ import time
 from typing import Optional
 
 from megatron_moe.arguments import HelpFormatter, add_config_flags, config_from_args
+from megatron_moe.fileio import atomic_write_json
 from megatron_moe.planner import cluster as cl
 from megatron_moe.planner.predict import Predictor, enumerate_candidates, rank
 
@@ -159,14 +159,13 @@ def breakdown(c) -> list[str]:
 
 
 def write_json(path: str, data) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    """`fileio.atomic_write_json` into an existing folder; a failure is a ValueError naming --json."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--json {path}: cannot write it (no directory {folder})")
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_json(path, data, sort_keys=False)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ValueError(f"--json {path}: cannot write it ({e.strerror or e})") from None
 
 
