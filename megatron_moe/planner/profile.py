@@ -144,7 +144,7 @@ def time_layout(
         torch.manual_seed(c.train.seed)
         model = GPT2MoE(c, ps).to(device)
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, c.model.vocab_size, (B, T + 1), generator=gen).to(device)
+        ids = torch.randint(0, c.model.vocab_size, (B, T + 1), generator=gen, device="cpu").to(device)
         for i in range(reps + 1):
             clock.sync()
             t0 = clock.mark()
@@ -186,8 +186,8 @@ def gemm_flops(tokens: int, M: int, H: int, device: torch.device, bf16: bool, re
     """FLOP/s of [tokens, M] x [M, H] (median of `reps` samples of GEMMS_PER_SAMPLE GEMMs, after a warm-up)."""
     dtype = torch.bfloat16 if bf16 and device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(tokens, M, generator=gen).to(device, dtype)
-    b = torch.randn(M, H, generator=gen).to(device, dtype)
+    a = torch.randn(tokens, M, generator=gen, device="cpu").to(device, dtype)
+    b = torch.randn(M, H, generator=gen, device="cpu").to(device, dtype)
     clock = Clock(device)
     samples = []
     for i in range(reps + 1):
