@@ -14,8 +14,9 @@ Step time, per rank and iteration (n micro-batches of b samples of s tokens, t =
                plus the step's gradient clipping and optimizer update once per iteration: measured per
                layout by a profile, or the optimizer's bytes per parameter at the memory bandwidth
   MoE          n x Parm's forward + backward collective time of the chosen schedule per MoE layer
-               (`moe.cost_model`), on a CommModel whose alpha/beta come from the cluster's links
-  MP           n x 2 all-reduces of t x M per attention and per dense MLP, forward and backward
+               (`moe.cost_model`), each message priced by the cluster at its size (`ClusterComm`)
+  MP           n x all-reduces of t x M: forward and backward of every attention and dense MLP, the
+               embedding's output and the LM head's input gradient
   DP           the gradients' all-reduce (dense over DP, experts over expert-DP) in GradSync's buckets:
                the last bucket of each kind launches as backward ends and is exposed whole; the
                earlier ones overlap the last backward, and without Lina, while they share a link
