@@ -179,7 +179,8 @@ def plan(argv: Optional[list] = None) -> int:
 
     given = frozenset(ns.pop(GIVEN, given))
     cfg = config_from_args(args)
-    if not cfg.model.vocab_size:
+    assumed_vocab = not cfg.model.vocab_size
+    if assumed_vocab:  # the trainer takes it from the tokenizer, which the plan does not load
         cfg.model.vocab_size = GPT2_VOCAB
     if args.skew is not None and not args.skew >= 0:
         raise ValueError(f"--skew must be >= 0, got {args.skew:g}")
@@ -200,7 +201,9 @@ def plan(argv: Optional[list] = None) -> int:
         print("figures: nominal (no --profile): data-sheet bandwidths and GEMMs at a fixed share of the peak")
     print(
         f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, {cfg.moe.num_experts} experts "
-        f"top-{cfg.moe.moe_router_topk}, global batch {cfg.train.global_batch_size} x {cfg.model.seq_length} tokens; "
+        f"top-{cfg.moe.moe_router_topk}, vocabulary {cfg.model.vocab_size}"
+        f"{' (GPT-2 tokenizer assumed: give --vocab-size for another)' if assumed_vocab else ''}, "
+        f"global batch {cfg.train.global_batch_size} x {cfg.model.seq_length} tokens; "
         f"{len(ok)} candidates, {len(fits)} fit, {len(bad)} layouts rejected by the trainer's checks"
     )
     for line in table(fits, args.top):
