@@ -64,7 +64,7 @@ from megatron_moe.moe.cost_model import (
     with_paper_overlap,
 )
 from megatron_moe.planner import cluster as cl
-from megatron_moe.planner.predict import NO_OPTS, Candidate, Predictor, candidate_config
+from megatron_moe.planner.predict import NO_OPTS, Candidate, Predictor, candidate_config, zipf_counts
 from megatron_moe.pro_prophet.perf_model import PerfConstants, PerfModel
 from megatron_moe.pro_prophet.planner import heaviest_to_all, plan
 
@@ -499,17 +499,6 @@ def run_lancet(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- Pro-Prophet
-
-
-def zipf_counts(devices: int, experts: int, tokens: int, skew: float) -> list[list[int]]:
-    """[D, E] counts: each rank routes `tokens` choices, expert e's share proportional to 1 / (e + 1)^skew
-    (largest-remainder rounding, ties to the lower expert)."""
-    w = [1.0 / (e + 1) ** skew for e in range(experts)]
-    exact = [tokens * x / sum(w) for x in w]
-    row = [int(x) for x in exact]
-    for e in sorted(range(experts), key=lambda j: (-(exact[j] - row[j]), j))[: tokens - sum(row)]:
-        row[e] += 1
-    return [list(row) for _ in range(devices)]
 
 
 def pro_prophet_model(args, overlap: bool) -> PerfModel:

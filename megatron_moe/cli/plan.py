@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Optional
 
-from megatron_moe.arguments import HelpFormatter, add_config_flags, config_from_args
+from megatron_moe.arguments import GIVEN, HelpFormatter, add_config_flags, config_from_args
 from megatron_moe.fileio import atomic_write_json
 from megatron_moe.planner import cluster as cl
 from megatron_moe.planner.predict import Predictor, enumerate_candidates, rank
@@ -173,11 +173,7 @@ def plan(argv: Optional[list] = None) -> int:
     start = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
-    ns = vars(args)
-    given = frozenset(ns.pop("_given", set())) if "_given" in ns else frozenset()
-    from megatron_moe.arguments import GIVEN
-
-    given = frozenset(ns.pop(GIVEN, given))
+    given = frozenset(vars(args).pop(GIVEN, ()))
     cfg = config_from_args(args)
     assumed_vocab = not cfg.model.vocab_size
     if assumed_vocab:  # the trainer takes it from the tokenizer, which the plan does not load

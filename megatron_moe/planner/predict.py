@@ -183,6 +183,16 @@ def zipf_shares(E: int, skew: float) -> list[float]:
     return [x / sum(w) for x in w]
 
 
+def zipf_counts(devices: int, experts: int, tokens: int, skew: float) -> list[list[int]]:
+    """[D, E] counts: each rank routes `tokens` choices by `zipf_shares` (largest-remainder rounding,
+    ties to the lower expert)."""
+    exact = [tokens * x for x in zipf_shares(experts, skew)]
+    row = [int(x) for x in exact]
+    for e in sorted(range(experts), key=lambda j: (-(exact[j] - row[j]), j))[: tokens - sum(row)]:
+        row[e] += 1
+    return [list(row) for _ in range(devices)]
+
+
 def rank_load(E: int, ep: int, skew: Optional[float]) -> float:
     """The most loaded EP rank's routed choices over the mean (experts placed in blocks of E / EP)."""
     if not skew or ep == 1:
@@ -448,7 +458,7 @@ class Predictor:
         m, moe, o = self.cfg.model, self.cfg.moe, self.cfg.opts
         E, M, H = moe.num_experts, m.hidden_size, self.H
         tokens = self.cfg.train.micro_batch_size * m.seq_length * moe.moe_router_topk
-        counts = [[round(tokens * s) for s in zipf_shares(E, self.skew or 0.0)] for _ in range(c.ep)]
+        counts = zipf_counts(c.ep, E, tokens, self.skew or 0.0)
         # eqs. (1)-(5) are linear: the lines through the cluster's times at this layer's sizes
         sent, params_n = tokens * M, (2 * M * H + H + M) // c.esp
         a2a_a = self._worst("all_to_all", layout.ep_groups, 1e-9)
